@@ -1,0 +1,1 @@
+"""atom-core: a formally verified KV-cache scheduler for LLM serving on static-shape NPUs."""

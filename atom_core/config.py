@@ -1,0 +1,126 @@
+"""Configuration of a compiled artifact, validated against the proved capacity rules.
+
+A `Config` that constructs is one the proofs cover: the spec's axioms hold for it, and it has at
+least as many KV blocks as the capacity rule for its features requires (`atom-core verify`
+proves the rule sufficient and shows, with a stuck trace, that one block fewer is not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from atom_core._generated import capacity
+from atom_core._generated import core as g
+
+SCRATCH_MODES = ("reserved", "dynamic")
+
+
+class ConfigError(ValueError):
+    """A configuration the proofs do not cover; the message says what to change."""
+
+
+def _positive(name: str):
+    def check(_inst: Any, _attr: Any, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    lanes: int = attrs.field(validator=_positive("lanes"))
+    kv_blocks: int = attrs.field(validator=_positive("kv_blocks"))
+    max_seq_len: int = attrs.field(default=4096, validator=_positive("max_seq_len"))
+    block_size: int = attrs.field(
+        default=attrs.Factory(lambda self: self.max_seq_len, takes_self=True),
+        validator=_positive("block_size"))
+    prefill_chunk: int = attrs.field(default=128, validator=_positive("prefill_chunk"))
+    prefix_cache: bool = False
+    # dynamic: padding rows write into any block with no live or cached content (one block
+    # fewer); reserved: a fixed scratch block, for artifacts built that way.
+    scratch: str = "dynamic"
+    scratch_block: int | None = None  # reserved mode only; default: the last block
+
+    def __attrs_post_init__(self) -> None:
+        if self.scratch not in SCRATCH_MODES:
+            raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
+        if self.prefill_chunk % 64:
+            raise ConfigError(
+                f"prefill_chunk={self.prefill_chunk} is not a multiple of 64, which RBLN prefill "
+                "graphs require; compile with a chunk of 64, 128, ...")
+        if self.block_size != self.max_seq_len:
+            raise ConfigError(
+                f"block_size={self.block_size} != max_seq_len={self.max_seq_len}: paged block "
+                "tables are not supported yet; eager artifacts have block_size == max_seq_len")
+        if self.scratch_block is not None and not (
+                self.scratch == "reserved" and 0 <= self.scratch_block < self.kv_blocks):
+            raise ConfigError(
+                f"scratch_block={self.scratch_block} needs scratch='reserved' and a block id in "
+                f"0..{self.kv_blocks - 1}")
+        failed = g.check_axioms(self.consts())
+        if failed:
+            raise ConfigError(f"configuration violates the spec's axioms {failed}: "
+                              + "; ".join(AXIOM_HELP.get(a, a) for a in failed))
+        need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch)
+        if self.kv_blocks < need:
+            raise ConfigError(capacity_message(self, need))
+
+    def consts(self) -> g.Consts:
+        """The spec's configuration constants for this artifact."""
+        return g.Consts(B=self.lanes, K=self.kv_blocks, C=self.prefill_chunk,
+                        S=self.max_seq_len, PREFIX=self.prefix_cache,
+                        RESERVED=self.scratch == "reserved", SCRATCH=self.scratch_id)
+
+    @property
+    def scratch_id(self) -> int:
+        return self.kv_blocks - 1 if self.scratch_block is None else self.scratch_block
+
+    @property
+    def rule(self) -> str:
+        return rule_for(self.prefix_cache, self.scratch)
+
+
+AXIOM_HELP = {
+    "chunk_divides_block": "max_seq_len must be a multiple of prefill_chunk",
+    "block_holds_a_chunk": "prefill_chunk must not exceed max_seq_len",
+}
+
+
+def features(prefix_cache: bool, scratch: str) -> str:
+    return f"{'prefix cache' if prefix_cache else 'no prefix cache'}, {scratch} scratch"
+
+
+def rule_for(prefix_cache: bool, scratch: str) -> str:
+    off = capacity.OFFSETS[(prefix_cache, scratch)]
+    return f"{capacity.RULE_NAMES[(prefix_cache, scratch)]}: kv_blocks >= lanes + {off}"
+
+
+def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str) -> int:
+    if scratch not in SCRATCH_MODES:
+        raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
+    return lanes + capacity.OFFSETS[(prefix_cache, scratch)]
+
+
+def capacity_message(cfg: Config, need: int) -> str:
+    missing = need - cfg.kv_blocks
+    fixes = [f"compile the artifact with kv_blocks >= {need}"]
+    if cfg.scratch == "reserved":
+        alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, "dynamic")
+        if alt <= cfg.kv_blocks:
+            fixes.append("use scratch='dynamic' (padding rows write into a free block), "
+                         f"which needs {alt}")
+    if cfg.prefix_cache:
+        alt = min_kv_blocks(cfg.lanes, False, cfg.scratch)
+        if alt <= cfg.kv_blocks:
+            fixes.append(f"turn the prefix cache off, which needs {alt}")
+    if cfg.lanes > 1:
+        fit = cfg.kv_blocks - capacity.OFFSETS[(cfg.prefix_cache, cfg.scratch)]
+        if fit >= 1:
+            fixes.append(f"serve with lanes <= {fit}")
+    rule = rule_for(cfg.prefix_cache, cfg.scratch)
+    return (f"kv_blocks={cfg.kv_blocks} is too few for lanes={cfg.lanes} with "
+            f"{features(cfg.prefix_cache, cfg.scratch)}: rule '{rule}' "
+            f"needs {need}, {missing} block{'s' if missing > 1 else ''} missing "
+            f"(`atom-core check-config` shows the stuck run). Fix: " + "; or ".join(fixes) + ".")

@@ -1,0 +1,182 @@
+"""Token sequences: the executable interpretation of the spec's `Seq` sort.
+
+The spec leaves `Seq` and its operations uninterpreted in z3, so the proofs hold for any total
+implementation of `seq`, `take`, `push` and `slen`; this module is the one the generated core
+uses. It is built for the serving hot path, where a request's sequence grows one token per
+decode step and is cut back (`take`) on preemption or prefix reuse:
+
+* A `TokSeq` is an immutable view `buf[:n]` of a Python list `buf` that may be shared by many
+  views. `take` is O(1) (same `buf`, smaller `n`) and `push` is O(1) amortized: when the view
+  ends at the end of `buf` the token is appended in place and a new view with `n + 1` returned.
+* The shared `buf` is append-only: nothing ever overwrites or removes an element, so an element
+  that some view covers never changes and every view is stable. Pushing onto a view that is not
+  at the end of its `buf` (a branch) copies `buf[:n]` into a fresh list first.
+* Views must never be mutated from outside: the attributes are read-only and `buf` must not be
+  written to except through `push`. Concurrent `push` onto the same `buf` from several threads
+  is not safe; the core is single-threaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from operator import index
+from typing import overload
+
+__all__ = ["TokSeq", "prefix_eq", "push", "seq", "slen", "take"]
+
+_HEAD = 6  # tokens shown by repr
+
+
+class TokSeq:
+    """An immutable, persistent, append-only view of a token sequence (`buf[:n]`).
+
+    Equality and hashing are by content. Build one with `seq`, never with the constructor's
+    attributes changed afterwards.
+    """
+
+    __slots__ = ("buf", "n", "_hash")
+
+    buf: list[int]
+    n: int
+    _hash: int | None
+
+    def __init__(self, buf: list[int], n: int) -> None:
+        if not 0 <= n <= len(buf):
+            raise ValueError(f"view length {n} outside 0..{len(buf)}")
+        _set_buf(self, buf)
+        _set_n(self, n)
+        _set_hash(self, None)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TokSeq is immutable (cannot set {name!r})")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"TokSeq is immutable (cannot delete {name!r})")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self.buf, self.n)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        if isinstance(i, slice):
+            r = range(self.n)[i]
+            if r.step == 1:
+                return tuple(self.buf[r.start : r.stop])
+            buf = self.buf
+            return tuple(buf[j] for j in r)
+        j = index(i)
+        if j < 0:
+            j += self.n
+        if not 0 <= j < self.n:
+            raise IndexError("TokSeq index out of range")
+        return self.buf[j]
+
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self.buf[: self.n])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TokSeq):
+            return NotImplemented
+        n = self.n
+        if n != other.n:
+            return False
+        a, b = self.buf, other.buf
+        if a is b or n == 0:
+            return True
+        if a[0] != b[0] or a[n - 1] != b[n - 1]:
+            return False
+        ha, hb = self._hash, other._hash
+        if ha is not None and hb is not None and ha != hb:
+            return False
+        return a[:n] == b[:n]
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if h is None:
+            h = hash(tuple(self.buf[: self.n]))
+            _set_hash(self, h)
+        return h
+
+    def __repr__(self) -> str:
+        head = self.buf[: min(self.n, _HEAD)]
+        more = ", ..." if self.n > _HEAD else ("," if self.n == 1 else "")
+        return f"TokSeq(len={self.n}, head=({', '.join(map(str, head))}{more}))"
+
+    # Immutable: copies are the object itself; pickles rebuild from the tokens alone.
+    def __copy__(self) -> TokSeq:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> TokSeq:
+        return self
+
+    def __reduce__(self) -> tuple[object, tuple[tuple[int, ...]]]:
+        return (seq, (self.tokens(),))
+
+
+# Slot descriptors write the fields past the read-only __setattr__.
+_set_buf = TokSeq.buf.__set__  # type: ignore[attr-defined]
+_set_n = TokSeq.n.__set__  # type: ignore[attr-defined]
+_set_hash = TokSeq._hash.__set__  # type: ignore[attr-defined]
+
+
+def _view(buf: list[int], n: int) -> TokSeq:
+    s = object.__new__(TokSeq)
+    _set_buf(s, buf)
+    _set_n(s, n)
+    _set_hash(s, None)
+    return s
+
+
+def seq(tokens: Iterable[int]) -> TokSeq:
+    """A sequence holding `tokens` (each must be an integer, e.g. int or numpy integer)."""
+    buf = [index(t) for t in tokens]
+    return _view(buf, len(buf))
+
+
+def take(s: TokSeq, n: int) -> TokSeq:
+    """The first min(n, len(s)) tokens of `s`; empty for n <= 0 (total, like seq.extract).
+
+    O(1): the result shares `s.buf`.
+    """
+    if n >= s.n:
+        return s
+    return _view(s.buf, n if n > 0 else 0)
+
+
+def push(s: TokSeq, tok: int) -> TokSeq:
+    """`s` with `tok` appended. O(1) amortized; `s` and every other view are unchanged."""
+    buf, n = s.buf, s.n
+    tok = index(tok)
+    if len(buf) == n:
+        buf.append(tok)  # no view covers position n yet, so no view can observe this
+    else:
+        buf = buf[:n]  # s is a branch point: copy its prefix
+        buf.append(tok)
+    return _view(buf, n + 1)
+
+
+def slen(s: TokSeq) -> int:
+    """The number of tokens in `s`."""
+    return s.n
+
+
+def prefix_eq(a: TokSeq, b: TokSeq, n: int) -> bool:
+    """True iff `a` and `b` both have at least `n` tokens and their first `n` tokens are equal."""
+    if a.n < n or b.n < n:
+        return False
+    if n <= 0:
+        return True
+    x, y = a.buf, b.buf
+    if x is y:
+        return True
+    if x[0] != y[0] or x[n - 1] != y[n - 1]:
+        return False
+    return x[:n] == y[:n]

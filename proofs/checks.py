@@ -1,0 +1,157 @@
+"""The proof obligations, one z3 query each, each naming its invariant and action.
+
+  base        init & axioms & ~inv                              (per invariant)
+  step        invs & axioms & guard(a) & ~inv[post(a)]          (per invariant x action)
+  transition  invs & axioms & guard(a) & ~tinv[pre, post(a)]    (per transition inv x action)
+  progress    invs & axioms & ~progress                         (per property x size)
+
+Relational invariants are checked in the unbounded universe (all sizes at once); bounded
+invariants (counting, chunk arithmetic) and progress in bounded universes, one per size up to
+the cutoff. A query proves its
+obligation only when z3 answers `unsat`; `sat` is a counterexample, anything else (`unknown`,
+a timeout) is reported as `unknown` and fails the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import z3
+
+from atom_core.proofs.encode import Universe
+from atom_core.spec import lang as L
+
+TIMEOUT_MS = 10_000
+
+
+@attrs.frozen
+class Check:
+    invariant: str
+    action: str
+    kind: str
+    status: str  # proved | counterexample | unknown
+    seconds: float
+    size: str = ""
+    detail: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        out = {"invariant": self.invariant, "action": self.action, "kind": self.kind,
+               "status": self.status, "seconds": round(self.seconds, 4)}
+        if self.size:
+            out["size"] = self.size
+        if self.detail:
+            out["detail"] = self.detail
+        return out
+
+
+def solve(facts: list[Any], timeout_ms: int = TIMEOUT_MS) -> tuple[str, Any]:
+    s = z3.Solver()
+    s.set("timeout", timeout_ms)
+    s.add(*facts)
+    r = s.check()
+    if r == z3.unsat:
+        return "proved", None
+    if r == z3.sat:
+        return "counterexample", s.model()
+    return "unknown", s.reason_unknown()
+
+
+def _timed(inv: str, action: str, kind: str, facts: list[Any], size: str = "") -> Check:
+    t0 = time.perf_counter()
+    status, extra = solve(facts)
+    detail = "" if status != "unknown" else str(extra)
+    return Check(inv, action, kind, status, time.perf_counter() - t0, size, detail)
+
+
+def induction(model: L.Model, invariants: list[L.Named], u: Universe,
+              assume: list[L.Named], size: str = "") -> Iterator[Check]:
+    """Base and step for each of `invariants`, assuming all of `assume` in the pre-state."""
+    ax = u.axioms()
+    init = u.init_state()
+    for inv in invariants:
+        yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))], size)
+    pre = u.fresh_state("pre")
+    hyps = [u.tr(i.expr, pre, {}) for i in assume]
+    for action in model.actions:
+        bound = u.params(action, "p")
+        g = u.guard(action, pre, bound)
+        post = u.post_state(action, pre, bound)
+        for inv in invariants:
+            goal = u.tr(inv.expr, post, {})
+            yield _timed(inv.name, action.name, "step", ax + hyps + [g, z3.Not(goal)], size)
+
+
+def transitions(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[Check]:
+    ax = u.axioms()
+    pre = u.fresh_state("pre")
+    hyps = [u.tr(i.expr, pre, {}) for i in assume]
+    for action in model.actions:
+        bound = u.params(action, "p")
+        g = u.guard(action, pre, bound)
+        post = u.post_state(action, pre, bound)
+        for t in model.transition_invariants:
+            goal = u.tr(t.expr, pre, {}, post)
+            yield _timed(t.name, action.name, "transition", ax + hyps + [g, z3.Not(goal)])
+
+
+def relational(model: L.Model) -> Iterator[Check]:
+    """Relational invariants and transition invariants, for all sizes."""
+    rel = [i for i in model.invariants if i.kind == "relational"]
+    u = Universe(model)
+    yield from induction(model, rel, u, rel)
+    yield from transitions(model, u, rel)
+
+
+def sizes(max_lanes: int, max_blocks: int) -> Iterator[tuple[int, int]]:
+    yield from itertools.product(range(1, max_lanes + 1), range(1, max_blocks + 1))
+
+
+def bounded_universe(model: L.Model, lanes: int, blocks: int, consts: dict[str, Any] | None = None,
+                     requests: int | None = None, concrete_seqs: bool = False) -> Universe:
+    req = requests if requests is not None else lanes + 1
+    return Universe(model, {"Lane": lanes, "Block": blocks, "Req": req}, consts,
+                    ctx_name=f"_{lanes}_{blocks}", concrete_seqs=concrete_seqs)
+
+
+# The concrete chunk and block sizes of the bounded universes: the typical eager artifact.
+# Nothing in the model depends on their values beyond the axioms, so any would do.
+CHUNK, SEQ_LEN = 128, 4096
+
+
+def bounded(model: L.Model, max_lanes: int, max_blocks: int) -> Iterator[Check]:
+    """Bounded invariants for every size up to the cutoff, assuming every invariant."""
+    bnd = [i for i in model.invariants if i.kind == "bounded"]
+    for b, k in sizes(max_lanes, max_blocks):
+        u = bounded_universe(model, b, k, {"C": CHUNK, "S": SEQ_LEN})
+        yield from induction(model, bnd, u, model.invariants, size=f"B={b},K={k}")
+
+
+def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> Iterator[
+        tuple[str, Check]]:
+    """Each progress property holds in every state satisfying the (proved) invariants. The
+    invariants are translated once; each case fixes some config constants (by name) on top."""
+    ax = u.axioms()
+    st = u.fresh_state("s")
+    hyps = [u.tr(i.expr, st, {}) for i in model.invariants]
+    goals = [(p.name, z3.Not(u.tr(p.expr, st, {}))) for p in model.progress]
+    solver = z3.Solver()
+    solver.set("timeout", TIMEOUT_MS)
+    solver.add(*ax, *hyps)
+    for case, fixed in cases.items():
+        assume = [u.consts[n] == u.value(v, _const_sort(model, n)) for n, v in fixed.items()]
+        for name, goal in goals:
+            t0 = time.perf_counter()
+            r = solver.check(*assume, goal)
+            status = ("proved" if r == z3.unsat else "counterexample" if r == z3.sat
+                      else "unknown")
+            detail = solver.reason_unknown() if status == "unknown" else ""
+            yield case, Check(name, "*", "progress", status, time.perf_counter() - t0,
+                              f"{case}", detail)
+
+
+def _const_sort(model: L.Model, name: str) -> L.Sort:
+    return next(c.sort for c in model.consts if c.name == name)

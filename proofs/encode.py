@@ -1,0 +1,341 @@
+"""Spec -> z3.
+
+Two universes:
+  unbounded  index and ident sorts are uninterpreted (z3 DeclareSort) and quantifiers stay
+             quantifiers, so a proof holds for every number of lanes, blocks and requests;
+  bounded    index and ident sorts are finite enumerations of a given size and quantifiers are
+             expanded, for counting invariants, progress and bounded model checking.
+
+A state is an environment: for each state function, a Python callable from z3 argument terms to
+a z3 term. The post-state of an action is the pre-state with the updates substituted (an
+if-then-else over the updated points), so an induction query has no quantified frame axioms.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import z3
+
+from atom_core.spec import lang as L
+
+Env = dict[str, Callable[..., Any]]
+
+
+
+class TokenWindow:
+    """Token sequences of at most `width` tokens as (length, t0 .. t{width-1}) with the slots past
+    the length zero, so equal sequences are equal tuples. This is the meaning `atom_core.seq` gives
+    take / push / slen, in quantifier-free integer arithmetic, which z3 searches far faster than its
+    general sequence theory."""
+
+    def __init__(self, name: str, width: int) -> None:
+        self.width = width
+        dt = z3.Datatype(name)
+        dt.declare("mk", ("len", z3.IntSort()), *[(f"t{i}", z3.IntSort()) for i in range(width)])
+        self.sort = dt.create()
+        self.mk = self.sort.mk
+        self.len = self.sort.len
+        self.slot = [getattr(self.sort, f"t{i}") for i in range(width)]
+
+    def ops(self) -> dict[str, Callable[..., Any]]:
+        return {"take": self.take, "push": self.push, "slen": self.len}
+
+    def take(self, s: Any, n: Any) -> Any:
+        m = z3.If(n < self.len(s), z3.If(n < 0, 0, n), self.len(s))
+        return self.mk(m, *[z3.If(i < m, self.slot[i](s), 0) for i in range(self.width)])
+
+    def push(self, s: Any, t: Any) -> Any:
+        ln = self.len(s)
+        return self.mk(ln + 1, *[z3.If(i < ln, self.slot[i](s), z3.If(i == ln, t, 0))
+                                 for i in range(self.width)])
+
+    def well_formed(self, s: Any) -> Any:
+        ln = self.len(s)
+        return z3.And(ln >= 0, ln <= self.width,
+                      *[z3.Implies(i >= ln, self.slot[i](s) == 0) for i in range(self.width)])
+
+    def tokens(self, v: Any, zm: Any) -> list[int]:
+        n = max(0, min(self.width, zm.eval(self.len(v), model_completion=True).as_long()))
+        return [zm.eval(self.slot[i](v), model_completion=True).as_long() for i in range(n)]
+_UNIVERSES = itertools.count()
+
+
+class Universe:
+    def __init__(self, model: L.Model, sizes: dict[str, int] | None = None,
+                 consts: dict[str, Any] | None = None, ctx_name: str = "",
+                 concrete_seqs: bool = False) -> None:
+        """`sizes` maps index/ident sort names to a size (bounded); None = unbounded.
+        `consts` fixes config constants to Python values (others stay symbolic).
+        `concrete_seqs` gives the value sort Seq z3's sequence theory (take = prefix, push =
+        append, slen = length) so that a counterexample trace is realizable with real tokens;
+        proofs leave it uninterpreted, so they hold for any implementation of those ops."""
+        self.model = model
+        self.bounded = sizes is not None
+        self.sizes = sizes or {}
+        self.tag = ctx_name
+        uid = f"{ctx_name}#{next(_UNIVERSES)}"  # z3 sort names are global to its context
+        self.z3sorts: dict[str, Any] = {}
+        self.domain: dict[str, list[Any]] = {}
+        for s in model.sorts:
+            if s.kind == "enum":
+                zs, members = z3.EnumSort(f"{s.name}{uid}", [f"{v}{uid}" for v in s.values])
+                self.z3sorts[s.name], self.domain[s.name] = zs, list(members)
+            elif s.kind in ("index", "ident"):
+                if self.bounded:
+                    n = self.sizes[s.name]
+                    zs, members = z3.EnumSort(f"{s.name}{uid}",
+                                              [f"{s.name.lower()}{i}{uid}" for i in range(n)])
+                    self.z3sorts[s.name], self.domain[s.name] = zs, list(members)
+                else:
+                    self.z3sorts[s.name] = z3.DeclareSort(f"{s.name}{ctx_name}")
+            elif s.kind == "value":
+                self.z3sorts[s.name] = z3.DeclareSort(f"{s.name}{ctx_name}")
+        self.consts: dict[str, Any] = {}
+        fixed = consts or {}
+        for c in model.consts:
+            if c.name in fixed:
+                self.consts[c.name] = self.value(fixed[c.name], c.sort)
+            else:
+                self.consts[c.name] = z3.Const(f"{c.name}{ctx_name}", self.zsort(c.sort))
+        for s in model.sorts:  # a bounded index sort's size constant is its size
+            if self.bounded and s.kind == "index" and s.size in self.consts:
+                self.consts[s.size] = z3.IntVal(self.sizes[s.name])
+        self.ops: dict[str, Any] = {
+            o.name: z3.Function(f"{o.name}{ctx_name}", *[self.zsort(a) for a in o.args],
+                                self.zsort(o.ret))
+            for o in model.ops}
+        self.seq_facts: list[Any] = []  # well-formedness of free sequence terms
+        self.tokens: TokenWindow | None = None
+        if concrete_seqs:
+            width = int(fixed["S"]) + 1  # a lane never holds more than S tokens, plus one sampled
+            self.tokens = TokenWindow(f"Tokens{uid}", width)
+            self.z3sorts["Seq"] = self.tokens.sort
+            self.ops.update(self.tokens.ops())
+
+    # sorts and values ---------------------------------------------------------
+    def zsort(self, s: L.Sort) -> Any:
+        if s.kind == "bool":
+            return z3.BoolSort()
+        if s.kind == "int":
+            return z3.IntSort()
+        return self.z3sorts[s.name]
+
+    def value(self, v: Any, s: L.Sort) -> Any:
+        if s.kind == "bool":
+            return z3.BoolVal(bool(v))
+        if s.kind == "int":
+            return z3.IntVal(int(v))
+        if s.kind == "enum":
+            return self.domain[s.name][s.index(v) if isinstance(v, str) else int(v)]
+        if s.name in self.domain:
+            return self.domain[s.name][int(v)]
+        raise TypeError(f"no literal of sort {s.name}")
+
+    def finite(self, s: L.Sort) -> bool:
+        return s.name in self.domain
+
+    # state ----------------------------------------------------------------------
+    def fresh_state(self, tag: str) -> Env:
+        env: Env = {}
+        for f in self.model.state:
+            if f.args:
+                zf = z3.Function(f"{f.name}@{tag}{self.tag}",
+                                 *[self.zsort(a) for a in f.args], self.zsort(f.ret))
+                env[f.name] = zf
+            else:
+                c = z3.Const(f"{f.name}@{tag}{self.tag}", self.zsort(f.ret))
+                env[f.name] = lambda c=c: c
+        return env
+
+    def init_state(self, tag: str = "init") -> Env:
+        """Functions with an init expression are that expression; the rest are arbitrary."""
+        env = self.fresh_state(tag)
+        for f in self.model.state:
+            if f.init is not None:
+                vs = [L.Var(f"_{f.name}{i}", a) for i, a in enumerate(f.args)]
+                body = L.lift(f.init(*vs), f.ret)
+                env[f.name] = self._lambda(vs, body, env)
+        return env
+
+    def _lambda(self, vs: Sequence[L.Var], body: L.Expr, env: Env,
+                bound: dict[L.Var, Any] | None = None) -> Callable[..., Any]:
+        def fn(*zargs: Any) -> Any:
+            b = dict(bound or {})
+            b.update(zip(vs, zargs, strict=True))
+            return self.tr(body, env, b)
+        return fn
+
+    def params(self, action: L.Action, tag: str) -> dict[L.Var, Any]:
+        out: dict[L.Var, Any] = {}
+        for p in action.params:
+            name = f"{action.name}.{p.name}@{tag}{self.tag}"
+            if p.sort.kind == "fn":
+                out[p] = z3.Function(name, *[self.zsort(a) for a in p.sort.args],
+                                     self.zsort(p.sort.ret))
+            else:
+                out[p] = z3.Const(name, self.zsort(p.sort))
+                if self.tokens is not None and p.sort.kind == "value":
+                    self.seq_facts.append(self.tokens.well_formed(out[p]))
+        return out
+
+    def guard(self, action: L.Action, env: Env, bound: dict[L.Var, Any]) -> Any:
+        return z3.And([self.tr(g, env, bound) for _, g in action.guards])
+
+    def post_state(self, action: L.Action, env: Env, bound: dict[L.Var, Any]) -> Env:
+        """The pre-state with `action`'s updates applied (all right-hand sides in the pre-state)."""
+        post = dict(env)
+        by_fn: dict[str, list[L.Update]] = {}
+        for u in action.updates:
+            by_fn.setdefault(u.fn.name, []).append(u)
+        for name, ups in by_fn.items():
+            whole = [u for u in ups if u.whole]
+            points = [u for u in ups if not u.whole]
+            if len(whole) > 1 or (whole and ups[0] is not whole[0]):
+                raise ValueError(f"{action.name}: whole update of {name} must come first, once")
+            base = (self._lambda(list(whole[0].args), whole[0].value, env, bound) if whole
+                    else env[name])
+            post[name] = self._points(base, points, env, bound)
+        return post
+
+    def _points(self, base: Callable[..., Any], points: list[L.Update], env: Env,
+                bound: dict[L.Var, Any]) -> Callable[..., Any]:
+        where = [[self.tr(a, env, bound) for a in u.args] for u in points]
+        vals = [self.tr(u.value, env, bound) for u in points]
+
+        def fn(*zargs: Any) -> Any:
+            out = base(*zargs)
+            for w, v in zip(where, vals, strict=True):  # later updates win
+                out = z3.If(z3.And([a == b for a, b in zip(zargs, w, strict=True)]), v, out)
+            return out
+        return fn
+
+    # terms ----------------------------------------------------------------------
+    def tr(self, e: L.Expr, env: Env, bound: dict[L.Var, Any],
+           post: Env | None = None) -> Any:
+        t = lambda x: self.tr(x, env, bound, post)  # noqa: E731
+        if isinstance(e, L.Lit):
+            return self.value(e.value, e.sort)
+        if isinstance(e, L.Var):
+            return bound[e]
+        if isinstance(e, L.Const):
+            return self.consts[e.name]
+        if isinstance(e, L.App):
+            args = [t(a) for a in e.args]
+            if isinstance(e.fn, L.StateFn):
+                if e.post:
+                    if post is None:
+                        raise ValueError(f"{e.fn.name}.post outside a transition invariant")
+                    return post[e.fn.name](*args)
+                return env[e.fn.name](*args)
+            if isinstance(e.fn, L.Op):
+                return self.ops[e.fn.name](*args)
+            return bound[e.fn](*args)
+        if isinstance(e, L.Ite):
+            return z3.If(t(e.cond), t(e.then), t(e.other))
+        if isinstance(e, L.Not):
+            return z3.Not(t(e.arg))
+        if isinstance(e, L.And):
+            return z3.And([t(a) for a in e.args])
+        if isinstance(e, L.Or):
+            return z3.Or([t(a) for a in e.args])
+        if isinstance(e, L.Implies):
+            return z3.Implies(t(e.hyp), t(e.concl))
+        if isinstance(e, L.Eq):
+            return t(e.lhs) == t(e.rhs)
+        if isinstance(e, L.Arith):
+            a, b = t(e.lhs), t(e.rhs)
+            return {"+": a + b, "-": a - b, "*": a * b}[e.op] if e.op != "%" else a % b
+        if isinstance(e, L.Cmp):
+            a, b = t(e.lhs), t(e.rhs)
+            return a < b if e.op == "<" else a <= b
+        if isinstance(e, L.Quant):
+            return self._quant(e, env, bound, post)
+        if isinstance(e, L.Count):
+            if not self.finite(e.var.sort):
+                raise ValueError("counting needs a bounded universe")
+            return z3.Sum([z3.If(self.tr(e.cond, env, {**bound, e.var: x}, post), 1, 0)
+                           for x in self.domain[e.var.sort.name]] or [z3.IntVal(0)])
+        if isinstance(e, L.Enabled):
+            return self.enabled(e, env, bound)
+        raise TypeError(f"cannot translate {type(e).__name__}")
+
+    def _quant(self, e: L.Quant, env: Env, bound: dict[L.Var, Any], post: Env | None) -> Any:
+        s = e.var.sort
+        if self.finite(s):
+            parts = [self.tr(e.body, env, {**bound, e.var: x}, post) for x in self.domain[s.name]]
+            return z3.And(parts) if e.kind == "forall" else z3.Or(parts)
+        x = z3.Const(f"{e.var.name}{self.tag}", self.zsort(s))
+        body = self.tr(e.body, env, {**bound, e.var: x}, post)
+        return z3.ForAll([x], body) if e.kind == "forall" else z3.Exists([x], body)
+
+    def enabled(self, e: L.Enabled, env: Env, bound: dict[L.Var, Any]) -> Any:
+        """The guard of the (possibly mutated) action of that name, existentially closed."""
+        action = self.model.get_action(e.action.name)
+        b = dict(bound)
+        free: list[L.Var] = []
+        for p in action.params:
+            if p.name in e.bindings:
+                b[p] = self.tr(e.bindings[p.name], env, bound)
+            else:
+                free.append(p)
+        used = _vars_in([g for _, g in action.guards])
+        free_used = [p for p in free if p in used]
+        for p in free:
+            if p not in used:  # any value will do; a fresh symbol keeps it unconstrained
+                b[p] = self.params_one(action, p)
+        if not free_used:
+            return self.guard(action, env, b)
+        fin = [p for p in free_used if self.finite(p.sort)]
+        sym = [p for p in free_used if not self.finite(p.sort)]
+        if sym and self.bounded:
+            raise ValueError(f"enabled({action.name}): bind {[p.name for p in sym]}")
+        zs = {p: z3.Const(f"{action.name}.{p.name}.e{self.tag}", self.zsort(p.sort)) for p in sym}
+        alts = []
+        for combo in itertools.product(*[self.domain[p.sort.name] for p in fin]):
+            bb = {**b, **dict(zip(fin, combo, strict=True)), **zs}
+            alts.append(self.guard(action, env, bb))
+        out = z3.Or(alts)
+        return z3.Exists(list(zs.values()), out) if zs else out
+
+    def params_one(self, action: L.Action, p: L.Var) -> Any:
+        name = f"{action.name}.{p.name}.any{self.tag}"
+        if p.sort.kind == "fn":
+            return z3.Function(name, *[self.zsort(a) for a in p.sort.args],
+                               self.zsort(p.sort.ret))
+        return z3.Const(name, self.zsort(p.sort))
+
+    def axioms(self) -> list[Any]:
+        return [self.tr(a.expr, {}, {}) for a in self.model.axioms]
+
+
+def _vars_in(exprs: list[L.Expr]) -> set[L.Var]:
+    out: set[L.Var] = set()
+    stack: list[Any] = list(exprs)
+    while stack:
+        e = stack.pop()
+        if isinstance(e, L.Var):
+            out.add(e)
+        elif isinstance(e, L.App):
+            if isinstance(e.fn, L.Var):
+                out.add(e.fn)
+            stack.extend(e.args)
+        elif isinstance(e, L.Ite):
+            stack += [e.cond, e.then, e.other]
+        elif isinstance(e, L.Not):
+            stack.append(e.arg)
+        elif isinstance(e, (L.And, L.Or)):
+            stack.extend(e.args)
+        elif isinstance(e, L.Implies):
+            stack += [e.hyp, e.concl]
+        elif isinstance(e, (L.Eq, L.Arith, L.Cmp)):
+            stack += [e.lhs, e.rhs]
+        elif isinstance(e, L.Quant):
+            stack.append(e.body)
+        elif isinstance(e, L.Count):
+            stack.append(e.cond)
+        elif isinstance(e, L.Enabled):
+            stack.extend(e.bindings.values())
+    return out

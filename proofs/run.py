@@ -1,0 +1,72 @@
+"""Every proof `atom-core verify` runs, as one report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from atom_core.proofs import capacity, checks
+from atom_core.proofs.checks import Check
+from atom_core.spec import lang as L
+
+MAX_LANES, MAX_BLOCKS = 4, 8  # the cutoff for bounded invariants and capacity
+
+
+@attrs.frozen
+class Report:
+    ok: bool
+    seconds: float
+    checks: list[Check]
+    rows: list[capacity.Row]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "seconds": round(self.seconds, 3),
+                "checks": [c.as_json() for c in self.checks],
+                "capacity": [row_json(r) for r in self.rows]}
+
+
+def table_matches(rows: list[capacity.Row]) -> Check:
+    """The committed capacity table (which Config validates against) is the proved one."""
+    from atom_core._generated import capacity as committed
+
+    found = {(r.features.prefix_cache, r.features.scratch): r.offset for r in rows}
+    ok = found == committed.OFFSETS
+    return Check("capacity-table-matches-proofs", "*", "capacity", "proved" if ok else
+                 "counterexample", 0.0, detail="" if ok else
+                 f"committed {committed.OFFSETS} != proved {found}: run `make generate`")
+
+
+def row_json(r: capacity.Row) -> dict[str, Any]:
+    return {"prefix_cache": r.features.prefix_cache, "scratch": r.features.scratch,
+            "rule": r.rule, "min_kv_blocks": {str(b): k for b, k in r.minimum.items()},
+            "tight": {str(b): (t is not None) for b, t in r.traces.items()}}
+
+
+def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLOCKS,
+           on_check: Callable[[Check], None] | None = None) -> Report:
+    t0 = time.perf_counter()
+    out: list[Check] = []
+
+    def add(c: Check) -> None:
+        out.append(c)
+        if on_check:
+            on_check(c)
+
+    for c in checks.relational(model):
+        add(c)
+    for c in checks.bounded(model, max_lanes, max_blocks):
+        add(c)
+    rows = []
+    for row in capacity.table(model, max_lanes, max_blocks):
+        rows.append(row)
+        for c in row.checks:
+            add(c)
+        if row.offset is None:
+            add(Check(f"rule:{row.features.name}", "*", "capacity", "counterexample", 0.0,
+                      detail=f"no single rule kv_blocks >= lanes + c fits {row.minimum}"))
+    add(table_matches(rows))
+    ok = all(c.status == "proved" for c in out)
+    return Report(ok, time.perf_counter() - t0, out, rows)

@@ -1,0 +1,240 @@
+"""Explicit-state search for the shortest stuck run, over the core generated from the spec.
+
+z3's bounded model checker (`bmc.py`) finds the same runs, but its cost grows steeply with the
+number of lanes (a stuck run at B lanes is about 3B steps long); breadth-first search over the
+generated core stays fast and, being breadth-first, returns a shortest run. Each run it returns
+is then replayed through z3 (`confirm`): every step's guard and update, and the stuck final
+state, are checked against the spec itself, so a bug in the generator cannot fake a trace.
+
+Symmetry: requests are submitted in id order, and of the interchangeable choices only one is
+tried: the lowest idle lane, the lowest free block, the lowest waiting request with a given
+prompt. They are interchangeable because no guard reads what an idle lane or a free block still
+holds from its last use (it is overwritten on reuse), so the states they lead to are the same up
+to renaming and lie at the same distance from a stuck state. Shortness relies on that argument;
+correctness does not: `confirm` replays every run in z3 against the spec. Prompts come from a
+small menu covering what admission can tell apart: a prompt long enough to be a prefix hit and
+a one-token prompt that never is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import z3
+
+from atom_core import seq
+from atom_core._generated import core as g
+from atom_core.pmap import PMap
+from atom_core.proofs.bmc import Step, Trace
+from atom_core.proofs.checks import bounded_universe
+from atom_core.spec import lang as L
+
+# Small chunk and block sizes keep the runs short and readable; nothing in the model depends on
+# their values beyond the axioms.
+TRACE_CHUNK, TRACE_SEQ_LEN, TOKEN = 2, 8, 9
+
+
+def menu(c: int) -> list[seq.TokSeq]:
+    return [seq.seq(range(1, c + 2)), seq.seq([100])]
+
+
+def state_key(s: g.State) -> tuple[Any, ...]:
+    out = []
+    for name in g.STATE_FIELDS:
+        v = getattr(s, name)
+        out.append(tuple(sorted(v.items())) if isinstance(v, PMap) else v)
+    return tuple(out)
+
+
+def moves(s: g.State, requests: int, prompts: list[seq.TokSeq]) -> Iterator[tuple[str, dict]]:
+    c = s.consts
+    submitted = sum(1 for r in range(requests) if s.phase.get(r) != g.PHASE_NONE)
+    idle = [ln for ln in range(c.B) if not s.busy[ln]]
+    free = [b for b in range(c.K) if s.owner[b] == g.OWNER_FREE]
+    waiting: dict[Any, int] = {}
+    for r in range(requests):
+        if s.phase.get(r) == g.PHASE_WAITING:
+            waiting.setdefault(s.prompt.get(r), r)
+    lanes = [ln for ln in range(c.B) if s.busy[ln]] + idle[:1]
+    blocks = [b for b in range(c.K) if s.owner[b] != g.OWNER_FREE] + free[:1]
+    reqs = [r for r in range(requests) if s.phase.get(r) != g.PHASE_WAITING]
+    reqs += sorted(waiting.values())
+    domains: dict[str, Callable[[str], list[Any]]] = {
+        "Lane": lambda _p: lanes,
+        "Block": lambda _p: blocks,
+        "Req": lambda _p: reqs,
+        "Seq": lambda _p: prompts,
+        "Bool": lambda _p: [False, True],
+        "Int": lambda p: list(range(c.C, c.S, c.C)) if p == "n" else [TOKEN],
+    }
+    for name, (_fn, guard, params, sorts) in g.ACTIONS.items():
+        doms = []
+        for p, srt in zip(params, sorts, strict=True):
+            if srt.startswith("("):  # a per-lane function parameter: sampled tokens
+                doms.append([(TOKEN,) * c.B])
+            elif name == "submit" and srt == "Req":
+                doms.append([submitted] if submitted < requests else [])
+            else:
+                doms.append(domains[srt](p))
+        for combo in itertools.product(*doms):
+            if guard(s, *combo) is None:
+                yield name, dict(zip(params, combo, strict=True))
+
+
+def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth: int = 40,
+                       max_states: int = 2_000_000) -> tuple[list[tuple[str, dict]], str] | None:
+    """Breadth-first: the first stuck state found is at minimal depth."""
+    reqs = requests if requests is not None else consts.B + 1
+    prompts = menu(consts.C)
+    start = g.init(consts, ghost=False)
+    seen = {state_key(start)}
+    frontier: deque[tuple[g.State, tuple]] = deque([(start, ())])
+    while frontier:
+        s, path = frontier.popleft()
+        bad = g.progress_violations(s)
+        if bad:
+            return [step for step in _unwind(path)], bad[0]
+        if len(_unwind(path)) >= max_depth:
+            continue
+        for name, args in moves(s, reqs, prompts):
+            nxt = g.ACTIONS[name][0](s, **args).state
+            k = state_key(nxt)
+            if k not in seen:
+                seen.add(k)
+                if len(seen) > max_states:
+                    raise RuntimeError(f"search exceeded {max_states} states")
+                frontier.append((nxt, (path, (name, args))))
+    return None
+
+
+def _unwind(path: tuple) -> list[tuple[str, dict]]:
+    out = []
+    while path:
+        path, step = path
+        out.append(step)
+    return out[::-1]
+
+
+def confirm(model: L.Model, consts: g.Consts, run: list[tuple[str, dict]], violated: str,
+            requests: int) -> bool:
+    """z3 replays the run on the spec: each step's guard holds and its updates are the spec's,
+    and the final state breaks the named progress property."""
+    cs = {"B": consts.B, "K": consts.K, "C": consts.C, "S": consts.S, "PREFIX": consts.PREFIX,
+          "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH}
+    u = bounded_universe(model, consts.B, consts.K, cs, requests=requests, concrete_seqs=True)
+    env = u.init_state("c0")
+    facts = list(u.axioms())
+    for i, (name, args) in enumerate(run):
+        a = model.get_action(name)
+        bound = {p: _z3_value(u, p.sort, args[p.name]) for p in a.params}
+        facts.append(u.guard(a, env, bound))
+        env = u.post_state(a, env, bound)
+        if i % 4 == 3:  # keep terms small: name the state every few steps
+            env = _materialize(u, model, env, f"c{i}", facts)
+    prop = next(p for p in model.progress if p.name == violated)
+    facts.append(z3.Not(u.tr(prop.expr, env, {})))
+    s = z3.Solver()
+    s.set("timeout", 30_000)
+    s.add(*facts)
+    return s.check() == z3.sat
+
+
+def _materialize(u: Any, model: L.Model, env: Any, tag: str, facts: list[Any]) -> Any:
+    fresh = u.fresh_state(tag)
+    for f in model.state:
+        for pt in itertools.product(*[u.domain[a.name] for a in f.args]):
+            facts.append(fresh[f.name](*pt) == env[f.name](*pt))
+    return fresh
+
+
+def _z3_value(u: Any, sort: L.Sort, v: Any) -> Any:
+    if sort.kind == "fn":
+        table = [_z3_value(u, sort.ret, x) for x in v]
+        dom = u.domain[sort.args[0].name]
+        return lambda x: _select(dom, table, x)
+    if sort.kind == "value":
+        toks = list(v)
+        w = u.tokens
+        return w.mk(len(toks), *(toks + [0] * (w.width - len(toks))))
+    return u.value(v, sort)
+
+
+def _select(dom: list[Any], table: list[Any], x: Any) -> Any:
+    out = table[-1]
+    for d, t in zip(dom[:-1], table[:-1], strict=True):
+        out = z3.If(x == d, t, out)
+    return out
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, seq.TokSeq):
+        return list(v)
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+# Lanes up to which the search itself runs; above, runs are lifted (see `lift`).
+SEARCH_LANES = 2
+
+
+def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
+         blocks: int) -> tuple[g.Consts, list[tuple[str, dict]]]:
+    """A stuck run at (B, K) becomes one at (B + n, K + n): first n extra requests, with a one-token
+    prompt that never hits, take the extra lanes with the extra blocks and stay there. The result
+    is replayed through z3 like any other run, so this needs no proof of its own."""
+    extra = lanes - consts.B
+    assert extra >= 0 and blocks - consts.K == extra
+    first = sum(1 for name, _ in run if name == "submit")
+    pre: list[tuple[str, dict]] = []
+    renum = {r: r + extra for r in range(first)}
+    for i in range(extra):
+        pre.append(("submit", {"r": i, "p": menu(consts.C)[1]}))
+        pre.append(("admit_miss", {"l": consts.B + i, "r": i, "dst": consts.K + i}))
+    body = []
+    for name, args in run:
+        sorts = dict(zip(g.ACTIONS[name][2], g.ACTIONS[name][3], strict=True))
+        body.append((name, {k: (renum[v] if sorts[k] == "Req" else v) for k, v in args.items()}))
+    big = g.Consts(B=lanes, K=blocks, C=consts.C, S=consts.S, PREFIX=consts.PREFIX,
+                   RESERVED=consts.RESERVED, SCRATCH=consts.SCRATCH)
+    return big, pre + body
+
+
+def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
+              ) -> Trace | None:
+    """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
+    lifted from the largest searched size."""
+    import time
+
+    t0 = time.perf_counter()
+    base_b = min(lanes, SEARCH_LANES)
+    base_k = blocks - (lanes - base_b)
+    if base_k < 1:
+        base_b, base_k = lanes, blocks
+    c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, PREFIX=prefix,
+                 RESERVED=reserved, SCRATCH=0)
+    found = shortest_stuck_run(c)
+    if found is None:
+        return None
+    run, violated = found
+    if base_b != lanes:
+        c, run = lift(c, run, lanes, blocks)
+    reqs = lanes + 1
+    if not _replays(c, run, violated) or not confirm(model, c, run, violated, reqs):
+        raise RuntimeError(f"the stuck run for B={lanes}, K={blocks} does not replay")
+    steps = tuple(Step(i + 1, name, {k: _plain(v) for k, v in args.items()})
+                  for i, (name, args) in enumerate(run))
+    return Trace(steps, violated, {}, time.perf_counter() - t0)
+
+
+def _replays(c: g.Consts, run: list[tuple[str, dict]], violated: str) -> bool:
+    s = g.init(c, ghost=True)
+    for name, args in run:
+        step = g.ACTIONS[name][0](s, **args)
+        if step.rejected is not None:
+            return False
+        s = step.state
+    return violated in g.progress_violations(s)

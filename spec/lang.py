@@ -1,0 +1,599 @@
+"""The spec language: sorts, state functions, actions (guard + updates), invariants.
+
+A spec is plain Python that builds a small expression tree. The tree has two readers:
+`atom_core.proofs` turns it into z3 queries, and `atom_core.spec.codegen` turns it into the
+executable core. Nothing else interprets it, so a guard or update written here exists once.
+
+The style follows mypyvy: sorts, state relations and functions, one transition = named guard
+conjuncts + updates over the pre-state (parallel assignment), one invariant per line.
+
+Sorts come in kinds that matter to both readers:
+  index  finite, 0..N-1 with N a config constant (lanes, blocks); tuples in the core,
+         uninterpreted (all sizes) or enumerated (one size) in z3
+  ident  unbounded identities (requests); a persistent map in the core
+  value  opaque data (token sequences); interpreted by `atom_core.seq` in the core,
+         uninterpreted in z3, so a proof holds for every implementation of its ops
+  enum, int, bool
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# --------------------------------------------------------------------------- sorts
+
+
+class Sort:
+    __slots__ = ("name", "kind", "values", "size", "args", "ret")
+
+    def __init__(self, name: str, kind: str, values: tuple[str, ...] = (), size: str = "",
+                 args: tuple[Sort, ...] = (), ret: Sort | None = None) -> None:
+        self.name, self.kind, self.values, self.size = name, kind, values, size
+        self.args, self.ret = args, ret
+
+    def __getattr__(self, item: str) -> Lit:
+        # Enum members read as Owner.FREE.
+        if item in object.__getattribute__(self, "values"):
+            return Lit(item, self)
+        raise AttributeError(item)
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def index(self, member: str) -> int:
+        return self.values.index(member)
+
+
+BOOL = Sort("Bool", "bool")
+INT = Sort("Int", "int")
+
+
+def index_sort(name: str, size: str) -> Sort:
+    return Sort(name, "index", size=size)
+
+
+def ident_sort(name: str) -> Sort:
+    return Sort(name, "ident")
+
+
+def value_sort(name: str) -> Sort:
+    return Sort(name, "value")
+
+
+def enum_sort(name: str, members: str) -> Sort:
+    return Sort(name, "enum", values=tuple(members.split()))
+
+
+def fn_sort(*args: Sort, ret: Sort) -> Sort:
+    return Sort(f"({', '.join(a.name for a in args)}) -> {ret.name}", "fn", args=args, ret=ret)
+
+
+# --------------------------------------------------------------------------- expressions
+
+
+class Expr:
+    """A term. Operators build terms; `bool(expr)` is an error so misuse is loud."""
+
+    __slots__ = ("sort",)
+    sort: Sort
+
+    def __bool__(self) -> bool:
+        raise TypeError("a spec expression has no truth value; use &, |, ~, implies()")
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> Expr:  # type: ignore[override]
+        return Eq(self, lift(other, self.sort))
+
+    def __ne__(self, other: object) -> Expr:  # type: ignore[override]
+        return Not(Eq(self, lift(other, self.sort)))
+
+    def __and__(self, other: Any) -> Expr:
+        return And(self, lift(other, BOOL))
+
+    def __rand__(self, other: Any) -> Expr:
+        return And(lift(other, BOOL), self)
+
+    def __or__(self, other: Any) -> Expr:
+        return Or(self, lift(other, BOOL))
+
+    def __ror__(self, other: Any) -> Expr:
+        return Or(lift(other, BOOL), self)
+
+    def __invert__(self) -> Expr:
+        return Not(self)
+
+    def __add__(self, other: Any) -> Expr:
+        return Arith("+", self, lift(other, INT))
+
+    def __radd__(self, other: Any) -> Expr:
+        return Arith("+", lift(other, INT), self)
+
+    def __sub__(self, other: Any) -> Expr:
+        return Arith("-", self, lift(other, INT))
+
+    def __rsub__(self, other: Any) -> Expr:
+        return Arith("-", lift(other, INT), self)
+
+    def __mul__(self, other: Any) -> Expr:
+        return Arith("*", self, lift(other, INT))
+
+    def __mod__(self, other: Any) -> Expr:
+        return Arith("%", self, lift(other, INT))
+
+    def __lt__(self, other: Any) -> Expr:
+        return Cmp("<", self, lift(other, INT))
+
+    def __le__(self, other: Any) -> Expr:
+        return Cmp("<=", self, lift(other, INT))
+
+    def __gt__(self, other: Any) -> Expr:
+        return Cmp("<", lift(other, INT), self)
+
+    def __ge__(self, other: Any) -> Expr:
+        return Cmp("<=", lift(other, INT), self)
+
+
+class Lit(Expr):
+    __slots__ = ("value",)
+
+    def __init__(self, value: int | bool | str, sort: Sort) -> None:
+        self.value, self.sort = value, sort
+
+
+class Var(Expr):
+    """A bound variable or an action parameter."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str, sort: Sort) -> None:
+        self.name, self.sort = name, sort
+
+    def __call__(self, *args: Any) -> App:
+        if self.sort.kind != "fn":
+            raise TypeError(f"{self.name} is not a function parameter")
+        return App(self, args)
+
+
+class Const(Expr):
+    """A configuration constant (rigid: no action changes it)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str, sort: Sort) -> None:
+        self.name, self.sort = name, sort
+
+
+class StateFn:
+    """A state function or relation (ret BOOL). `init` gives the initial value, None = any."""
+
+    def __init__(self, name: str, args: tuple[Sort, ...], ret: Sort,
+                 init: Callable[..., Any] | None, ghost: bool, doc: str) -> None:
+        self.name, self.args, self.ret, self.ghost, self.doc = name, args, ret, ghost, doc
+        self.init = init
+
+    def __call__(self, *args: Any) -> App:
+        return App(self, args)
+
+    def post(self, *args: Any) -> App:
+        """The value after the transition (transition invariants only)."""
+        return App(self, args, post=True)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Op:
+    """An interpreted operation on value sorts (uninterpreted in z3, see `atom_core.seq`)."""
+
+    def __init__(self, name: str, args: tuple[Sort, ...], ret: Sort, doc: str) -> None:
+        self.name, self.args, self.ret, self.doc = name, args, ret, doc
+
+    def __call__(self, *args: Any) -> App:
+        return App(self, args)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class App(Expr):
+    __slots__ = ("fn", "args", "post")
+
+    def __init__(self, fn: StateFn | Op | Var, args: Iterable[Any], post: bool = False) -> None:
+        self.fn, self.post = fn, post
+        arg_sorts = fn.sort.args if isinstance(fn, Var) else fn.args
+        args = tuple(args)
+        if len(args) != len(arg_sorts):
+            raise TypeError(f"{fn!r} takes {len(arg_sorts)} arguments, got {len(args)}")
+        self.args = tuple(lift(a, s) for a, s in zip(args, arg_sorts, strict=True))
+        for a, s in zip(self.args, arg_sorts, strict=True):
+            _check(a, s, f"argument of {fn!r}")
+        self.sort = fn.sort.ret if isinstance(fn, Var) else fn.ret
+
+
+class Ite(Expr):
+    __slots__ = ("cond", "then", "other")
+
+    def __init__(self, cond: Expr, then: Expr, other: Expr) -> None:
+        self.cond = lift(cond, BOOL)
+        _check(self.cond, BOOL, "ite condition")
+        if not isinstance(then, Expr):
+            then = lift(then, other.sort if isinstance(other, Expr) else INT)
+        self.then = then
+        self.other = lift(other, self.then.sort)
+        _check(self.other, self.then.sort, "ite branch")
+        self.sort = self.then.sort
+
+
+class Not(Expr):
+    __slots__ = ("arg",)
+
+    def __init__(self, arg: Expr) -> None:
+        self.arg, self.sort = arg, BOOL
+        _check(arg, BOOL, "~")
+
+
+class And(Expr):
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Expr) -> None:
+        self.args, self.sort = tuple(lift(a, BOOL) for a in args), BOOL
+        for a in self.args:
+            _check(a, BOOL, "&")
+
+
+class Or(Expr):
+    __slots__ = ("args",)
+
+    def __init__(self, *args: Expr) -> None:
+        self.args, self.sort = tuple(lift(a, BOOL) for a in args), BOOL
+        for a in self.args:
+            _check(a, BOOL, "|")
+
+
+class Implies(Expr):
+    __slots__ = ("hyp", "concl")
+
+    def __init__(self, hyp: Expr, concl: Expr) -> None:
+        self.hyp, self.concl, self.sort = lift(hyp, BOOL), lift(concl, BOOL), BOOL
+        _check(self.hyp, BOOL, "implies")
+        _check(self.concl, BOOL, "implies")
+
+
+class Eq(Expr):
+    __slots__ = ("lhs", "rhs")
+
+    def __init__(self, lhs: Expr, rhs: Expr) -> None:
+        self.lhs, self.rhs, self.sort = lhs, rhs, BOOL
+        _check(rhs, lhs.sort, "==")
+
+
+class Arith(Expr):
+    __slots__ = ("op", "lhs", "rhs")
+
+    def __init__(self, op: str, lhs: Expr, rhs: Expr) -> None:
+        self.op, self.lhs, self.rhs, self.sort = op, lhs, rhs, INT
+        _check(lhs, INT, op)
+        _check(rhs, INT, op)
+
+
+class Cmp(Expr):
+    __slots__ = ("op", "lhs", "rhs")
+
+    def __init__(self, op: str, lhs: Expr, rhs: Expr) -> None:
+        self.op, self.lhs, self.rhs, self.sort = op, lhs, rhs, BOOL
+        _check(lhs, INT, op)
+        _check(rhs, INT, op)
+
+
+class Quant(Expr):
+    __slots__ = ("kind", "var", "body")
+
+    def __init__(self, kind: str, var: Var, body: Expr) -> None:
+        self.kind, self.var, self.body, self.sort = kind, var, lift(body, BOOL), BOOL
+        _check(self.body, BOOL, kind)
+
+
+class Count(Expr):
+    """#{x | cond(x)} over an index sort (counting invariants, checked per size)."""
+
+    __slots__ = ("var", "cond")
+
+    def __init__(self, var: Var, cond: Expr) -> None:
+        self.var, self.cond, self.sort = var, cond, INT
+
+
+class Enabled(Expr):
+    """`action`'s guard holds for the bound parameters and some value of the others."""
+
+    __slots__ = ("action", "bindings")
+
+    def __init__(self, action: Action, bindings: dict[str, Expr]) -> None:
+        self.action, self.sort = action, BOOL
+        known = {p.name: p for p in action.params}
+        for k in bindings:
+            if k not in known:
+                raise TypeError(f"{action.name} has no parameter {k!r}")
+        self.bindings = {k: lift(v, known[k].sort) for k, v in bindings.items()}
+
+
+class Vector(Expr):
+    """A value per index (e.g. the block each decode row writes); only effects use it."""
+
+    __slots__ = ("var", "body")
+
+    def __init__(self, var: Var, body: Expr) -> None:
+        self.var, self.body, self.sort = var, body, body.sort
+
+
+TRUE = Lit(True, BOOL)
+FALSE = Lit(False, BOOL)
+
+
+def lift(value: Any, sort: Sort) -> Expr:
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, bool):
+        return Lit(value, BOOL)
+    if isinstance(value, int):
+        return Lit(value, INT)
+    raise TypeError(f"cannot use {value!r} as a {sort.name} term")
+
+
+def _check(e: Expr, sort: Sort, where: str) -> None:
+    if e.sort is not sort:
+        raise TypeError(f"{where}: expected {sort.name}, got {e.sort.name}")
+
+
+# --------------------------------------------------------------------------- helpers
+
+_fresh = itertools.count()
+
+
+def _bind(sorts: Sort | tuple[Sort, ...], fn: Callable[..., Any]) -> tuple[list[Var], Expr]:
+    sorts = sorts if isinstance(sorts, tuple) else (sorts,)
+    names = list(inspect.signature(fn).parameters)
+    vs = [Var(f"{n}_{next(_fresh)}", s) for n, s in zip(names, sorts, strict=True)]
+    return vs, fn(*vs)
+
+
+def forall(sorts: Sort | tuple[Sort, ...], fn: Callable[..., Any]) -> Expr:
+    vs, body = _bind(sorts, fn)
+    out = lift(body, BOOL)
+    for v in reversed(vs):
+        out = Quant("forall", v, out)
+    return out
+
+
+def exists(sorts: Sort | tuple[Sort, ...], fn: Callable[..., Any]) -> Expr:
+    vs, body = _bind(sorts, fn)
+    out = lift(body, BOOL)
+    for v in reversed(vs):
+        out = Quant("exists", v, out)
+    return out
+
+
+def count(sort: Sort, fn: Callable[[Var], Any]) -> Expr:
+    (v,), body = _bind(sort, fn)
+    return Count(v, lift(body, BOOL))
+
+
+def vector(sort: Sort, fn: Callable[[Var], Any]) -> Expr:
+    (v,), body = _bind(sort, fn)
+    return Vector(v, body)
+
+
+def implies(hyp: Any, concl: Any) -> Expr:
+    return Implies(hyp, concl)
+
+
+def ite(cond: Any, then: Any, other: Any) -> Expr:
+    return Ite(cond, then, other)
+
+
+def one_of(e: Expr, *members: Expr) -> Expr:
+    return Or(*(e == m for m in members))
+
+
+def enabled(action: Action, **bindings: Any) -> Expr:
+    return Enabled(action, bindings)
+
+
+# --------------------------------------------------------------------------- model parts
+
+
+class Update:
+    """fn(args) := value, or fn := lambda var. value when `whole` (args are then the vars)."""
+
+    __slots__ = ("fn", "args", "value", "whole")
+
+    def __init__(self, fn: StateFn, args: tuple[Expr, ...], value: Expr, whole: bool) -> None:
+        self.fn, self.args, self.value, self.whole = fn, args, value, whole
+
+
+class Effect:
+    """A runtime call the adapter performs after the transition (`copy`, `prefill`, ...)."""
+
+    __slots__ = ("name", "args")
+
+    def __init__(self, name: str, args: dict[str, Expr]) -> None:
+        self.name, self.args = name, args
+
+
+class Action:
+    def __init__(self, name: str, params: list[Var], doc: str) -> None:
+        self.name, self.params, self.doc = name, params, doc
+        self.guards: list[tuple[str, Expr]] = []
+        self.updates: list[Update] = []
+        self.effects: list[Effect] = []
+
+    def copy(self) -> Action:
+        a = Action(self.name, list(self.params), self.doc)
+        a.guards, a.updates, a.effects = list(self.guards), list(self.updates), list(self.effects)
+        return a
+
+    def __repr__(self) -> str:
+        return f"Action({self.name})"
+
+
+class Named:
+    """An invariant, transition invariant, progress property or axiom."""
+
+    __slots__ = ("name", "expr", "kind", "doc")
+
+    def __init__(self, name: str, expr: Expr, kind: str, doc: str) -> None:
+        self.name, self.expr, self.kind, self.doc = name, expr, kind, doc
+
+
+class Model:
+    """Everything a spec declares, in declaration order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sorts: list[Sort] = []
+        self.consts: list[Const] = []
+        self.ops: list[Op] = []
+        self.state: list[StateFn] = []
+        self.actions: list[Action] = []
+        self.axioms: list[Named] = []
+        self.invariants: list[Named] = []  # kind: relational | bounded
+        self.transition_invariants: list[Named] = []
+        self.progress: list[Named] = []
+        self._current: Action | None = None
+
+    # declarations ----------------------------------------------------------
+    def sort(self, s: Sort) -> Sort:
+        self.sorts.append(s)
+        return s
+
+    def const(self, name: str, sort: Sort) -> Const:
+        c = Const(name, sort)
+        self.consts.append(c)
+        return c
+
+    def op(self, name: str, args: list[Sort], ret: Sort, doc: str = "") -> Op:
+        o = Op(name, tuple(args), ret, doc)
+        self.ops.append(o)
+        return o
+
+    def fn(self, name: str, args: list[Sort], ret: Sort, init: Any = None,
+           ghost: bool = False, doc: str = "") -> StateFn:
+        if init is not None and not callable(init):
+            value = init
+            init = lambda *_: value  # noqa: E731 - a constant initial value
+        f = StateFn(name, tuple(args), ret, init, ghost, doc)
+        self.state.append(f)
+        return f
+
+    def axiom(self, name: str, expr: Expr, doc: str = "") -> None:
+        self.axioms.append(Named(name, lift(expr, BOOL), "axiom", doc))
+
+    def invariant(self, name: str, expr: Expr, bounded: bool = False, doc: str = "") -> None:
+        """bounded: proved per size (counting, arithmetic) rather than for all sizes."""
+        kind = "bounded" if bounded else "relational"
+        self.invariants.append(Named(name, lift(expr, BOOL), kind, doc))
+
+    def transition_invariant(self, name: str, expr: Expr, doc: str = "") -> None:
+        self.transition_invariants.append(Named(name, lift(expr, BOOL), "transition", doc))
+
+    def progress_property(self, name: str, expr: Expr, doc: str = "") -> None:
+        self.progress.append(Named(name, lift(expr, BOOL), "progress", doc))
+
+    # actions -----------------------------------------------------------------
+    def action(self, fn: Callable[..., None]) -> Action:
+        """Decorator: the function's annotated parameters are the action's choice parameters;
+        its body calls require / assign / assign_all / emit."""
+        sig = inspect.signature(fn)
+        params = [Var(n, p.annotation) for n, p in sig.parameters.items()]
+        act = Action(fn.__name__, params, inspect.getdoc(fn) or "")
+        self._current = act
+        try:
+            fn(*params)
+        finally:
+            self._current = None
+        self.actions.append(act)
+        return act
+
+    def _act(self) -> Action:
+        if self._current is None:
+            raise RuntimeError("require/assign/emit are only valid inside @model.action")
+        return self._current
+
+    # lookups -------------------------------------------------------------------
+    def get_action(self, name: str) -> Action:
+        for a in self.actions:
+            if a.name == name:
+                return a
+        raise KeyError(f"no action {name!r}")
+
+    def copy(self) -> Model:
+        m = Model(self.name)
+        m.sorts, m.consts, m.ops, m.state = (list(self.sorts), list(self.consts),
+                                             list(self.ops), list(self.state))
+        m.actions = [a.copy() for a in self.actions]
+        m.axioms, m.invariants = list(self.axioms), list(self.invariants)
+        m.transition_invariants, m.progress = (list(self.transition_invariants),
+                                               list(self.progress))
+        return m
+
+    # mutants (planted bugs): copies with one piece changed ------------------
+    def without_guard(self, action: str, guard: str) -> Model:
+        m = self.copy()
+        a = m.get_action(action)
+        if guard not in [g for g, _ in a.guards]:
+            raise KeyError(f"{action} has no guard {guard!r}")
+        a.guards = [(g, e) for g, e in a.guards if g != guard]
+        return m
+
+    def with_guard(self, action: str, guard: str, expr: Expr) -> Model:
+        m = self.copy()
+        a = m.get_action(action)
+        a.guards = [(g, expr if g == guard else e) for g, e in a.guards]
+        return m
+
+    def without_update(self, action: str, fn: str) -> Model:
+        m = self.copy()
+        a = m.get_action(action)
+        if fn not in [u.fn.name for u in a.updates]:
+            raise KeyError(f"{action} does not update {fn!r}")
+        a.updates = [u for u in a.updates if u.fn.name != fn]
+        return m
+
+
+_MODEL: list[Model] = []
+
+
+def use_model(m: Model) -> None:
+    """Make `m` the target of require/assign/emit (set by the spec module)."""
+    _MODEL[:] = [m]
+
+
+def require(name: str, cond: Any) -> None:
+    """A named guard conjunct: the action is allowed only when it holds."""
+    _MODEL[0]._act().guards.append((name, lift(cond, BOOL)))
+
+
+def assign(target: App, value: Any) -> None:
+    """fn(args) := value, evaluated in the pre-state."""
+    if not isinstance(target, App) or not isinstance(target.fn, StateFn) or target.post:
+        raise TypeError("assign() needs a state function application, e.g. owner(b)")
+    v = value if isinstance(value, Expr) else lift(value, target.sort)
+    _check(v, target.sort, f"assign to {target.fn.name}")
+    _MODEL[0]._act().updates.append(Update(target.fn, target.args, v, whole=False))
+
+
+def assign_all(fn: StateFn, body: Callable[..., Any]) -> None:
+    """fn := lambda args. body(args), evaluated in the pre-state."""
+    vs, value = _bind(fn.args, body)
+    v = value if isinstance(value, Expr) else lift(value, fn.ret)
+    _check(v, fn.ret, f"assign_all to {fn.name}")
+    _MODEL[0]._act().updates.append(Update(fn, tuple(vs), v, whole=True))
+
+
+def emit(name: str, **args: Any) -> None:
+    """Record a runtime effect (the adapter executes it)."""
+    _MODEL[0]._act().effects.append(
+        Effect(name, {k: v if isinstance(v, Expr) else lift(v, INT) for k, v in args.items()}))

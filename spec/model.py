@@ -1,0 +1,389 @@
+"""The atom-core model: eager mode (one KV block per sequence, T = 1).
+
+Read it like a mypyvy file: sorts, constants, state, then actions (named guard conjuncts and
+updates over the pre-state), then invariants, one per line. `atom_core.proofs` checks it with
+z3; `make generate` turns it into `atom_core/_generated/core.py`.
+
+Ghost state (`holds`, `junk`) says what a physical block actually contains. The runtime never
+reads it; it exists so that "a lane's block holds exactly its request's tokens" and "a cache
+entry's key equals its block's content" are invariants, and a padding row that scribbles on a
+cached block breaks one of them.
+"""
+
+from atom_core.spec.lang import (
+    BOOL,
+    INT,
+    Model,
+    assign,
+    assign_all,
+    emit,
+    enabled,
+    enum_sort,
+    exists,
+    fn_sort,
+    forall,
+    ident_sort,
+    implies,
+    index_sort,
+    ite,
+    one_of,
+    require,
+    use_model,
+    value_sort,
+    vector,
+)
+from atom_core.spec.lang import count as count_of
+
+m = Model("atom-core eager")
+use_model(m)
+
+# ---------------------------------------------------------------- sorts
+Lane = m.sort(index_sort("Lane", size="B"))     # rows of the compiled decode batch
+Block = m.sort(index_sort("Block", size="K"))   # physical KV blocks
+Req = m.sort(ident_sort("Req"))                 # requests
+Seq = m.sort(value_sort("Seq"))                 # token sequences (the KV a block holds)
+Owner = m.sort(enum_sort("Owner", "FREE SCRATCH LANE CACHE"))
+Phase = m.sort(enum_sort("Phase", "NONE WAITING PREFILL DECODE FINISHED ABORTED FAILED"))
+
+# ---------------------------------------------------------------- configuration
+B = m.const("B", INT)                 # lanes
+K = m.const("K", INT)                 # kv blocks
+C = m.const("C", INT)                 # prefill chunk (tokens)
+S = m.const("S", INT)                 # max_seq_len == block_size in eager mode
+PREFIX = m.const("PREFIX", BOOL)      # prefix cache on
+RESERVED = m.const("RESERVED", BOOL)  # scratch discipline: a reserved block (else dynamic)
+SCRATCH = m.const("SCRATCH", Block)   # the reserved scratch block
+
+m.axiom("chunk_positive", C > 0)
+m.axiom("chunk_divides_block", S % C == 0)
+m.axiom("block_holds_a_chunk", C <= S)
+m.axiom("lanes_positive", B > 0)
+m.axiom("blocks_positive", K > 0)
+
+# ---------------------------------------------------------------- token sequences
+take = m.op("take", [Seq, INT], Seq, doc="the first n tokens")
+push = m.op("push", [Seq, INT], Seq, doc="append one token")
+slen = m.op("slen", [Seq], INT, doc="number of tokens")
+
+# ---------------------------------------------------------------- state: blocks
+owner = m.fn("owner", [Block], Owner,
+             init=lambda b: ite(RESERVED & (b == SCRATCH), Owner.SCRATCH, Owner.FREE),
+             doc="who holds the block; a function, so every block has exactly one owner")
+owner_lane = m.fn("owner_lane", [Block], Lane, doc="the lane, when owner is LANE")
+key = m.fn("key", [Block], Seq, doc="the tokens a cache entry is indexed by")
+holds = m.fn("holds", [Block], Seq, ghost=True, doc="the tokens whose KV the block holds")
+junk = m.fn("junk", [Block], BOOL, init=True, ghost=True,
+            doc="the block was scribbled on (padding rows, failed writes)")
+
+# ---------------------------------------------------------------- state: lanes
+busy = m.fn("busy", [Lane], BOOL, init=False, doc="the lane serves a request")
+lane_req = m.fn("lane_req", [Lane], Req, doc="the request a busy lane serves")
+table = m.fn("table", [Lane], Block, doc="the lane's block table (T = 1)")
+length = m.fn("length", [Lane], INT, init=0, doc="tokens whose KV the lane's block holds")
+lane_seq = m.fn("lane_seq", [Lane], Seq, doc="prompt + generated tokens of the lane's request")
+lane_plen = m.fn("lane_plen", [Lane], INT, init=0, doc="prompt length of the lane's request")
+copying = m.fn("copying", [Lane], BOOL, init=False,
+               doc="a prefix-hit copy into the lane's block is in flight")
+copy_src = m.fn("copy_src", [Lane], Block, doc="the cache entry an in-flight copy reads")
+
+# ---------------------------------------------------------------- state: requests
+phase = m.fn("phase", [Req], Phase, init=Phase.NONE)
+req_lane = m.fn("req_lane", [Req], Lane, doc="the lane of a running request")
+prompt = m.fn("prompt", [Req], Seq, doc="the prompt of a submitted request")
+
+
+# ---------------------------------------------------------------- definitions
+def running(r):
+    return one_of(phase(r), Phase.PREFILL, Phase.DECODE)
+
+
+def ended(r):
+    return one_of(phase(r), Phase.FINISHED, Phase.ABORTED, Phase.FAILED)
+
+
+def decoding(l):
+    return busy(l) & (phase(lane_req(l)) == Phase.DECODE)
+
+
+def prefilling(l):
+    return busy(l) & (phase(lane_req(l)) == Phase.PREFILL)
+
+
+def hit_ok(r, b):
+    """Entry b shares at least the prompt's first chunk, and a token is left to compute."""
+    return ((owner(b) == Owner.CACHE) & (slen(key(b)) >= C) & (slen(prompt(r)) > C)
+            & (take(key(b), C) == take(prompt(r), C)))
+
+
+def pinned(b):
+    """An in-flight copy reads b: it must stay cached and untouched until the copy is done."""
+    return exists(Lane, lambda l: copying(l) & (copy_src(l) == b))
+
+
+def reusable(b):
+    """A block an admission may take: free, or an unpinned cache entry it evicts."""
+    return one_of(owner(b), Owner.FREE, Owner.CACHE) & ~pinned(b)
+
+
+def quiescent():
+    """No copy in flight (the adapter completes each copy within the step that started it)."""
+    return forall(Lane, lambda l: ~copying(l))
+
+
+def needs_scratch():
+    """Some decode row is not a decoding lane, so it computes (and writes) padding."""
+    return exists(Lane, lambda l: ~decoding(l))
+
+
+def row_block(l, pad):
+    """The block decode row l writes: its own for a decoding lane, else the padding target."""
+    return ite(decoding(l), table(l), pad)
+
+
+def scratch_ok(pad):
+    return ite(RESERVED, owner(pad) == Owner.SCRATCH, reusable(pad))
+
+
+def next_len(l):
+    return ite(length(l) + C < lane_plen(l), length(l) + C, lane_plen(l))
+
+
+def occupy(l, r, dst, n):
+    """The updates every admission shares: lane l takes request r into block dst."""
+    assign(busy(l), True)
+    assign(lane_req(l), r)
+    assign(table(l), dst)
+    assign(length(l), n)
+    assign(lane_seq(l), prompt(r))
+    assign(lane_plen(l), slen(prompt(r)))
+    assign(phase(r), Phase.PREFILL)
+    assign(req_lane(r), l)
+    assign(owner(dst), Owner.LANE)
+    assign(owner_lane(dst), l)
+
+
+def release(l, to_cache):
+    """The lane's block goes back to the free pool (or into the cache)."""
+    assign(busy(l), False)
+    assign(owner(table(l)), ite(to_cache, Owner.CACHE, Owner.FREE))
+
+
+def cancel(l):
+    """The lane's request ends early: an in-flight copy into it stops and unpins its source."""
+    release(l, False)
+    assign(copying(l), False)
+
+
+# ---------------------------------------------------------------- actions
+@m.action
+def submit(r: Req, p: Seq):
+    """A new request with prompt p enters the waiting queue."""
+    require("request_is_new", phase(r) == Phase.NONE)
+    require("prompt_not_empty", slen(p) > 0)
+    require("prompt_fits", slen(p) < S)
+    assign(phase(r), Phase.WAITING)
+    assign(prompt(r), p)
+
+
+@m.action
+def admit_miss(l: Lane, r: Req, dst: Block):
+    """Admit r into idle lane l with an empty block (evicting dst if it is a cache entry)."""
+    require("lane_idle", ~busy(l))
+    require("request_waiting", phase(r) == Phase.WAITING)
+    require("dst_reusable", reusable(dst))
+    require("no_cache_hit", implies(PREFIX, forall(Block, lambda b: ~hit_ok(r, b))))
+    occupy(l, r, dst, 0)
+    assign(holds(dst), take(prompt(r), 0))
+    assign(junk(dst), False)
+    emit("admit", lane=l, request=r, block=dst)
+
+
+@m.action
+def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
+    """Admit r into idle lane l by copying n cached tokens from entry src into a fresh dst."""
+    require("lane_idle", ~busy(l))
+    require("request_waiting", phase(r) == Phase.WAITING)
+    require("src_cached", owner(src) == Owner.CACHE)
+    require("n_whole_chunks", (n >= C) & (n % C == 0))
+    require("n_within_entry", n <= slen(key(src)))
+    require("token_left_to_compute", n < slen(prompt(r)))
+    require("prefix_matches", take(key(src), n) == take(prompt(r), n))
+    require("dst_not_src", dst != src)
+    require("dst_reusable", reusable(dst))
+    occupy(l, r, dst, n)
+    assign(junk(dst), True)  # nothing valid in it until the copy lands
+    assign(copying(l), True)
+    assign(copy_src(l), src)
+    emit("admit", lane=l, request=r, block=dst)
+    emit("copy", lane=l, src=src, dst=dst, n=n)
+
+
+@m.action
+def copy_done(l: Lane):
+    """The runtime finished copying lane l's prefix hit; the source is unpinned."""
+    require("copy_in_flight", copying(l))
+    assign(copying(l), False)
+    assign(holds(table(l)), take(holds(copy_src(l)), length(l)))
+    assign(junk(table(l)), False)
+
+
+@m.action
+def prefill(l: Lane, tok: INT):
+    """Compute the next chunk of lane l's prompt; the last chunk samples the first token."""
+    require("lane_prefilling", prefilling(l))
+    require("no_copy_in_flight", ~copying(l))
+    done = next_len(l) == lane_plen(l)
+    seq_after = ite(done, push(lane_seq(l), tok), lane_seq(l))
+    assign(length(l), next_len(l))
+    assign(lane_seq(l), seq_after)
+    assign(holds(table(l)), take(seq_after, next_len(l)))  # sampling adds no KV
+    assign(phase(lane_req(l)), ite(done, Phase.DECODE, Phase.PREFILL))
+    emit("prefill", lane=l, block=table(l), start=length(l), end=next_len(l))
+
+
+@m.action
+def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
+    """One decode call over every row: decoding lanes append a token, other rows write padding
+    into `pad` (the scratch target)."""
+    require("no_block_overflow", forall(Lane, lambda l: implies(decoding(l), length(l) < S)))
+    require("scratch_target_ok", implies(needs_scratch(), scratch_ok(pad)))
+    assign_all(length, lambda l: ite(decoding(l), length(l) + 1, length(l)))
+    assign_all(lane_seq, lambda l: ite(decoding(l), push(lane_seq(l), tok(l)), lane_seq(l)))
+    # A dynamic scratch target that was a cache entry is evicted by the scribble.
+    assign_all(owner, lambda b: ite(
+        needs_scratch() & ~RESERVED & (b == pad) & (owner(b) == Owner.CACHE),
+        Owner.FREE, owner(b)))
+    # Ghost: what each row's write does to the block it lands in. A write by a row that is not
+    # the block's owning decoding lane is a scribble.
+    assign_all(holds, lambda b: ite(
+        (owner(b) == Owner.LANE) & decoding(owner_lane(b)) & (table(owner_lane(b)) == b),
+        # == take(lane_seq, length + 1): the token sampled now adds no KV yet
+        take(push(lane_seq(owner_lane(b)), tok(owner_lane(b))), length(owner_lane(b)) + 1),
+        holds(b)))
+    assign_all(junk, lambda b: junk(b) | exists(Lane, lambda l: (row_block(l, pad) == b) & ~(
+        decoding(l) & (owner(b) == Owner.LANE) & (owner_lane(b) == l))))
+    emit("decode", rows=vector(Lane, lambda l: row_block(l, pad)),
+         positions=vector(Lane, lambda l: ite(decoding(l), length(l), 0)))
+
+
+@m.action
+def finish(l: Lane, keep: BOOL):
+    """Lane l's request is done; its block becomes a cache entry (keep) or free."""
+    require("lane_decoding", decoding(l))
+    require("keep_needs_prefix_cache", implies(keep, PREFIX))
+    b = table(l)
+    assign(phase(lane_req(l)), Phase.FINISHED)
+    assign(key(b), take(lane_seq(l), length(l)))
+    release(l, keep)
+    emit("release", lane=l, block=b)
+
+
+@m.action
+def abort_waiting(r: Req):
+    """The client gives up on a request that has no lane yet."""
+    require("request_waiting", phase(r) == Phase.WAITING)
+    assign(phase(r), Phase.ABORTED)
+
+
+@m.action
+def abort_running(l: Lane):
+    """The client gives up on lane l's request; its partial KV is dropped, never cached."""
+    require("lane_busy", busy(l))
+    assign(phase(lane_req(l)), Phase.ABORTED)
+    cancel(l)
+    emit("release", lane=l, block=table(l))
+
+
+@m.action
+def fail(l: Lane):
+    """A runtime error attributed to lane l's request: it ends, its block may be half-written."""
+    require("lane_busy", busy(l))
+    assign(phase(lane_req(l)), Phase.FAILED)
+    assign(junk(table(l)), True)
+    cancel(l)
+    emit("release", lane=l, block=table(l))
+
+
+# ---------------------------------------------------------------- invariants
+inv = m.invariant
+
+# Ownership: the lane tables and the owner function agree (so no block is in two tables).
+inv("lane_block_owned", forall(Lane, lambda l: implies(
+    busy(l), (owner(table(l)) == Owner.LANE) & (owner_lane(table(l)) == l))))
+inv("owned_block_in_table", forall(Block, lambda b: implies(
+    owner(b) == Owner.LANE, busy(owner_lane(b)) & (table(owner_lane(b)) == b))))
+inv("no_block_in_two_tables", forall((Lane, Lane), lambda a, c: implies(
+    busy(a) & busy(c) & (table(a) == table(c)), a == c)))
+inv("scratch_is_reserved_block", forall(Block, lambda b: (owner(b) == Owner.SCRATCH) == (
+    RESERVED & (b == SCRATCH))))
+inv("scratch_never_in_table", forall(Lane, lambda l: implies(
+    busy(l), owner(table(l)) != Owner.SCRATCH)))
+inv("cache_needs_prefix_cache", forall(Block, lambda b: implies(owner(b) == Owner.CACHE, PREFIX)))
+
+# Lifecycle: lanes and running requests are in bijection; nothing else holds a lane.
+inv("busy_lane_runs_its_request", forall(Lane, lambda l: implies(
+    busy(l), running(lane_req(l)) & (req_lane(lane_req(l)) == l))))
+inv("running_request_has_lane", forall(Req, lambda r: implies(
+    running(r), busy(req_lane(r)) & (lane_req(req_lane(r)) == r))))
+
+# Content (ghost): the KV each block holds is what its owner says it is.
+inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
+    busy(l) & ~copying(l), ~junk(table(l)) & (holds(table(l)) == take(lane_seq(l), length(l))))))
+inv("cache_key_is_content", forall(Block, lambda b: implies(
+    owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
+
+# Fit: a prompt that could never fit a block is never accepted.
+inv("waiting_prompt_fits", forall(Req, lambda r: implies(
+    phase(r) == Phase.WAITING, (slen(prompt(r)) > 0) & (slen(prompt(r)) < S))))
+inv("lane_prompt_fits", forall(Lane, lambda l: implies(
+    busy(l), (lane_plen(l) > 0) & (lane_plen(l) < S))))
+
+# Copies: the source of an in-flight copy is a pinned cache entry holding the lane's prefix.
+inv("copy_only_while_prefilling", forall(Lane, lambda l: implies(copying(l), prefilling(l))))
+inv("copy_source_cached", forall(Lane, lambda l: implies(
+    copying(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != table(l)))))
+inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(table(l)))))
+inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
+    copying(l), (length(l) <= slen(key(copy_src(l))))
+    & (take(key(copy_src(l)), length(l)) == take(lane_seq(l), length(l))))))
+
+# Lengths: nothing is written past a block's end; prefill resumes on chunk boundaries.
+inv("length_within_block", forall(Lane, lambda l: implies(
+    busy(l), (length(l) >= 0) & (length(l) <= S))))
+inv("prefill_before_prompt_end", forall(Lane, lambda l: implies(
+    prefilling(l), length(l) < lane_plen(l))))
+inv("decode_after_prompt", forall(Lane, lambda l: implies(
+    decoding(l), length(l) >= lane_plen(l))))
+
+# Bounded: counting and chunk arithmetic, proved for each size up to the cutoff with concrete
+# chunk and block sizes (z3 is decidable there; with a symbolic chunk size `%` is nonlinear).
+inv("prefill_on_chunk_boundary", forall(Lane, lambda l: implies(
+    prefilling(l), length(l) % C == 0)), bounded=True)
+inv("lane_blocks_equal_busy_lanes",
+    count_of(Block, lambda b: owner(b) == Owner.LANE) == count_of(Lane, lambda l: busy(l)),
+    bounded=True)
+inv("one_scratch_block_when_reserved",
+    count_of(Block, lambda b: owner(b) == Owner.SCRATCH) == ite(RESERVED, 1, 0),
+    bounded=True)
+
+# ---------------------------------------------------------------- transition invariants
+m.transition_invariant("ended_is_final", forall(Req, lambda r: implies(
+    ended(r), phase.post(r) == phase(r))))
+m.transition_invariant("cached_content_untouched", forall(Block, lambda b: implies(
+    (owner(b) == Owner.CACHE) & (owner.post(b) == Owner.CACHE),
+    (holds.post(b) == holds(b)) & (key.post(b) == key(b)) & ~junk.post(b))))
+
+# ---------------------------------------------------------------- progress
+m.progress_property("idle_lane_admits", forall((Lane, Req), lambda l, r: implies(
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING),
+    enabled(admit_miss, l=l, r=r) | enabled(admit_hit, l=l, r=r, n=C))),
+    doc="an idle lane and a waiting request can always be admitted (evicting if needed)")
+m.progress_property("running_request_advances", implies(
+    exists(Req, lambda r: running(r)),
+    exists(Lane, lambda l: enabled(prefill, l=l))
+    | exists(Lane, lambda l: enabled(copy_done, l=l))
+    | (exists(Lane, lambda l: decoding(l)) & enabled(decode))
+    | exists(Lane, lambda l: decoding(l) & (length(l) == S))),
+    doc="some running request can always compute its next token, or must finish")
+
+MODEL = m
