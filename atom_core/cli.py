@@ -109,6 +109,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             return 3
         out["trace"] = [s.as_json() for s in tr.steps]
         out["violated"] = tr.violated
+        out["stuck_state"] = tr.final
     if args.json:
         _emit(out)
         return 0 if out["safe"] else 1
@@ -124,6 +125,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
           "the shape is the same at any size):")
     for s in out["trace"]:
         print(describe_step(s))
+    st = out["stuck_state"]
+    print(f"  state: lanes {st['lanes']}; blocks {st['blocks']}; waiting {st['waiting']}")
     print(f"  -> stuck: progress property '{out['violated']}' fails "
           "(an idle lane and a waiting request that no admission can serve, even by evicting)"
           if out["violated"] == "idle_lane_admits" else

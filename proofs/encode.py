@@ -39,13 +39,19 @@ class TokenWindow:
         self.mk = self.sort.mk
         self.len = self.sort.len
         self.slot = [getattr(self.sort, f"t{i}") for i in range(width)]
+        self._memo: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
 
     def ops(self) -> dict[str, Callable[..., Any]]:
         return {"take": self.take, "push": self.push, "slen": self.len}
 
     def take(self, s: Any, n: Any) -> Any:
-        m = z3.If(n < self.len(s), z3.If(n < 0, 0, n), self.len(s))
-        return self.mk(m, *[z3.If(i < m, self.slot[i](s), 0) for i in range(self.width)])
+        k = (s.get_id(), n.get_id() if z3.is_ast(n) else n)
+        if k not in self._memo:  # guards re-take the same prefixes for every choice
+            m = z3.simplify(z3.If(n < self.len(s), z3.If(n < 0, 0, n), self.len(s)))
+            # s and n ride along so their ids stay theirs (z3 reuses ids of freed terms)
+            self._memo[k] = (s, n, self.mk(m, *[z3.If(i < m, self.slot[i](s), 0)
+                                                for i in range(self.width)]))
+        return self._memo[k][2]
 
     def push(self, s: Any, t: Any) -> Any:
         ln = self.len(s)
@@ -293,10 +299,19 @@ class Universe:
         if sym and self.bounded:
             raise ValueError(f"enabled({action.name}): bind {[p.name for p in sym]}")
         zs = {p: z3.Const(f"{action.name}.{p.name}.e{self.tag}", self.zsort(p.sort)) for p in sym}
+        # Each conjunct is translated once per value of the free parameters it reads.
+        uses = [[i for i, p in enumerate(fin) if p in _vars_in([g])] for _, g in action.guards]
+        memo: dict[tuple[int, tuple[int, ...]], Any] = {}
         alts = []
         for combo in itertools.product(*[self.domain[p.sort.name] for p in fin]):
             bb = {**b, **dict(zip(fin, combo, strict=True)), **zs}
-            alts.append(self.guard(action, env, bb))
+            parts = []
+            for j, (_, g) in enumerate(action.guards):
+                k = (j, tuple(combo[i].get_id() for i in uses[j]))
+                if k not in memo:
+                    memo[k] = self.tr(g, env, bb)
+                parts.append(memo[k])
+            alts.append(z3.And(parts))
         out = z3.Or(alts)
         return z3.Exists(list(zs.values()), out) if zs else out
 

@@ -223,18 +223,36 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
     if base_b != lanes:
         c, run = lift(c, run, lanes, blocks)
     reqs = lanes + 1
-    if not _replays(c, run, violated) or not confirm(model, c, run, violated, reqs):
+    final = _replay(c, run)
+    if (final is None or violated not in g.progress_violations(final)
+            or not confirm(model, c, run, violated, reqs)):
         raise RuntimeError(f"the stuck run for B={lanes}, K={blocks} does not replay")
     steps = tuple(Step(i + 1, name, {k: _plain(v) for k, v in args.items()})
                   for i, (name, args) in enumerate(run))
-    return Trace(steps, violated, {}, time.perf_counter() - t0)
+    return Trace(steps, violated, summary(final), time.perf_counter() - t0)
 
 
-def _replays(c: g.Consts, run: list[tuple[str, dict]], violated: str) -> bool:
+def _replay(c: g.Consts, run: list[tuple[str, dict]]) -> g.State | None:
     s = g.init(c, ghost=True)
     for name, args in run:
         step = g.ACTIONS[name][0](s, **args)
         if step.rejected is not None:
-            return False
+            return None
         s = step.state
-    return violated in g.progress_violations(s)
+    return s
+
+
+def summary(s: g.State) -> dict[str, Any]:
+    """What a reader needs to see why a state is stuck: lanes, blocks, waiting requests."""
+    d = g.describe_state(s)
+    blocks = []
+    for b, own in enumerate(d["owner"]):
+        if own == "CACHE":
+            blocks.append(f"cache{d['key'][b]}")
+        elif own == "LANE":
+            blocks.append(f"lane {d['owner_lane'][b]}")
+        else:
+            blocks.append(own.lower())
+    lanes = [f"r{d['lane_req'][ln]}" if busy else "idle" for ln, busy in enumerate(d["busy"])]
+    waiting = {f"r{r}": d["prompt"][r] for r, ph in d["phase"].items() if ph == "WAITING"}
+    return {"lanes": lanes, "blocks": blocks, "waiting": waiting}

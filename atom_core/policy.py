@@ -1,0 +1,108 @@
+"""Policy: which of the choices the spec allows to take.
+
+The spec's guards say which lanes, blocks, victims and hits are legal; every proof covers every
+legal choice, so this module can only make the scheduler slower or faster, never unsafe. Its
+choices are still checked: the core rejects an illegal one (and the tests check that it never
+has to). The rules are the plain ones: the lowest idle lane, the lowest free block, the least
+recently used cache entry as victim, the longest prefix hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from atom_core._generated import core as g
+from atom_core.seq import TokSeq
+
+
+class Choice(NamedTuple):
+    action: str
+    args: dict[str, Any]
+
+
+def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int) -> int:
+    """The longest n <= limit, a multiple of chunk, with a[:n] == b[:n]."""
+    n = 0
+    while n + chunk <= limit and a[n:n + chunk] == b[n:n + chunk]:
+        n += chunk
+    return n
+
+
+class Policy:
+    def __init__(self) -> None:
+        self.clock = 0
+        self.last_use: dict[int, int] = {}  # block -> time its cache entry was made or hit
+
+    # bookkeeping -------------------------------------------------------------------
+    def observe(self, effects: Iterable[Any]) -> None:
+        """Keep LRU order from the effects of applied transitions."""
+        for e in effects:
+            if isinstance(e, g.Copy):
+                self._touch(e.src)
+            elif isinstance(e, g.Release):
+                self._touch(e.block)
+
+    def _touch(self, block: int) -> None:
+        self.clock += 1
+        self.last_use[block] = self.clock
+
+    # choices -----------------------------------------------------------------------
+    def idle_lane(self, s: g.State) -> int | None:
+        for lane in range(s.consts.B):
+            if not s.busy[lane]:
+                return lane
+        return None
+
+    def pinned(self, s: g.State) -> set[int]:
+        return {s.copy_src[ln] for ln in range(s.consts.B) if s.copying[ln]}
+
+    def reusable(self, s: g.State, exclude: int | None = None) -> int | None:
+        """The lowest free block, else the least recently used unpinned cache entry."""
+        owner = s.owner
+        for b in range(s.consts.K):
+            if owner[b] == g.OWNER_FREE and b != exclude:
+                return b
+        pins = self.pinned(s)
+        cached = [b for b in range(s.consts.K)
+                  if owner[b] == g.OWNER_CACHE and b != exclude and b not in pins]
+        return min(cached, key=lambda b: self.last_use.get(b, 0)) if cached else None
+
+    def best_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
+        """(src, n) of the longest hit (most recently used among equals), or None."""
+        c = s.consts.C
+        limit = (len(prompt) - 1) // c * c  # at least one prompt token is recomputed
+        best: tuple[int, int] | None = None
+        for b in range(s.consts.K):
+            if s.owner[b] != g.OWNER_CACHE:
+                continue
+            key = s.key[b]
+            n = common_chunks(key, prompt, c, min(limit, len(key) // c * c))
+            if n and (best is None or (n, self.last_use.get(b, 0))
+                      > (best[1], self.last_use.get(best[0], 0))):
+                best = (b, n)
+        return best
+
+    def admission(self, s: g.State, r: int) -> Choice | None:
+        """How to admit waiting request r now, or None if no lane or block is available."""
+        lane = self.idle_lane(s)
+        if lane is None:
+            return None
+        hit = self.best_hit(s, s.prompt.get(r)) if s.consts.PREFIX else None
+        if hit is not None:
+            src, n = hit
+            dst = self.reusable(s, exclude=src)
+            if dst is None:
+                return None
+            return Choice("admit_hit", {"l": lane, "r": r, "src": src, "dst": dst, "n": n})
+        dst = self.reusable(s)
+        if dst is None:
+            return None
+        return Choice("admit_miss", {"l": lane, "r": r, "dst": dst})
+
+    def pad(self, s: g.State) -> int:
+        """Where padding rows of the next decode call write."""
+        if s.consts.RESERVED:
+            return s.consts.SCRATCH
+        b = self.reusable(s)
+        return 0 if b is None else b  # None: every row decodes, the pad is never written
