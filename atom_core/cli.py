@@ -146,6 +146,31 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_trace(args: argparse.Namespace) -> int:
+    from atom_core.replay import replay
+
+    try:
+        with open(args.file) as f:
+            v = replay(f)
+    except OSError as exc:
+        print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if args.json:
+        _emit(attrs_dict(v))
+    elif v.ok:
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(v.counts.items()))
+        print(f"OK: {v.steps} steps, every one allowed by the spec ({counts})")
+    else:
+        print(f"line {v.line}: {v.error} (after {v.steps} good steps)")
+    return 0 if v.ok else 1
+
+
+def attrs_dict(obj: Any) -> dict[str, Any]:
+    import attrs
+
+    return attrs.asdict(obj)
+
+
 def _positive(text: str) -> int:
     v = int(text)
     if v <= 0:
@@ -162,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-lanes", type=_positive, default=4, help="cutoff for bounded proofs")
     v.add_argument("--max-blocks", type=_positive, default=8, help="cutoff for bounded proofs")
     v.set_defaults(fn=cmd_verify)
+
+    t = sub.add_parser("check-trace", help="replay a batcher trace (JSONL) through the spec")
+    t.add_argument("file")
+    t.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    t.set_defaults(fn=cmd_check_trace)
 
     for name, fn, help_ in (
             ("check-config", cmd_check_config, "is this configuration safe? if not, show why"),

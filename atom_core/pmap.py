@@ -39,7 +39,25 @@ class PMap:
         return self._base.get(key, self._default)
 
     def set(self, key: Hashable, value: Any) -> PMap:
-        return self.set_many(((key, value),))
+        # The one-key case of set_many, inlined: it is on every transition's hot path.
+        base, delta, default = self._base, self._delta, self._default
+        cur = delta[key] if key in delta else base.get(key, _GONE)
+        if value is default or value == default:
+            value = _GONE
+        if cur is value:
+            return self
+        n = self._len + (cur is _GONE) - (value is _GONE)
+        if (base[key] is value) if key in base else (value is _GONE):
+            delta = delta.copy()
+            del delta[key]  # back to the base state: drop the delta entry
+        else:
+            delta = delta.copy()
+            delta[key] = value
+            if len(delta) > 32 and len(delta) > len(base) // 8:  # max(32, ...) without a call
+                base, delta = _merge(base, delta), {}
+        out = object.__new__(PMap)
+        out._base, out._delta, out._default, out._len = base, delta, default, n
+        return out
 
     def set_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> PMap:
         if isinstance(items, Mapping):
@@ -63,10 +81,7 @@ class PMap:
         if not copied:
             return self
         if len(delta) > max(32, len(base) // 8):
-            base = {**base, **delta}
-            for k in [k for k, v in delta.items() if v is _GONE]:
-                del base[k]
-            delta = {}
+            base, delta = _merge(base, delta), {}
         out = object.__new__(PMap)
         out._base, out._delta, out._default, out._len = base, delta, default, n
         return out
@@ -105,6 +120,14 @@ class PMap:
 
     def __repr__(self) -> str:
         return f"PMap({self.to_dict()!r}, default={self._default!r})"
+
+
+def _merge(base: dict[Any, Any], delta: dict[Any, Any]) -> dict[Any, Any]:
+    """A new base: `base` with `delta` applied (neither is mutated)."""
+    out = {**base, **delta}
+    for k in [k for k, v in delta.items() if v is _GONE]:
+        del out[k]
+    return out
 
 
 def _is(a: Any, b: Any) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from atom_core._generated import core as g
-from atom_core.seq import TokSeq
+from atom_core.seq import TokSeq, take
 
 
 class Choice(NamedTuple):
@@ -72,9 +72,12 @@ class Policy:
         """(src, n) of the longest hit (most recently used among equals), or None."""
         c = s.consts.C
         limit = (len(prompt) - 1) // c * c  # at least one prompt token is recomputed
+        if limit < c:
+            return None
+        first = take(prompt, c)
         best: tuple[int, int] | None = None
         for b in range(s.consts.K):
-            if s.owner[b] != g.OWNER_CACHE:
+            if s.owner[b] != g.OWNER_CACHE or s.head[b] != first:
                 continue
             key = s.key[b]
             n = common_chunks(key, prompt, c, min(limit, len(key) // c * c))

@@ -135,6 +135,11 @@ def _view(buf: list[int], n: int) -> TokSeq:
     return s
 
 
+def empty() -> TokSeq:
+    """The empty sequence."""
+    return _view([], 0)
+
+
 def seq(tokens: Iterable[int]) -> TokSeq:
     """A sequence holding `tokens` (each must be an integer, e.g. int or numpy integer)."""
     buf = [index(t) for t in tokens]

@@ -42,7 +42,8 @@ class TokenWindow:
         self._memo: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
 
     def ops(self) -> dict[str, Callable[..., Any]]:
-        return {"take": self.take, "push": self.push, "slen": self.len}
+        return {"take": self.take, "push": self.push, "slen": self.len,
+                "empty": lambda: self.mk(0, *[0] * self.width)}
 
     def take(self, s: Any, n: Any) -> Any:
         k = (s.get_id(), n.get_id() if z3.is_ast(n) else n)

@@ -368,8 +368,8 @@ class Analysis:
         kids = _children(e)
         ok = all(self.total(c) for c in kids)
         if t is App:
-            if isinstance(e.fn, Op):
-                ok = False
+            if isinstance(e.fn, Op):  # value-sort ops are total on values (atom_core.seq)
+                ok = ok and not any(self.nullable(a) for a in e.args)
             elif isinstance(e.fn, StateFn):
                 ok = ok and not any(s.kind == "index" and self.nullable(a)
                                     for a, s in zip(e.args, e.fn.args, strict=True))
@@ -1400,6 +1400,9 @@ class Generator:
             parts.append("\n\n")
             parts.append(self._action_fn(a))
             parts.append("\n\n")
+            if a.effects:
+                parts.append(self._plan_fn(a))
+                parts.append("\n\n")
         items = []
         for a in self.model.actions:
             pn = _tuple([f'"{p.name}"' for p in a.params])
@@ -1518,6 +1521,28 @@ class Generator:
                 b.indent += 4
                 self._emit_nodes(b, n[3], fail)
                 b.indent -= 4
+
+    def _plan_fn(self, a: Any) -> str:
+        head = (f"def {a.name}_plan({self._signature(a)}) -> tuple[Any, ...] | str:\n"
+                + self._docstring(
+                    f"The effects `{a.name}` would have, or the first failing guard's name.\n\n"
+                    "A parameter no effect reads (a token the planned call will sample) may\n"
+                    "be None."))
+
+        def build(counts: dict[tuple[Any, ...], int] | None) -> Body:
+            b = Body(self, params=a.params, consts="s.consts", states={False: "s"},
+                     mode="action effect", counts=counts, local_names="s")
+            b.select_memos([(g, ()) for _, g in a.guards]
+                           + [(v, ()) for eff in a.effects for v in eff.args.values()])
+            for name, g in a.guards:
+                self._guard_stmt(b, name, g, f'return "{name}"')
+            effects = [_call(self.effects[eff.name][0], [b._at(v, b.env0, TERN)
+                                                         for v in eff.args.values()])
+                       for eff in a.effects]
+            b.stmt(["return ", _tuple(effects)])
+            return b
+
+        return head + self._two_pass(build)
 
     def _action_fn(self, a: Any) -> str:
         head = (f"def {a.name}({self._signature(a)}) -> Step:\n"

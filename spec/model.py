@@ -61,6 +61,7 @@ m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
 
 # ---------------------------------------------------------------- token sequences
+empty = m.op("empty", [], Seq, doc="no tokens")
 take = m.op("take", [Seq, INT], Seq, doc="the first n tokens")
 push = m.op("push", [Seq, INT], Seq, doc="append one token")
 slen = m.op("slen", [Seq], INT, doc="number of tokens")
@@ -71,6 +72,8 @@ owner = m.fn("owner", [Block], Owner,
              doc="who holds the block; a function, so every block has exactly one owner")
 owner_lane = m.fn("owner_lane", [Block], Lane, doc="the lane, when owner is LANE")
 key = m.fn("key", [Block], Seq, doc="the tokens a cache entry is indexed by")
+head = m.fn("head", [Block], Seq,
+            doc="the key's first chunk, kept so that a miss compares chunks without slicing")
 holds = m.fn("holds", [Block], Seq, ghost=True, doc="the tokens whose KV the block holds")
 junk = m.fn("junk", [Block], BOOL, init=True, ghost=True,
             doc="the block was scribbled on (padding rows, failed writes)")
@@ -89,7 +92,8 @@ copy_src = m.fn("copy_src", [Lane], Block, doc="the cache entry an in-flight cop
 # ---------------------------------------------------------------- state: requests
 phase = m.fn("phase", [Req], Phase, init=Phase.NONE)
 req_lane = m.fn("req_lane", [Req], Lane, doc="the lane of a running request")
-prompt = m.fn("prompt", [Req], Seq, doc="the prompt of a submitted request")
+prompt = m.fn("prompt", [Req], Seq, init=lambda r: empty(),
+              doc="the prompt of a submitted request")
 
 
 # ---------------------------------------------------------------- definitions
@@ -111,8 +115,8 @@ def prefilling(l):
 
 def hit_ok(r, b):
     """Entry b shares at least the prompt's first chunk, and a token is left to compute."""
-    return ((owner(b) == Owner.CACHE) & (slen(key(b)) >= C) & (slen(prompt(r)) > C)
-            & (take(key(b), C) == take(prompt(r), C)))
+    return ((slen(prompt(r)) > C) & (owner(b) == Owner.CACHE)
+            & (head(b) == take(prompt(r), C)) & (slen(key(b)) >= C))
 
 
 def pinned(b):
@@ -263,7 +267,8 @@ def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
     assign_all(junk, lambda b: junk(b) | exists(Lane, lambda l: (row_block(l, pad) == b) & ~(
         decoding(l) & (owner(b) == Owner.LANE) & (owner_lane(b) == l))))
     emit("decode", rows=vector(Lane, lambda l: row_block(l, pad)),
-         positions=vector(Lane, lambda l: ite(decoding(l), length(l), 0)))
+         positions=vector(Lane, lambda l: ite(decoding(l), length(l), 0)),
+         live=vector(Lane, lambda l: decoding(l)))
 
 
 @m.action
@@ -274,6 +279,7 @@ def finish(l: Lane, keep: BOOL):
     b = table(l)
     assign(phase(lane_req(l)), Phase.FINISHED)
     assign(key(b), take(lane_seq(l), length(l)))
+    assign(head(b), take(take(lane_seq(l), length(l)), C))
     release(l, keep)
     emit("release", lane=l, block=b)
 
@@ -304,6 +310,16 @@ def fail(l: Lane):
     emit("release", lane=l, block=table(l))
 
 
+@m.action
+def discard(b: Block):
+    """A failed runtime call may have written into b, a block no lane owns (the padding target):
+    whatever it held is gone, and a cache entry there is dropped."""
+    require("not_a_lane_block", one_of(owner(b), Owner.FREE, Owner.CACHE, Owner.SCRATCH))
+    require("not_pinned", ~pinned(b))
+    assign(owner(b), ite(owner(b) == Owner.CACHE, Owner.FREE, owner(b)))
+    assign(junk(b), True)
+
+
 # ---------------------------------------------------------------- invariants
 inv = m.invariant
 
@@ -331,6 +347,8 @@ inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
     busy(l) & ~copying(l), ~junk(table(l)) & (holds(table(l)) == take(lane_seq(l), length(l))))))
 inv("cache_key_is_content", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
+inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
+    owner(b) == Owner.CACHE, head(b) == take(key(b), C))))
 
 # Fit: a prompt that could never fit a block is never accepted.
 inv("waiting_prompt_fits", forall(Req, lambda r: implies(

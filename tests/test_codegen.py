@@ -189,7 +189,7 @@ def test_state_layout() -> None:
     s = core.init(CONSTS, ghost=False)
     assert s.owner == (core.OWNER_SCRATCH, core.OWNER_FREE, core.OWNER_FREE, core.OWNER_FREE)
     assert s.busy == (False, False) and s.lane_seq == (None, None)
-    assert s.phase.get(12345) == core.PHASE_NONE and s.prompt.get(12345) is None
+    assert s.phase.get(12345) == core.PHASE_NONE and len(s.prompt.get(12345)) == 0
     assert s.holds is None and s.junk is None
     assert core.OWNER_NAMES[core.OWNER_CACHE] == "CACHE"
     assert core.INVARIANTS[-1] == "one_scratch_block_when_reserved"

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from atom_core.pmap import PMap
-from atom_core.seq import TokSeq, push, slen, take
+from atom_core.seq import TokSeq, empty, push, slen, take
 
 # --------------------------------------------------------------------------- sorts
 OWNER_FREE = 0
@@ -62,6 +62,8 @@ class State:
     owner_lane: tuple[int, ...]
     # key(Block) -> Seq: the tokens a cache entry is indexed by
     key: tuple[TokSeq | None, ...]
+    # head(Block) -> Seq: the key's first chunk, kept so that a miss compares chunks without slicing
+    head: tuple[TokSeq | None, ...]
     # holds(Block) -> Seq [ghost]: the tokens whose KV the block holds
     holds: tuple[TokSeq | None, ...] | None
     # junk(Block) -> Bool [ghost]: the block was scribbled on (padding rows, failed writes)
@@ -95,6 +97,7 @@ STATE_FIELDS = (
     "owner",
     "owner_lane",
     "key",
+    "head",
     "holds",
     "junk",
     "busy",
@@ -153,6 +156,7 @@ class Decode(NamedTuple):
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]
+    live: tuple[bool, ...]
 
 
 class Release(NamedTuple):
@@ -177,6 +181,7 @@ def init(consts: Consts, ghost: bool = True) -> State:
     ])
     owner_lane = (0,) * K
     key = (None,) * K
+    head = (None,) * K
     B = consts.B
     busy = (False,) * B
     lane_req = (None,) * B
@@ -188,7 +193,7 @@ def init(consts: Consts, ghost: bool = True) -> State:
     copy_src = (0,) * B
     phase = PMap(default=PHASE_NONE)
     req_lane = PMap()
-    prompt = PMap()
+    prompt = PMap(default=empty())
     if ghost:
         holds = (None,) * K
         junk = (True,) * K
@@ -200,6 +205,7 @@ def init(consts: Consts, ghost: bool = True) -> State:
         owner,
         owner_lane,
         key,
+        head,
         holds,
         junk,
         busy,
@@ -251,6 +257,7 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.owner,
         s.owner_lane,
         s.key,
+        s.head,
         s.holds,
         s.junk,
         s.busy,
@@ -285,18 +292,16 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     for l2 in range(s.consts.B):
         if copying[l2] and copy_src[l2] == dst:
             return "dst_reusable"
-    key = s.key
+    _m2 = s.prompt.get(r)
     C = s.consts.C
-    _m0 = s.prompt.get(r)
+    _m0 = slen(_m2) > C
+    head = s.head
+    _m1 = take(_m2, C)
+    key = s.key
     # no_cache_hit
     if s.consts.PREFIX:
         for b in range(s.consts.K):
-            if (
-                owner[b] == OWNER_CACHE
-                and slen(key[b]) >= C
-                and slen(_m0) > C
-                and take(key[b], C) == take(_m0, C)
-            ):
+            if _m0 and owner[b] == OWNER_CACHE and head[b] == _m1 and slen(key[b]) >= C:
                 return "no_cache_hit"
     return None
 
@@ -320,18 +325,17 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     for l2 in range(s.consts.B):
         if copying[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
-    key = s.key
+    _m3 = s.prompt.get(r)
+    _m2 = slen(_m3)
     C = s.consts.C
-    _m0 = s.prompt.get(r)
+    _m0 = _m2 > C
+    head = s.head
+    _m1 = take(_m3, C)
+    key = s.key
     # no_cache_hit
     if s.consts.PREFIX:
         for b in range(s.consts.K):
-            if (
-                owner[b] == OWNER_CACHE
-                and slen(key[b]) >= C
-                and slen(_m0) > C
-                and take(key[b], C) == take(_m0, C)
-            ):
+            if _m0 and owner[b] == OWNER_CACHE and head[b] == _m1 and slen(key[b]) >= C:
                 return Step(s, (), "no_cache_hit")
     new_busy = list(busy)
     new_busy[l] = True
@@ -346,10 +350,10 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     new_length[l] = 0
     new_length = tuple(new_length)
     new_lane_seq = list(s.lane_seq)
-    new_lane_seq[l] = _m0
+    new_lane_seq[l] = _m3
     new_lane_seq = tuple(new_lane_seq)
     new_lane_plen = list(s.lane_plen)
-    new_lane_plen[l] = slen(_m0)
+    new_lane_plen[l] = _m2
     new_lane_plen = tuple(new_lane_plen)
     new_phase = phase.set(r, PHASE_PREFILL)
     new_req_lane = s.req_lane.set(r, l)
@@ -362,7 +366,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     effects = (Admit(l, r, dst),)
     if s.ghost:
         new_holds = list(s.holds)
-        new_holds[dst] = take(_m0, 0)
+        new_holds[dst] = take(_m3, 0)
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
         new_junk[dst] = False
@@ -375,6 +379,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_owner,
         new_owner_lane,
         key,
+        head,
         new_holds,
         new_junk,
         new_busy,
@@ -390,6 +395,41 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str:
+    """The effects `admit_miss` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r) != PHASE_WAITING:
+        return "request_waiting"
+    owner = s.owner
+    copying = s.copying
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    _m2 = s.prompt.get(r)
+    C = s.consts.C
+    _m0 = slen(_m2) > C
+    head = s.head
+    _m1 = take(_m2, C)
+    key = s.key
+    # no_cache_hit
+    if s.consts.PREFIX:
+        for b in range(s.consts.K):
+            if _m0 and owner[b] == OWNER_CACHE and head[b] == _m1 and slen(key[b]) >= C:
+                return "no_cache_hit"
+    return (Admit(l, r, dst),)
 
 
 def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str | None:
@@ -523,6 +563,7 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         new_owner,
         new_owner_lane,
         key,
+        s.head,
         s.holds,
         new_junk,
         new_busy,
@@ -538,6 +579,53 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tuple[Any, ...] | str:
+    """The effects `admit_hit` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r) != PHASE_WAITING:
+        return "request_waiting"
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return "src_cached"
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return "n_whole_chunks"
+    if n % C != 0:
+        return "n_whole_chunks"
+    key = s.key
+    # n_within_entry
+    if n > slen(key[src]):
+        return "n_within_entry"
+    _m0 = s.prompt.get(r)
+    # token_left_to_compute
+    if n >= slen(_m0):
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], n) != take(_m0, n):
+        return "prefix_matches"
+    # dst_not_src
+    if dst == src:
+        return "dst_not_src"
+    copying = s.copying
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Admit(l, r, dst), Copy(l, src, dst, n))
 
 
 def copy_done_guard(s: State, l: int) -> str | None:
@@ -574,6 +662,7 @@ def copy_done(s: State, l: int) -> Step:
         s.owner,
         s.owner_lane,
         s.key,
+        s.head,
         new_holds,
         new_junk,
         s.busy,
@@ -644,6 +733,7 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.owner,
         s.owner_lane,
         s.key,
+        s.head,
         new_holds,
         s.junk,
         s.busy,
@@ -659,6 +749,26 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
+    """The effects `prefill` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return "lane_prefilling"
+    # no_copy_in_flight
+    if s.copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    _m0 = length[l] + s.consts.C
+    lane_plen = s.lane_plen
+    return (Prefill(l, s.table[l], length[l], (_m0 if _m0 < lane_plen[l] else lane_plen[l])),)
 
 
 def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
@@ -733,7 +843,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     ])
     table = s.table
     _m3 = tuple([(table[l] if _m0[l] else pad) for l in range(B)])
-    effects = (Decode(_m3, tuple([(length[l] if _m0[l] else 0) for l in range(B)])),)
+    effects = (Decode(_m3, tuple([(length[l] if _m0[l] else 0) for l in range(B)]), _m0),)
     if s.ghost:
         owner_lane = s.owner_lane
         holds = s.holds
@@ -767,6 +877,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         new_owner,
         s.owner_lane,
         s.key,
+        s.head,
         new_holds,
         new_junk,
         busy,
@@ -782,6 +893,47 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | str:
+    """The effects `decode` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    B = s.consts.B
+    length = s.length
+    S = s.consts.S
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    # no_block_overflow
+    for l in range(B):
+        if _m0[l] and length[l] >= S:
+            return "no_block_overflow"
+    owner = s.owner
+    copying = s.copying
+    copy_src = s.copy_src
+    # scratch_target_ok
+    if not all(_m0):
+        if s.consts.RESERVED:
+            if owner[pad] != OWNER_SCRATCH:
+                return "scratch_target_ok"
+        else:
+            if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
+                return "scratch_target_ok"
+            for l in range(B):
+                if copying[l] and copy_src[l] == pad:
+                    return "scratch_target_ok"
+    table = s.table
+    return (
+        Decode(
+            tuple([(table[l] if _m0[l] else pad) for l in range(B)]),
+            tuple([(length[l] if _m0[l] else 0) for l in range(B)]),
+            _m0,
+        ),
+    )
 
 
 def finish_guard(s: State, l: int, keep: bool) -> str | None:
@@ -813,8 +965,12 @@ def finish(s: State, l: int, keep: bool) -> Step:
     new_phase = phase.set(lane_req[l], PHASE_FINISHED)
     new_key = list(s.key)
     table = s.table
-    new_key[table[l]] = take(s.lane_seq[l], s.length[l])
+    _m0 = take(s.lane_seq[l], s.length[l])
+    new_key[table[l]] = _m0
     new_key = tuple(new_key)
+    new_head = list(s.head)
+    new_head[table[l]] = take(_m0, s.consts.C)
+    new_head = tuple(new_head)
     new_busy = list(busy)
     new_busy[l] = False
     new_busy = tuple(new_busy)
@@ -828,6 +984,7 @@ def finish(s: State, l: int, keep: bool) -> Step:
         new_owner,
         s.owner_lane,
         new_key,
+        new_head,
         s.holds,
         s.junk,
         new_busy,
@@ -843,6 +1000,23 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
+    """The effects `finish` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_decoding
+    if not s.busy[l]:
+        return "lane_decoding"
+    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+        return "lane_decoding"
+    # keep_needs_prefix_cache
+    if keep and not s.consts.PREFIX:
+        return "keep_needs_prefix_cache"
+    return (Release(l, s.table[l]),)
 
 
 def abort_waiting_guard(s: State, r: int) -> str | None:
@@ -866,6 +1040,7 @@ def abort_waiting(s: State, r: int) -> Step:
         s.owner,
         s.owner_lane,
         s.key,
+        s.head,
         s.holds,
         s.junk,
         s.busy,
@@ -915,6 +1090,7 @@ def abort_running(s: State, l: int) -> Step:
         new_owner,
         s.owner_lane,
         s.key,
+        s.head,
         s.holds,
         s.junk,
         new_busy,
@@ -930,6 +1106,18 @@ def abort_running(s: State, l: int) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
+    """The effects `abort_running` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_busy
+    if not s.busy[l]:
+        return "lane_busy"
+    return (Release(l, s.table[l]),)
 
 
 def fail_guard(s: State, l: int) -> str | None:
@@ -970,6 +1158,7 @@ def fail(s: State, l: int) -> Step:
         new_owner,
         s.owner_lane,
         s.key,
+        s.head,
         s.holds,
         new_junk,
         new_busy,
@@ -985,6 +1174,81 @@ def fail(s: State, l: int) -> Step:
         s.prompt,
     )
     return Step(new, effects, None)
+
+
+def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
+    """The effects `fail` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_busy
+    if not s.busy[l]:
+        return "lane_busy"
+    return (Release(l, s.table[l]),)
+
+
+def discard_guard(s: State, b: int) -> str | None:
+    """The first failing guard conjunct of `discard`, or None."""
+    owner = s.owner
+    # not_a_lane_block
+    if not (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE or owner[b] == OWNER_SCRATCH):
+        return "not_a_lane_block"
+    copying = s.copying
+    copy_src = s.copy_src
+    # not_pinned
+    for l in range(s.consts.B):
+        if copying[l] and copy_src[l] == b:
+            return "not_pinned"
+    return None
+
+
+def discard(s: State, b: int) -> Step:
+    """A failed runtime call may have written into b, a block no lane owns (the padding target):
+    whatever it held is gone, and a cache entry there is dropped.
+    """
+    owner = s.owner
+    _m0 = owner[b] == OWNER_CACHE
+    # not_a_lane_block
+    if not (owner[b] == OWNER_FREE or _m0 or owner[b] == OWNER_SCRATCH):
+        return Step(s, (), "not_a_lane_block")
+    copying = s.copying
+    copy_src = s.copy_src
+    # not_pinned
+    for l in range(s.consts.B):
+        if copying[l] and copy_src[l] == b:
+            return Step(s, (), "not_pinned")
+    new_owner = list(owner)
+    new_owner[b] = (OWNER_FREE if _m0 else owner[b])
+    new_owner = tuple(new_owner)
+    if s.ghost:
+        new_junk = list(s.junk)
+        new_junk[b] = True
+        new_junk = tuple(new_junk)
+    else:
+        new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        new_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        copying,
+        copy_src,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, (), None)
 
 
 # name -> (action, guard, parameter names, parameter sorts)
@@ -1004,6 +1268,7 @@ ACTIONS = {
     "abort_waiting": (abort_waiting, abort_waiting_guard, ("r",), ("Req",)),
     "abort_running": (abort_running, abort_running_guard, ("l",), ("Lane",)),
     "fail": (fail, fail_guard, ("l",), ("Lane",)),
+    "discard": (discard, discard_guard, ("b",), ("Block",)),
 }
 
 
@@ -1034,6 +1299,7 @@ INVARIANTS = (
     "running_request_has_lane",
     "lane_holds_its_tokens",
     "cache_key_is_content",
+    "cache_head_is_first_chunk",
     "waiting_prompt_fits",
     "lane_prompt_fits",
     "copy_only_while_prefilling",
@@ -1129,6 +1395,12 @@ def check_invariants(s: State) -> list[str]:
             for b in range(K)
         ):
             bad.append("cache_key_is_content")
+    head = s.head
+    key = s.key
+    C = s.consts.C
+    # cache_head_is_first_chunk
+    if not all(owner[b] != OWNER_CACHE or head[b] == take(key[b], C) for b in range(K)):
+        bad.append("cache_head_is_first_chunk")
     prompt = s.prompt
     S = s.consts.S
     # waiting_prompt_fits
@@ -1159,7 +1431,6 @@ def check_invariants(s: State) -> list[str]:
         if not all(not copying[l] or junk[table[l]] for l in range(B)):
             bad.append("copy_target_not_ready")
     length = s.length
-    key = s.key
     lane_seq = s.lane_seq
     # copy_source_holds_prefix
     if not all(
@@ -1180,7 +1451,6 @@ def check_invariants(s: State) -> list[str]:
     # decode_after_prompt
     if not all(not (busy[l] and _m1[l]) or lane_plen[l] <= length[l] for l in range(B)):
         bad.append("decode_after_prompt")
-    C = s.consts.C
     # prefill_on_chunk_boundary
     if not all(not _m3[l] or length[l] % C == 0 for l in range(B)):
         bad.append("prefill_on_chunk_boundary")
@@ -1323,6 +1593,7 @@ def describe_state(s: State) -> dict[str, Any]:
     out["owner"] = [_name(OWNER_NAMES, x) for x in s.owner]
     out["owner_lane"] = list(s.owner_lane)
     out["key"] = [_tokens(x) for x in s.key]
+    out["head"] = [_tokens(x) for x in s.head]
     out["holds"] = None if s.holds is None else [_tokens(x) for x in s.holds]
     out["junk"] = None if s.junk is None else list(s.junk)
     out["busy"] = list(s.busy)

@@ -1,0 +1,295 @@
+"""AtomBatcher: the thin imperative adapter between the verified core and a runtime.
+
+It holds the core state, asks the policy for choices, applies core transitions and executes
+their effects on the runtime. It decides nothing the spec decides: every guard and update lives
+in `atom_core/_generated/core.py`; what a runtime call touches comes from the transition's
+effects (`*_plan` gives them before the call, for calls whose result the transition needs).
+
+One prefill per step (a prefix-hit copy first, then only the chunks not yet computed),
+otherwise one decode call over every row. A runtime error fails the requests it touched and
+nothing else: the batcher keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterable
+from typing import IO, Any
+
+import attrs
+import torch
+
+from atom_core._generated import core
+from atom_core.config import Config
+from atom_core.policy import Policy
+from atom_core.seq import TokSeq, seq
+
+
+@attrs.frozen
+class Event:
+    kind: str  # "token" | "finished" | "error"
+    request_id: int
+    token: int | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class Result:
+    tokens: list[int]
+    error: str | None = None
+
+
+@attrs.define
+class Stats:
+    prefill_tokens: int = 0  # prompt tokens computed by prefill
+    prefix_hit_tokens: int = 0  # prompt tokens copied from the prefix cache instead
+    decode_steps: int = 0
+    decode_rows_padding: int = 0
+    generated_tokens: int = 0
+    runtime_errors: int = 0
+
+
+@attrs.define
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_id: int | None
+    tokens: list[int] = attrs.Factory(list)
+    error: str | None = None
+    ended: bool = False
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"core state violates invariants: {', '.join(names)}")
+        self.names = names
+
+
+class CoreRejected(RuntimeError):
+    """The adapter asked the core for a transition its guard forbids: a bug in the adapter or
+    the policy, never in the request."""
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, TokSeq):
+        return list(v)
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+class AtomBatcher:
+    def __init__(self, config: Config, runtime: Any, *, policy: Policy | None = None,
+                 ghost: bool = False, trace: IO[str] | None = None) -> None:
+        self.config, self.runtime = config, runtime
+        self.policy = policy or Policy()
+        self.state = core.init(config.consts(), ghost=ghost)
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[int] = deque()
+        self.stats = Stats()
+        self._next_id = 0
+        self._trace = trace
+        if trace is not None:
+            trace.write(json.dumps({"consts": attrs.asdict(config.consts())}) + "\n")
+
+    # --------------------------------------------------------------- client API
+    def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
+               eos_token_id: int | None = None) -> int:
+        prompt = [int(t) for t in prompt_ids]
+        vocab = getattr(self.runtime, "vocab_size", None)
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt has token ids outside the vocabulary 0..{vocab - 1}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        s = self.config.max_seq_len
+        if len(prompt) >= s:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens can never fit: max_seq_len={s} holds at most "
+                f"{s - 1} prompt tokens plus the first generated one; shorten the prompt")
+        rid = self._next_id
+        self._apply("submit", r=rid, p=seq(prompt))
+        self._next_id += 1
+        self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id)
+        self.waiting.append(rid)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        """End a request early. False (and nothing changes) for an unknown or ended request."""
+        req = self.requests.get(request_id)
+        if req is None or req.ended:
+            return False
+        phase = self.state.phase.get(request_id)
+        if phase == core.PHASE_WAITING:
+            self.waiting.remove(request_id)
+            self._apply("abort_waiting", r=request_id)
+        else:
+            self._apply("abort_running", l=self.state.req_lane.get(request_id))
+        req.ended, req.error = True, "aborted"
+        return True
+
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        self._admit(events)
+        lane = self._prefilling_lane()
+        if lane is not None:
+            self._prefill(lane, events)
+        else:
+            self._decode(events)
+        return events
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(self.state.busy)
+
+    def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
+        steps = 0
+        while self.busy():
+            self.step()
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                raise RuntimeError(f"not done after {max_steps} steps")
+        return {rid: Result(list(r.tokens), r.error) for rid, r in self.requests.items()}
+
+    def check_invariants(self) -> None:
+        bad = core.check_invariants(self.state)
+        if bad:
+            raise InvariantViolation(bad)
+
+    def describe(self) -> dict[str, Any]:
+        s = self.state
+        pins = self.policy.pinned(s)
+        lanes = [{"lane": ln, "request": s.lane_req[ln] if s.busy[ln] else None,
+                  "length": s.length[ln] if s.busy[ln] else 0} for ln in range(s.consts.B)]
+        owners = []
+        for b in range(s.consts.K):
+            own = core.OWNER_NAMES[s.owner[b]].lower()
+            if own == "lane":
+                own = f"lane:{s.owner_lane[b]}"
+            elif b in pins:
+                own = "pinned"
+            owners.append(own)
+        cache = [{"block": b, "tokens": len(s.key[b]), "last_use": self.policy.last_use.get(b, 0)}
+                 for b in range(s.consts.K) if s.owner[b] == core.OWNER_CACHE]
+        return {"lanes": lanes, "blocks": owners, "cache": cache,
+                "waiting": list(self.waiting), "stats": attrs.asdict(self.stats)}
+
+    # --------------------------------------------------------------- core plumbing
+    def _apply(self, action: str, **args: Any) -> core.Step:
+        step = core.ACTIONS[action][0](self.state, **args)
+        if step.rejected is not None:
+            raise CoreRejected(f"{action}({args}) rejected by guard {step.rejected}")
+        self.state = step.state
+        self.policy.observe(step.effects)
+        if self._trace is not None:
+            rec = {"action": action, "args": {k: _plain(v) for k, v in args.items()},
+                   "effects": [[type(e).__name__, [_plain(x) for x in e]] for e in step.effects]}
+            self._trace.write(json.dumps(rec) + "\n")
+        return step
+
+    def _end(self, lane: int, events: list[Event], error: str | None) -> None:
+        rid = self.state.lane_req[lane]
+        req = self.requests[rid]
+        if error is None:
+            self._apply("finish", l=lane, keep=self.config.prefix_cache)
+            events.append(Event("finished", rid))
+        else:
+            self._apply("fail", l=lane)
+            self.stats.runtime_errors += 1
+            req.error = error
+            events.append(Event("error", rid, error=error))
+        req.ended = True
+
+    def _emit_token(self, lane: int, tok: int, events: list[Event]) -> None:
+        rid = self.state.lane_req[lane]
+        req = self.requests[rid]
+        req.tokens.append(tok)
+        self.stats.generated_tokens += 1
+        events.append(Event("token", rid, token=tok))
+        full = self.state.length[lane] >= self.config.max_seq_len
+        if (tok == req.eos_token_id or len(req.tokens) >= req.max_new_tokens or full):
+            self._end(lane, events, None)
+
+    # --------------------------------------------------------------- admission
+    def _admit(self, events: list[Event]) -> None:
+        while self.waiting:
+            rid = self.waiting[0]
+            choice = self.policy.admission(self.state, rid)
+            if choice is None:
+                return
+            self.waiting.popleft()
+            step = self._apply(choice.action, **choice.args)
+            for eff in step.effects:
+                if isinstance(eff, core.Copy):
+                    try:
+                        self.runtime.copy_kv_cache(eff.src, eff.dst, eff.n)
+                    except Exception as exc:  # noqa: BLE001 - any runtime failure fails this one
+                        self._end(eff.lane, events, f"copy_kv_cache failed: {exc!r}")
+                        continue
+                    self._apply("copy_done", l=eff.lane)
+                    self.stats.prefix_hit_tokens += eff.n
+
+    # --------------------------------------------------------------- prefill
+    def _prefilling_lane(self) -> int | None:
+        s = self.state
+        for ln in range(s.consts.B):
+            if core.prefill_guard(s, ln, 0) is None:
+                return ln
+        return None
+
+    def _prefill(self, lane: int, events: list[Event]) -> None:
+        (eff,) = core.prefill_plan(self.state, lane, None)
+        rid = self.state.lane_req[lane]
+        prompt = self.requests[rid].prompt
+        c = self.config.prefill_chunk
+        chunk = prompt[eff.start:eff.end]
+        ids = torch.zeros((1, c), dtype=torch.int64)
+        ids[0, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+        pos = torch.arange(eff.start, eff.start + c, dtype=torch.int32).unsqueeze(0)
+        table = torch.tensor([eff.block], dtype=torch.int16)
+        try:
+            logits = self.runtime.prefill(ids, pos, table, None,
+                                          torch.tensor(len(chunk) - 1, dtype=torch.int16))
+            tok = int(torch.argmax(logits[0, -1]))
+        except Exception as exc:  # noqa: BLE001
+            self._end(lane, events, f"prefill failed: {exc!r}")
+            return
+        self.stats.prefill_tokens += len(chunk)
+        self._apply("prefill", l=lane, tok=tok)
+        if eff.end == len(prompt):
+            self._emit_token(lane, tok, events)
+
+    # --------------------------------------------------------------- decode
+    def _decode(self, events: list[Event]) -> None:
+        s = self.state
+        pad = self.policy.pad(s)
+        plan = core.decode_plan(s, pad, None)
+        if isinstance(plan, str):
+            return  # no lane decodes, or no padding target yet (a prefill will come first)
+        (eff,) = plan
+        lanes = [ln for ln, live in enumerate(eff.live) if live]
+        if not lanes:
+            return
+        b = s.consts.B
+        ids = torch.zeros((b, 1), dtype=torch.int64)
+        for ln in lanes:
+            ids[ln, 0] = self.requests[s.lane_req[ln]].tokens[-1]
+        pos = torch.tensor(eff.positions, dtype=torch.int32).unsqueeze(1)
+        tables = torch.tensor(eff.rows, dtype=torch.int16).unsqueeze(1)
+        try:
+            logits = self.runtime.decode(ids, pos, tables, None)
+            toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
+        except Exception as exc:  # noqa: BLE001
+            # Every row was computed, so every row's target may be half-written.
+            for ln in lanes:
+                self._end(ln, events, f"decode failed: {exc!r}")
+            if not all(eff.live):
+                self._apply("discard", b=pad)
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_rows_padding += b - len(lanes)
+        self._apply("decode", pad=pad, tok=tuple(int(t) for t in toks))
+        for ln in lanes:
+            self._emit_token(ln, int(toks[ln]), events)

@@ -1,0 +1,84 @@
+"""Replay a recorded batcher trace (JSONL) through the generated core.
+
+The first line holds the configuration constants; each following line one applied transition
+(`{"action", "args", "effects"}`). Replaying checks that the spec allows every step, that the
+recorded effects are the ones the spec produces, and that every invariant holds after it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from atom_core._generated import core
+from atom_core.seq import seq
+
+
+@attrs.frozen
+class Verdict:
+    ok: bool
+    steps: int
+    counts: dict[str, int]
+    error: str | None = None  # what the first bad step did wrong
+    line: int | None = None  # its line number in the file
+
+
+def _args(action: str, raw: dict[str, Any]) -> dict[str, Any]:
+    sorts = dict(zip(core.ACTIONS[action][2], core.ACTIONS[action][3], strict=True))
+    out = {}
+    for k, v in raw.items():
+        s = sorts.get(k)
+        if s is None:
+            raise ValueError(f"{action} has no parameter {k!r}")
+        out[k] = seq(v) if s == "Seq" else tuple(v) if s.startswith("(") else v
+    return out
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def replay(lines: Iterable[str]) -> Verdict:
+    it = enumerate(lines, start=1)
+    counts: Counter[str] = Counter()
+    try:
+        _, head = next(it)
+        consts = core.Consts(**json.loads(head)["consts"])
+    except (StopIteration, KeyError, TypeError, ValueError) as exc:
+        return Verdict(False, 0, {}, f"first line must be {{\"consts\": ...}}: {exc}", 1)
+    s = core.init(consts, ghost=True)
+    steps = 0
+    for no, line in it:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            action = rec["action"]
+            if action not in core.ACTIONS:
+                raise ValueError(f"unknown action {action!r}")
+            args = _args(action, rec["args"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return Verdict(False, steps, dict(counts), f"unreadable step: {exc}", no)
+        step = core.ACTIONS[action][0](s, **args)
+        if step.rejected is not None:
+            return Verdict(False, steps, dict(counts),
+                           f"{action}{rec['args']} is not allowed: guard {step.rejected} fails",
+                           no)
+        if "effects" in rec:
+            mine = [[type(e).__name__, [_plain(x) for x in e]] for e in step.effects]
+            if mine != rec["effects"]:
+                return Verdict(False, steps, dict(counts),
+                               f"{action}: recorded effects {rec['effects']} differ from the "
+                               f"spec's {mine}", no)
+        bad = core.check_invariants(step.state) + core.check_transition(s, step.state)
+        if bad:
+            return Verdict(False, steps, dict(counts),
+                           f"{action}: invariants {bad} fail after this step", no)
+        s = step.state
+        steps += 1
+        counts[action] += 1
+    return Verdict(True, steps, dict(counts))

@@ -1,0 +1,216 @@
+"""The runtime interface the batcher drives, shaped like the RBLN compiled graphs.
+
+One prefill graph (batch 1, a chunk of C tokens) and one or more decode graphs (B rows, one token
+each), called with positional tensors of fixed dtypes and shapes (DESIGN.md section 3):
+
+    prefill(input_ids i64 [1,C], cache_position i32 [1,C], block_tables i16 [T],
+            local_block_tables i16 [1] | None, query_position i16 []) -> logits [1,1,V]
+    decode(input_ids i64 [B,1], cache_position i32 [B,1], block_tables i16 [B,T],
+           local_block_tables i16 [B,1] | None) -> logits [B,1,V]
+
+A decode graph computes every one of its rows and writes each row's KV at
+(block_tables[row, pos // block_size], pos % block_size), so the caller must aim rows it does not
+care about at a block whose content does not matter (the scratch block).
+
+Both runtimes accept any integer tensor (or nested list) of the right shape and convert it to the
+graph's dtype; a wrong shape, a non-integer dtype, a value that does not fit the dtype, or a
+position/block id out of range raises `RuntimeInputError` before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "Runtime",
+    "RuntimeInputError",
+    "as_int_tensor",
+    "check_decode_inputs",
+    "check_prefill_inputs",
+    "smallest_decode_batch",
+]
+
+
+class RuntimeInputError(ValueError):
+    """A runtime call whose tensors do not match the compiled graph; nothing was run."""
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A KV-cache model runtime with RBLN graph semantics.
+
+    Attributes: `num_blocks` (K), `block_size`, `max_seq_len` (S), `prefill_chunk` (C),
+    `batch_size` (rows of the largest decode graph), `decoder_batch_sizes` (the compiled decode
+    graphs' row counts, largest first; `decoder_batch_sizes[0] == batch_size`), `vocab_size` (V),
+    `uses_local_block_tables` (hybrid models: pass `local_block_tables`, else pass None).
+    """
+
+    num_blocks: int
+    block_size: int
+    max_seq_len: int
+    prefill_chunk: int
+    batch_size: int
+    decoder_batch_sizes: tuple[int, ...]
+    vocab_size: int
+    uses_local_block_tables: bool
+
+    def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
+                local_block_tables: Any, query_position: Any) -> torch.Tensor:
+        """Run one prefill chunk; logits [1,1,V] of the token at `query_position` in the chunk."""
+        ...
+
+    def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
+               local_block_tables: Any) -> torch.Tensor:
+        """Run the decode graph whose row count is `input_ids.shape[0]`; logits [B,1,V]."""
+        ...
+
+    def decode_batch_size(self, busy_rows: Iterable[int]) -> int:
+        """Rows of the smallest decode graph whose first rows include every busy row."""
+        ...
+
+    def copy_kv_cache(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy positions [0, num_tokens) of block `src` to block `dst`, all layers, on device."""
+        ...
+
+    def fetch_kv_cache(self, host_tensor: Any, block: int) -> None:
+        """Copy block `block` (all layers) from the device into `host_tensor`."""
+        ...
+
+    def update_kv_cache(self, host_tensor: Any, block: int) -> None:
+        """Copy `host_tensor` (from `fetch_kv_cache`) into block `block` on the device."""
+        ...
+
+    def new_host_buffer(self) -> torch.Tensor:
+        """A host buffer that holds one block for `fetch_kv_cache` / `update_kv_cache`."""
+        ...
+
+
+def smallest_decode_batch(sizes: Sequence[int], busy_rows: Iterable[int]) -> int:
+    """The smallest of `sizes` whose first rows contain every row in `busy_rows`.
+
+    A smaller decode graph computes only its first rows, so it may serve a step only when every
+    busy row is below its row count; the tensors passed to it must then have exactly that many
+    rows. With no busy rows the smallest graph is returned (the caller usually skips the step).
+    """
+    rows = [int(r) for r in busy_rows]
+    if any(r < 0 for r in rows):
+        raise RuntimeInputError(f"busy rows must be >= 0, got {sorted(rows)}")
+    need = max(rows, default=-1) + 1
+    fits = [b for b in sizes if b >= need]
+    if not fits:
+        raise RuntimeInputError(
+            f"busy row {need - 1} is beyond the largest decode graph ({max(sizes)} rows)")
+    return min(fits)
+
+
+_RANGES = {
+    torch.int16: (-(2**15), 2**15 - 1),
+    torch.int32: (-(2**31), 2**31 - 1),
+    torch.int64: (-(2**63), 2**63 - 1),
+}
+
+
+def as_int_tensor(name: str, value: Any, dtype: torch.dtype,
+                  shape: tuple[int, ...]) -> torch.Tensor:
+    """`value` as a contiguous CPU tensor of exactly `dtype` and `shape`, or RuntimeInputError."""
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise RuntimeInputError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise RuntimeInputError(
+            f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype and t.numel():
+        lo, hi = _RANGES[dtype]
+        if int(t.min()) < lo or int(t.max()) > hi:
+            raise RuntimeInputError(f"{name} has values outside {dtype}: "
+                                    f"[{int(t.min())}, {int(t.max())}]")
+    return t.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def _check_blocks(name: str, entries: torch.Tensor, num_blocks: int, what: str) -> None:
+    if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
+        raise RuntimeInputError(
+            f"{name} {entries.tolist()} has a block id outside 0..{num_blocks - 1} {what}")
+
+
+def check_prefill_inputs(
+    rt: Runtime, input_ids: Any, cache_position: Any, block_tables: Any,
+    local_block_tables: Any, query_position: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Validate and convert prefill arguments to the graph's exact dtypes and shapes.
+
+    Besides shapes and dtypes: cache positions must be one chunk start..start+C-1 with start a
+    multiple of C inside max_seq_len, query_position must be inside the chunk, and the block-table
+    entries covering positions 0..start+C-1 (all read or written) must be valid block ids.
+    """
+    c, t = rt.prefill_chunk, rt.max_seq_len // rt.block_size
+    ids = as_int_tensor("input_ids", input_ids, torch.int64, (1, c))
+    pos = as_int_tensor("cache_position", cache_position, torch.int32, (1, c))
+    bt = as_int_tensor("block_tables", block_tables, torch.int16, (t,))
+    lbt = _check_local("prefill", rt, local_block_tables, (1,))
+    qp = as_int_tensor("query_position", query_position, torch.int16, ())
+    start = int(pos[0, 0])
+    if start % c or not 0 <= start <= rt.max_seq_len - c:
+        raise RuntimeInputError(
+            f"prefill chunk starts at cache position {start}, which must be a multiple of the "
+            f"chunk size {c} in 0..{rt.max_seq_len - c}")
+    expect = torch.arange(start, start + c, dtype=torch.int32)
+    if not torch.equal(pos[0], expect):
+        raise RuntimeInputError(
+            f"cache_position must be {start}..{start + c - 1} in order, got {pos[0].tolist()}")
+    if not 0 <= int(qp) < c:
+        raise RuntimeInputError(f"query_position {int(qp)} is outside the chunk 0..{c - 1}")
+    _check_blocks("block_tables", bt[: (start + c - 1) // rt.block_size + 1], rt.num_blocks,
+                  f"for positions 0..{start + c - 1}")
+    return ids, pos, bt, lbt, qp
+
+
+def check_decode_inputs(
+    rt: Runtime, input_ids: Any, cache_position: Any, block_tables: Any,
+    local_block_tables: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Validate and convert decode arguments for the graph with `input_ids.shape[0]` rows.
+
+    Every row is a computed row: its position must be in 0..max_seq_len-1 and the block-table
+    entries covering positions 0..pos must be valid block ids (padding rows included).
+    """
+    ids0 = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids)
+    b = int(ids0.shape[0]) if ids0.dim() else -1
+    if b not in rt.decoder_batch_sizes:
+        raise RuntimeInputError(
+            f"no decode graph has {b} rows (compiled: {list(rt.decoder_batch_sizes)}); build "
+            "every decode tensor with the row count of the graph chosen by decode_batch_size()")
+    t = rt.max_seq_len // rt.block_size
+    ids = as_int_tensor("input_ids", ids0, torch.int64, (b, 1))
+    pos = as_int_tensor("cache_position", cache_position, torch.int32, (b, 1))
+    bt = as_int_tensor("block_tables", block_tables, torch.int16, (b, t))
+    lbt = _check_local("decode", rt, local_block_tables, (b, 1))
+    bad = [(r, int(p)) for r, p in enumerate(pos[:, 0]) if not 0 <= int(p) < rt.max_seq_len]
+    if bad:
+        raise RuntimeInputError(
+            f"decode cache positions (row, pos) {bad} are outside 0..{rt.max_seq_len - 1}")
+    for r in range(b):
+        p = int(pos[r, 0])
+        _check_blocks(f"block_tables[{r}]", bt[r, : p // rt.block_size + 1], rt.num_blocks,
+                      f"for positions 0..{p}")
+    return ids, pos, bt, lbt
+
+
+def _check_local(graph: str, rt: Runtime, lbt: Any,
+                 shape: tuple[int, ...]) -> torch.Tensor | None:
+    if not rt.uses_local_block_tables:
+        if lbt is not None:
+            raise RuntimeInputError(
+                f"this model has no sliding-window layers: pass local_block_tables=None to "
+                f"{graph}")
+        return None
+    if lbt is None:
+        raise RuntimeInputError(f"this hybrid model's {graph} graph needs local_block_tables")
+    t = as_int_tensor("local_block_tables", lbt, torch.int16, shape)
+    if int(t.min()) < 0 or int(t.max()) >= rt.batch_size:
+        raise RuntimeInputError(
+            f"local_block_tables {t.tolist()} must be lane ids in 0..{rt.batch_size - 1}")
+    return t

@@ -1,0 +1,470 @@
+"""A torch reference runtime: a small deterministic decoder with RBLN graph semantics.
+
+`TorchReferenceRuntime` emulates the device: KV lives in per-layer K and V tensors
+`[num_blocks, kv_heads, block_size, head_dim]`; prefill and decode write KV through the block
+tables for every computed position (padding positions of a chunk and padding rows of a decode
+included) and attend causally by position. `generate` is an independent oracle: greedy decoding by
+full recompute over the whole sequence, with no block table and no cache.
+
+Exact arithmetic, so the cached path and the oracle agree bit for bit. The model is a fixed-point
+transformer evaluated in float64: weights and activations are multiples of 2**-8 (activations
+saturate at +-1024), rotary tables multiples of 2**-14, attention weights multiples of 2**-16.
+With those grids and bounds every product and every partial sum of every matrix product and
+reduction is exactly representable in float64, so a sum has one value whatever the order, the
+blocking, the batch or the thread count (plain float matmul differs in the last bits with the row
+count). The non-linear steps are elementwise and deterministic: RMSNorm uses IEEE sqrt and
+division (correctly rounded), SiLU and the softmax exponential are table look-ups on grid values,
+and every step's result is rounded back to its grid. Consequences:
+
+- prefill/decode logits through the block tables equal `oracle_logits` exactly (`torch.equal`),
+  so greedy tokens agree with `generate`, for any chunking, lane, block or batch composition;
+- masked keys (positions after the query, junk in a block past a sequence's length) get weight
+  exactly 0 and cannot change a sum; cached K/V is read through `_sane` (NaN -> 0, saturated at
+  +-1024), which leaves every value the model wrote unchanged and keeps rows that attend to junk
+  (padding rows) finite;
+- K/V values fit float32 exactly, so the float32 cache (the default) loses nothing; `dtype`
+  selects the cache and logits dtype, and float32 and float64 give the same logits up to that
+  final cast.
+
+Computation runs single-threaded by default (`num_threads=1`, restored after each call): the
+model is tiny and thread hand-offs cost more than they save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from atom_core.runtime.protocol import (
+    RuntimeInputError,
+    check_decode_inputs,
+    check_prefill_inputs,
+    smallest_decode_batch,
+)
+
+if TYPE_CHECKING:
+    from atom_core.config import Config
+
+__all__ = ["RuntimeSpec", "TorchReferenceRuntime"]
+
+
+def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attr.name} must be a positive integer, got {value!r}")
+
+
+def _sizes(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in value}, reverse=True))
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeSpec:
+    """Sizes of a reference model and of its compiled artifact (KV cache and graphs)."""
+
+    # artifact
+    num_blocks: int = attrs.field(validator=_positive)
+    block_size: int = attrs.field(validator=_positive)
+    max_seq_len: int = attrs.field(validator=_positive)
+    prefill_chunk: int = attrs.field(validator=_positive)
+    batch_size: int = attrs.field(validator=_positive)
+    # row counts of the compiled decode graphs, largest first (optimum-rbln decoder_batch_sizes)
+    decoder_batch_sizes: tuple[int, ...] = attrs.field(
+        default=attrs.Factory(lambda self: (self.batch_size,), takes_self=True),
+        converter=_sizes)
+    # model
+    vocab_size: int = attrs.field(default=128, validator=_positive)
+    hidden: int = attrs.field(default=64, validator=_positive)
+    layers: int = attrs.field(default=2, validator=_positive)
+    heads: int = attrs.field(default=4, validator=_positive)
+    kv_heads: int = attrs.field(default=2, validator=_positive)
+    head_dim: int = attrs.field(default=16, validator=_positive)
+    intermediate: int = attrs.field(default=128, validator=_positive)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_seq_len % self.block_size:
+            raise ValueError(f"max_seq_len={self.max_seq_len} is not a multiple of "
+                             f"block_size={self.block_size}")
+        if self.max_seq_len % self.prefill_chunk:
+            raise ValueError(f"max_seq_len={self.max_seq_len} is not a multiple of "
+                             f"prefill_chunk={self.prefill_chunk}")
+        if self.num_blocks > 2**15 - 1:
+            raise ValueError(f"num_blocks={self.num_blocks} does not fit int16 block tables")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding)")
+        # exactness bounds of the fixed-point arithmetic (module docstring)
+        if max(self.hidden, self.intermediate, self.heads * self.head_dim) > 4096 \
+                or self.head_dim > 256 or self.max_seq_len > 65536:
+            raise ValueError("the reference model is exact only for hidden, intermediate and "
+                             "heads*head_dim <= 4096, head_dim <= 256, max_seq_len <= 65536")
+        sizes = self.decoder_batch_sizes
+        if not sizes or sizes[0] != self.batch_size or sizes[-1] <= 0:
+            raise ValueError(f"decoder_batch_sizes={sizes} must be positive with the largest "
+                             f"equal to batch_size={self.batch_size}")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """T: block-table entries per sequence."""
+        return self.max_seq_len // self.block_size
+
+
+# --- fixed-point arithmetic (float64, exact) -------------------------------------------------
+
+_F = torch.float64
+_ACT = 256.0          # activations and weights: multiples of 1/256
+_ACT_MAX = 1024.0     # activation saturation
+_ROPE = 2.0**14       # rotary cos/sin: multiples of 2**-14
+_PROB = 2.0**16       # attention weights: multiples of 2**-16
+_SILU_SPAN = 16.0     # SiLU table covers [-16, 16]; outside, silu(x) = x (x > 0) or 0
+_SILU_GRID = 2.0**12  # SiLU values: multiples of 2**-12
+_EXP_SPAN = 16.0      # exp(-d) table covers d in [0, 16]; beyond, the weight rounds to 0
+
+
+def _grid(x: torch.Tensor, scale: float = _ACT, bound: float = _ACT_MAX) -> torch.Tensor:
+    """Round to the nearest multiple of 1/scale (half to even), saturate at +-bound; NaN -> 0
+    (only rows computed from junk, e.g. padding rows, can produce one)."""
+    return torch.nan_to_num(torch.clamp(torch.round(x * scale) / scale, -bound, bound), nan=0.0)
+
+
+def _sane(kv: torch.Tensor) -> torch.Tensor:
+    """Cached K/V as float64, with junk made finite and bounded (NaN -> 0, saturate at +-1024).
+    Values the model wrote are grid values within the bound and pass unchanged; this keeps
+    masked keys at weight 0 and rows that attend to junk (padding rows) finite."""
+    return torch.clamp(torch.nan_to_num(kv.to(_F), nan=0.0), -_ACT_MAX, _ACT_MAX)
+
+
+def _exp_table() -> torch.Tensor:
+    d = torch.arange(int(_EXP_SPAN * _ACT) + 1, dtype=_F) / _ACT
+    return torch.round(torch.exp(-d) * _PROB) / _PROB
+
+
+def _silu_table() -> torch.Tensor:
+    x = torch.arange(-int(_SILU_SPAN * _ACT), int(_SILU_SPAN * _ACT) + 1, dtype=_F) / _ACT
+    return torch.round(x * torch.sigmoid(x) * _SILU_GRID) / _SILU_GRID
+
+
+_EXP = _exp_table()
+_SILU = _silu_table()
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of grid values by table look-up (exact and elementwise)."""
+    idx = (torch.clamp(x, -_SILU_SPAN, _SILU_SPAN) * _ACT).long() + int(_SILU_SPAN * _ACT)
+    return torch.where(x > _SILU_SPAN, x, torch.where(x < -_SILU_SPAN, 0.0, _SILU[idx]))
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    ms = (x * x).sum(-1, keepdim=True) / x.shape[-1]
+    return _grid(x / torch.sqrt(ms + eps) * w)
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class TorchReferenceRuntime:
+    """A tiny seeded decoder-only transformer behind the RBLN runtime interface.
+
+    Token embedding; `layers` x (RMSNorm, rotary grouped-query attention with `heads` query and
+    `kv_heads` KV heads, RMSNorm, SiLU-gated MLP); final RMSNorm; LM head. Weights are drawn from
+    `torch.Generator().manual_seed(seed)` and rounded to the fixed-point grid, so a seed is one
+    model in float32 and float64 alike. No sliding-window layers: pass `local_block_tables=None`.
+    """
+
+    uses_local_block_tables = False
+
+    def __init__(self, spec: RuntimeSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 num_threads: int | None = 1):
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.spec = spec
+        self.seed = seed
+        self.dtype = dtype
+        self.num_threads = num_threads
+        self.num_blocks = spec.num_blocks
+        self.block_size = spec.block_size
+        self.max_seq_len = spec.max_seq_len
+        self.prefill_chunk = spec.prefill_chunk
+        self.batch_size = spec.batch_size
+        self.decoder_batch_sizes = spec.decoder_batch_sizes
+        self.vocab_size = spec.vocab_size
+        self._w = _init_weights(spec, seed)
+        half = spec.head_dim // 2
+        inv = spec.rope_theta ** (-torch.arange(half, dtype=_F) / half)
+        ang = torch.arange(spec.max_seq_len, dtype=_F)[:, None] * inv[None, :]
+        self._cos = _grid(torch.cos(ang), _ROPE, 1.0)
+        self._sin = _grid(torch.sin(ang), _ROPE, 1.0)
+        shape = (spec.num_blocks, spec.kv_heads, spec.block_size, spec.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
+        self.calls = {"prefill": 0, "decode": 0, "copy": 0, "fetch": 0, "update": 0}
+
+    @classmethod
+    def tiny(cls, config: Config, seed: int = 0, dtype: torch.dtype = torch.float32,
+             **model: Any) -> TorchReferenceRuntime:
+        """A tiny model (2 layers, hidden 64, vocab 128 unless overridden by `model`, e.g.
+        `decoder_batch_sizes=(4, 2, 1)`) for an `atom_core.config.Config`: its lanes, kv_blocks,
+        block_size, max_seq_len and prefill_chunk."""
+        spec = RuntimeSpec(num_blocks=config.kv_blocks, block_size=config.block_size,
+                           max_seq_len=config.max_seq_len, prefill_chunk=config.prefill_chunk,
+                           batch_size=config.lanes, **model)
+        return cls(spec, seed=seed, dtype=dtype)
+
+    # --- the model ---------------------------------------------------------------------------
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return _grid(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor,
+                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [rows, V] (float64, exact) for tokens `ids` at positions `pos`.
+
+        `attend(layer, q, k, v)` gets this call's q [N, heads, d], k and v [N, kv_heads, d],
+        stores k and v where it keeps keys, and returns the attention output [N, heads, d]."""
+        s, w = self.spec, self._w
+        n = ids.shape[0]
+        x = w["embed"][ids]
+        for i in range(s.layers):
+            h = _rmsnorm(x, w["attn_norm"][i], s.norm_eps)
+            q = self._rope(_grid(h @ w["wq"][i].T).view(n, s.heads, s.head_dim), pos)
+            k = self._rope(_grid(h @ w["wk"][i].T).view(n, s.kv_heads, s.head_dim), pos)
+            v = _grid(h @ w["wv"][i].T).view(n, s.kv_heads, s.head_dim)
+            a = attend(i, q, k, v).reshape(n, s.heads * s.head_dim)
+            x = _grid(x + a @ w["wo"][i].T)
+            h = _rmsnorm(x, w["mlp_norm"][i], s.norm_eps)
+            gated = _grid(_silu(_grid(h @ w["wg"][i].T)) * _grid(h @ w["wu"][i].T))
+            x = _grid(x + gated @ w["wd"][i].T)
+        if rows is not None:
+            x = x[rows]
+        return _rmsnorm(x, w["final_norm"], s.norm_eps) @ w["lm_head"].T
+
+    def _attend(self, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Causal attention, exact. q [Q, heads, d] at positions qpos [Q]; k, v [R, kv_heads, L, d]
+        hold key positions 0..L-1, R = 1 (shared by every query) or Q (one key row per query).
+        Keys after a query's position get weight exactly 0."""
+        s = self.spec
+        nq, rep, length = q.shape[0], s.heads // s.kv_heads, k.shape[2]
+        qg = q.reshape(nq, s.kv_heads, rep, s.head_dim)
+        if k.shape[0] == 1:   # shared keys: [kv_heads, Q*rep, d] @ [kv_heads, d, L]
+            dots = (qg.permute(1, 0, 2, 3).reshape(s.kv_heads, nq * rep, s.head_dim)
+                    @ k[0].transpose(1, 2)).reshape(s.kv_heads, nq, rep, length)
+            dots = dots.permute(1, 0, 2, 3)
+        else:                 # per-query keys: [Q, kv_heads, rep, d] @ [Q, kv_heads, d, L]
+            dots = qg @ k.transpose(2, 3)
+        valid = (torch.arange(length)[None, :] <= qpos[:, None])[:, None, None, :]
+        sc = torch.where(valid, _grid(dots * (1.0 / math.sqrt(s.head_dim)), _ACT, math.inf),
+                         -math.inf)                                   # [Q, kv_heads, rep, L]
+        gap = sc.amax(-1, keepdim=True) - sc
+        idx = torch.clamp(torch.where(valid, gap, 0.0) * _ACT, max=_EXP_SPAN * _ACT).long()
+        p = torch.where(valid, _EXP[idx], 0.0)
+        if k.shape[0] == 1:
+            num = (p.permute(1, 0, 2, 3).reshape(s.kv_heads, nq * rep, length) @ v[0])
+            num = num.reshape(s.kv_heads, nq, rep, s.head_dim).permute(1, 0, 2, 3)
+        else:
+            num = p @ v
+        out = _grid(num / p.sum(-1, keepdim=True))
+        return out.reshape(nq, s.heads, s.head_dim)
+
+    # --- the device graphs -------------------------------------------------------------------
+
+    def _gather(self, layer: int, tab: torch.Tensor, length: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [R, kv_heads, length, d] (float64) of positions 0..length-1 through block tables
+        tab [R, T]. Out-of-range entries past the validated positions are clamped (masked)."""
+        bs = self.block_size
+        kpos = torch.arange(length)
+        blk = torch.clamp(tab[:, kpos // bs], 0, self.num_blocks - 1)          # [R, L]
+        off = (kpos % bs)[None, :].expand_as(blk)
+        k = self.k_cache[layer][blk, :, off, :].permute(0, 2, 1, 3)
+        v = self.v_cache[layer][blk, :, off, :].permute(0, 2, 1, 3)
+        return _sane(k), _sane(v)
+
+    def _write(self, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        self.k_cache[layer][blk, :, off, :] = k.to(self.dtype)
+        self.v_cache[layer][blk, :, off, :] = v.to(self.dtype)
+
+    def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
+                local_block_tables: Any, query_position: Any) -> torch.Tensor:
+        ids, pos, bt, _, qp = check_prefill_inputs(
+            self, input_ids, cache_position, block_tables, local_block_tables, query_position)
+        self.calls["prefill"] += 1
+        p = pos[0].long()
+        tab = bt.long()[None, :]                                             # [1, T]
+        blk, off = tab[0, p // self.block_size], p % self.block_size
+        length = int(p[-1]) + 1
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self._write(layer, blk, off, k, v)
+            return self._attend(q, p, *self._gather(layer, tab, length))
+
+        with _threads(self.num_threads):
+            out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
+        return out.to(self.dtype).view(1, 1, self.vocab_size)
+
+    def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
+               local_block_tables: Any) -> torch.Tensor:
+        ids, pos, bt, _ = check_decode_inputs(
+            self, input_ids, cache_position, block_tables, local_block_tables)
+        self.calls["decode"] += 1
+        b = ids.shape[0]
+        p = pos[:, 0].long()
+        tab = bt.long()
+        blk, off = tab[torch.arange(b), p // self.block_size], p % self.block_size
+        length = int(p.max()) + 1
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self._write(layer, blk, off, k, v)
+            return self._attend(q, p, *self._gather(layer, tab, length))
+
+        with _threads(self.num_threads):
+            out = self._forward(ids[:, 0], p, attend)
+        return out.to(self.dtype).view(b, 1, self.vocab_size)
+
+    def decode_batch_size(self, busy_rows: Iterable[int]) -> int:
+        return smallest_decode_batch(self.decoder_batch_sizes, busy_rows)
+
+    # --- block operations --------------------------------------------------------------------
+
+    def _block(self, name: str, block: int) -> int:
+        b = int(block)
+        if not 0 <= b < self.num_blocks:
+            raise RuntimeInputError(f"{name}: block {b} is outside 0..{self.num_blocks - 1}")
+        return b
+
+    def copy_kv_cache(self, src: int, dst: int, num_tokens: int) -> None:
+        s, d, n = self._block("copy src", src), self._block("copy dst", dst), int(num_tokens)
+        if s == d:
+            raise RuntimeInputError(f"copy_kv_cache from block {s} to itself")
+        if not 0 <= n <= self.block_size:
+            raise RuntimeInputError(f"copy of {n} tokens: must be in 0..{self.block_size}")
+        self.calls["copy"] += 1
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[d, :, :n] = cache[s, :, :n]
+
+    def new_host_buffer(self) -> torch.Tensor:
+        """[layers, 2 (K, V), kv_heads, block_size, head_dim] in the cache dtype."""
+        s = self.spec
+        return torch.zeros((s.layers, 2, s.kv_heads, s.block_size, s.head_dim), dtype=self.dtype)
+
+    def _host(self, host_tensor: Any) -> torch.Tensor:
+        s = self.spec
+        shape = (s.layers, 2, s.kv_heads, s.block_size, s.head_dim)
+        if not isinstance(host_tensor, torch.Tensor) or tuple(host_tensor.shape) != shape \
+                or host_tensor.dtype != self.dtype:
+            got = (list(host_tensor.shape), host_tensor.dtype) \
+                if isinstance(host_tensor, torch.Tensor) else type(host_tensor).__name__
+            raise RuntimeInputError(f"host tensor must be {self.dtype} {list(shape)} "
+                                    f"(new_host_buffer()), got {got}")
+        return host_tensor
+
+    def fetch_kv_cache(self, host_tensor: Any, block: int) -> None:
+        host, b = self._host(host_tensor), self._block("fetch", block)
+        self.calls["fetch"] += 1
+        for i in range(self.spec.layers):
+            host[i, 0].copy_(self.k_cache[i][b])
+            host[i, 1].copy_(self.v_cache[i][b])
+
+    def update_kv_cache(self, host_tensor: Any, block: int) -> None:
+        host, b = self._host(host_tensor), self._block("update", block)
+        self.calls["update"] += 1
+        for i in range(self.spec.layers):
+            self.k_cache[i][b].copy_(host[i, 0])
+            self.v_cache[i][b].copy_(host[i, 1])
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """A copy of block `block`: [layers, 2 (K, V), kv_heads, block_size, head_dim]."""
+        b = self._block("read_block", block)
+        return torch.stack([torch.stack([self.k_cache[i][b], self.v_cache[i][b]])
+                            for i in range(self.spec.layers)])
+
+    # --- the oracle --------------------------------------------------------------------------
+
+    def oracle_logits(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [V] after `tokens` by full causal recompute: no block table, no KV cache."""
+        n = len(tokens)
+        if not 1 <= n <= self.max_seq_len:
+            raise ValueError(f"sequence length {n} must be in 1..{self.max_seq_len}")
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.vocab_size - 1}")
+        pos = torch.arange(n)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self._attend(q, pos, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None])
+
+        with _threads(self.num_threads):
+            out = self._forward(ids, pos, attend, rows=torch.tensor([n - 1]))
+        return out[0].to(self.dtype)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 eos_token_id: int | None = None) -> list[int]:
+        """Greedy continuation of `prompt_ids` by full recompute each step (the oracle).
+
+        Returns up to `max_new_tokens` new tokens; stops after emitting `eos_token_id` (which is
+        included) or once the sequence's KV is full: the last token is generated from position
+        max_seq_len - 1, so prompt + output is at most max_seq_len + 1 tokens (the device can do
+        the same: that token's own KV is never needed). Ties go to the lowest id.
+        """
+        seq = list(prompt_ids)
+        if not 1 <= len(seq) <= self.max_seq_len:
+            raise ValueError(f"prompt length {len(seq)} must be in 1..{self.max_seq_len}")
+        out: list[int] = []
+        while len(out) < max_new_tokens and len(seq) <= self.max_seq_len:
+            tok = int(torch.argmax(self.oracle_logits(seq)))
+            out.append(tok)
+            seq.append(tok)
+            if tok == eos_token_id:
+                break
+        return out
+
+
+def _init_weights(spec: RuntimeSpec, seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
+        return _grid(mean + torch.randn(shape, generator=gen, dtype=_F) * std, _ACT, 127.0)
+
+    def lin(out: int, inp: int) -> torch.Tensor:
+        return normal(out, inp, std=1.0 / math.sqrt(inp))
+
+    h, f = spec.hidden, spec.intermediate
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    w: dict[str, Any] = {"embed": normal(spec.vocab_size, h, std=1.0)}
+    for name in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wg", "wu", "wd"):
+        w[name] = []
+    for _ in range(spec.layers):
+        w["attn_norm"].append(normal(h, std=0.1, mean=1.0))
+        w["wq"].append(lin(q, h))
+        w["wk"].append(lin(kv, h))
+        w["wv"].append(lin(kv, h))
+        w["wo"].append(lin(h, q))
+        w["mlp_norm"].append(normal(h, std=0.1, mean=1.0))
+        w["wg"].append(lin(f, h))
+        w["wu"].append(lin(f, h))
+        w["wd"].append(lin(h, f))
+    w["final_norm"] = normal(h, std=0.1, mean=1.0)
+    w["lm_head"] = normal(spec.vocab_size, h, std=2.0 / math.sqrt(h))
+    return w

@@ -1,0 +1,44 @@
+"""Smoke test of the core benchmark (`python -m bench.core`): it runs and reports every
+measurement. No timing assertions: performance is measured by `make bench`, not by tests."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level directory, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import core  # noqa: E402
+
+STATS = ("median_us", "q1_us", "q3_us", "min_us", "max_us")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_quick_json_reports_every_measurement(capsys) -> None:
+    assert core.main(["--quick", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"] == {"lanes": 32, "kv_blocks": 34, "prefill_chunk": 128,
+                                "max_seq_len": 4096, "prefix_cache": True,
+                                "scratch": "dynamic"}
+    rows = report["measurements"]
+    assert set(rows) == set(core.ROWS)
+    for name, row in rows.items():
+        for mode in ("ghost_off", "ghost_on"):
+            stats = row[mode]
+            for k in STATS:
+                assert _positive(stats[k]), (name, mode, k, stats[k])
+            assert stats["q1_us"] <= stats["median_us"] <= stats["q3_us"], (name, mode)
+            assert stats["iqr_us"] >= 0
+            target = row["target_us"]
+            if target is None:
+                assert row[f"ratio_{mode}"] is None
+            else:
+                assert _positive(row[f"ratio_{mode}"])
+    for name in ("admit_miss", "admit_hit_total", "decode_step", "decode_per_lane", "finish"):
+        assert _positive(rows[name]["target_us"]), name
+        assert rows[name]["vllm_v1_reference_us"], name

@@ -1,0 +1,322 @@
+"""RblnRuntime against a fake `rebel` module whose runtimes check every positional input's dtype
+and shape like a compiled graph (and fail loudly otherwise), record every call, and compute with
+a torch reference model, so tokens through the binding can be checked against the oracle."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atom_core.runtime import (
+    RblnRuntime,
+    RblnUnavailableError,
+    Runtime,
+    RuntimeInputError,
+    RuntimeSpec,
+    TorchReferenceRuntime,
+)
+
+C, S, K, V = 64, 256, 6, 128
+SIZES = (4, 2, 1)
+i64, i32, i16 = torch.int64, torch.int32, torch.int16
+
+
+def prefill_signature(hybrid: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [("input_ids", i64, (1, C)), ("cache_position", i32, (1, C)),
+            ("block_tables", i16, (S // S,)),
+            *([("local_block_tables", i16, (1,))] if hybrid else []),
+            ("query_position", i16, ())]
+
+
+def decode_signature(b: int, hybrid: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [("input_ids", i64, (b, 1)), ("cache_position", i32, (b, 1)),
+            ("block_tables", i16, (b, S // S)),
+            *([("local_block_tables", i16, (b, 1))] if hybrid else [])]
+
+
+class FakeRuntime:
+    """A stand-in for rebel.Runtime: one compiled graph with a fixed positional signature."""
+
+    def __init__(self, compiled: Any, tensor_type: str = "numpy", device: Any = 0,
+                 **kwargs: Any) -> None:
+        self.name = Path(compiled.path).stem
+        self.tensor_type, self.device, self.kwargs = tensor_type, device, kwargs
+        self.world = compiled.world
+        self.calls: list[tuple[str, tuple]] = []
+        hybrid = self.world["hybrid"]
+        if self.name == "prefill":
+            self.signature = prefill_signature(hybrid)
+        else:
+            b = self.world["batch_size"] if self.name == "decoder" else \
+                int(self.name.removeprefix("decoder_batch_"))
+            self.signature = decode_signature(b, hybrid)
+        self.world["runtimes"][self.name] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert not kwargs, f"{self.name}: graphs are called positionally, got {sorted(kwargs)}"
+        assert self.tensor_type == "pt", f"{self.name}: loaded with tensor_type={self.tensor_type}"
+        assert len(args) == len(self.signature), \
+            f"{self.name}: expected {len(self.signature)} inputs, got {len(args)}"
+        for i, (a, (name, dtype, shape)) in enumerate(zip(args, self.signature, strict=True)):
+            assert isinstance(a, torch.Tensor), f"{self.name} input {i} ({name}) is {type(a)}"
+            assert a.dtype == dtype and tuple(a.shape) == shape, (
+                f"{self.name} input {i} ({name}): expected {dtype} {list(shape)}, "
+                f"got {a.dtype} {list(a.shape)}")
+        self.calls.append(("run", tuple(a.clone() for a in args)))
+        ref = self.world["ref"]
+        if ref is None:
+            rows = 1 if self.name == "prefill" else self.signature[0][2][0]
+            return torch.zeros(rows, 1, V)
+        if self.name == "prefill":
+            return ref.prefill(*args[:3], None, args[-1])
+        return ref.decode(*args[:3], None)
+
+    # the KV-cache methods vllm-rbln uses on a rebel runtime
+    def _copy_kv_cache(self, src: int, dst: int, num_tokens: int) -> None:
+        self.calls.append(("copy", (src, dst, num_tokens)))
+        if self.world["ref"] is not None:
+            self.world["ref"].copy_kv_cache(src, dst, num_tokens)
+
+    def _fetch_kv_cache(self, host: Any, block: int, offset: int, size: int,
+                        layer: Any) -> None:
+        self.calls.append(("fetch", (host, block, offset, size, layer)))
+        if self.world["ref"] is not None:
+            self.world["ref"].fetch_kv_cache(host, block)
+
+    def _update_kv_cache(self, host: Any, block: int, offset: int, size: int,
+                         layer: Any) -> None:
+        self.calls.append(("update", (host, block, offset, size, layer)))
+        if self.world["ref"] is not None:
+            self.world["ref"].update_kv_cache(host, block)
+
+    def _get_kv_cache_size(self, layer: Any) -> int:
+        return 1000
+
+
+class FakeCompiledModel:
+    def __init__(self, path: str, world: dict) -> None:
+        assert Path(path).exists(), f"no compiled file {path}"
+        self.path, self.world = path, world
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Installs a fake `rebel` (and `rebel.kv_cache`) backed by a reference model."""
+    spec = RuntimeSpec(num_blocks=K, block_size=S, max_seq_len=S, prefill_chunk=C,
+                       batch_size=4, decoder_batch_sizes=SIZES)
+    w: dict = {"ref": TorchReferenceRuntime(spec), "hybrid": False, "batch_size": 4,
+               "runtimes": {}, "aligned": []}
+    rebel = types.ModuleType("rebel")
+    rebel.Runtime = FakeRuntime
+    rebel.RBLNCompiledModel = lambda path: FakeCompiledModel(path, w)
+    kv_cache = types.ModuleType("rebel.kv_cache")
+
+    def aligned_tensor(n: int, dtype: Any, alignment: int, tensor_type: str) -> torch.Tensor:
+        w["aligned"].append((n, dtype, alignment, tensor_type))
+        return torch.zeros(n, dtype=torch.float16)
+
+    kv_cache.aligned_tensor = aligned_tensor
+    rebel.kv_cache = kv_cache
+    monkeypatch.setitem(sys.modules, "rebel", rebel)
+    monkeypatch.setitem(sys.modules, "rebel.kv_cache", kv_cache)
+    return w
+
+
+def write_artifact(root: Path, names: list[str], **cfg: Any) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    base = {"batch_size": 4, "decoder_batch_sizes": list(SIZES), "max_seq_len": S,
+            "kvcache_block_size": S, "kvcache_num_blocks": K, "prefill_chunk_size": C}
+    (root / "rbln_config.json").write_text(json.dumps({**base, **cfg}))
+    (root / "config.json").write_text(json.dumps({"vocab_size": V}))
+    for n in names:
+        (root / f"{n}.rbln").write_bytes(b"")
+    return root
+
+
+ALL = ["prefill", "decoder_batch_4", "decoder_batch_2", "decoder_batch_1"]
+
+
+@pytest.fixture
+def rt(world: dict, tmp_path: Path) -> RblnRuntime:
+    return RblnRuntime.from_compiled(write_artifact(tmp_path / "m", ALL), device=3)
+
+
+def test_from_compiled_loads_every_graph(rt: RblnRuntime, world: dict) -> None:
+    assert isinstance(rt, Runtime)
+    assert (rt.num_blocks, rt.block_size, rt.max_seq_len, rt.prefill_chunk, rt.vocab_size) == \
+        (K, S, S, C, V)
+    assert rt.decoder_batch_sizes == SIZES and rt.batch_size == 4
+    assert not rt.uses_local_block_tables
+    assert sorted(world["runtimes"]) == sorted(ALL)
+    assert all(r.tensor_type == "pt" and r.device == 3 for r in world["runtimes"].values())
+
+
+def test_tokens_through_the_binding_match_the_oracle(rt: RblnRuntime, world: dict) -> None:
+    """Requests in lanes 0 and 2 (graph of 4 rows, padding rows 1 and 3 at the scratch block),
+    then lane 0 alone (graph of 1 row)."""
+    ref: TorchReferenceRuntime = world["ref"]
+    reqs = {0: (ref_prompt(100, 1), 12, 2), 2: (ref_prompt(7, 2), 5, 4)}   # lane: prompt, n, block
+    scratch = 5
+    seqs = {}
+    for lane, (p, _, blk) in reqs.items():
+        for s in range(0, len(p), C):
+            chunk = p[s:s + C]
+            logits = rt.prefill([chunk + [0] * (C - len(chunk))], [list(range(s, s + C))],
+                                [blk], None, len(chunk) - 1)   # plain lists: the binding converts
+        seqs[lane] = p + [int(torch.argmax(logits))]
+    used = []
+    while True:
+        busy = [lane for lane, (p, n, _) in reqs.items() if len(seqs[lane]) - len(p) < n]
+        if not busy:
+            break
+        b = rt.decode_batch_size(busy)
+        used.append(b)
+        rows = [(seqs[r][-1], len(seqs[r]) - 1, reqs[r][2]) if r in busy else (0, 0, scratch)
+                for r in range(b)]
+        logits = rt.decode([[t] for t, _, _ in rows], [[p] for _, p, _ in rows],
+                           [[blk] for _, _, blk in rows], None)
+        for r in busy:
+            seqs[r].append(int(torch.argmax(logits[r, 0])))
+    for lane, (p, n, _) in reqs.items():
+        assert seqs[lane][len(p):] == ref.generate(p, n)
+    assert used == [4] * 4 + [1] * 7
+    assert len(world["runtimes"]["decoder_batch_1"].calls) == 7
+    assert world["runtimes"]["decoder_batch_2"].calls == []
+
+
+def ref_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_exact_dtypes_reach_the_graphs(rt: RblnRuntime, world: dict) -> None:
+    rt.prefill(torch.zeros(1, C, dtype=torch.int32), torch.arange(C)[None],
+               torch.tensor([1]), None, torch.tensor(5))
+    rt.decode(torch.zeros(4, 1, dtype=torch.int16), torch.zeros(4, 1, dtype=torch.int64),
+              torch.tensor([[1], [5], [5], [5]], dtype=torch.int64), None)
+    (kind, args), = world["runtimes"]["prefill"].calls
+    assert [(a.dtype, tuple(a.shape)) for a in args] == \
+        [(d, s) for _, d, s in prefill_signature(False)]
+    assert int(args[-1]) == 5
+    (kind, args), = world["runtimes"]["decoder_batch_4"].calls
+    assert [(a.dtype, tuple(a.shape)) for a in args] == \
+        [(d, s) for _, d, s in decode_signature(4, False)]
+
+
+def test_smaller_decode_graph_gets_a_table_with_its_row_count(rt: RblnRuntime,
+                                                              world: dict) -> None:
+    assert rt.decode_batch_size([0]) == 1
+    assert rt.decode_batch_size([1]) == 2
+    assert rt.decode_batch_size([0, 2]) == 4
+    assert rt.decode_batch_size([3]) == 4
+    with pytest.raises(RuntimeInputError):
+        rt.decode_batch_size([4])
+    rt.decode([[3]], [[0]], [[1]], None)
+    (_, args), = world["runtimes"]["decoder_batch_1"].calls
+    assert tuple(args[2].shape) == (1, 1)
+    # the real bug: a full-batch block table handed to a smaller graph is refused up front
+    with pytest.raises(RuntimeInputError, match="block_tables must have shape"):
+        rt.decode([[3]], [[0]], [[1], [5], [5], [5]], None)
+    with pytest.raises(RuntimeInputError, match="no decode graph has 3 rows"):
+        rt.decode([[3]] * 3, [[0]] * 3, [[5]] * 3, None)
+    assert len(world["runtimes"]["decoder_batch_1"].calls) == 1
+
+
+def test_the_fake_graph_fails_loudly_on_a_wrong_input(rt: RblnRuntime, world: dict) -> None:
+    """Proof that the fake would catch a binding that builds the wrong tensors."""
+    dec1 = world["runtimes"]["decoder_batch_1"]
+    ok = (torch.zeros(1, 1, dtype=i64), torch.zeros(1, 1, dtype=i32), torch.zeros(1, 1, dtype=i16))
+    dec1(*ok)
+    with pytest.raises(AssertionError, match="block_tables.*expected torch.int16 \\[1, 1\\]"):
+        dec1(*ok[:2], torch.zeros(4, 1, dtype=i16))
+    with pytest.raises(AssertionError, match="expected torch.int32"):
+        dec1(ok[0], ok[1].long(), ok[2])
+    with pytest.raises(AssertionError, match="expected 3 inputs"):
+        dec1(*ok, torch.zeros(1, 1, dtype=i16))
+    with pytest.raises(AssertionError, match="positionally"):
+        world["runtimes"]["prefill"](input_ids=ok[0])
+
+
+def test_block_operations_map_to_the_runtime_kv_methods(rt: RblnRuntime, world: dict) -> None:
+    pre = world["runtimes"]["prefill"]
+    rt.copy_kv_cache(1, 2, 64)
+    host = world["ref"].new_host_buffer()
+    rt.fetch_kv_cache(host, 3)
+    rt.update_kv_cache(host, 4)
+    assert [(k, a if k == "copy" else a[1:]) for k, a in pre.calls] == [
+        ("copy", (1, 2, 64)), ("fetch", (3, 0, S, None)), ("update", (4, 0, S, None))]
+    assert pre.calls[1][1][0] is host and pre.calls[2][1][0] is host
+    for bad in ((1, 1, 3), (1, K, 3), (1, 2, S + 1)):
+        with pytest.raises(RuntimeInputError):
+            rt.copy_kv_cache(*bad)
+    with pytest.raises(RuntimeInputError):
+        rt.fetch_kv_cache(host, -1)
+    assert len(pre.calls) == 3
+
+
+def test_new_host_buffer_is_aligned(rt: RblnRuntime, world: dict,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(float16="np.float16"))
+    buf = rt.new_host_buffer()
+    assert buf.numel() == 500
+    assert world["aligned"] == [(500, "np.float16", 0x1000, "pt")]
+
+
+def test_hybrid_graphs_take_local_block_tables(world: dict, tmp_path: Path) -> None:
+    world["hybrid"], world["ref"] = True, None
+    rt = RblnRuntime.from_compiled(write_artifact(tmp_path / "h", ALL, cache_impl="hybrid"))
+    assert rt.uses_local_block_tables
+    rt.prefill([[0] * C], [list(range(C))], [1], [2], 0)
+    rt.decode([[0], [0]], [[0], [0]], [[1], [5]], [[0], [1]])
+    (_, args), = world["runtimes"]["prefill"].calls
+    assert args[3].tolist() == [2] and args[3].dtype == i16
+    with pytest.raises(RuntimeInputError, match="needs local_block_tables"):
+        rt.prefill([[0] * C], [list(range(C))], [1], None, 0)
+    with pytest.raises(RuntimeInputError, match="lane ids"):
+        rt.decode([[0], [0]], [[0], [0]], [[1], [5]], [[0], [4]])
+
+
+def test_wrong_logits_shape_is_an_error(world: dict) -> None:
+    class Bad:
+        def __call__(self, *args: Any) -> torch.Tensor:
+            return torch.zeros(1, V)
+
+    rt = RblnRuntime(prefill=Bad(), decoders={1: Bad()}, num_blocks=K, block_size=S,
+                     max_seq_len=S, prefill_chunk=C, vocab_size=V)
+    with pytest.raises(RuntimeError, match="logits of shape \\[1, 128\\]"):
+        rt.prefill([[0] * C], [list(range(C))], [0], None, 0)
+
+
+def test_from_compiled_configuration_errors(world: dict, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="decoder_batch_1.rbln"):
+        RblnRuntime.from_compiled(write_artifact(tmp_path / "a", ALL[:3]))
+    with pytest.raises(ValueError, match="use_attention_mask"):
+        RblnRuntime.from_compiled(write_artifact(tmp_path / "b", ALL, use_attention_mask=True))
+    with pytest.raises(ValueError, match="sliding_window"):
+        RblnRuntime.from_compiled(write_artifact(tmp_path / "c", ALL,
+                                                 cache_impl="sliding_window"))
+    with pytest.raises(FileNotFoundError):
+        RblnRuntime.from_compiled(tmp_path / "nothing")
+    # an older artifact: one decoder graph named decoder.rbln; explicit overrides win
+    root = write_artifact(tmp_path / "old", ["prefill", "decoder"], decoder_batch_sizes=None)
+    rt = RblnRuntime.from_compiled(root, vocab_size=V, num_blocks=4)
+    assert rt.decoder_batch_sizes == (4,) and rt.num_blocks == 4
+    assert "decoder" in world["runtimes"]
+
+
+def test_missing_rebel_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "rebel", None)     # import rebel -> ImportError
+    with pytest.raises(RblnUnavailableError, match="pip install .*rebel-compiler"):
+        RblnRuntime.from_compiled(tmp_path)
+    # binding already-loaded runtime objects needs no rebel
+    rt = RblnRuntime(prefill=object(), decoders={2: object(), 1: object()}, num_blocks=K,
+                     block_size=S, max_seq_len=S, prefill_chunk=C, vocab_size=V)
+    assert rt.decoder_batch_sizes == (2, 1) and rt.batch_size == 2
+    with pytest.raises(RblnUnavailableError):
+        rt.new_host_buffer()
