@@ -165,6 +165,23 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
     return 0 if v.ok else 1
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from atom_core.demo import print_summary, run_demo
+    except ImportError as exc:  # torch is an extra
+        print(f"the demo needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
+        return 2
+    out = run_demo(lanes=args.lanes, requests=args.requests,
+                   max_new_tokens=args.max_new_tokens, seed=args.seed,
+                   prefix_cache=not args.no_prefix_cache, scratch=args.scratch,
+                   progress=not args.json)
+    if args.json:
+        _emit(out)
+    else:
+        print_summary(out)
+    return 0 if out["exact"] else 1
+
+
 def attrs_dict(obj: Any) -> dict[str, Any]:
     import attrs
 
@@ -192,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("file")
     t.add_argument("--json", action="store_true", help="one JSON object on stdout")
     t.set_defaults(fn=cmd_check_trace)
+
+    d = sub.add_parser("demo", help="serve a built-in workload on the torch reference runtime "
+                                     "and check every token against the oracle")
+    d.add_argument("--lanes", type=_positive, default=4)
+    d.add_argument("--requests", type=_positive, default=24)
+    d.add_argument("--max-new-tokens", type=_positive, default=16)
+    d.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    d.add_argument("--no-prefix-cache", action="store_true")
+    d.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
+                   help="reserved: a fixed scratch block; dynamic: padding rows write into a "
+                        "free block (default)")
+    d.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout (no progress bar)")
+    d.set_defaults(fn=cmd_demo)
 
     for name, fn, help_ in (
             ("check-config", cmd_check_config, "is this configuration safe? if not, show why"),

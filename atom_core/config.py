@@ -44,6 +44,12 @@ class Config:
     scratch_block: int | None = None  # reserved mode only; default: the last block
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.scratch_block is not None and (
+                isinstance(self.scratch_block, bool) or not isinstance(self.scratch_block, int)):
+            raise ConfigError(f"scratch_block must be a block id (int) or None, got "
+                              f"{self.scratch_block!r}")
         if self.scratch not in SCRATCH_MODES:
             raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
         if self.prefill_chunk % 64:
@@ -93,8 +99,7 @@ def features(prefix_cache: bool, scratch: str) -> str:
 
 
 def rule_for(prefix_cache: bool, scratch: str) -> str:
-    off = capacity.OFFSETS[(prefix_cache, scratch)]
-    return f"{capacity.RULE_NAMES[(prefix_cache, scratch)]}: kv_blocks >= lanes + {off}"
+    return capacity.RULES[(prefix_cache, scratch)]
 
 
 def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str) -> int:

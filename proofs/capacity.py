@@ -80,14 +80,13 @@ class Row:
     traces: dict[int, bmc.Trace | None]  # B -> stuck trace at K_min - 1
 
     @property
+    def key(self) -> tuple[bool, str]:
+        return (self.features.prefix_cache, self.features.scratch)
+
+    @property
     def rule(self) -> str:
-        return rule_text(self.offset)
-
-
-def rule_text(offset: int | None) -> str:
-    if offset is None:
-        return "no linear rule"
-    return "kv_blocks >= lanes" + (f" + {offset}" if offset else "")
+        name = RULE_NAMES[(self.features.prefix_cache, self.features.scratch)]
+        return f"{name}: " + ("no linear rule" if self.offset is None else rule_text(self.offset))
 
 
 def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
@@ -127,6 +126,10 @@ def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
         yield Row(f, offset, minimum, checks, found)
 
 
+def rule_text(offset: int) -> str:
+    return "kv_blocks >= lanes" + (f" + {offset}" if offset else "")
+
+
 RULE_NAMES = {(False, "reserved"): "reserved-scratch", (False, "dynamic"): "dynamic-scratch",
               (True, "reserved"): "prefix-cache-reserved-scratch",
               (True, "dynamic"): "prefix-cache-dynamic-scratch"}
@@ -152,9 +155,9 @@ def render(rows: list[Row], max_lanes: int) -> str:
             raise RuntimeError(f"no linear capacity rule for {r.features.name}: {r.minimum}")
         lines.append(f"    {key!r}: {r.offset},")
     lines += ["}", "", "RULE_NAMES = {"]
-    for r in rows:
-        key = (r.features.prefix_cache, r.features.scratch)
-        lines.append(f"    {key!r}: {RULE_NAMES[key]!r},")
+    lines += [f"    {r.key!r}: {RULE_NAMES[r.key]!r}," for r in rows]
+    lines += ["}", "", "RULES = {"]
+    lines += [f"    {r.key!r}: {r.rule!r}," for r in rows]
     lines += ["}", ""]
     return "\n".join(lines)
 

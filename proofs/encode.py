@@ -82,8 +82,10 @@ class Universe:
         self.model = model
         self.bounded = sizes is not None
         self.sizes = sizes or {}
-        self.tag = ctx_name
-        uid = f"{ctx_name}#{next(_UNIVERSES)}"  # z3 sort names are global to its context
+        # Every symbol of a universe is its own: z3's global context never shares a declaration
+        # between two universes (a sort, function or constant declared twice is the same one).
+        uid = f"{ctx_name}#{next(_UNIVERSES)}"
+        self.tag = uid
         self.z3sorts: dict[str, Any] = {}
         self.domain: dict[str, list[Any]] = {}
         for s in model.sorts:
@@ -97,21 +99,21 @@ class Universe:
                                               [f"{s.name.lower()}{i}{uid}" for i in range(n)])
                     self.z3sorts[s.name], self.domain[s.name] = zs, list(members)
                 else:
-                    self.z3sorts[s.name] = z3.DeclareSort(f"{s.name}{ctx_name}")
+                    self.z3sorts[s.name] = z3.DeclareSort(f"{s.name}{uid}")
             elif s.kind == "value":
-                self.z3sorts[s.name] = z3.DeclareSort(f"{s.name}{ctx_name}")
+                self.z3sorts[s.name] = z3.DeclareSort(f"{s.name}{uid}")
         self.consts: dict[str, Any] = {}
         fixed = consts or {}
         for c in model.consts:
             if c.name in fixed:
                 self.consts[c.name] = self.value(fixed[c.name], c.sort)
             else:
-                self.consts[c.name] = z3.Const(f"{c.name}{ctx_name}", self.zsort(c.sort))
+                self.consts[c.name] = z3.Const(f"{c.name}{uid}", self.zsort(c.sort))
         for s in model.sorts:  # a bounded index sort's size constant is its size
             if self.bounded and s.kind == "index" and s.size in self.consts:
                 self.consts[s.size] = z3.IntVal(self.sizes[s.name])
         self.ops: dict[str, Any] = {
-            o.name: z3.Function(f"{o.name}{ctx_name}", *[self.zsort(a) for a in o.args],
+            o.name: z3.Function(f"{o.name}{uid}", *[self.zsort(a) for a in o.args],
                                 self.zsort(o.ret))
             for o in model.ops}
         self.seq_facts: list[Any] = []  # well-formedness of free sequence terms

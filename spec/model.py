@@ -65,6 +65,7 @@ empty = m.op("empty", [], Seq, doc="no tokens")
 take = m.op("take", [Seq, INT], Seq, doc="the first n tokens")
 push = m.op("push", [Seq, INT], Seq, doc="append one token")
 slen = m.op("slen", [Seq], INT, doc="number of tokens")
+m.axiom("empty_has_no_tokens", slen(empty()) == 0)
 
 # ---------------------------------------------------------------- state: blocks
 owner = m.fn("owner", [Block], Owner,
@@ -349,6 +350,8 @@ inv("cache_key_is_content", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
 inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, head(b) == take(key(b), C))))
+inv("unsubmitted_request_has_no_prompt", forall(Req, lambda r: implies(
+    phase(r) == Phase.NONE, prompt(r) == empty())))
 
 # Fit: a prompt that could never fit a block is never accepted.
 inv("waiting_prompt_fits", forall(Req, lambda r: implies(

@@ -19,3 +19,10 @@ RULE_NAMES = {
     (True, 'reserved'): 'prefix-cache-reserved-scratch',
     (True, 'dynamic'): 'prefix-cache-dynamic-scratch',
 }
+
+RULES = {
+    (False, 'reserved'): 'reserved-scratch: kv_blocks >= lanes + 1',
+    (False, 'dynamic'): 'dynamic-scratch: kv_blocks >= lanes',
+    (True, 'reserved'): 'prefix-cache-reserved-scratch: kv_blocks >= lanes + 2',
+    (True, 'dynamic'): 'prefix-cache-dynamic-scratch: kv_blocks >= lanes + 1',
+}

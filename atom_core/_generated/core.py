@@ -1300,6 +1300,7 @@ INVARIANTS = (
     "lane_holds_its_tokens",
     "cache_key_is_content",
     "cache_head_is_first_chunk",
+    "unsubmitted_request_has_no_prompt",
     "waiting_prompt_fits",
     "lane_prompt_fits",
     "copy_only_while_prefilling",
@@ -1402,6 +1403,9 @@ def check_invariants(s: State) -> list[str]:
     if not all(owner[b] != OWNER_CACHE or head[b] == take(key[b], C) for b in range(K)):
         bad.append("cache_head_is_first_chunk")
     prompt = s.prompt
+    # unsubmitted_request_has_no_prompt
+    if not all(phase.get(r) != PHASE_NONE or prompt.get(r) == empty() for r in req_ids):
+        bad.append("unsubmitted_request_has_no_prompt")
     S = s.consts.S
     # waiting_prompt_fits
     if not all(
@@ -1507,6 +1511,7 @@ AXIOMS = (
     "block_holds_a_chunk",
     "lanes_positive",
     "blocks_positive",
+    "empty_has_no_tokens",
 )
 
 
@@ -1530,6 +1535,9 @@ def check_axioms(c: Consts) -> list[str]:
     # blocks_positive
     if c.K <= 0:
         bad.append("blocks_positive")
+    # empty_has_no_tokens
+    if slen(empty()) != 0:
+        bad.append("empty_has_no_tokens")
     return bad
 
 

@@ -1,0 +1,162 @@
+"""`atom-core` command line, run in-process (and the console script once, as a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from atom_core import cli
+from atom_core._generated import capacity
+
+SEEDS = ["--lanes", "1", "--prefix-cache", "--scratch", "reserved"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr().out
+    return code, out
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out = run(capsys, *argv, "--json")
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1, out  # exactly one JSON object on stdout
+    return code, json.loads(lines[0])
+
+
+def test_min_blocks_json(capsys):
+    code, out = run_json(capsys, "min-blocks", "--lanes", "4", "--prefix-cache",
+                         "--scratch", "reserved")
+    assert code == 0
+    assert out["lanes"] == 4 and out["min_kv_blocks"] == 6
+    assert "prefix-cache-reserved-scratch" in out["rule"]
+    assert "lanes + 2" in out["rule"]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+def test_min_blocks_every_combination(capsys, prefix, scratch):
+    argv = ["min-blocks", "--lanes", "3", "--scratch", scratch] + (
+        ["--prefix-cache"] if prefix else [])
+    code, out = run_json(capsys, *argv)
+    assert code == 0
+    assert out["min_kv_blocks"] == 3 + capacity.OFFSETS[(prefix, scratch)]
+    code, text = run(capsys, *argv)
+    assert code == 0 and f"kv_blocks >= {out['min_kv_blocks']}" in text
+
+
+def test_check_config_seeds_unsafe_json(capsys):
+    code, out = run_json(capsys, "check-config", *SEEDS, "--kv-blocks", "2")
+    assert code == 1
+    assert out["safe"] is False
+    assert out["min_kv_blocks"] == 3 and out["kv_blocks"] == 2 and out["lanes"] == 1
+    assert "prefix-cache-reserved-scratch" in out["rule"]
+    assert out["violated"] == "idle_lane_admits"
+    trace = out["trace"]
+    assert [s["step"] for s in trace] == list(range(1, len(trace) + 1))
+    for s in trace:
+        assert set(s) == {"step", "action", "args"}
+        assert isinstance(s["args"], dict)
+    assert [s["action"] for s in trace] == [
+        "submit", "submit", "admit_miss", "prefill", "prefill", "finish"]
+    p = [s["args"]["p"] for s in trace if s["action"] == "submit"]
+    assert p[0] == p[1]  # the same prompt twice
+    assert trace[-1]["args"] == {"l": 0, "keep": True}
+
+
+def test_check_config_seeds_plus_one_safe_json(capsys):
+    code, out = run_json(capsys, "check-config", *SEEDS, "--kv-blocks", "3")
+    assert code == 0
+    assert out["safe"] is True and out["trace"] == []
+    assert out["min_kv_blocks"] == 3
+
+
+def test_check_config_text(capsys):
+    code, text = run(capsys, "check-config", *SEEDS, "--kv-blocks", "2")
+    assert code == 1
+    assert text.startswith("UNSAFE")
+    assert "needs 3, 1 missing" in text
+    for i, action in enumerate(["submit", "submit", "admit_miss", "prefill", "prefill",
+                                "finish"], start=1):
+        assert f"{i:>3}. {action}(" in text
+    assert "idle_lane_admits" in text
+    code, text = run(capsys, "check-config", *SEEDS, "--kv-blocks", "3")
+    assert code == 0 and text.startswith("SAFE") and "needs 3" in text
+
+
+def test_check_config_many_lanes_lifted(capsys):
+    """lanes=6 is above the searched lane counts: the run is lifted from 2 lanes (two steps
+    per extra lane) and replayed in z3."""
+    code, out = run_json(capsys, "check-config", "--lanes", "6", "--kv-blocks", "7",
+                         "--prefix-cache", "--scratch", "reserved")
+    assert code == 1 and out["safe"] is False and out["min_kv_blocks"] == 8
+    trace = out["trace"]
+    assert len(trace) == 8 + 2 * 4  # the B=2 run, plus submit + admit per extra lane
+    assert [s["action"] for s in trace[:8]] == ["submit", "admit_miss"] * 4
+    assert sorted(s["args"]["l"] for s in trace[:8] if s["action"] == "admit_miss") == [
+        2, 3, 4, 5]
+    assert out["violated"] == "idle_lane_admits"
+    assert [s["step"] for s in trace] == list(range(1, 17))
+
+
+def test_check_config_above_proved_lanes_safe_mentions_cutoff(capsys):
+    lanes = capacity.PROVED_LANES + 2
+    code, text = run(capsys, "check-config", "--lanes", str(lanes), "--kv-blocks",
+                     str(lanes + 2), "--prefix-cache", "--scratch", "reserved")
+    assert code == 0 and "SAFE" in text and f"lanes <= {capacity.PROVED_LANES}" in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["min-blocks", "--lanes", "0"],
+    ["min-blocks", "--lanes", "x"],
+    ["check-config", "--lanes", "1"],  # --kv-blocks is required
+    ["check-config", "--lanes", "1", "--kv-blocks", "-2"],
+    ["min-blocks", "--lanes", "1", "--scratch", "fixed"],
+    [],
+])
+def test_bad_arguments_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err
+
+
+def check_verify_json(out: dict) -> None:
+    assert {"ok", "seconds", "checks"} <= set(out)
+    assert isinstance(out["seconds"], (int, float))
+    assert out["checks"]
+    for c in out["checks"]:
+        assert {"invariant", "action", "kind", "status", "seconds"} <= set(c)
+        assert c["status"] in ("proved", "counterexample", "unknown")
+
+
+def test_verify_json_small_cutoff(capsys):
+    """At K <= 2 the prefix-cache/reserved-scratch minimum (3 blocks for one lane) is beyond the
+    cutoff: verify reports exactly that, and the committed table cannot be confirmed."""
+    code, out = run_json(capsys, "verify", "--max-lanes", "1", "--max-blocks", "2")
+    check_verify_json(out)
+    assert code == 1 and out["ok"] is False
+    bad = {c["invariant"] for c in out["checks"] if c["status"] != "proved"}
+    assert bad == {"rule:prefix cache, reserved scratch", "capacity-table-matches-proofs"}
+    kinds = {c["kind"] for c in out["checks"]}
+    assert {"base", "step", "transition", "capacity"} <= kinds
+
+
+def test_verify_json_ok(capsys):
+    code, out = run_json(capsys, "verify", "--max-lanes", "1", "--max-blocks", "3")
+    check_verify_json(out)
+    assert code == 0 and out["ok"] is True
+    assert all(c["status"] == "proved" for c in out["checks"])
+
+
+def test_console_script_help():
+    exe = pathlib.Path(sys.executable).parent / "atom-core"
+    assert exe.exists(), exe
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for cmd in ("verify", "check-config", "min-blocks"):
+        assert cmd in r.stdout
