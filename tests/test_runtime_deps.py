@@ -1,0 +1,24 @@
+"""Serving code embeds atom_core without z3 or hypothesis, and the core without torch."""
+
+import subprocess
+import sys
+
+
+def _imported_after(code: str) -> set[str]:
+    code += "\nimport sys; print(' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    return set(out.split())
+
+
+def test_core_policy_config_need_only_attrs():
+    mods = _imported_after("import atom_core, atom_core.policy, atom_core.replay\n"
+                           "from atom_core._generated import core")
+    assert not {"z3", "hypothesis", "torch"} & mods
+
+
+def test_batcher_needs_no_z3_or_hypothesis():
+    mods = _imported_after("from atom_core import AtomBatcher\n"
+                           "from atom_core.runtime import TorchReferenceRuntime")
+    assert "torch" in mods
+    assert not {"z3", "hypothesis"} & mods
