@@ -41,5 +41,5 @@ lint: install
 bench: install
 	$(PY) -m bench.core
 
-demo:
-	@echo 'demo arrives with the batcher (issue 3)'
+demo: install
+	.venv/bin/atom-core demo

@@ -13,6 +13,7 @@ nothing else: the batcher keeps serving.
 from __future__ import annotations
 
 import json
+import operator
 from collections import deque
 from collections.abc import Iterable
 from typing import IO, Any
@@ -80,10 +81,26 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _check_runtime(cfg: Config, rt: Any) -> None:
+    """The artifact the runtime runs must be the one the config describes."""
+    wrong = [f"{name}: config {want}, runtime {getattr(rt, name)}"
+             for name, want in (("num_blocks", cfg.kv_blocks), ("block_size", cfg.block_size),
+                                ("max_seq_len", cfg.max_seq_len),
+                                ("prefill_chunk", cfg.prefill_chunk))
+             if hasattr(rt, name) and getattr(rt, name) != want]
+    sizes = getattr(rt, "decoder_batch_sizes", None) or (getattr(rt, "batch_size", None),)
+    if None not in sizes and cfg.lanes not in sizes:
+        wrong.append(f"lanes: config {cfg.lanes}, runtime decode graphs {list(sizes)}")
+    if wrong:
+        raise ValueError("the runtime does not match the config (" + "; ".join(wrong)
+                         + "): build the Config from the compiled artifact's settings")
+
+
 class AtomBatcher:
     def __init__(self, config: Config, runtime: Any, *, policy: Policy | None = None,
                  ghost: bool = False, trace: IO[str] | None = None) -> None:
         self.config, self.runtime = config, runtime
+        _check_runtime(config, runtime)
         self.policy = policy or Policy()
         self.state = core.init(config.consts(), ghost=ghost)
         self.requests: dict[int, Request] = {}
@@ -97,14 +114,17 @@ class AtomBatcher:
     # --------------------------------------------------------------- client API
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
                eos_token_id: int | None = None) -> int:
-        prompt = [int(t) for t in prompt_ids]
+        try:  # integers only: int() would truncate 1.7 and parse "5"
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise ValueError("prompt token ids must be integers") from None
         vocab = getattr(self.runtime, "vocab_size", None)
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt has token ids outside the vocabulary 0..{vocab - 1}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         s = self.config.max_seq_len
         if len(prompt) >= s:
             raise ValueError(
@@ -273,9 +293,8 @@ class AtomBatcher:
         if not lanes:
             return
         b = s.consts.B
-        ids = torch.zeros((b, 1), dtype=torch.int64)
-        for ln in lanes:
-            ids[ln, 0] = self.requests[s.lane_req[ln]].tokens[-1]
+        ids = torch.tensor([[self.requests[s.lane_req[ln]].tokens[-1] if live else 0]
+                            for ln, live in enumerate(eff.live)], dtype=torch.int64)
         pos = torch.tensor(eff.positions, dtype=torch.int32).unsqueeze(1)
         tables = torch.tensor(eff.rows, dtype=torch.int16).unsqueeze(1)
         try:

@@ -27,14 +27,28 @@ class Verdict:
     line: int | None = None  # its line number in the file
 
 
-def _args(action: str, raw: dict[str, Any]) -> dict[str, Any]:
+def _args(action: str, raw: dict[str, Any], consts: core.Consts) -> dict[str, Any]:
     sorts = dict(zip(core.ACTIONS[action][2], core.ACTIONS[action][3], strict=True))
+    if set(raw) != set(sorts):
+        raise ValueError(f"{action} takes {sorted(sorts)}, got {sorted(raw)}")
     out = {}
     for k, v in raw.items():
-        s = sorts.get(k)
-        if s is None:
-            raise ValueError(f"{action} has no parameter {k!r}")
-        out[k] = seq(v) if s == "Seq" else tuple(v) if s.startswith("(") else v
+        s = sorts[k]
+        if s == "Seq":
+            out[k] = seq(v)
+        elif s.startswith("("):
+            out[k] = tuple(v)
+        elif s == "Bool":
+            if not isinstance(v, bool):
+                raise ValueError(f"{k}={v!r} is not a boolean")
+            out[k] = v
+        else:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{k}={v!r} is not an integer")
+            size = core.INDEX_SORTS.get(s)
+            if size is not None and not 0 <= v < getattr(consts, size):
+                raise ValueError(f"{k}={v} is not a {s} (0..{getattr(consts, size) - 1})")
+            out[k] = v
     return out
 
 
@@ -60,7 +74,7 @@ def replay(lines: Iterable[str]) -> Verdict:
             action = rec["action"]
             if action not in core.ACTIONS:
                 raise ValueError(f"unknown action {action!r}")
-            args = _args(action, rec["args"])
+            args = _args(action, rec["args"], consts)
         except (KeyError, TypeError, ValueError) as exc:
             return Verdict(False, steps, dict(counts), f"unreadable step: {exc}", no)
         step = core.ACTIONS[action][0](s, **args)

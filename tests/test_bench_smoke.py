@@ -42,3 +42,12 @@ def test_quick_json_reports_every_measurement(capsys) -> None:
     for name in ("admit_miss", "admit_hit_total", "decode_step", "decode_per_lane", "finish"):
         assert _positive(rows[name]["target_us"]), name
         assert rows[name]["vllm_v1_reference_us"], name
+
+
+def test_batcher_bench_quick_json(capsys) -> None:
+    from bench import batcher
+
+    assert batcher.main(["--quick", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["decode_overhead"]
+    assert rows and all(_positive(r["ghost_off"]["median_us_per_step"]) for r in rows.values())
