@@ -40,6 +40,8 @@ lint: install
 
 bench: install
 	$(PY) -m bench.core
+	$(PY) -m bench.batcher
+	$(PY) -m bench.stateful
 
 demo: install
 	.venv/bin/atom-core demo

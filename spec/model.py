@@ -72,8 +72,9 @@ owner = m.fn("owner", [Block], Owner,
              init=lambda b: ite(RESERVED & (b == SCRATCH), Owner.SCRATCH, Owner.FREE),
              doc="who holds the block; a function, so every block has exactly one owner")
 owner_lane = m.fn("owner_lane", [Block], Lane, doc="the lane, when owner is LANE")
-key = m.fn("key", [Block], Seq, doc="the tokens a cache entry is indexed by")
-head = m.fn("head", [Block], Seq,
+key = m.fn("key", [Block], Seq, init=lambda b: empty(),
+           doc="the tokens a cache entry is indexed by")
+head = m.fn("head", [Block], Seq, init=lambda b: empty(),
             doc="the key's first chunk, kept so that a miss compares chunks without slicing")
 holds = m.fn("holds", [Block], Seq, ghost=True, doc="the tokens whose KV the block holds")
 junk = m.fn("junk", [Block], BOOL, init=True, ghost=True,

@@ -61,9 +61,9 @@ class State:
     # owner_lane(Block) -> Lane: the lane, when owner is LANE
     owner_lane: tuple[int, ...]
     # key(Block) -> Seq: the tokens a cache entry is indexed by
-    key: tuple[TokSeq | None, ...]
+    key: tuple[TokSeq, ...]
     # head(Block) -> Seq: the key's first chunk, kept so that a miss compares chunks without slicing
-    head: tuple[TokSeq | None, ...]
+    head: tuple[TokSeq, ...]
     # holds(Block) -> Seq [ghost]: the tokens whose KV the block holds
     holds: tuple[TokSeq | None, ...] | None
     # junk(Block) -> Bool [ghost]: the block was scribbled on (padding rows, failed writes)
@@ -180,8 +180,8 @@ def init(consts: Consts, ghost: bool = True) -> State:
         for b in range(K)
     ])
     owner_lane = (0,) * K
-    key = (None,) * K
-    head = (None,) * K
+    key = (empty(),) * K
+    head = (empty(),) * K
     B = consts.B
     busy = (False,) * B
     lane_req = (None,) * B
