@@ -67,6 +67,19 @@ def _timed(inv: str, action: str, kind: str, facts: list[Any], size: str = "") -
     return Check(inv, action, kind, status, time.perf_counter() - t0, size, detail)
 
 
+def _steps(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[
+        tuple[L.Action, list[Any], Any, Any]]:
+    """Per action: the shared hypotheses (axioms, `assume` in the pre-state, the guard), the
+    pre-state and the post-state."""
+    ax = u.axioms()
+    pre = u.fresh_state("pre")
+    hyps = [u.tr(i.expr, pre, {}) for i in assume]
+    for action in model.actions:
+        bound = u.params(action, "p")
+        g = u.guard(action, pre, bound)
+        yield action, ax + hyps + [g], pre, u.post_state(action, pre, bound)
+
+
 def induction(model: L.Model, invariants: list[L.Named], u: Universe,
               assume: list[L.Named], size: str = "") -> Iterator[Check]:
     """Base and step for each of `invariants`, assuming all of `assume` in the pre-state."""
@@ -74,28 +87,17 @@ def induction(model: L.Model, invariants: list[L.Named], u: Universe,
     init = u.init_state()
     for inv in invariants:
         yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))], size)
-    pre = u.fresh_state("pre")
-    hyps = [u.tr(i.expr, pre, {}) for i in assume]
-    for action in model.actions:
-        bound = u.params(action, "p")
-        g = u.guard(action, pre, bound)
-        post = u.post_state(action, pre, bound)
+    for action, facts, _pre, post in _steps(model, u, assume):
         for inv in invariants:
             goal = u.tr(inv.expr, post, {})
-            yield _timed(inv.name, action.name, "step", ax + hyps + [g, z3.Not(goal)], size)
+            yield _timed(inv.name, action.name, "step", facts + [z3.Not(goal)], size)
 
 
 def transitions(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[Check]:
-    ax = u.axioms()
-    pre = u.fresh_state("pre")
-    hyps = [u.tr(i.expr, pre, {}) for i in assume]
-    for action in model.actions:
-        bound = u.params(action, "p")
-        g = u.guard(action, pre, bound)
-        post = u.post_state(action, pre, bound)
+    for action, facts, pre, post in _steps(model, u, assume):
         for t in model.transition_invariants:
             goal = u.tr(t.expr, pre, {}, post)
-            yield _timed(t.name, action.name, "transition", ax + hyps + [g, z3.Not(goal)])
+            yield _timed(t.name, action.name, "transition", facts + [z3.Not(goal)])
 
 
 def relational(model: L.Model) -> Iterator[Check]:

@@ -130,6 +130,26 @@ def as_int_tensor(name: str, value: Any, dtype: torch.dtype,
     return t.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
+def check_block(name: str, block: int, num_blocks: int) -> int:
+    """A block id of a block operation, or RuntimeInputError."""
+    b = int(block)
+    if not 0 <= b < num_blocks:
+        raise RuntimeInputError(f"{name}: block {b} is outside 0..{num_blocks - 1}")
+    return b
+
+
+def check_copy(src: int, dst: int, num_tokens: int, num_blocks: int,
+               block_size: int) -> tuple[int, int, int]:
+    """The arguments of `copy_kv_cache` as ints, or RuntimeInputError."""
+    s, d = check_block("copy src", src, num_blocks), check_block("copy dst", dst, num_blocks)
+    n = int(num_tokens)
+    if s == d:
+        raise RuntimeInputError(f"copy_kv_cache from block {s} to itself")
+    if not 0 <= n <= block_size:
+        raise RuntimeInputError(f"copy of {n} tokens: must be in 0..{block_size}")
+    return s, d, n
+
+
 def _check_blocks(name: str, entries: torch.Tensor, num_blocks: int, what: str) -> None:
     if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
         raise RuntimeInputError(

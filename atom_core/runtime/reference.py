@@ -42,6 +42,8 @@ import torch
 
 from atom_core.runtime.protocol import (
     RuntimeInputError,
+    check_block,
+    check_copy,
     check_decode_inputs,
     check_prefill_inputs,
     smallest_decode_batch,
@@ -349,17 +351,10 @@ class TorchReferenceRuntime:
     # --- block operations --------------------------------------------------------------------
 
     def _block(self, name: str, block: int) -> int:
-        b = int(block)
-        if not 0 <= b < self.num_blocks:
-            raise RuntimeInputError(f"{name}: block {b} is outside 0..{self.num_blocks - 1}")
-        return b
+        return check_block(name, block, self.num_blocks)
 
     def copy_kv_cache(self, src: int, dst: int, num_tokens: int) -> None:
-        s, d, n = self._block("copy src", src), self._block("copy dst", dst), int(num_tokens)
-        if s == d:
-            raise RuntimeInputError(f"copy_kv_cache from block {s} to itself")
-        if not 0 <= n <= self.block_size:
-            raise RuntimeInputError(f"copy of {n} tokens: must be in 0..{self.block_size}")
+        s, d, n = check_copy(src, dst, num_tokens, self.num_blocks, self.block_size)
         self.calls["copy"] += 1
         for cache in (*self.k_cache, *self.v_cache):
             cache[d, :, :n] = cache[s, :, :n]
