@@ -24,7 +24,8 @@ import torch
 from atom_core._generated import core
 from atom_core.config import Config
 from atom_core.policy import Policy
-from atom_core.seq import TokSeq, seq
+from atom_core.replay import record
+from atom_core.seq import seq
 
 
 @attrs.frozen
@@ -71,14 +72,6 @@ class InvariantViolation(AssertionError):
 class CoreRejected(RuntimeError):
     """The adapter asked the core for a transition its guard forbids: a bug in the adapter or
     the policy, never in the request."""
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, TokSeq):
-        return list(v)
-    if isinstance(v, tuple):
-        return list(v)
-    return v
 
 
 def _check_runtime(cfg: Config, rt: Any) -> None:
@@ -204,9 +197,7 @@ class AtomBatcher:
         self.state = step.state
         self.policy.observe(step.effects)
         if self._trace is not None:
-            rec = {"action": action, "args": {k: _plain(v) for k, v in args.items()},
-                   "effects": [[type(e).__name__, [_plain(x) for x in e]] for e in step.effects]}
-            self._trace.write(json.dumps(rec) + "\n")
+            self._trace.write(json.dumps(record(action, args, step.effects)) + "\n")
         return step
 
     def _end(self, lane: int, events: list[Event], error: str | None) -> None:

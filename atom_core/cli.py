@@ -8,6 +8,8 @@ import sys
 from collections import defaultdict
 from typing import Any
 
+import attrs
+
 from atom_core._generated import capacity
 from atom_core.config import SCRATCH_MODES, features, min_kv_blocks, rule_for
 
@@ -156,7 +158,7 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
         print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
     if args.json:
-        _emit(attrs_dict(v))
+        _emit(attrs.asdict(v))
     elif v.ok:
         counts = ", ".join(f"{k} {n}" for k, n in sorted(v.counts.items()))
         print(f"OK: {v.steps} steps, every one allowed by the spec ({counts})")
@@ -180,12 +182,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print_summary(out)
     return 0 if out["exact"] else 1
-
-
-def attrs_dict(obj: Any) -> dict[str, Any]:
-    import attrs
-
-    return attrs.asdict(obj)
 
 
 def _positive(text: str) -> int:

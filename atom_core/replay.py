@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from atom_core._generated import core
-from atom_core.seq import seq
+from atom_core.seq import TokSeq, seq
 
 
 @attrs.frozen
@@ -52,8 +52,15 @@ def _args(action: str, raw: dict[str, Any], consts: core.Consts) -> dict[str, An
     return out
 
 
-def _plain(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
+def plain(v: Any) -> Any:
+    """A core value as JSON data: token sequences and per-lane tuples become lists."""
+    return list(v) if isinstance(v, (tuple, TokSeq)) else v
+
+
+def record(action: str, args: dict[str, Any], effects: Iterable[Any]) -> dict[str, Any]:
+    """One applied transition as a trace line (what the batcher writes, replay reads)."""
+    return {"action": action, "args": {k: plain(v) for k, v in args.items()},
+            "effects": [[type(e).__name__, [plain(x) for x in e]] for e in effects]}
 
 
 def replay(lines: Iterable[str]) -> Verdict:
@@ -83,7 +90,7 @@ def replay(lines: Iterable[str]) -> Verdict:
                            f"{action}{rec['args']} is not allowed: guard {step.rejected} fails",
                            no)
         if "effects" in rec:
-            mine = [[type(e).__name__, [_plain(x) for x in e]] for e in step.effects]
+            mine = record(action, {}, step.effects)["effects"]
             if mine != rec["effects"]:
                 return Verdict(False, steps, dict(counts),
                                f"{action}: recorded effects {rec['effects']} differ from the "

@@ -19,6 +19,7 @@ a one-token prompt that never is.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +31,7 @@ from atom_core._generated import core as g
 from atom_core.pmap import PMap
 from atom_core.proofs.bmc import Step, Trace
 from atom_core.proofs.checks import bounded_universe
+from atom_core.replay import plain
 from atom_core.spec import lang as L
 
 # Small chunk and block sizes keep the runs short and readable; nothing in the model depends on
@@ -169,14 +171,6 @@ def _select(dom: list[Any], table: list[Any], x: Any) -> Any:
     return out
 
 
-def _plain(v: Any) -> Any:
-    if isinstance(v, seq.TokSeq):
-        return list(v)
-    if isinstance(v, tuple):
-        return list(v)
-    return v
-
-
 # Lanes up to which the search itself runs; above, runs are lifted (see `lift`).
 SEARCH_LANES = 2
 
@@ -207,8 +201,6 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
               ) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
     lifted from the largest searched size."""
-    import time
-
     t0 = time.perf_counter()
     base_b = min(lanes, SEARCH_LANES)
     base_k = blocks - (lanes - base_b)
@@ -227,7 +219,7 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
     if (final is None or violated not in g.progress_violations(final)
             or not confirm(model, c, run, violated, reqs)):
         raise RuntimeError(f"the stuck run for B={lanes}, K={blocks} does not replay")
-    steps = tuple(Step(i + 1, name, {k: _plain(v) for k, v in args.items()})
+    steps = tuple(Step(i + 1, name, {k: plain(v) for k, v in args.items()})
                   for i, (name, args) in enumerate(run))
     return Trace(steps, violated, summary(final), time.perf_counter() - t0)
 
