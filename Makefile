@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 # Override on the command line, e.g. `make test HYPOTHESIS_PROFILE=deep`.
 HYPOTHESIS_PROFILE := ci
 
-.PHONY: install generate check-generated verify test lint bench demo
+.PHONY: install generate check-generated verify test lint bench demo pd-demo
 
 install: $(STAMP)
 
@@ -45,3 +45,8 @@ bench: install
 
 demo: install
 	.venv/bin/atom-core demo
+
+# PD: a prefill worker in a subprocess and a decode worker here, over gloo on loopback, then the
+# same workload colocated; prints the comparison.
+pd-demo: install
+	.venv/bin/atom-core pd-demo

@@ -8,6 +8,14 @@ effects (`*_plan` gives them before the call, for calls whose result the transit
 One prefill per step (a prefix-hit copy first, then only the chunks not yet computed),
 otherwise one decode call over every row. A runtime error fails the requests it touched and
 nothing else: the batcher keeps serving.
+
+Prefill/decode disaggregation (PD): a request submitted with `remote=True` is admitted into a
+lane whose block waits for KV computed by a prefill worker (`import_kv` delivers it,
+`transfer_ended` reports a transfer that ended without it); one submitted with `export=True` is
+prefilled and then handed out (`take_export`, `export_done`) instead of decoded. While a
+transfer is in flight the other lanes keep decoding. Which block a transfer uses, and when it may
+be freed, is the core's business: an abort during a transfer leaves the block draining until
+the transfer's end is reported.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from atom_core.seq import seq
 
 @attrs.frozen
 class Event:
-    kind: str  # "token" | "finished" | "error"
+    # "token" | "finished" | "error"; PD: "import" (a lane waits for this request's KV: ask a
+    # prefill worker for it) | "export" (this request's KV is ready: `take_export`)
+    kind: str
     request_id: int
     token: int | None = None
     error: str | None = None
@@ -50,6 +60,10 @@ class Stats:
     decode_rows_padding: int = 0
     generated_tokens: int = 0
     runtime_errors: int = 0
+    imported_tokens: int = 0  # prompt tokens whose KV a prefill worker computed
+    exports: int = 0
+    transfer_failures: int = 0
+    stale_events: int = 0  # transfer events for requests that had no transfer (late, duplicate)
 
 
 @attrs.define
@@ -58,6 +72,8 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     eos_token_id: int | None
+    remote: bool = False  # KV from a prefill worker
+    export: bool = False  # prefill only, then hand the KV out
     tokens: list[int] = attrs.Factory(list)
     error: str | None = None
     ended: bool = False
@@ -74,7 +90,7 @@ class CoreRejected(RuntimeError):
     the policy, never in the request."""
 
 
-def _check_runtime(cfg: Config, rt: Any) -> None:
+def check_runtime(cfg: Config, rt: Any) -> None:
     """The artifact the runtime runs must be the one the config describes."""
     wrong = [f"{name}: config {want}, runtime {getattr(rt, name)}"
              for name, want in (("num_blocks", cfg.kv_blocks), ("block_size", cfg.block_size),
@@ -93,20 +109,25 @@ class AtomBatcher:
     def __init__(self, config: Config, runtime: Any, *, policy: Policy | None = None,
                  ghost: bool = False, trace: IO[str] | None = None) -> None:
         self.config, self.runtime = config, runtime
-        _check_runtime(config, runtime)
+        check_runtime(config, runtime)
         self.policy = policy or Policy()
         self.state = core.init(config.consts(), ghost=ghost)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.stats = Stats()
         self._next_id = 0
+        self._transfers: dict[int, int] = {}  # request -> block of its unfinished transfer
+        self._exports: dict[int, int] = {}  # request -> first token, KV not yet taken
         self._trace = trace
         if trace is not None:
             trace.write(json.dumps({"consts": attrs.asdict(config.consts())}) + "\n")
 
     # --------------------------------------------------------------- client API
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
-               eos_token_id: int | None = None) -> int:
+               eos_token_id: int | None = None, *, remote: bool = False,
+               export: bool = False) -> int:
+        """Queue a request; returns its id. `remote`: its prompt's KV comes from a prefill worker
+        (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`)."""
         try:  # integers only: int() would truncate 1.7 and parse "5"
             prompt = [operator.index(t) for t in prompt_ids]
         except TypeError:
@@ -123,10 +144,13 @@ class AtomBatcher:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens can never fit: max_seq_len={s} holds at most "
                 f"{s - 1} prompt tokens plus the first generated one; shorten the prompt")
+        if remote and export:
+            raise ValueError("a request is either imported (remote) or exported, not both")
         rid = self._next_id
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
-        self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id)
+        self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
+                                     export=export)
         self.waiting.append(rid)
         return rid
 
@@ -139,10 +163,110 @@ class AtomBatcher:
         if phase == core.PHASE_WAITING:
             self.waiting.remove(request_id)
             self._apply("abort_waiting", r=request_id)
-        else:
+        else:  # a block in a transfer drains until `transfer_ended` (see the module doc)
             self._apply("abort_running", l=self.state.req_lane.get(request_id))
+        self._exports.pop(request_id, None)
         req.ended, req.error = True, "aborted"
         return True
+
+    # --------------------------------------------------------------- PD
+    def make_local(self, request_id: int) -> bool:
+        """A waiting remote request is prefilled here instead (e.g. its prefill worker is gone);
+        it keeps its id and queue position. False if it is not waiting or not remote."""
+        req = self.requests.get(request_id)
+        if (req is None or not req.remote
+                or self.state.phase.get(request_id) != core.PHASE_WAITING):
+            return False
+        req.remote = False
+        return True
+
+    def import_kv(self, request_id: int, prompt_ids: Iterable[int], first_token: int,
+                  host_kv: Any) -> list[Event]:
+        """The transfer for `request_id` delivered KV for `prompt_ids` (in a runtime host buffer)
+        and the first generated token. Accepted only if it covers the request's whole prompt;
+        otherwise the request fails. Events for requests without a transfer change nothing."""
+        events: list[Event] = []
+        phase = self.state.phase.get(request_id)
+        if phase != core.PHASE_IMPORTING:
+            self._stale_or_drained(request_id)
+            return events
+        p = seq(int(t) for t in prompt_ids)
+        bad = core.import_done_guard(self.state, request_id, p, int(first_token))
+        if bad is not None:
+            self._transfer_failed(request_id, f"import rejected ({bad}): the KV covers "
+                                  f"{len(p)} tokens, not this request's prompt", events)
+            return events
+        block = self._transfers[request_id]
+        try:
+            self.runtime.update_kv_cache(host_kv, block)
+        except Exception as exc:  # noqa: BLE001 - this request's import failed, nothing else
+            self._transfer_failed(request_id, f"update_kv_cache failed: {exc!r}", events)
+            return events
+        del self._transfers[request_id]
+        self._apply("import_done", r=request_id, p=p, tok=int(first_token))
+        self.stats.imported_tokens += len(p)
+        self._emit_token(self.state.req_lane.get(request_id), int(first_token), events)
+        return events
+
+    def transfer_ended(self, request_id: int, error: str) -> list[Event]:
+        """The transfer for `request_id` ended without usable KV (an error, a bad payload, a lost
+        peer): a request still waiting for it fails; a drained block is freed. Unknown or
+        already-ended requests: nothing changes."""
+        events: list[Event] = []
+        if self.state.phase.get(request_id) in (core.PHASE_IMPORTING, core.PHASE_EXPORTING):
+            self._transfer_failed(request_id, error, events)
+        else:
+            self._stale_or_drained(request_id)
+        return events
+
+    def take_export(self, request_id: int) -> tuple[list[int], int, Any]:
+        """(prompt, first token, host KV buffer) of an exported request, read from its pinned
+        block. Call `export_done` once the KV is handed to the transport."""
+        if request_id not in self._exports:
+            raise KeyError(f"request {request_id} has no export pending")
+        block = self._transfers[request_id]
+        host = self.runtime.new_host_buffer()
+        self.runtime.fetch_kv_cache(host, block)
+        return self.requests[request_id].prompt, self._exports[request_id], host
+
+    def export_done(self, request_id: int, error: str | None = None) -> list[Event]:
+        """The export of `request_id` was sent (error None) or could not be: its block is
+        released (into the prefix cache when on)."""
+        events: list[Event] = []
+        if self.state.phase.get(request_id) != core.PHASE_EXPORTING:
+            self._stale_or_drained(request_id)
+            return events
+        self._exports.pop(request_id, None)
+        if error is not None:
+            self._transfer_failed(request_id, error, events)
+            return events
+        del self._transfers[request_id]
+        self._apply("export_done", r=request_id, keep=self.config.prefix_cache)
+        self.requests[request_id].ended = True
+        self.stats.exports += 1
+        events.append(Event("finished", request_id))
+        return events
+
+    def transfers(self) -> dict[int, int]:
+        """Unfinished transfers: request -> block (including blocks draining after an abort)."""
+        return dict(self._transfers)
+
+    def _transfer_failed(self, rid: int, error: str, events: list[Event]) -> None:
+        self._transfers.pop(rid, None)
+        self._exports.pop(rid, None)
+        self._apply("transfer_fail", r=rid)
+        self.stats.transfer_failures += 1
+        req = self.requests[rid]
+        req.ended, req.error = True, error
+        events.append(Event("error", rid, error=error))
+
+    def _stale_or_drained(self, rid: int) -> None:
+        block = self._transfers.get(rid)
+        if block is not None and core.transfer_end_guard(self.state, rid, block) is None:
+            del self._transfers[rid]
+            self._apply("transfer_end", r=rid, b=block)
+        else:
+            self.stats.stale_events += 1
 
     def step(self) -> list[Event]:
         events: list[Event] = []
@@ -155,7 +279,7 @@ class AtomBatcher:
         return events
 
     def busy(self) -> bool:
-        return bool(self.waiting) or any(self.state.busy)
+        return bool(self.waiting) or any(self.state.busy) or bool(self._transfers)
 
     def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
         steps = 0
@@ -227,13 +351,16 @@ class AtomBatcher:
     def _admit(self, events: list[Event]) -> None:
         while self.waiting:
             rid = self.waiting[0]
-            choice = self.policy.admission(self.state, rid)
+            choice = self.policy.admission(self.state, rid, remote=self.requests[rid].remote)
             if choice is None:
                 return
             self.waiting.popleft()
             step = self._apply(choice.action, **choice.args)
             for eff in step.effects:
-                if isinstance(eff, core.Copy):
+                if isinstance(eff, core.Inbound):
+                    self._transfers[eff.request] = eff.block
+                    events.append(Event("import", eff.request))
+                elif isinstance(eff, core.Copy):
                     try:
                         self.runtime.copy_kv_cache(eff.src, eff.dst, eff.n)
                     except Exception as exc:  # noqa: BLE001 - any runtime failure fails this one
@@ -270,7 +397,13 @@ class AtomBatcher:
         self.stats.prefill_tokens += len(chunk)
         self._apply("prefill", l=lane, tok=tok)
         if eff.end == len(prompt):
-            self._emit_token(lane, tok, events)
+            if self.requests[rid].export:
+                (out,) = self._apply("export", l=lane).effects
+                self._transfers[rid] = out.block
+                self._exports[rid] = tok
+                events.append(Event("export", rid, token=tok))
+            else:
+                self._emit_token(lane, tok, events)
 
     # --------------------------------------------------------------- decode
     def _decode(self, events: list[Event]) -> None:

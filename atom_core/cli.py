@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import os
+import socket
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -75,6 +79,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         cap.append([r.features.name, r.rule, mins, "yes" if tight else "NO"])
     _table("capacity (proved sufficient; tight = stuck run one block below)",
            ["features", "rule", "minimum kv_blocks", "tight"], cap)
+    sb = [[case.name, f"B={case.lanes}, K=1", "on" if case.prefix_cache else "off", case.role,
+           "no stuck state" if tr is None else
+           f"stuck ({tr.violated}): " + "; ".join(
+               describe_step(st.as_json()).strip() for st in tr.steps)]
+          for case, tr in report.single_block]
+    _table("single-block mode (block 0 serves the only lane)",
+           ["case", "size", "prefix cache", "role", "result"], sb)
     n_bad = sum(1 for c in report.checks if c.status != "proved")
     print(f"{len(report.checks)} checks, {n_bad} not proved, {report.seconds:.1f} s: "
           + ("OK" if report.ok else "FAILED"))
@@ -184,10 +195,346 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if out["exact"] else 1
 
 
+# --------------------------------------------------------------------------- PD workers
+PD_KEY_ENV = "ATOM_CORE_PD_KEY"
+
+
+class _Usage(Exception):
+    """A bad option or configuration: printed, exit 2."""
+
+
+def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
+    from atom_core.config import Config, ConfigError
+
+    kv = args.kv_blocks
+    if kv is None:
+        kv = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch)
+        if decode and args.scratch == "dynamic":
+            # At the minimum every block can be held by a lane, importing ones included, so
+            # padding rows have nowhere to write and decode stalls until the imports land.
+            kv += 1
+    try:
+        return Config(lanes=args.lanes, kv_blocks=kv, max_seq_len=args.max_seq_len,
+                      prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+                      scratch=args.scratch)
+    except ConfigError as exc:
+        raise _Usage(f"invalid configuration: {exc}") from None
+
+
+def _pd_key(args: argparse.Namespace) -> bytes | None:
+    from atom_core import pd
+
+    value = args.key if args.key is not None else (
+        f"env:{PD_KEY_ENV}" if os.environ.get(PD_KEY_ENV) else None)
+    try:
+        key = pd.load_key(value)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    if key is None and not _loopback(args.host):
+        print(f"warning: no PD key (--key or {PD_KEY_ENV}): KV payloads from {args.host} are "
+              "not authenticated; give both workers a shared key", file=sys.stderr)
+    return key
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
+    from atom_core.batcher import check_runtime
+
+    if args.runtime == "reference":
+        from atom_core.runtime.reference import TorchReferenceRuntime
+
+        return TorchReferenceRuntime.tiny(cfg, seed=args.seed)
+    if not args.compiled:
+        raise _Usage("--runtime rbln needs --compiled PATH (an optimum-rbln compiled decoder "
+                     "directory)")
+    from atom_core.runtime.rbln import RblnRuntime, RblnUnavailableError
+
+    try:
+        rt = RblnRuntime.from_compiled(args.compiled, fingerprint=args.fingerprint)
+    except RblnUnavailableError as exc:
+        raise _Usage(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise _Usage(f"cannot load {args.compiled}: {exc}") from None
+    try:  # before connecting: a mismatch found after the rendezvous would strand the peer
+        check_runtime(cfg, rt)
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    return rt
+
+
+def _pd_setup(args: argparse.Namespace, decode: bool) -> tuple[Any, Any, bytes | None]:
+    cfg = _pd_config(args, decode)
+    key = _pd_key(args)
+    if decode and args.check and args.runtime != "reference":
+        raise _Usage("--check needs the reference runtime (its oracle); pass --no-check")
+    return cfg, _pd_runtime(args, cfg), key
+
+
+def _connect(args: argparse.Namespace, rank: int) -> Any:
+    from atom_core.transport import GlooTransport
+
+    role = "decode worker: waiting for the prefill worker on" if rank == 0 else \
+        "prefill worker: connecting to the decode worker at"
+    print(f"{role} {args.host}:{args.port}", file=sys.stderr, flush=True)
+    return GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout)
+
+
+def cmd_pd_prefill(args: argparse.Namespace) -> int:
+    from atom_core.transport import TransportError
+    from atom_core.workers import PrefillWorker
+
+    try:
+        cfg, rt, key = _pd_setup(args, decode=False)
+        transport = _connect(args, rank=1)
+    except _Usage as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except TransportError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    with transport:
+        worker = PrefillWorker(cfg, rt, transport, key=key)
+        worker.serve()
+    out = {**attrs.asdict(worker.stats), "ended_by": worker.ended_by,
+           **{k: transport.stats[k] for k in ("bytes_sent", "bytes_received")}}
+    if args.json:
+        _emit(out)
+    else:
+        print(f"prefill worker: {out['exports']} exports, {out['failures']} failures, "
+              f"{out['bytes_sent']} bytes sent; ended by {out['ended_by']}", file=sys.stderr)
+    return 0 if worker.ended_by == "shutdown" else 1
+
+
+def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None,
+                  transport: Any) -> dict[str, Any]:
+    """Serve the demo workload through a DecodeWorker on `transport`; its summary, checked
+    against the oracle when `args.check`."""
+    from atom_core.demo import oracle_for, workload
+    from atom_core.workers import DecodeWorker
+
+    items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
+                     cfg.max_seq_len)
+    prefetch = cfg.lanes if args.prefetch is None else args.prefetch
+    with DecodeWorker(cfg, rt, transport, key=key, fallback_local=args.fallback_local,
+                      transfer_timeout=args.transfer_timeout, prefetch=prefetch) as worker:
+        ids = [worker.submit(it.prompt, it.max_new_tokens) for it in items]
+        results = worker.run_until_done()
+        out = {"config": _config_json(cfg), **worker.summary()}
+    out["failed_ids"] = [w for w in ids if results[w].error is not None]
+    out["errors"] = {str(w): results[w].error for w in out["failed_ids"][:10]}
+    mismatches = []
+    if args.check:
+        oracle = oracle_for(rt)
+        mismatches = [w for w, it in zip(ids, items, strict=True) if results[w].error is None
+                      and results[w].tokens != oracle.generate(it.prompt, it.max_new_tokens)]
+    out["checked"], out["mismatches"] = bool(args.check), mismatches
+    out["exact"] = not mismatches and not out["failed_ids"] if args.check else None
+    return out
+
+
+def _config_json(cfg: Any) -> dict[str, Any]:
+    return {"lanes": cfg.lanes, "kv_blocks": cfg.kv_blocks, "max_seq_len": cfg.max_seq_len,
+            "prefill_chunk": cfg.prefill_chunk, "prefix_cache": cfg.prefix_cache,
+            "scratch": cfg.scratch}
+
+
+def cmd_pd_decode(args: argparse.Namespace) -> int:
+    from atom_core.transport import TransportError
+
+    if args.check is None:
+        args.check = args.runtime == "reference"
+    try:
+        cfg, rt, key = _pd_setup(args, decode=True)
+        transport = _connect(args, rank=0)
+    except _Usage as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except TransportError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    out = run_pd_decode(args, cfg, rt, key, transport)
+    if args.json:
+        _emit(out)
+    else:
+        _table("atom-core pd-decode", ["metric", "value"],
+               [[k, json.dumps(v)] for k, v in out.items() if k != "config"])
+        for w, err in out["errors"].items():
+            print(f"request {w}: {err}", file=sys.stderr)
+    return 1 if out["failed_ids"] or out["mismatches"] else 0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _colocated(args: argparse.Namespace) -> dict[str, Any]:
+    """The same workload on one batcher (the `atom-core demo` path), timed the same way."""
+    from atom_core.batcher import AtomBatcher
+    from atom_core.demo import MODEL_SEED, demo_config, oracle_for, workload
+    from atom_core.runtime.reference import TorchReferenceRuntime
+    from atom_core.workers import _quantile
+
+    cfg = demo_config(args.lanes)
+    rt = TorchReferenceRuntime.tiny(cfg, seed=MODEL_SEED)
+    items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
+                     cfg.max_seq_len)
+    b = AtomBatcher(cfg, rt)
+    t0 = time.perf_counter()
+    rids = [b.submit(it.prompt, it.max_new_tokens) for it in items]
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    while b.busy():
+        for ev in b.step():
+            now = time.perf_counter()
+            if ev.kind == "token":
+                first.setdefault(ev.request_id, now)
+            elif ev.kind in ("finished", "error"):
+                done[ev.request_id] = now
+    wall = max(done.values()) - t0
+    oracle = oracle_for(rt)
+    exact = all(b.requests[r].error is None and b.requests[r].tokens
+                == oracle.generate(it.prompt, it.max_new_tokens)
+                for r, it in zip(rids, items, strict=True))
+    return {"config": _config_json(cfg), "wall_s": round(wall, 3),
+            "tokens_per_s": round(b.stats.generated_tokens / wall, 1),
+            "latency_median_s": _quantile(sorted(t - t0 for t in done.values()), 0.5),
+            "latency_p90_s": _quantile(sorted(t - t0 for t in done.values()), 0.9),
+            "ttft_median_s": _quantile(sorted(t - t0 for t in first.values()), 0.5),
+            "generated_tokens": b.stats.generated_tokens, "decode_steps": b.stats.decode_steps,
+            "exact": exact}
+
+
+def _pd_session(args: argparse.Namespace, prefetch: int) -> dict[str, Any]:
+    """One PD run: pd-prefill in a subprocess, pd-decode here, over gloo on loopback."""
+    import secrets
+    import subprocess
+    import tempfile
+
+    from atom_core.demo import MODEL_SEED
+
+    host, port = "127.0.0.1", _free_port("127.0.0.1")
+    key = secrets.token_hex(32)  # through the environment: argv is visible to other users
+    shape = ["--lanes", str(args.lanes), "--max-seq-len", "256", "--prefill-chunk", "64",
+             "--seed", str(MODEL_SEED), "--host", host, "--port", str(port),
+             "--timeout", "30"]
+    child_argv = [sys.executable, "-m", "atom_core.cli", "pd-prefill", *shape,
+                  "--prefix-cache", "--key", f"env:{PD_KEY_ENV}", "--json"]
+    dec = build_parser().parse_args(["pd-decode", *shape, "--requests", str(args.requests),
+                                     "--max-new-tokens", str(args.max_new_tokens),
+                                     "--workload-seed", str(args.workload_seed), "--check",
+                                     "--prefetch", str(prefetch)])
+    dec.key = key  # in-process: a literal key is seen by no one
+    with tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(child_argv, env={**os.environ, PD_KEY_ENV: key},
+                                 stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            cfg, rt, k = _pd_setup(dec, decode=True)
+            out = run_pd_decode(dec, cfg, rt, k, _connect(dec, rank=0))
+            child_out, _ = child.communicate(timeout=30)
+        except BaseException:
+            child.kill()
+            child.wait()
+            err.seek(0)
+            print(f"prefill worker stderr:\n{err.read()}", file=sys.stderr)
+            raise
+    lines = child_out.strip().splitlines()
+    out["prefill_worker"] = json.loads(lines[-1]) if lines else {}
+    out["prefill_exit_code"] = child.returncode
+    return out
+
+
+def cmd_pd_demo(args: argparse.Namespace) -> int:
+    """The workload over PD (on-demand and prefetching), then colocated; a comparison."""
+    import subprocess
+
+    from atom_core.transport import TransportError
+
+    try:
+        runs = {"pd_on_demand": _pd_session(args, prefetch=0),
+                "pd_prefetch": _pd_session(args, prefetch=args.lanes)}
+    except (TransportError, _Usage, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"pd-demo failed: {exc}", file=sys.stderr)
+        return 1
+    runs["colocated"] = _colocated(args)
+    if args.json:
+        _emit(runs)
+    else:
+        _pd_demo_table(runs)
+    ok = all(r["exact"] for r in runs.values()) and all(
+        runs[m]["prefill_exit_code"] == 0 for m in ("pd_on_demand", "pd_prefetch"))
+    return 0 if ok else 1
+
+
+def _pd_demo_table(runs: dict[str, dict[str, Any]]) -> None:
+    def row(label: str, key: str, unit: str = "") -> list[str]:
+        return [label, *("-" if r.get(key) is None else f"{r[key]}{unit}"
+                         for r in runs.values())]
+
+    rows = [
+        row("end-to-end wall time", "wall_s", " s"),
+        row("tokens/s", "tokens_per_s"),
+        row("latency median", "latency_median_s", " s"),
+        row("latency p90", "latency_p90_s", " s"),
+        row("time to first token, median", "ttft_median_s", " s"),
+        ["bytes transferred", *(str(r.get("bytes_received", 0) + r.get("bytes_sent", 0))
+                                for r in runs.values())],
+        ["decode steps (overlapped with transfers)",
+         *(f"{r['decode_steps']} ({r['decode_steps_overlapped']})"
+           if "decode_steps_overlapped" in r else str(r["decode_steps"])
+           for r in runs.values())],
+        ["token-exact vs oracle", *("yes" if r["exact"] else "NO" for r in runs.values())],
+    ]
+    _table("atom-core pd-demo: PD over gloo (2 processes, loopback) vs colocated",
+           ["", "PD, KV on admission", f"PD, prefetch {runs['pd_prefetch']['prefetch']}",
+            "colocated"], rows)
+
+
+def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the decode worker's address (default: loopback only)")
+    p.add_argument("--port", type=_port, default=29500)
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the other worker to connect")
+    p.add_argument("--key", default=None,
+                   help=f"shared PD key: literal, env:NAME or file:PATH (default: ${PD_KEY_ENV} "
+                        "if set); a literal is visible in the process list, prefer env: or file:")
+    p.add_argument("--lanes", type=_positive, default=4)
+    p.add_argument("--kv-blocks", type=_positive, default=None,
+                   help="default: the proved minimum" + (
+                       " (plus one with dynamic scratch, so decode runs while imports are in "
+                       "flight)" if decode else ""))
+    p.add_argument("--max-seq-len", type=_positive, default=256)
+    p.add_argument("--prefill-chunk", type=_positive, default=64)
+    p.add_argument("--prefix-cache", action="store_true")
+    p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic")
+    p.add_argument("--runtime", choices=("reference", "rbln"), default="reference")
+    p.add_argument("--compiled", default=None, help="rbln: the compiled model directory")
+    p.add_argument("--fingerprint", default=None,
+                   help="rbln: the model's id for PD (e.g. a hash of the artifact); both "
+                        "workers must give the same")
+    p.add_argument("--seed", type=int, default=0, help="reference runtime: the model's seed")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
 def _positive(text: str) -> int:
     v = int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {text}")
     return v
 
 
@@ -233,7 +580,42 @@ def build_parser() -> argparse.ArgumentParser:
                             "free block (default)")
         p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         p.set_defaults(fn=fn)
+
+    pf = sub.add_parser("pd-prefill", help="PD prefill worker: prefill what the decode worker "
+                                            "asks for and send it the KV")
+    _pd_common(pf, decode=False)
+    pf.set_defaults(fn=cmd_pd_prefill)
+
+    pdec = sub.add_parser("pd-decode", help="PD decode worker: serve the demo workload with KV "
+                                             "from a pd-prefill worker")
+    _pd_common(pdec, decode=True)
+    _workload_args(pdec)
+    pdec.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                      help="check every output against the oracle (default: on for the "
+                           "reference runtime)")
+    pdec.add_argument("--fallback-local", action=argparse.BooleanOptionalAction, default=True,
+                      help="prefill here the requests not yet sent when the prefill worker is "
+                           "lost (default: on)")
+    pdec.add_argument("--transfer-timeout", type=float, default=30.0,
+                      help="seconds before an unanswered KV transfer fails its request")
+    pdec.add_argument("--prefetch", type=int, default=None,
+                      help="ask for the KV of up to this many waiting requests before they get "
+                           "a lane (default: --lanes; 0: only once a lane waits for it)")
+    pdec.set_defaults(fn=cmd_pd_decode)
+
+    pdemo = sub.add_parser("pd-demo", help="pd-prefill (subprocess) + pd-decode over gloo on "
+                                            "loopback, compared with the colocated demo")
+    pdemo.add_argument("--lanes", type=_positive, default=4)
+    _workload_args(pdemo)
+    pdemo.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    pdemo.set_defaults(fn=cmd_pd_demo)
     return ap
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=_positive, default=24)
+    p.add_argument("--max-new-tokens", type=_positive, default=16)
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload")
 
 
 def main(argv: list[str] | None = None) -> int:

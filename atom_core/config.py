@@ -69,6 +69,9 @@ class Config:
         if failed:
             raise ConfigError(f"configuration violates the spec's axioms {failed}: "
                               + "; ".join(AXIOM_HELP.get(a, a) for a in failed))
+        if self.kv_blocks == 1 and (self.lanes > 1 or self.prefix_cache
+                                    or self.scratch == "reserved"):
+            raise ConfigError(single_block_message(self))
         need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch)
         if self.kv_blocks < need:
             raise ConfigError(capacity_message(self, need))
@@ -106,6 +109,23 @@ def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str) -> int:
     if scratch not in SCRATCH_MODES:
         raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
     return lanes + capacity.OFFSETS[(prefix_cache, scratch)]
+
+
+def single_block_message(cfg: Config) -> str:
+    why = []
+    if cfg.lanes > 1:
+        why.append(f"lanes={cfg.lanes}: a second lane never gets a block, and while lane 0 "
+                   "decodes the idle row's padding has no block to write into")
+    if cfg.prefix_cache:
+        why.append("prefix_cache=True: a finished request cached in block 0 forces a later "
+                   "prompt with the same prefix to copy from it into a second block there is not")
+    if cfg.scratch == "reserved":
+        why.append("scratch='reserved': the only block would be the scratch block")
+    need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch)
+    return ("rule 'single-block': kv_blocks=1 serves exactly one lane, with the prefix cache off "
+            "and dynamic scratch (block 0 is that lane's block; a single-block PD decode worker "
+            "is lanes=1). Here " + "; ".join(why) + " (`atom-core verify` shows the stuck runs). "
+            "In general: " + capacity_message(cfg, need))
 
 
 def capacity_message(cfg: Config, need: int) -> str:

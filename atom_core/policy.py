@@ -86,11 +86,16 @@ class Policy:
                 best = (b, n)
         return best
 
-    def admission(self, s: g.State, r: int) -> Choice | None:
-        """How to admit waiting request r now, or None if no lane or block is available."""
+    def admission(self, s: g.State, r: int, remote: bool = False) -> Choice | None:
+        """How to admit waiting request r now, or None if no lane or block is available.
+        `remote`: r's KV comes from a prefill worker, into a fresh block (never a cache hit)."""
         lane = self.idle_lane(s)
         if lane is None:
             return None
+        if remote:
+            dst = self.reusable(s)
+            return None if dst is None else Choice("admit_import",
+                                                   {"l": lane, "r": r, "dst": dst})
         hit = self.best_hit(s, s.prompt.get(r)) if s.consts.PREFIX else None
         if hit is not None:
             src, n = hit

@@ -85,8 +85,11 @@ class Unrolling:
 
 def shortest_stuck_trace(model: L.Model, u: Universe, max_depth: int = 30,
                          timeout_ms: int = 60_000,
-                         prefer: list[Any] | None = None) -> Trace | None:
-    """The shortest run to a stuck state, or None if there is none within max_depth."""
+                         prefer: list[Any] | None = None,
+                         hard: list[Any] | None = None) -> Trace | None:
+    """The shortest run to a stuck state, or None if there is none within max_depth. `hard`
+    constraint builders restrict the runs (e.g. `avoiding(*PD_ACTIONS)`), `prefer` ones pick
+    among the shortest."""
     t0 = time.perf_counter()
     un = Unrolling(model, u)
     for depth in range(max_depth + 1):
@@ -95,7 +98,7 @@ def shortest_stuck_trace(model: L.Model, u: Universe, max_depth: int = 30,
         for name, bad in un.stuck():
             s = z3.Solver()
             s.set("timeout", timeout_ms)
-            s.add(*un.facts, *u.seq_facts, bad)
+            s.add(*un.facts, *u.seq_facts, *prefer_constraints(un, hard or []), bad)
             r = s.check()
             if r == z3.unknown:
                 raise RuntimeError(f"z3 gave up at depth {depth}: {s.reason_unknown()}")
@@ -120,6 +123,15 @@ def same_prompts(un: Unrolling) -> list[Any]:
     common = z3.Const(f"same_prompt{un.u.tag}", un.u.zsort(_param(un.model, "submit", "p").sort))
     return [bound[_param(un.model, "submit", "p")] == common
             for step in un.params for name, bound in step.items() if name == "submit"]
+
+
+def avoiding(*names: str):
+    """A constraint builder: no step takes one of the named actions (e.g. a colocated run, no
+    PD transfers)."""
+    def hard(un: Unrolling) -> list[Any]:
+        idx = [k for k, a in enumerate(un.model.actions) if a.name in names]
+        return [sel != k for sel in un.choice for k in idx]
+    return hard
 
 
 def _param(model: L.Model, action: str, name: str) -> L.Var:

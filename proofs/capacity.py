@@ -126,6 +126,43 @@ def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
         yield Row(f, offset, minimum, checks, found)
 
 
+@attrs.frozen
+class SingleBlockCase:
+    """Single-block mode (kv_blocks = 1): block 0 serves the only lane. Each case either has no
+    stuck run (breadth-first search over every state reachable with B + 1 requests, beside the
+    z3 progress proof of the capacity table) or shows, with one, what breaks."""
+
+    name: str
+    lanes: int
+    prefix_cache: bool
+    role: str  # search.ROLES
+    want: str | None  # the progress property the run should break
+    stuck: bool  # expected: a stuck run exists
+
+    def check(self, model: L.Model) -> tuple[Check, bmc.Trace | None]:
+        t0 = time.perf_counter()
+        tr = search.stuck_run(model, self.lanes, 1, self.prefix_cache, False, self.role,
+                              self.want)
+        ok = (tr is not None) == self.stuck
+        detail = "" if ok else ("unexpected stuck run" if tr else "expected a stuck run")
+        return Check(f"single-block:{self.name}", "*", "capacity-single-block",
+                     "proved" if ok else "counterexample", time.perf_counter() - t0,
+                     f"B={self.lanes},K=1,{'prefix cache' if self.prefix_cache else 'no cache'},"
+                     f"{self.role}", detail), tr
+
+
+SINGLE_BLOCK = (
+    SingleBlockCase("pd-decode-one-lane-safe", 1, False, "decode", None, False),
+    SingleBlockCase("colocated-one-lane-safe", 1, False, "colocated", None, False),
+    SingleBlockCase("second-lane-never-admitted", 2, False, "decode", "idle_lane_imports", True),
+    # the seeds' "no simultaneous idle decoding lane": the idle row's padding has nowhere to go
+    SingleBlockCase("second-lane-blocks-decode", 2, False, "decode",
+                    "running_request_advances", True),
+    SingleBlockCase("prefix-cache-blocks-local-admission", 1, True, "any", "idle_lane_admits",
+                    True),
+)
+
+
 def rule_text(offset: int) -> str:
     return "kv_blocks >= lanes" + (f" + {offset}" if offset else "")
 

@@ -21,11 +21,18 @@ class Report:
     seconds: float
     checks: list[Check]
     rows: list[capacity.Row]
+    single_block: list[tuple[capacity.SingleBlockCase, Any]] = attrs.field(factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "seconds": round(self.seconds, 3),
                 "checks": [c.as_json() for c in self.checks],
-                "capacity": [row_json(r) for r in self.rows]}
+                "capacity": [row_json(r) for r in self.rows],
+                "single_block": [
+                    {"case": c.name, "lanes": c.lanes, "prefix_cache": c.prefix_cache,
+                     "role": c.role, "stuck": tr is not None,
+                     **({"violated": tr.violated, "trace": [s.as_json() for s in tr.steps],
+                         "stuck_state": tr.final} if tr else {})}
+                    for c, tr in self.single_block]}
 
 
 def table_matches(rows: list[capacity.Row]) -> Check:
@@ -68,5 +75,10 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
             add(Check(f"rule:{row.features.name}", "*", "capacity", "counterexample", 0.0,
                       detail=f"no single rule kv_blocks >= lanes + c fits {row.minimum}"))
     add(table_matches(rows))
+    single = []
+    for case in capacity.SINGLE_BLOCK:
+        c, tr = case.check(model)
+        add(c)
+        single.append((case, tr))
     ok = all(c.status == "proved" for c in out)
-    return Report(ok, time.perf_counter() - t0, out, rows)
+    return Report(ok, time.perf_counter() - t0, out, rows, single)

@@ -6,6 +6,9 @@ generated core stays fast and, being breadth-first, returns a shortest run. Each
 is then replayed through z3 (`confirm`): every step's guard and update, and the stuck final
 state, are checked against the spec itself, so a bug in the generator cannot fake a trace.
 
+Runs are colocated (no PD action): the capacity rules are the same with PD (an import needs a
+reusable block like a miss), and a colocated run is the one a reader recognises.
+
 Symmetry: requests are submitted in id order, and of the interchangeable choices only one is
 tried: the lowest idle lane, the lowest free block, the lowest waiting request with a given
 prompt. They are interchangeable because no guard reads what an idle lane or a free block still
@@ -33,6 +36,7 @@ from atom_core.proofs.bmc import Step, Trace
 from atom_core.proofs.checks import bounded_universe
 from atom_core.replay import plain
 from atom_core.spec import lang as L
+from atom_core.spec.model import PD_ACTIONS
 
 # Small chunk and block sizes keep the runs short and readable; nothing in the model depends on
 # their values beyond the axioms.
@@ -51,7 +55,8 @@ def state_key(s: g.State) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def moves(s: g.State, requests: int, prompts: list[seq.TokSeq]) -> Iterator[tuple[str, dict]]:
+def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
+          skip: tuple[str, ...] = PD_ACTIONS) -> Iterator[tuple[str, dict]]:
     c = s.consts
     submitted = sum(1 for r in range(requests) if s.phase.get(r) != g.PHASE_NONE)
     idle = [ln for ln in range(c.B) if not s.busy[ln]]
@@ -73,6 +78,8 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq]) -> Iterator[tupl
         "Int": lambda p: list(range(c.C, c.S, c.C)) if p == "n" else [TOKEN],
     }
     for name, (_fn, guard, params, sorts) in g.ACTIONS.items():
+        if name in skip:
+            continue
         doms = []
         for p, srt in zip(params, sorts, strict=True):
             if srt.startswith("("):  # a per-lane function parameter: sampled tokens
@@ -86,9 +93,21 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq]) -> Iterator[tupl
                 yield name, dict(zip(params, combo, strict=True))
 
 
+# Which actions a run may take: colocated serving, a PD decode worker (every request imported),
+# or anything the spec allows (a decode worker that also prefills locally, e.g. as a fallback).
+ROLES = {"colocated": PD_ACTIONS,
+         "decode": ("admit_miss", "admit_hit", "copy_done", "prefill", "export", "export_done"),
+         "any": ()}
+# A decode worker admits only by import: whether a local admission could proceed is moot.
+IGNORED = {"colocated": (), "decode": ("idle_lane_admits",), "any": ()}
+
+
 def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth: int = 40,
-                       max_states: int = 2_000_000) -> tuple[list[tuple[str, dict]], str] | None:
-    """Breadth-first: the first stuck state found is at minimal depth."""
+                       max_states: int = 2_000_000, role: str = "colocated",
+                       want: str | None = None) -> tuple[list[tuple[str, dict]], str] | None:
+    """Breadth-first: the first stuck state found is at minimal depth. `role` restricts the
+    actions (ROLES); `want` counts only states that break that progress property."""
+    skip = ROLES[role]
     reqs = requests if requests is not None else consts.B + 1
     prompts = menu(consts.C)
     start = g.init(consts, ghost=False)
@@ -96,12 +115,13 @@ def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth:
     frontier: deque[tuple[g.State, tuple]] = deque([(start, ())])
     while frontier:
         s, path = frontier.popleft()
-        bad = g.progress_violations(s)
+        bad = [p for p in g.progress_violations(s)
+               if want in (None, p) and p not in IGNORED[role]]
         if bad:
             return [step for step in _unwind(path)], bad[0]
         if len(_unwind(path)) >= max_depth:
             continue
-        for name, args in moves(s, reqs, prompts):
+        for name, args in moves(s, reqs, prompts, skip):
             nxt = g.ACTIONS[name][0](s, **args).state
             k = state_key(nxt)
             if k not in seen:
@@ -198,7 +218,7 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
 
 
 def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
-              ) -> Trace | None:
+              role: str = "colocated", want: str | None = None) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
     lifted from the largest searched size."""
     t0 = time.perf_counter()
@@ -208,7 +228,7 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
         base_b, base_k = lanes, blocks
     c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, PREFIX=prefix,
                  RESERVED=reserved, SCRATCH=0)
-    found = shortest_stuck_run(c)
+    found = shortest_stuck_run(c, role=role, want=want)
     if found is None:
         return None
     run, violated = found

@@ -1210,10 +1210,9 @@ class Generator:
             if s.kind == "enum":
                 for i, v in enumerate(s.values):
                     lines.append(f"{self.enum_const(s, v)} = {i}\n")
-                names = ", ".join(f'"{v}"' for v in s.values)
-                if len(s.values) == 1:
-                    names += ","
-                lines.append(f"{s.name.upper()}_NAMES = ({names})\n\n")
+                # one name per line: a long enum stays within the line limit
+                names = "".join(f'    "{v}",\n' for v in s.values)
+                lines.append(f"{s.name.upper()}_NAMES = (\n{names})\n\n")
                 enums.append(f'"{s.name}": {s.name.upper()}_NAMES')
             elif s.kind == "index":
                 index.append(f'"{s.name}": "{s.size}"')

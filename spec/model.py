@@ -42,8 +42,13 @@ Lane = m.sort(index_sort("Lane", size="B"))     # rows of the compiled decode ba
 Block = m.sort(index_sort("Block", size="K"))   # physical KV blocks
 Req = m.sort(ident_sort("Req"))                 # requests
 Seq = m.sort(value_sort("Seq"))                 # token sequences (the KV a block holds)
-Owner = m.sort(enum_sort("Owner", "FREE SCRATCH LANE CACHE"))
-Phase = m.sort(enum_sort("Phase", "NONE WAITING PREFILL DECODE FINISHED ABORTED FAILED"))
+# DRAINING: the block's request ended while a PD transfer still reads or writes it; it is freed
+# when the transfer ends, never before.
+Owner = m.sort(enum_sort("Owner", "FREE SCRATCH LANE CACHE DRAINING"))
+# IMPORTING (decode side): the lane waits for KV computed elsewhere. EXPORTING (prefill side): the
+# lane's prompt KV is being sent.
+Phase = m.sort(enum_sort(
+    "Phase", "NONE WAITING PREFILL DECODE IMPORTING EXPORTING FINISHED ABORTED FAILED"))
 
 # ---------------------------------------------------------------- configuration
 B = m.const("B", INT)                 # lanes
@@ -90,6 +95,15 @@ lane_plen = m.fn("lane_plen", [Lane], INT, init=0, doc="prompt length of the lan
 copying = m.fn("copying", [Lane], BOOL, init=False,
                doc="a prefix-hit copy into the lane's block is in flight")
 copy_src = m.fn("copy_src", [Lane], Block, doc="the cache entry an in-flight copy reads")
+transfer = m.fn("transfer", [Block], BOOL, init=False,
+                doc="a PD transfer (an import writing, an export reading) is using the block")
+transfer_req = m.fn("transfer_req", [Block], Req,
+                    doc="the request whose transfer uses the block (events name requests)")
+# Ghost: the outside world's view of transfers, by request, so that an event naming the wrong
+# request (late, duplicate) releasing a block whose own transfer still runs breaks an invariant.
+xfer_live = m.fn("xfer_live", [Req], BOOL, init=False, ghost=True,
+                 doc="the request's transfer is still running")
+xfer_block = m.fn("xfer_block", [Req], Block, ghost=True, doc="the block that transfer uses")
 
 # ---------------------------------------------------------------- state: requests
 phase = m.fn("phase", [Req], Phase, init=Phase.NONE)
@@ -100,7 +114,7 @@ prompt = m.fn("prompt", [Req], Seq, init=lambda r: empty(),
 
 # ---------------------------------------------------------------- definitions
 def running(r):
-    return one_of(phase(r), Phase.PREFILL, Phase.DECODE)
+    return one_of(phase(r), Phase.PREFILL, Phase.DECODE, Phase.IMPORTING, Phase.EXPORTING)
 
 
 def ended(r):
@@ -113,6 +127,19 @@ def decoding(l):
 
 def prefilling(l):
     return busy(l) & (phase(lane_req(l)) == Phase.PREFILL)
+
+
+def importing(l):
+    return busy(l) & (phase(lane_req(l)) == Phase.IMPORTING)
+
+
+def exporting(l):
+    return busy(l) & (phase(lane_req(l)) == Phase.EXPORTING)
+
+
+def moving(l):
+    """Lane l's block is in a PD transfer."""
+    return importing(l) | exporting(l)
 
 
 def hit_ok(r, b):
@@ -132,8 +159,9 @@ def reusable(b):
 
 
 def quiescent():
-    """No copy in flight (the adapter completes each copy within the step that started it)."""
-    return forall(Lane, lambda l: ~copying(l))
+    """No copy in flight (the adapter completes each copy within the step that started it) and
+    no block waiting for a transfer of an ended request to stop."""
+    return forall(Lane, lambda l: ~copying(l)) & forall(Block, lambda b: owner(b) != Owner.DRAINING)
 
 
 def needs_scratch():
@@ -150,11 +178,17 @@ def scratch_ok(pad):
     return ite(RESERVED, owner(pad) == Owner.SCRATCH, reusable(pad))
 
 
+def prompt_kv(l, tok):
+    """The tokens whose KV a whole prefill of lane l's prompt leaves in its block, tok being the
+    first sampled token (which adds no KV): what an import must deliver."""
+    return take(push(lane_seq(l), tok), lane_plen(l))
+
+
 def next_len(l):
     return ite(length(l) + C < lane_plen(l), length(l) + C, lane_plen(l))
 
 
-def occupy(l, r, dst, n):
+def occupy(l, r, dst, n, ph=Phase.PREFILL):
     """The updates every admission shares: lane l takes request r into block dst."""
     assign(busy(l), True)
     assign(lane_req(l), r)
@@ -162,7 +196,7 @@ def occupy(l, r, dst, n):
     assign(length(l), n)
     assign(lane_seq(l), prompt(r))
     assign(lane_plen(l), slen(prompt(r)))
-    assign(phase(r), Phase.PREFILL)
+    assign(phase(r), ph)
     assign(req_lane(r), l)
     assign(owner(dst), Owner.LANE)
     assign(owner_lane(dst), l)
@@ -175,9 +209,19 @@ def release(l, to_cache):
 
 
 def cancel(l):
-    """The lane's request ends early: an in-flight copy into it stops and unpins its source."""
-    release(l, False)
+    """The lane's request ends early: an in-flight copy into it stops and unpins its source; a
+    block a PD transfer still uses drains until the transfer ends (it is not free before)."""
+    assign(busy(l), False)
+    assign(owner(table(l)), ite(transfer(table(l)), Owner.DRAINING, Owner.FREE))
     assign(copying(l), False)
+
+
+def retire(l, keep):
+    """Lane l's request is done; its KV becomes a cache entry (keep) or the block is freed."""
+    b = table(l)
+    assign(key(b), take(lane_seq(l), length(l)))
+    assign(head(b), take(take(lane_seq(l), length(l)), C))
+    release(l, keep)
 
 
 # ---------------------------------------------------------------- actions
@@ -278,12 +322,9 @@ def finish(l: Lane, keep: BOOL):
     """Lane l's request is done; its block becomes a cache entry (keep) or free."""
     require("lane_decoding", decoding(l))
     require("keep_needs_prefix_cache", implies(keep, PREFIX))
-    b = table(l)
     assign(phase(lane_req(l)), Phase.FINISHED)
-    assign(key(b), take(lane_seq(l), length(l)))
-    assign(head(b), take(take(lane_seq(l), length(l)), C))
-    release(l, keep)
-    emit("release", lane=l, block=b)
+    retire(l, keep)
+    emit("release", lane=l, block=table(l))
 
 
 @m.action
@@ -322,6 +363,96 @@ def discard(b: Block):
     assign(junk(b), True)
 
 
+# ---------------------------------------------------------------- PD: decode side
+@m.action
+def admit_import(l: Lane, r: Req, dst: Block):
+    """Admit r into idle lane l to receive its prompt's KV from a prefill worker into dst. Never
+    through the cache: the transfer writes the whole prompt into a fresh block."""
+    require("lane_idle", ~busy(l))
+    require("request_waiting", phase(r) == Phase.WAITING)
+    require("dst_reusable", reusable(dst))
+    occupy(l, r, dst, 0, Phase.IMPORTING)
+    assign(transfer(dst), True)
+    assign(transfer_req(dst), r)
+    assign(xfer_live(r), True)
+    assign(xfer_block(r), dst)
+    # Ghost: only the transfer writes into dst from now on; any other write marks it junk.
+    assign(junk(dst), False)
+    emit("inbound", lane=l, request=r, block=dst)
+
+
+@m.action
+def import_done(r: Req, p: Seq, tok: INT):
+    """r's transfer ended with KV for tokens p and first token tok. Accepted only while r is
+    importing (a late or duplicate event changes nothing) and when p is r's whole prompt (a
+    partial or mismatched result fails r through `transfer_fail`)."""
+    require("request_importing", phase(r) == Phase.IMPORTING)
+    l = req_lane(r)
+    require("covers_prompt", p == prompt_kv(l, tok))
+    b = table(l)
+    assign(transfer(b), False)
+    assign(xfer_live(r), False)
+    assign(holds(b), p)  # what the transfer wrote
+    assign(length(l), lane_plen(l))
+    assign(lane_seq(l), push(lane_seq(l), tok))
+    assign(phase(r), Phase.DECODE)
+    emit("imported", lane=l, request=r, block=b)
+
+
+# ---------------------------------------------------------------- PD: prefill side
+@m.action
+def export(l: Lane):
+    """Lane l has prefilled its prompt (and sampled the first token): its KV is sent to a decode
+    worker, pinned until the send ends."""
+    require("lane_prefilled", decoding(l) & (length(l) == lane_plen(l)))
+    assign(phase(lane_req(l)), Phase.EXPORTING)
+    assign(transfer(table(l)), True)
+    assign(transfer_req(table(l)), lane_req(l))
+    assign(xfer_live(lane_req(l)), True)
+    assign(xfer_block(lane_req(l)), table(l))
+    emit("outbound", lane=l, request=lane_req(l), block=table(l), n=length(l))
+
+
+@m.action
+def export_done(r: Req, keep: BOOL):
+    """r's KV was sent; its block is released (to the cache when keep)."""
+    require("request_exporting", phase(r) == Phase.EXPORTING)
+    require("keep_needs_prefix_cache", implies(keep, PREFIX))
+    l = req_lane(r)
+    assign(phase(r), Phase.FINISHED)
+    assign(transfer(table(l)), False)
+    assign(xfer_live(r), False)
+    retire(l, keep)
+    emit("release", lane=l, block=table(l))
+
+
+# ---------------------------------------------------------------- PD: both sides
+@m.action
+def transfer_fail(r: Req):
+    """r's transfer ended without a usable result (an error; a partial, mismatched or
+    unauthenticated payload): r fails and its block is freed, now that nothing uses it."""
+    require("request_transferring", one_of(phase(r), Phase.IMPORTING, Phase.EXPORTING))
+    l = req_lane(r)
+    assign(phase(r), Phase.FAILED)
+    assign(transfer(table(l)), False)
+    assign(xfer_live(r), False)
+    assign(junk(table(l)), True)
+    release(l, False)
+    emit("release", lane=l, block=table(l))
+
+
+@m.action
+def transfer_end(r: Req, b: Block):
+    """r's transfer, which uses b, ended after r had ended (abort, failure): the deferred
+    release. Whatever it wrote is not trusted."""
+    require("block_draining", owner(b) == Owner.DRAINING)
+    require("transfer_of_request", transfer_req(b) == r)
+    assign(owner(b), Owner.FREE)
+    assign(transfer(b), False)
+    assign(xfer_live(r), False)
+    assign(junk(b), True)
+
+
 # ---------------------------------------------------------------- invariants
 inv = m.invariant
 
@@ -346,7 +477,8 @@ inv("running_request_has_lane", forall(Req, lambda r: implies(
 
 # Content (ghost): the KV each block holds is what its owner says it is.
 inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
-    busy(l) & ~copying(l), ~junk(table(l)) & (holds(table(l)) == take(lane_seq(l), length(l))))))
+    busy(l) & ~copying(l) & ~importing(l),
+    ~junk(table(l)) & (holds(table(l)) == take(lane_seq(l), length(l))))))
 inv("cache_key_is_content", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
 inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
@@ -361,6 +493,9 @@ inv("lane_prompt_fits", forall(Lane, lambda l: implies(
     busy(l), (lane_plen(l) > 0) & (lane_plen(l) < S))))
 
 # Copies: the source of an in-flight copy is a pinned cache entry holding the lane's prefix.
+inv("lane_computes_its_prompt", forall(Lane, lambda l: implies(
+    prefilling(l) | importing(l), (lane_seq(l) == prompt(lane_req(l)))
+    & (lane_plen(l) == slen(prompt(lane_req(l)))))))
 inv("copy_only_while_prefilling", forall(Lane, lambda l: implies(copying(l), prefilling(l))))
 inv("copy_source_cached", forall(Lane, lambda l: implies(
     copying(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != table(l)))))
@@ -368,6 +503,25 @@ inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(tab
 inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
     copying(l), (length(l) <= slen(key(copy_src(l))))
     & (take(key(copy_src(l)), length(l)) == take(lane_seq(l), length(l))))))
+
+# PD transfers: a block in a transfer is held by its lane's transfer or drains; every drain and
+# every transferring lane has its transfer (so once transfers end, every such pin is released).
+inv("transfer_block_held", forall(Block, lambda b: implies(
+    transfer(b), (owner(b) == Owner.DRAINING)
+    | ((owner(b) == Owner.LANE) & moving(owner_lane(b))))))
+inv("draining_has_transfer", forall(Block, lambda b: implies(
+    owner(b) == Owner.DRAINING, transfer(b) & ended(transfer_req(b)))))
+inv("transfer_names_lane_request", forall(Block, lambda b: implies(
+    transfer(b) & (owner(b) == Owner.LANE), transfer_req(b) == lane_req(owner_lane(b)))))
+inv("running_transfer_pins_its_block", forall(Req, lambda r: implies(
+    xfer_live(r), transfer(xfer_block(r)) & (transfer_req(xfer_block(r)) == r))))
+inv("pinned_block_transfer_running", forall(Block, lambda b: implies(
+    transfer(b), xfer_live(transfer_req(b)) & (xfer_block(transfer_req(b)) == b))))
+inv("moving_lane_has_transfer", forall(Lane, lambda l: implies(moving(l), transfer(table(l)))))
+inv("import_target_untouched", forall(Lane, lambda l: implies(
+    importing(l), ~junk(table(l)) & (length(l) == 0) & ~copying(l))))
+inv("export_after_prefill", forall(Lane, lambda l: implies(
+    exporting(l), (length(l) == lane_plen(l)) & ~copying(l))))
 
 # Lengths: nothing is written past a block's end; prefill resumes on chunk boundaries.
 inv("length_within_block", forall(Lane, lambda l: implies(
@@ -405,7 +559,20 @@ m.progress_property("running_request_advances", implies(
     exists(Lane, lambda l: enabled(prefill, l=l))
     | exists(Lane, lambda l: enabled(copy_done, l=l))
     | (exists(Lane, lambda l: decoding(l)) & enabled(decode))
-    | exists(Lane, lambda l: decoding(l) & (length(l) == S))),
-    doc="some running request can always compute its next token, or must finish")
+    | exists(Lane, lambda l: decoding(l) & (length(l) == S))
+    | exists(Lane, lambda l: moving(l) & enabled(transfer_fail, r=lane_req(l)))
+    | exists(Block, lambda b: enabled(transfer_end, r=transfer_req(b), b=b))),
+    doc="some running request can always compute its next token, or must finish, or a PD "
+        "transfer it waits for is still in flight")
+m.progress_property("idle_lane_imports", forall((Lane, Req), lambda l, r: implies(
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING), enabled(admit_import, l=l, r=r))),
+    doc="an idle lane can always take a request whose KV comes from a prefill worker")
+m.progress_property("transfers_end", forall(Block, lambda b: implies(
+    transfer(b), enabled(transfer_end, r=transfer_req(b), b=b)
+    | enabled(transfer_fail, r=transfer_req(b)))),
+    doc="every block a transfer pins is released when the transfer ends")
 
 MODEL = m
+# The actions only prefill/decode disaggregation uses; colocated serving never takes them.
+PD_ACTIONS = ("admit_import", "import_done", "export", "export_done", "transfer_fail",
+              "transfer_end")

@@ -19,11 +19,14 @@ from atom_core._generated import core as g
 from atom_core.proofs import bmc, capacity, checks, search
 from atom_core.proofs.capacity import Features
 from atom_core.spec import lang as L
-from atom_core.spec.model import MODEL
+from atom_core.spec.model import MODEL, PD_ACTIONS
 
 C, S = 2, 6  # small chunk and block sizes keep BMC cheap; the shape is the same at any size
 SEEDS = {"B": 1, "K": 2, "C": C, "S": S, "PREFIX": True, "RESERVED": True, "SCRATCH": 0}
 SCRATCH = 0
+# The seeds' incident is colocated serving; with PD a decode worker reaches the same stuck state
+# by importing the first request instead of prefilling it (test_pd_single_block.py).
+COLOCATED = bmc.avoiding(*PD_ACTIONS)
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +43,7 @@ def seeds_universe():
 
 @functools.cache
 def same_prompt_run() -> bmc.Trace | None:
-    return shortest_with(MODEL, seeds_universe(), bmc.same_prompts)
+    return shortest_with(MODEL, seeds_universe(), lambda un: bmc.same_prompts(un) + COLOCATED(un))
 
 
 def shortest_with(model: L.Model, u, hard, max_depth: int = 10) -> bmc.Trace | None:
@@ -111,7 +114,8 @@ def test_bmc_prefer_same_prompts_at_minimal_depth():
     same-prompt run: a first prompt of exactly one chunk needs a single prefill (it can never be
     a hit itself, `slen(prompt) > C`), and a longer second prompt sharing that chunk is a
     mandatory hit on it. So the preference cannot hold; the prompts share their first chunk."""
-    tr = bmc.shortest_stuck_trace(MODEL, seeds_universe(), prefer=[bmc.same_prompts])
+    tr = bmc.shortest_stuck_trace(MODEL, seeds_universe(), prefer=[bmc.same_prompts],
+                                  hard=[COLOCATED])
     assert tr is not None
     assert tr.violated == "idle_lane_admits"
     first, second = assert_seed_shape(tr.steps)

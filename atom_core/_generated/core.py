@@ -19,16 +19,35 @@ OWNER_FREE = 0
 OWNER_SCRATCH = 1
 OWNER_LANE = 2
 OWNER_CACHE = 3
-OWNER_NAMES = ("FREE", "SCRATCH", "LANE", "CACHE")
+OWNER_DRAINING = 4
+OWNER_NAMES = (
+    "FREE",
+    "SCRATCH",
+    "LANE",
+    "CACHE",
+    "DRAINING",
+)
 
 PHASE_NONE = 0
 PHASE_WAITING = 1
 PHASE_PREFILL = 2
 PHASE_DECODE = 3
-PHASE_FINISHED = 4
-PHASE_ABORTED = 5
-PHASE_FAILED = 6
-PHASE_NAMES = ("NONE", "WAITING", "PREFILL", "DECODE", "FINISHED", "ABORTED", "FAILED")
+PHASE_IMPORTING = 4
+PHASE_EXPORTING = 5
+PHASE_FINISHED = 6
+PHASE_ABORTED = 7
+PHASE_FAILED = 8
+PHASE_NAMES = (
+    "NONE",
+    "WAITING",
+    "PREFILL",
+    "DECODE",
+    "IMPORTING",
+    "EXPORTING",
+    "FINISHED",
+    "ABORTED",
+    "FAILED",
+)
 
 # Index sorts and the config constant that is their size.
 INDEX_SORTS = {"Lane": "B", "Block": "K"}
@@ -84,6 +103,15 @@ class State:
     copying: tuple[bool, ...]
     # copy_src(Lane) -> Block: the cache entry an in-flight copy reads
     copy_src: tuple[int, ...]
+    # transfer(Block) -> Bool: a PD transfer (an import writing, an export reading) is using the
+    # block
+    transfer: tuple[bool, ...]
+    # transfer_req(Block) -> Req: the request whose transfer uses the block (events name requests)
+    transfer_req: tuple[int | None, ...]
+    # xfer_live(Req) -> Bool [ghost]: the request's transfer is still running
+    xfer_live: PMap | None
+    # xfer_block(Req) -> Block [ghost]: the block that transfer uses
+    xfer_block: PMap | None
     # phase(Req) -> Phase
     phase: PMap
     # req_lane(Req) -> Lane: the lane of a running request
@@ -108,11 +136,15 @@ STATE_FIELDS = (
     "lane_plen",
     "copying",
     "copy_src",
+    "transfer",
+    "transfer_req",
+    "xfer_live",
+    "xfer_block",
     "phase",
     "req_lane",
     "prompt",
 )
-GHOST_FIELDS = ("holds", "junk")
+GHOST_FIELDS = ("holds", "junk", "xfer_live", "xfer_block")
 
 
 class Step(NamedTuple):
@@ -160,13 +192,47 @@ class Decode(NamedTuple):
 
 
 class Release(NamedTuple):
-    """Effect `release` (emitted by finish, abort_running, fail)."""
+    """Effect `release` (emitted by finish, abort_running, fail, export_done, transfer_fail)."""
 
     lane: int
     block: int
 
 
-EFFECTS = {"admit": Admit, "copy": Copy, "prefill": Prefill, "decode": Decode, "release": Release}
+class Inbound(NamedTuple):
+    """Effect `inbound` (emitted by admit_import)."""
+
+    lane: int
+    request: int
+    block: int
+
+
+class Imported(NamedTuple):
+    """Effect `imported` (emitted by import_done)."""
+
+    lane: int
+    request: int
+    block: int
+
+
+class Outbound(NamedTuple):
+    """Effect `outbound` (emitted by export)."""
+
+    lane: int
+    request: int
+    block: int
+    n: int
+
+
+EFFECTS = {
+    "admit": Admit,
+    "copy": Copy,
+    "prefill": Prefill,
+    "decode": Decode,
+    "release": Release,
+    "inbound": Inbound,
+    "imported": Imported,
+    "outbound": Outbound,
+}
 
 
 # --------------------------------------------------------------------------- init
@@ -191,14 +257,18 @@ def init(consts: Consts, ghost: bool = True) -> State:
     lane_plen = (0,) * B
     copying = (False,) * B
     copy_src = (0,) * B
+    transfer = (False,) * K
+    transfer_req = (None,) * K
     phase = PMap(default=PHASE_NONE)
     req_lane = PMap()
     prompt = PMap(default=empty())
     if ghost:
         holds = (None,) * K
         junk = (True,) * K
+        xfer_live = PMap(default=False)
+        xfer_block = PMap()
     else:
-        holds = junk = None
+        holds = junk = xfer_live = xfer_block = None
     return State(
         consts,
         ghost,
@@ -216,6 +286,10 @@ def init(consts: Consts, ghost: bool = True) -> State:
         lane_plen,
         copying,
         copy_src,
+        transfer,
+        transfer_req,
+        xfer_live,
+        xfer_block,
         phase,
         req_lane,
         prompt,
@@ -268,6 +342,10 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         s.req_lane,
         new_prompt,
@@ -390,6 +468,10 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_lane_plen,
         copying,
         copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         new_req_lane,
         s.prompt,
@@ -574,6 +656,10 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         new_lane_plen,
         new_copying,
         new_copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         new_req_lane,
         s.prompt,
@@ -673,6 +759,10 @@ def copy_done(s: State, l: int) -> Step:
         s.lane_plen,
         new_copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         s.phase,
         s.req_lane,
         s.prompt,
@@ -744,6 +834,10 @@ def prefill(s: State, l: int, tok: int) -> Step:
         lane_plen,
         s.copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -888,6 +982,10 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.lane_plen,
         copying,
         copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         phase,
         s.req_lane,
         s.prompt,
@@ -995,6 +1093,10 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1051,6 +1153,10 @@ def abort_waiting(s: State, r: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1078,7 +1184,7 @@ def abort_running(s: State, l: int) -> Step:
     new_busy = tuple(new_busy)
     new_owner = list(s.owner)
     table = s.table
-    new_owner[table[l]] = OWNER_FREE
+    new_owner[table[l]] = (OWNER_DRAINING if s.transfer[table[l]] else OWNER_FREE)
     new_owner = tuple(new_owner)
     new_copying = list(s.copying)
     new_copying[l] = False
@@ -1101,6 +1207,10 @@ def abort_running(s: State, l: int) -> Step:
         s.lane_plen,
         new_copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1140,7 +1250,7 @@ def fail(s: State, l: int) -> Step:
     new_busy = tuple(new_busy)
     new_owner = list(s.owner)
     table = s.table
-    new_owner[table[l]] = OWNER_FREE
+    new_owner[table[l]] = (OWNER_DRAINING if s.transfer[table[l]] else OWNER_FREE)
     new_owner = tuple(new_owner)
     new_copying = list(s.copying)
     new_copying[l] = False
@@ -1169,6 +1279,10 @@ def fail(s: State, l: int) -> Step:
         s.lane_plen,
         new_copying,
         s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1244,6 +1358,553 @@ def discard(s: State, b: int) -> Step:
         s.lane_plen,
         copying,
         copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, (), None)
+
+
+def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
+    """The first failing guard conjunct of `admit_import`, or None."""
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r) != PHASE_WAITING:
+        return "request_waiting"
+    owner = s.owner
+    copying = s.copying
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return None
+
+
+def admit_import(s: State, l: int, r: int, dst: int) -> Step:
+    """Admit r into idle lane l to receive its prompt's KV from a prefill worker into dst. Never
+    through the cache: the transfer writes the whole prompt into a fresh block.
+    """
+    busy = s.busy
+    # lane_idle
+    if busy[l]:
+        return Step(s, (), "lane_idle")
+    phase = s.phase
+    # request_waiting
+    if phase.get(r) != PHASE_WAITING:
+        return Step(s, (), "request_waiting")
+    owner = s.owner
+    copying = s.copying
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return Step(s, (), "dst_reusable")
+    for l2 in range(s.consts.B):
+        if copying[l2] and copy_src[l2] == dst:
+            return Step(s, (), "dst_reusable")
+    new_busy = list(busy)
+    new_busy[l] = True
+    new_busy = tuple(new_busy)
+    new_lane_req = list(s.lane_req)
+    new_lane_req[l] = r
+    new_lane_req = tuple(new_lane_req)
+    new_table = list(s.table)
+    new_table[l] = dst
+    new_table = tuple(new_table)
+    new_length = list(s.length)
+    new_length[l] = 0
+    new_length = tuple(new_length)
+    new_lane_seq = list(s.lane_seq)
+    _m0 = s.prompt.get(r)
+    new_lane_seq[l] = _m0
+    new_lane_seq = tuple(new_lane_seq)
+    new_lane_plen = list(s.lane_plen)
+    new_lane_plen[l] = slen(_m0)
+    new_lane_plen = tuple(new_lane_plen)
+    new_phase = phase.set(r, PHASE_IMPORTING)
+    new_req_lane = s.req_lane.set(r, l)
+    new_owner = list(owner)
+    new_owner[dst] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[dst] = l
+    new_owner_lane = tuple(new_owner_lane)
+    new_transfer = list(s.transfer)
+    new_transfer[dst] = True
+    new_transfer = tuple(new_transfer)
+    new_transfer_req = list(s.transfer_req)
+    new_transfer_req[dst] = r
+    new_transfer_req = tuple(new_transfer_req)
+    effects = (Inbound(l, r, dst),)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(r, True)
+        new_xfer_block = s.xfer_block.set(r, dst)
+        new_junk = list(s.junk)
+        new_junk[dst] = False
+        new_junk = tuple(new_junk)
+    else:
+        new_xfer_live = new_xfer_block = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        new_junk,
+        new_busy,
+        new_lane_req,
+        new_table,
+        new_length,
+        new_lane_seq,
+        new_lane_plen,
+        copying,
+        copy_src,
+        new_transfer,
+        new_transfer_req,
+        new_xfer_live,
+        new_xfer_block,
+        new_phase,
+        new_req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str:
+    """The effects `admit_import` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r) != PHASE_WAITING:
+        return "request_waiting"
+    owner = s.owner
+    copying = s.copying
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Inbound(l, r, dst),)
+
+
+def import_done_guard(s: State, r: int, p: TokSeq, tok: int) -> str | None:
+    """The first failing guard conjunct of `import_done`, or None."""
+    # request_importing
+    if s.phase.get(r) != PHASE_IMPORTING:
+        return "request_importing"
+    _m0 = s.req_lane.get(r)
+    # covers_prompt
+    if p != take(push(s.lane_seq[_m0], tok), s.lane_plen[_m0]):
+        return "covers_prompt"
+    return None
+
+
+def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
+    """r's transfer ended with KV for tokens p and first token tok. Accepted only while r is
+    importing (a late or duplicate event changes nothing) and when p is r's whole prompt (a
+    partial or mismatched result fails r through `transfer_fail`).
+    """
+    phase = s.phase
+    # request_importing
+    if phase.get(r) != PHASE_IMPORTING:
+        return Step(s, (), "request_importing")
+    _m2 = s.req_lane.get(r)
+    lane_seq = s.lane_seq
+    _m0 = push(lane_seq[_m2], tok)
+    _m1 = s.lane_plen[_m2]
+    # covers_prompt
+    if p != take(_m0, _m1):
+        return Step(s, (), "covers_prompt")
+    new_transfer = list(s.transfer)
+    _m3 = s.table[_m2]
+    new_transfer[_m3] = False
+    new_transfer = tuple(new_transfer)
+    new_length = list(s.length)
+    new_length[_m2] = _m1
+    new_length = tuple(new_length)
+    new_lane_seq = list(lane_seq)
+    new_lane_seq[_m2] = _m0
+    new_lane_seq = tuple(new_lane_seq)
+    new_phase = phase.set(r, PHASE_DECODE)
+    effects = (Imported(_m2, r, _m3),)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(r, False)
+        new_holds = list(s.holds)
+        new_holds[_m3] = p
+        new_holds = tuple(new_holds)
+    else:
+        new_xfer_live = new_holds = None
+    new = State(
+        s.consts,
+        s.ghost,
+        s.owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        new_holds,
+        s.junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        new_length,
+        new_lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        new_transfer,
+        s.transfer_req,
+        new_xfer_live,
+        s.xfer_block,
+        new_phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] | str:
+    """The effects `import_done` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # request_importing
+    if s.phase.get(r) != PHASE_IMPORTING:
+        return "request_importing"
+    _m0 = s.req_lane.get(r)
+    # covers_prompt
+    if p != take(push(s.lane_seq[_m0], tok), s.lane_plen[_m0]):
+        return "covers_prompt"
+    return (Imported(_m0, r, s.table[_m0]),)
+
+
+def export_guard(s: State, l: int) -> str | None:
+    """The first failing guard conjunct of `export`, or None."""
+    # lane_prefilled
+    if not s.busy[l]:
+        return "lane_prefilled"
+    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+        return "lane_prefilled"
+    if s.length[l] != s.lane_plen[l]:
+        return "lane_prefilled"
+    return None
+
+
+def export(s: State, l: int) -> Step:
+    """Lane l has prefilled its prompt (and sampled the first token): its KV is sent to a decode
+    worker, pinned until the send ends.
+    """
+    lane_req = s.lane_req
+    phase = s.phase
+    length = s.length
+    # lane_prefilled
+    if not s.busy[l]:
+        return Step(s, (), "lane_prefilled")
+    if phase.get(lane_req[l]) != PHASE_DECODE:
+        return Step(s, (), "lane_prefilled")
+    if length[l] != s.lane_plen[l]:
+        return Step(s, (), "lane_prefilled")
+    new_phase = phase.set(lane_req[l], PHASE_EXPORTING)
+    new_transfer = list(s.transfer)
+    table = s.table
+    new_transfer[table[l]] = True
+    new_transfer = tuple(new_transfer)
+    new_transfer_req = list(s.transfer_req)
+    new_transfer_req[table[l]] = lane_req[l]
+    new_transfer_req = tuple(new_transfer_req)
+    effects = (Outbound(l, lane_req[l], table[l], length[l]),)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(lane_req[l], True)
+        new_xfer_block = s.xfer_block.set(lane_req[l], table[l])
+    else:
+        new_xfer_live = new_xfer_block = None
+    new = State(
+        s.consts,
+        s.ghost,
+        s.owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.busy,
+        lane_req,
+        table,
+        length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        new_transfer,
+        new_transfer_req,
+        new_xfer_live,
+        new_xfer_block,
+        new_phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
+    """The effects `export` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    lane_req = s.lane_req
+    length = s.length
+    # lane_prefilled
+    if not s.busy[l]:
+        return "lane_prefilled"
+    if s.phase.get(lane_req[l]) != PHASE_DECODE:
+        return "lane_prefilled"
+    if length[l] != s.lane_plen[l]:
+        return "lane_prefilled"
+    return (Outbound(l, lane_req[l], s.table[l], length[l]),)
+
+
+def export_done_guard(s: State, r: int, keep: bool) -> str | None:
+    """The first failing guard conjunct of `export_done`, or None."""
+    # request_exporting
+    if s.phase.get(r) != PHASE_EXPORTING:
+        return "request_exporting"
+    # keep_needs_prefix_cache
+    if keep and not s.consts.PREFIX:
+        return "keep_needs_prefix_cache"
+    return None
+
+
+def export_done(s: State, r: int, keep: bool) -> Step:
+    """r's KV was sent; its block is released (to the cache when keep)."""
+    phase = s.phase
+    # request_exporting
+    if phase.get(r) != PHASE_EXPORTING:
+        return Step(s, (), "request_exporting")
+    # keep_needs_prefix_cache
+    if keep and not s.consts.PREFIX:
+        return Step(s, (), "keep_needs_prefix_cache")
+    new_phase = phase.set(r, PHASE_FINISHED)
+    new_transfer = list(s.transfer)
+    _m1 = s.req_lane.get(r)
+    _m0 = s.table[_m1]
+    new_transfer[_m0] = False
+    new_transfer = tuple(new_transfer)
+    new_key = list(s.key)
+    _m2 = take(s.lane_seq[_m1], s.length[_m1])
+    new_key[_m0] = _m2
+    new_key = tuple(new_key)
+    new_head = list(s.head)
+    new_head[_m0] = take(_m2, s.consts.C)
+    new_head = tuple(new_head)
+    new_busy = list(s.busy)
+    new_busy[_m1] = False
+    new_busy = tuple(new_busy)
+    new_owner = list(s.owner)
+    new_owner[_m0] = (OWNER_CACHE if keep else OWNER_FREE)
+    new_owner = tuple(new_owner)
+    effects = (Release(_m1, _m0),)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(r, False)
+    else:
+        new_xfer_live = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        new_key,
+        new_head,
+        s.holds,
+        s.junk,
+        new_busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        new_transfer,
+        s.transfer_req,
+        new_xfer_live,
+        s.xfer_block,
+        new_phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def export_done_plan(s: State, r: int, keep: bool) -> tuple[Any, ...] | str:
+    """The effects `export_done` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # request_exporting
+    if s.phase.get(r) != PHASE_EXPORTING:
+        return "request_exporting"
+    # keep_needs_prefix_cache
+    if keep and not s.consts.PREFIX:
+        return "keep_needs_prefix_cache"
+    _m0 = s.req_lane.get(r)
+    return (Release(_m0, s.table[_m0]),)
+
+
+def transfer_fail_guard(s: State, r: int) -> str | None:
+    """The first failing guard conjunct of `transfer_fail`, or None."""
+    _m0 = s.phase.get(r)
+    # request_transferring
+    if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
+        return "request_transferring"
+    return None
+
+
+def transfer_fail(s: State, r: int) -> Step:
+    """r's transfer ended without a usable result (an error; a partial, mismatched or
+    unauthenticated payload): r fails and its block is freed, now that nothing uses it.
+    """
+    phase = s.phase
+    _m0 = phase.get(r)
+    # request_transferring
+    if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
+        return Step(s, (), "request_transferring")
+    new_phase = phase.set(r, PHASE_FAILED)
+    new_transfer = list(s.transfer)
+    _m2 = s.req_lane.get(r)
+    _m1 = s.table[_m2]
+    new_transfer[_m1] = False
+    new_transfer = tuple(new_transfer)
+    new_busy = list(s.busy)
+    new_busy[_m2] = False
+    new_busy = tuple(new_busy)
+    new_owner = list(s.owner)
+    new_owner[_m1] = OWNER_FREE
+    new_owner = tuple(new_owner)
+    effects = (Release(_m2, _m1),)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(r, False)
+        new_junk = list(s.junk)
+        new_junk[_m1] = True
+        new_junk = tuple(new_junk)
+    else:
+        new_xfer_live = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        new_junk,
+        new_busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        new_transfer,
+        s.transfer_req,
+        new_xfer_live,
+        s.xfer_block,
+        new_phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def transfer_fail_plan(s: State, r: int) -> tuple[Any, ...] | str:
+    """The effects `transfer_fail` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    _m0 = s.phase.get(r)
+    # request_transferring
+    if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
+        return "request_transferring"
+    _m1 = s.req_lane.get(r)
+    return (Release(_m1, s.table[_m1]),)
+
+
+def transfer_end_guard(s: State, r: int, b: int) -> str | None:
+    """The first failing guard conjunct of `transfer_end`, or None."""
+    # block_draining
+    if s.owner[b] != OWNER_DRAINING:
+        return "block_draining"
+    # transfer_of_request
+    if s.transfer_req[b] != r:
+        return "transfer_of_request"
+    return None
+
+
+def transfer_end(s: State, r: int, b: int) -> Step:
+    """r's transfer, which uses b, ended after r had ended (abort, failure): the deferred
+    release. Whatever it wrote is not trusted.
+    """
+    owner = s.owner
+    # block_draining
+    if owner[b] != OWNER_DRAINING:
+        return Step(s, (), "block_draining")
+    # transfer_of_request
+    if s.transfer_req[b] != r:
+        return Step(s, (), "transfer_of_request")
+    new_owner = list(owner)
+    new_owner[b] = OWNER_FREE
+    new_owner = tuple(new_owner)
+    new_transfer = list(s.transfer)
+    new_transfer[b] = False
+    new_transfer = tuple(new_transfer)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(r, False)
+        new_junk = list(s.junk)
+        new_junk[b] = True
+        new_junk = tuple(new_junk)
+    else:
+        new_xfer_live = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        new_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        new_transfer,
+        s.transfer_req,
+        new_xfer_live,
+        s.xfer_block,
         s.phase,
         s.req_lane,
         s.prompt,
@@ -1269,6 +1930,12 @@ ACTIONS = {
     "abort_running": (abort_running, abort_running_guard, ("l",), ("Lane",)),
     "fail": (fail, fail_guard, ("l",), ("Lane",)),
     "discard": (discard, discard_guard, ("b",), ("Block",)),
+    "admit_import": (admit_import, admit_import_guard, ("l", "r", "dst"), ("Lane", "Req", "Block")),
+    "import_done": (import_done, import_done_guard, ("r", "p", "tok"), ("Req", "Seq", "Int")),
+    "export": (export, export_guard, ("l",), ("Lane",)),
+    "export_done": (export_done, export_done_guard, ("r", "keep"), ("Req", "Bool")),
+    "transfer_fail": (transfer_fail, transfer_fail_guard, ("r",), ("Req",)),
+    "transfer_end": (transfer_end, transfer_end_guard, ("r", "b"), ("Req", "Block")),
 }
 
 
@@ -1280,6 +1947,11 @@ def _req_ids(*states: State) -> list[int]:
     ids: set[Any] = set()
     for s in states:
         ids.update(s.lane_req)
+        ids.update(s.transfer_req)
+        if s.ghost:
+            ids.update(s.xfer_live.keys())
+        if s.ghost:
+            ids.update(s.xfer_block.keys())
         ids.update(s.phase.keys())
         ids.update(s.req_lane.keys())
         ids.update(s.prompt.keys())
@@ -1303,10 +1975,19 @@ INVARIANTS = (
     "unsubmitted_request_has_no_prompt",
     "waiting_prompt_fits",
     "lane_prompt_fits",
+    "lane_computes_its_prompt",
     "copy_only_while_prefilling",
     "copy_source_cached",
     "copy_target_not_ready",
     "copy_source_holds_prefix",
+    "transfer_block_held",
+    "draining_has_transfer",
+    "transfer_names_lane_request",
+    "running_transfer_pins_its_block",
+    "pinned_block_transfer_running",
+    "moving_lane_has_transfer",
+    "import_target_untouched",
+    "export_after_prefill",
     "length_within_block",
     "prefill_before_prompt_end",
     "decode_after_prompt",
@@ -1358,20 +2039,27 @@ def check_invariants(s: State) -> list[str]:
         bad.append("cache_needs_prefix_cache")
     lane_req = s.lane_req
     phase = s.phase
-    _m2 = tuple([phase.get(lane_req[l]) for l in range(B)])
-    _m0 = tuple([_m2[l] == PHASE_PREFILL for l in range(B)])
-    _m1 = tuple([_m2[l] == PHASE_DECODE for l in range(B)])
+    _m4 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m0 = tuple([_m4[l] == PHASE_PREFILL for l in range(B)])
+    _m1 = tuple([_m4[l] == PHASE_DECODE for l in range(B)])
+    _m2 = tuple([_m4[l] == PHASE_IMPORTING for l in range(B)])
+    _m3 = tuple([_m4[l] == PHASE_EXPORTING for l in range(B)])
     req_lane = s.req_lane
     # busy_lane_runs_its_request
     if not all(
-        not busy[l] or ((_m0[l] or _m1[l]) and req_lane.get(lane_req[l]) == l)
+        not busy[l] or ((_m0[l] or _m1[l] or _m2[l] or _m3[l]) and req_lane.get(lane_req[l]) == l)
         for l in range(B)
     ):
         bad.append("busy_lane_runs_its_request")
     req_ids = _req_ids(s)
     # running_request_has_lane
     if not all(
-        not (phase.get(r) == PHASE_PREFILL or phase.get(r) == PHASE_DECODE)
+        not (
+            phase.get(r) == PHASE_PREFILL
+            or phase.get(r) == PHASE_DECODE
+            or phase.get(r) == PHASE_IMPORTING
+            or phase.get(r) == PHASE_EXPORTING
+        )
         or (busy[req_lane.get(r)] and lane_req[req_lane.get(r)] == r)
         for r in req_ids
     ):
@@ -1382,9 +2070,10 @@ def check_invariants(s: State) -> list[str]:
         lane_seq = s.lane_seq
         length = s.length
         copying = s.copying
+        _m5 = tuple([busy[l] and _m2[l] for l in range(B)])
         # lane_holds_its_tokens
         if not all(
-            not (busy[l] and not copying[l])
+            not (busy[l] and not copying[l] and not _m5[l])
             or (not junk[table[l]] and holds[table[l]] == take(lane_seq[l], length[l]))
             for l in range(B)
         ):
@@ -1417,10 +2106,19 @@ def check_invariants(s: State) -> list[str]:
     # lane_prompt_fits
     if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] < S) for l in range(B)):
         bad.append("lane_prompt_fits")
-    _m3 = tuple([busy[l] and _m0[l] for l in range(B)])
+    lane_seq = s.lane_seq
+    _m6 = tuple([prompt.get(lane_req[l]) for l in range(B)])
+    _m7 = tuple([busy[l] and _m0[l] for l in range(B)])
+    _m5 = tuple([busy[l] and _m2[l] for l in range(B)])
+    # lane_computes_its_prompt
+    if not all(
+        not (_m7[l] or _m5[l]) or (lane_seq[l] == _m6[l] and lane_plen[l] == slen(_m6[l]))
+        for l in range(B)
+    ):
+        bad.append("lane_computes_its_prompt")
     copying = s.copying
     # copy_only_while_prefilling
-    if not all(not copying[l] or _m3[l] for l in range(B)):
+    if not all(not copying[l] or _m7[l] for l in range(B)):
         bad.append("copy_only_while_prefilling")
     copy_src = s.copy_src
     # copy_source_cached
@@ -1435,7 +2133,6 @@ def check_invariants(s: State) -> list[str]:
         if not all(not copying[l] or junk[table[l]] for l in range(B)):
             bad.append("copy_target_not_ready")
     length = s.length
-    lane_seq = s.lane_seq
     # copy_source_holds_prefix
     if not all(
         not copying[l]
@@ -1446,17 +2143,83 @@ def check_invariants(s: State) -> list[str]:
         for l in range(B)
     ):
         bad.append("copy_source_holds_prefix")
+    _m8 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    transfer = s.transfer
+    # transfer_block_held
+    if not all(
+        not transfer[b]
+        or owner[b] == OWNER_DRAINING
+        or (
+            owner[b] == OWNER_LANE
+            and (
+                (busy[owner_lane[b]] and _m8[b] == PHASE_IMPORTING)
+                or (busy[owner_lane[b]] and _m8[b] == PHASE_EXPORTING)
+            )
+        )
+        for b in range(K)
+    ):
+        bad.append("transfer_block_held")
+    transfer_req = s.transfer_req
+    _m9 = tuple([phase.get(transfer_req[b]) for b in range(K)])
+    # draining_has_transfer
+    if not all(
+        owner[b] != OWNER_DRAINING
+        or (
+            transfer[b]
+            and (_m9[b] == PHASE_FINISHED or _m9[b] == PHASE_ABORTED or _m9[b] == PHASE_FAILED)
+        )
+        for b in range(K)
+    ):
+        bad.append("draining_has_transfer")
+    # transfer_names_lane_request
+    if not all(
+        not (transfer[b] and owner[b] == OWNER_LANE) or transfer_req[b] == lane_req[owner_lane[b]]
+        for b in range(K)
+    ):
+        bad.append("transfer_names_lane_request")
+    if s.ghost:
+        xfer_block = s.xfer_block
+        xfer_live = s.xfer_live
+        # running_transfer_pins_its_block
+        if not all(
+            not xfer_live.get(r)
+            or (transfer[xfer_block.get(r)] and transfer_req[xfer_block.get(r)] == r)
+            for r in req_ids
+        ):
+            bad.append("running_transfer_pins_its_block")
+        # pinned_block_transfer_running
+        if not all(
+            not transfer[b]
+            or (xfer_live.get(transfer_req[b]) and xfer_block.get(transfer_req[b]) == b)
+            for b in range(K)
+        ):
+            bad.append("pinned_block_transfer_running")
+    _m10 = tuple([busy[l] and _m3[l] for l in range(B)])
+    # moving_lane_has_transfer
+    if not all(not (_m5[l] or _m10[l]) or transfer[table[l]] for l in range(B)):
+        bad.append("moving_lane_has_transfer")
+    if s.ghost:
+        junk = s.junk
+        # import_target_untouched
+        if not all(
+            not _m5[l] or (not junk[table[l]] and length[l] == 0 and not copying[l])
+            for l in range(B)
+        ):
+            bad.append("import_target_untouched")
+    # export_after_prefill
+    if not all(not _m10[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
+        bad.append("export_after_prefill")
     # length_within_block
     if not all(not busy[l] or (length[l] >= 0 and length[l] <= S) for l in range(B)):
         bad.append("length_within_block")
     # prefill_before_prompt_end
-    if not all(not _m3[l] or length[l] < lane_plen[l] for l in range(B)):
+    if not all(not _m7[l] or length[l] < lane_plen[l] for l in range(B)):
         bad.append("prefill_before_prompt_end")
     # decode_after_prompt
     if not all(not (busy[l] and _m1[l]) or lane_plen[l] <= length[l] for l in range(B)):
         bad.append("decode_after_prompt")
     # prefill_on_chunk_boundary
-    if not all(not _m3[l] or length[l] % C == 0 for l in range(B)):
+    if not all(not _m7[l] or length[l] % C == 0 for l in range(B)):
         bad.append("prefill_on_chunk_boundary")
     # lane_blocks_equal_busy_lanes
     if sum(1 for b in range(K) if owner[b] == OWNER_LANE) != sum(1 for l in range(B) if busy[l]):
@@ -1541,7 +2304,7 @@ def check_axioms(c: Consts) -> list[str]:
     return bad
 
 
-PROGRESS = ("idle_lane_admits", "running_request_advances")
+PROGRESS = ("idle_lane_admits", "running_request_advances", "idle_lane_imports", "transfers_end")
 
 
 def progress_violations(s: State) -> list[str]:
@@ -1552,12 +2315,16 @@ def progress_violations(s: State) -> list[str]:
     K = s.consts.K
     C = s.consts.C
     copying = s.copying
-    _m0 = all(not copying[l] for l in range(B))
+    owner = s.owner
+    _m1 = (
+        all(not copying[l] for l in range(B)) and all(owner[b] != OWNER_DRAINING for b in range(K))
+    )
     busy = s.busy
+    _m0 = tuple([_m1 and not busy[l] for l in range(B)])
     phase = s.phase
     # idle_lane_admits
     if not all(
-        not (_m0 and not busy[l] and phase.get(r) == PHASE_WAITING)
+        not (_m0[l] and phase.get(r) == PHASE_WAITING)
         or any(admit_miss_guard(s, l, r, dst) is None for dst in range(K))
         or any(
             admit_hit_guard(s, l, r, src, dst, C) is None
@@ -1569,20 +2336,51 @@ def progress_violations(s: State) -> list[str]:
     ):
         bad.append("idle_lane_admits")
     lane_req = s.lane_req
-    _m1 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m3 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m2 = tuple([busy[l] and _m3[l] == PHASE_DECODE for l in range(B)])
     length = s.length
     S = s.consts.S
+    transfer_req = s.transfer_req
     # running_request_advances
     if (
-        any(phase.get(r) == PHASE_PREFILL or phase.get(r) == PHASE_DECODE for r in req_ids)
+        any(
+            phase.get(r) == PHASE_PREFILL
+            or phase.get(r) == PHASE_DECODE
+            or phase.get(r) == PHASE_IMPORTING
+            or phase.get(r) == PHASE_EXPORTING
+            for r in req_ids
+        )
         and not (
             any(prefill_guard(s, l, 0) is None for l in range(B))
             or any(copy_done_guard(s, l) is None for l in range(B))
-            or (any(_m1) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
-            or any(_m1[l] and length[l] == S for l in range(B))
+            or (any(_m2) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
+            or any(_m2[l] and length[l] == S for l in range(B))
+            or any(
+                ((busy[l] and _m3[l] == PHASE_IMPORTING) or (busy[l] and _m3[l] == PHASE_EXPORTING))
+                and transfer_fail_guard(s, lane_req[l]) is None
+                for l in range(B)
+            )
+            or any(transfer_end_guard(s, transfer_req[b], b) is None for b in range(K))
         )
     ):
         bad.append("running_request_advances")
+    # idle_lane_imports
+    if not all(
+        not (_m0[l] and phase.get(r) == PHASE_WAITING)
+        or any(admit_import_guard(s, l, r, dst) is None for dst in range(K))
+        for l in range(B)
+        for r in req_ids
+    ):
+        bad.append("idle_lane_imports")
+    transfer = s.transfer
+    # transfers_end
+    if not all(
+        not transfer[b]
+        or transfer_end_guard(s, transfer_req[b], b) is None
+        or transfer_fail_guard(s, transfer_req[b]) is None
+        for b in range(K)
+    ):
+        bad.append("transfers_end")
     return bad
 
 
@@ -1612,6 +2410,10 @@ def describe_state(s: State) -> dict[str, Any]:
     out["lane_plen"] = list(s.lane_plen)
     out["copying"] = list(s.copying)
     out["copy_src"] = list(s.copy_src)
+    out["transfer"] = list(s.transfer)
+    out["transfer_req"] = list(s.transfer_req)
+    out["xfer_live"] = None if s.xfer_live is None else dict(sorted(s.xfer_live.items()))
+    out["xfer_block"] = None if s.xfer_block is None else dict(sorted(s.xfer_block.items()))
     out["phase"] = {k: _name(PHASE_NAMES, v) for k, v in sorted(s.phase.items())}
     out["req_lane"] = dict(sorted(s.req_lane.items()))
     out["prompt"] = {k: _tokens(v) for k, v in sorted(s.prompt.items())}

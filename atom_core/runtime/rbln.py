@@ -63,13 +63,14 @@ class RblnRuntime:
     decode tensor (the block table included) must have exactly that many rows; pick the graph
     with `decode_batch_size(busy_rows)`, which allows a smaller graph only when every busy row is
     among its first rows. `hybrid=True` for models with sliding-window layers (their graphs take
-    `local_block_tables`).
+    `local_block_tables`). `fingerprint` names the model for PD KV transfer
+    (`atom_core.pd.model_fingerprint`); without one, PD falls back to layout facts alone.
     """
 
     def __init__(self, *, prefill: Any, decoders: Mapping[int, Any], num_blocks: int,
                  block_size: int, max_seq_len: int, prefill_chunk: int, vocab_size: int,
                  hybrid: bool = False, kv_runtime: Any = None,
-                 host_block_bytes: int | None = None):
+                 host_block_bytes: int | None = None, fingerprint: str | None = None):
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk),
                         ("vocab_size", vocab_size)):
@@ -82,6 +83,9 @@ class RblnRuntime:
                                for b in decoders):
             raise ValueError(f"decoders must map positive batch sizes to runtimes, got "
                              f"{list(decoders)}")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise ValueError(f"fingerprint must be a non-empty str or None, got {fingerprint!r}")
+        self.fingerprint = fingerprint
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_seq_len = max_seq_len
@@ -103,7 +107,7 @@ class RblnRuntime:
                       num_blocks: int | None = None, block_size: int | None = None,
                       max_seq_len: int | None = None, prefill_chunk: int | None = None,
                       vocab_size: int | None = None, hybrid: bool | None = None,
-                      **runtime_kwargs: Any) -> RblnRuntime:
+                      fingerprint: str | None = None, **runtime_kwargs: Any) -> RblnRuntime:
         """Load an optimum-rbln compiled decoder directory; explicit arguments override
         rbln_config.json / config.json. `runtime_kwargs` go to every `rebel.Runtime(...)`."""
         rebel = import_rebel()
@@ -152,7 +156,8 @@ class RblnRuntime:
                    prefill_chunk=int(pick("prefill_chunk", prefill_chunk, "prefill_chunk_size",
                                           128)),
                    vocab_size=int(vocab),
-                   hybrid=bool(hybrid) if hybrid is not None else cache_impl == "hybrid")
+                   hybrid=bool(hybrid) if hybrid is not None else cache_impl == "hybrid",
+                   fingerprint=fingerprint)
 
     # --- graphs ------------------------------------------------------------------------------
 

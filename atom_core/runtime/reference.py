@@ -33,6 +33,8 @@ model is tiny and thread hand-offs cost more than they save.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -116,6 +118,12 @@ class RuntimeSpec:
     def blocks_per_seq(self) -> int:
         """T: block-table entries per sequence."""
         return self.max_seq_len // self.block_size
+
+
+# The artifact's sizes: they shape the cache and the graphs, not the KV a position gets, and PD
+# workers are sized differently on purpose, so the model fingerprint leaves them out.
+_ARTIFACT_FIELDS = frozenset({"num_blocks", "block_size", "max_seq_len", "prefill_chunk",
+                              "batch_size", "decoder_batch_sizes"})
 
 
 # --- fixed-point arithmetic (float64, exact) -------------------------------------------------
@@ -228,6 +236,16 @@ class TorchReferenceRuntime:
                            max_seq_len=config.max_seq_len, prefill_chunk=config.prefill_chunk,
                            batch_size=config.lanes, **model)
         return cls(spec, seed=seed, dtype=dtype)
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 hex of the model (the spec's model fields), the seed and the cache dtype, for
+        `atom_core.pd`: the same in every process for the same three, whatever the artifact's
+        sizes (blocks, lanes, chunk), which do not change the KV a position gets."""
+        model = {k: v for k, v in attrs.asdict(self.spec).items() if k not in _ARTIFACT_FIELDS}
+        facts = {"runtime": "atom_core.TorchReferenceRuntime", "model": model,
+                 "seed": self.seed, "dtype": str(self.dtype)}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
     # --- the model ---------------------------------------------------------------------------
 

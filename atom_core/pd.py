@@ -1,0 +1,434 @@
+"""The KV payload of prefill/decode disaggregation, and the checks a decode worker runs on it.
+
+In PD serving a prefill worker computes a prompt's KV and its first generated token and ships
+them to a decode worker, which writes the KV into a fresh lane's block and keeps decoding from
+there. `KVPayload` is what travels: the request id, the prompt, the first token, the KV of the
+prompt's positions in the runtime's host layout `[layers, 2 (K, V), kv_heads, n, head_dim]`, its
+dtype, the fingerprint of the model that computed it, a SHA-256 checksum and, when the workers
+share a key, an HMAC-SHA256. The flow is
+
+    prefill worker: runtime.fetch_kv_cache(buf, block); make_payload(...); to_wire(...)
+    decode worker:  from_wire(...); validate(...); write_into(payload, buf);
+                    runtime.update_kv_cache(buf, block)
+
+Once KV is in a lane's block nothing downstream can tell good KV from bad: decode attends to
+whatever the block holds and produces plausible-looking tokens either way. So every check runs
+before the write, and each one exists because a payload can be wrong in a way that would
+otherwise go unnoticed:
+
+- mac: an unauthenticated peer must not inject KV into a lane (it would steer the output of
+  someone else's request). With a key configured, the HMAC is checked first and nothing in the
+  payload is trusted before it passes. A checksum alone does not help here: anyone can recompute
+  it.
+- checksum: bytes damaged in transit (a torn write, a buggy transport) would decode as garbage.
+- fingerprint: KV computed by a different model (other weights, other seed, other cache dtype)
+  has the right shape and is still garbage for this one.
+- request_id: a transport that mixes up requests would give one user another's context.
+- length: a partial result (a prefill that died mid-prompt, a truncated transfer) must never be
+  imported: decode would continue from a prompt with a hole at its end.
+- prompt: the KV must be that of this request's prompt, token for token.
+- first_token: a token outside the vocabulary would fail (or index out of range) at the first
+  decode step, after the lane was already committed.
+- shape and dtype: a different layout or cache dtype cannot be copied into the device block.
+
+The checksum and the MAC are over the same message: a version tag, the canonical JSON of the
+header fields (request_id, prompt, first_token, dtype, fingerprint, shape; sorted keys, no
+whitespace, ASCII), a NUL byte (which canonical JSON never contains), and the raw bytes of the
+contiguous KV in the machine's byte order (little-endian on every supported host).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import operator
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = [
+    "KVPayload",
+    "PayloadError",
+    "compute_checksum",
+    "compute_mac",
+    "dtype_name",
+    "from_wire",
+    "layout_of",
+    "load_key",
+    "make_payload",
+    "model_fingerprint",
+    "to_wire",
+    "validate",
+    "write_into",
+]
+
+MIN_KEY_BYTES = 16
+_TAG = b"atom-core/pd-kv/v1\n"
+_HEADER_FIELDS = ("request_id", "prompt", "first_token", "dtype", "fingerprint", "checksum",
+                  "mac", "shape")
+
+
+class PayloadError(ValueError):
+    """One request's payload is unusable; `field` names what was wrong ("mac", "checksum",
+    "fingerprint", "request_id", "length", "prompt", "first_token", "shape", "dtype",
+    "header"). The message says what was expected, what arrived and what to do."""
+
+    field: str
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the default reduce would call PayloadError(message) and lose the field
+        return (type(self), (self.field, str(self)))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tokens(value: Iterable[Any]) -> tuple[int, ...]:
+    # operator.index refuses floats: a token id 3.7 is a caller bug, not something to round
+    return tuple(operator.index(t) for t in value)
+
+
+def _first_token(_inst: Any, _attr: Any, value: Any) -> None:
+    if not _is_int(value):
+        raise TypeError(f"first_token must be an int, got {type(value).__name__}")
+
+
+def _opt_str(_inst: Any, _attr: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"mac must be a str or None, got {type(value).__name__}")
+
+
+_str = attrs.validators.instance_of(str)
+
+
+@attrs.frozen(eq=False)
+class KVPayload:
+    """The KV of one prompt, shipped from a prefill worker to a decode worker.
+
+    `kv` is `[layers, 2 (K, V), kv_heads, n, head_dim]`: the runtime's host layout cut to the
+    prompt's n positions. `dtype` is `kv`'s dtype without "torch.". `checksum` is the SHA-256
+    hex and `mac` the HMAC-SHA256 hex (or None) of the message in the module docstring.
+    `eq=False`: tensors have no boolean equality.
+    """
+
+    request_id: str = attrs.field(validator=_str)
+    prompt: tuple[int, ...] = attrs.field(converter=_tokens)
+    first_token: int = attrs.field(validator=_first_token)
+    kv: torch.Tensor = attrs.field(validator=attrs.validators.instance_of(torch.Tensor))
+    dtype: str = attrs.field(validator=_str)
+    fingerprint: str = attrs.field(validator=_str)
+    checksum: str = attrs.field(validator=_str)
+    mac: str | None = attrs.field(default=None, validator=_opt_str)
+
+
+# --- digests -----------------------------------------------------------------------------------
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: the dtype as the payload names it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(host_buffer: torch.Tensor) -> tuple[int, int, int, int]:
+    """(layers, 2, kv_heads, head_dim) of a host buffer `[layers, 2, kv_heads, block, head_dim]`
+    (e.g. `runtime.new_host_buffer()`): the `layout` argument of `validate`."""
+    if host_buffer.dim() != 5:
+        raise ValueError(f"a host buffer is [layers, 2, kv_heads, block_size, head_dim], got "
+                         f"shape {list(host_buffer.shape)}")
+    layers, kv, heads, _, dim = host_buffer.shape
+    return (int(layers), int(kv), int(heads), int(dim))
+
+
+def _header_bytes(p: KVPayload) -> bytes:
+    fields = {"request_id": p.request_id, "prompt": list(p.prompt), "first_token": p.first_token,
+              "dtype": p.dtype, "fingerprint": p.fingerprint, "shape": list(p.kv.shape)}
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _kv_bytes(kv: torch.Tensor) -> Any:
+    # A uint8 view hashes every dtype the same way (bfloat16 has no numpy type) and, being a
+    # numpy array over the tensor's memory, feeds hashlib without another copy.
+    return kv.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _check_key(key: Any) -> bytes:
+    if not isinstance(key, bytes) or not key:
+        raise TypeError("key must be non-empty bytes (see load_key)")
+    return key
+
+
+def _digests(p: KVPayload, key: bytes | None) -> tuple[str, str | None]:
+    """(checksum, mac or None) of `p`, in one pass over the KV bytes."""
+    parts = (_TAG, _header_bytes(p), b"\0", _kv_bytes(p.kv))
+    sha = hashlib.sha256()
+    mac = None if key is None else hmac.new(_check_key(key), digestmod=hashlib.sha256)
+    for part in parts:
+        sha.update(part)
+        if mac is not None:
+            mac.update(part)
+    return sha.hexdigest(), None if mac is None else mac.hexdigest()
+
+
+def compute_checksum(payload: KVPayload) -> str:
+    """The SHA-256 hex `payload.checksum` must equal (ignores the stored checksum and mac)."""
+    return _digests(payload, None)[0]
+
+
+def compute_mac(payload: KVPayload, key: bytes) -> str:
+    """The HMAC-SHA256 hex `payload.mac` must equal under `key`."""
+    mac = _digests(payload, key)[1]
+    assert mac is not None
+    return mac
+
+
+# --- model fingerprint -------------------------------------------------------------------------
+
+def model_fingerprint(runtime: Any) -> str:
+    """A stable id of the model and KV layout `runtime` computes: KV from runtimes with
+    different fingerprints must not be mixed.
+
+    The runtime's own `fingerprint` (a str) when it has one (`TorchReferenceRuntime` does; give
+    `RblnRuntime` one with `fingerprint=`). Otherwise a SHA-256 over the layout facts the
+    runtime exposes (class, vocab_size, block_size, max_seq_len, host buffer shape and dtype):
+    that catches a different architecture or cache dtype but not different weights of the same
+    architecture, so production workers should pass an explicit fingerprint (e.g. the hash of
+    the compiled artifact).
+    """
+    own = getattr(runtime, "fingerprint", None)
+    if own is not None:
+        if not isinstance(own, str) or not own:
+            raise TypeError(f"{type(runtime).__name__}.fingerprint must be a non-empty str or "
+                            f"None, got {own!r}")
+        return own
+    host = runtime.new_host_buffer()
+    cls = type(runtime)
+    facts = {"class": f"{cls.__module__}.{cls.__qualname__}",
+             "vocab_size": getattr(runtime, "vocab_size", None),
+             "block_size": getattr(runtime, "block_size", None),
+             "max_seq_len": getattr(runtime, "max_seq_len", None),
+             "host_shape": [int(d) for d in host.shape], "host_dtype": dtype_name(host.dtype)}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+# --- prefill side ------------------------------------------------------------------------------
+
+def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
+                 host_block: torch.Tensor, fingerprint: str,
+                 key: bytes | None = None) -> KVPayload:
+    """The payload of a finished prefill: `host_block` is a whole host buffer
+    `[layers, 2, kv_heads, block_size, head_dim]` fetched from the request's block; positions
+    [0, len(prompt)) are kept (a contiguous copy, so the buffer can be reused at once)."""
+    tokens = _tokens(prompt)
+    if host_block.dim() != 5 or host_block.shape[1] != 2:
+        raise PayloadError("shape", f"host_block must be [layers, 2, kv_heads, block_size, "
+                                    f"head_dim] (runtime.new_host_buffer()), got shape "
+                                    f"{list(host_block.shape)}")
+    n, block = len(tokens), int(host_block.shape[3])
+    if not 1 <= n <= block:
+        raise PayloadError("length", f"a prompt of {n} tokens cannot be shipped from a block of "
+                                     f"{block} positions: it must have 1..{block} tokens")
+    kv = host_block.detach()[:, :, :, :n].cpu().clone(memory_format=torch.contiguous_format)
+    unsigned = KVPayload(request_id=request_id, prompt=tokens, first_token=first_token, kv=kv,
+                         dtype=dtype_name(kv.dtype), fingerprint=fingerprint, checksum="")
+    checksum, mac = _digests(unsigned, key)
+    return attrs.evolve(unsigned, checksum=checksum, mac=mac)
+
+
+# --- decode side -------------------------------------------------------------------------------
+
+def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fingerprint: str,
+             layout: tuple[int, int, int, int], dtype: str, vocab_size: int,
+             key: bytes | None = None) -> None:
+    """Check `payload` against what this decode worker expects; raise `PayloadError` naming the
+    first bad field. Authentication (when `key` is set) comes first and the payload is trusted
+    for nothing before it passes, so messages before that quote the expected request id, not
+    the payload's. With `key=None` a payload's mac is ignored (this side did not configure
+    authentication)."""
+    expected = _tokens(prompt)
+    if not expected:
+        raise ValueError("validate needs the request's prompt (got an empty one)")
+    layout = tuple(int(d) for d in layout)  # type: ignore[assignment]
+    if len(layout) != 4:
+        raise ValueError(f"layout is (layers, 2, kv_heads, head_dim), got {layout}")
+    rid = request_id
+    checksum, mac = _digests(payload, key)
+    if key is not None:
+        if payload.mac is None:
+            raise PayloadError("mac", f"the payload for request {rid!r} carries no MAC, but this "
+                                      "decode worker requires authenticated KV: configure the "
+                                      "same shared key on the prefill worker")
+        assert mac is not None
+        if not hmac.compare_digest(payload.mac.encode(), mac.encode()):
+            raise PayloadError("mac", f"the payload for request {rid!r} failed authentication "
+                                      "(HMAC mismatch): it was altered or signed with another "
+                                      "key. It is discarded; if the sender is legitimate, give "
+                                      "both workers the same shared key")
+    if not hmac.compare_digest(payload.checksum.encode(), checksum.encode()):
+        raise PayloadError("checksum", f"the KV payload for request {rid!r} is corrupt: its "
+                                       f"checksum is {payload.checksum[:16]!r}..., its content "
+                                       f"hashes to {checksum[:16]!r}...; the transfer damaged "
+                                       "it: re-run the prefill for this request")
+    if payload.fingerprint != fingerprint:
+        raise PayloadError("fingerprint", f"the KV for request {rid!r} was computed by model "
+                                          f"{payload.fingerprint!r}, this decode worker runs "
+                                          f"{fingerprint!r}: the prefill worker runs a different "
+                                          "model: start both workers with the same model and "
+                                          "cache dtype")
+    if payload.request_id != rid:
+        raise PayloadError("request_id", f"expected the KV of request {rid!r}, got request "
+                                         f"{payload.request_id!r}: the transport delivered "
+                                         "another request's payload; match payloads to "
+                                         "requests by id")
+    n = len(expected)
+    if len(payload.prompt) != n:
+        raise PayloadError("length", f"request {rid!r} has a prompt of {n} tokens, the payload "
+                                     f"one of {len(payload.prompt)}: it is not this prompt's "
+                                     "prefill; re-run the prefill for this request")
+    if payload.kv.dim() == 5 and int(payload.kv.shape[3]) != n:
+        raise PayloadError("length", f"the payload for request {rid!r} holds KV of "
+                                     f"{int(payload.kv.shape[3])} positions for a prompt of {n} "
+                                     "tokens: a partial prefill result, which must never be "
+                                     "imported; re-run the prefill for this request")
+    if payload.prompt != expected:
+        i = next(i for i, (a, b) in enumerate(zip(payload.prompt, expected, strict=True))
+                 if a != b)
+        raise PayloadError("prompt", f"prompt token {i} of request {rid!r} is {expected[i]}, "
+                                     f"the payload's is {payload.prompt[i]}: the KV belongs to "
+                                     "a different prompt; re-run the prefill with this "
+                                     "request's prompt")
+    if not 0 <= payload.first_token < vocab_size:
+        raise PayloadError("first_token", f"the first token of request {rid!r} is "
+                                          f"{payload.first_token}, outside this model's "
+                                          f"vocabulary 0..{vocab_size - 1}: the prefill worker "
+                                          "runs a model with another vocabulary or sampled "
+                                          "garbage; start both workers with the same model")
+    shape = tuple(int(d) for d in payload.kv.shape)
+    got = (*shape[:3], shape[4]) if len(shape) == 5 else None
+    if got != layout:
+        raise PayloadError("shape", f"the KV of request {rid!r} has shape {list(shape)}, "
+                                    f"expected [layers, 2, kv_heads, n, head_dim] = "
+                                    f"[{layout[0]}, {layout[1]}, {layout[2]}, {n}, {layout[3]}]: "
+                                    "the workers' models differ in layers or heads; start both "
+                                    "with the same model")
+    kv_dtype = dtype_name(payload.kv.dtype)
+    if payload.dtype != dtype or kv_dtype != dtype:
+        raise PayloadError("dtype", f"the KV of request {rid!r} is {payload.dtype} (tensor: "
+                                    f"{kv_dtype}), this runtime's KV cache is {dtype}: start "
+                                    "both workers with the same cache dtype")
+
+
+def write_into(payload: KVPayload, host_buffer: torch.Tensor) -> torch.Tensor:
+    """Zero `host_buffer` and copy the payload's KV into its positions [0, n); returns the
+    buffer, for `runtime.update_kv_cache(buffer, block)`. Call `validate` first."""
+    kv = payload.kv
+    if host_buffer.dim() != 5 or kv.dim() != 5 or layout_of(host_buffer) != (
+            *kv.shape[:3], kv.shape[4]):
+        raise PayloadError("shape", f"cannot write KV of shape {list(kv.shape)} into a host "
+                                    f"buffer of shape {list(host_buffer.shape)}: they must "
+                                    "agree in every dimension but positions; use "
+                                    "runtime.new_host_buffer() of a runtime with the same model")
+    if host_buffer.dtype != kv.dtype:
+        raise PayloadError("dtype", f"cannot write {dtype_name(kv.dtype)} KV into a "
+                                    f"{dtype_name(host_buffer.dtype)} host buffer: start both "
+                                    "workers with the same cache dtype")
+    n, block = int(kv.shape[3]), int(host_buffer.shape[3])
+    if n > block:
+        raise PayloadError("length", f"KV of {n} positions does not fit a block of {block}: "
+                                     "the decode worker's blocks are too small for this prompt")
+    # Zeros past n, not whatever the buffer held: the block then carries nothing of an earlier
+    # request (another user's KV), and its content is a function of the payload alone.
+    host_buffer.zero_()
+    host_buffer[:, :, :, :n].copy_(kv)
+    return host_buffer
+
+
+# --- wire format -------------------------------------------------------------------------------
+
+def to_wire(payload: KVPayload) -> tuple[dict[str, Any], torch.Tensor]:
+    """A JSON-serializable header and the KV tensor (not copied), for a transport to ship."""
+    header = {"request_id": payload.request_id, "prompt": list(payload.prompt),
+              "first_token": payload.first_token, "dtype": payload.dtype,
+              "fingerprint": payload.fingerprint, "checksum": payload.checksum,
+              "mac": payload.mac, "shape": [int(d) for d in payload.kv.shape]}
+    return header, payload.kv
+
+
+def from_wire(header: Mapping[str, Any], tensor: torch.Tensor) -> KVPayload:
+    """The payload of a received header and tensor. Checks only that the header is well formed
+    (PayloadError "header") and agrees with the tensor's shape ("shape"); everything else is
+    `validate`'s job. Unknown header keys are ignored: nothing outside the checksummed fields
+    changes what is imported."""
+    if not isinstance(header, Mapping):
+        raise PayloadError("header", f"the payload header must be a JSON object, got "
+                                     f"{type(header).__name__}")
+    missing = [k for k in _HEADER_FIELDS if k not in header]
+    if missing:
+        raise PayloadError("header", f"the payload header lacks {missing}: the sender speaks "
+                                     "another protocol version; upgrade both workers together")
+    bad = []
+    for k in ("request_id", "dtype", "fingerprint", "checksum"):
+        if not isinstance(header[k], str):
+            bad.append(f"{k} must be a string")
+    if not _is_int(header["first_token"]):
+        bad.append("first_token must be an integer")
+    if header["mac"] is not None and not isinstance(header["mac"], str):
+        bad.append("mac must be a string or null")
+    for k in ("prompt", "shape"):
+        v = header[k]
+        if not isinstance(v, list) or not all(_is_int(t) for t in v):
+            bad.append(f"{k} must be a list of integers")
+    if bad:
+        raise PayloadError("header", "the payload header is malformed: " + "; ".join(bad))
+    if not isinstance(tensor, torch.Tensor):
+        raise PayloadError("shape", f"the payload's KV must be a torch.Tensor, got "
+                                    f"{type(tensor).__name__}")
+    if list(header["shape"]) != list(tensor.shape):
+        raise PayloadError("shape", f"the header announces KV of shape {header['shape']}, the "
+                                    f"tensor received has shape {list(tensor.shape)}: the "
+                                    "transfer was cut or mixed up; re-run the prefill")
+    return KVPayload(request_id=header["request_id"], prompt=header["prompt"],
+                     first_token=header["first_token"], kv=tensor, dtype=header["dtype"],
+                     fingerprint=header["fingerprint"], checksum=header["checksum"],
+                     mac=header["mac"])
+
+
+# --- shared key --------------------------------------------------------------------------------
+
+def load_key(value: str | None) -> bytes | None:
+    """The PD shared key from a CLI or environment value: None or "" -> None (no
+    authentication); "env:NAME" -> the environment variable NAME; "file:PATH" -> the file's
+    content, stripped of surrounding whitespace; anything else -> its UTF-8 bytes. Raises
+    ValueError if the variable or file is missing or the key is shorter than 16 bytes. Messages
+    never contain the key."""
+    if not value:
+        return None
+    if value.startswith("env:"):
+        name = value.removeprefix("env:")
+        if name not in os.environ:
+            raise ValueError(f"the PD key variable {name!r} is not set: export it on both "
+                             "workers, or pass the key another way")
+        key, origin = os.environ[name].encode(), f"environment variable {name!r}"
+    elif value.startswith("file:"):
+        path = Path(value.removeprefix("file:"))
+        try:
+            key = path.read_bytes().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the PD key file {str(path)!r}: {e.strerror or e}"
+                             ) from e
+        origin = f"file {str(path)!r}"
+    else:
+        key, origin = value.encode(), "the given value"
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"the PD key from {origin} is {len(key)} bytes; use at least "
+                         f"{MIN_KEY_BYTES} (e.g. `python -c 'import secrets; "
+                         "print(secrets.token_hex(32))'`)")
+    return key

@@ -1,0 +1,563 @@
+"""PD workers: a prefill worker and a decode worker talking over a `Transport`.
+
+The decode worker owns the requests. Each is submitted to its batcher as `remote`: once it has a
+lane and a block (an "import" event) the decode worker asks the prefill worker for its KV with
+`{"kind": "prefill", "id", "prompt"}`. The prefill worker prefills it as an `export` request and
+answers with the payload (`{"kind": "kv", ...}`, see `atom_core.pd`) or with
+`{"kind": "prefill_failed", "id", "error"}`. The decode worker validates every payload before
+anything is written into a block; a bad one fails that request alone. Meanwhile the other lanes
+keep decoding: nothing waits for the transport except an idle loop. With `prefetch=N` the decode
+worker also asks for the KV of the next N waiting requests before they get a lane and keeps it,
+validated, in host memory until they do (the round trip then overlaps other requests' decode).
+
+Other messages, decode -> prefill: `{"kind": "cancel", "id"}` (the request was aborted or timed
+out: the prefill worker drops it and answers prefill_failed, so a block draining on the decode
+side is freed) and `{"kind": "shutdown"}`.
+
+Wire ids are the decode worker's request ids as strings; each request has at most one transfer,
+so a message for an id whose transfer is over is late or duplicated: counted, never imported.
+When the prefill worker is lost, transfers into a lane fail; requests holding no lane are
+prefilled locally (`fallback_local`) or fail at once; prefetched KV that arrived is still used.
+Control messages are not authenticated: a peer that can reach the link can fail or cancel
+requests, but only a payload with a valid MAC (when a key is set) is ever imported.
+
+The single-thread simulation (tests) steps both workers alternately over an
+`InProcessTransport.pair()`; two processes use `GlooTransport` (see `atom-core pd-prefill` and
+`pd-decode`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from atom_core import pd
+from atom_core._generated import core
+from atom_core.batcher import AtomBatcher, Event, Result
+from atom_core.config import Config
+from atom_core.transport import Transport, TransportError
+
+__all__ = ["DecodeWorker", "PrefillWorker"]
+
+LOST = "prefill worker lost"
+
+
+def _send(transport: Transport, header: dict[str, Any]) -> bool:
+    """Best-effort control message: False when the peer is already gone (its loss reaches the
+    caller as a peer_lost message, which is where it is handled)."""
+    try:
+        transport.send(header)
+    except TransportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- prefill side
+@attrs.define
+class PrefillStats:
+    requests: int = 0
+    exports: int = 0
+    failures: int = 0  # reported to the decode worker as prefill_failed
+    cancelled: int = 0
+    ignored: int = 0  # malformed, duplicate or unknown-kind messages
+
+
+class PrefillWorker:
+    """Prefills what the decode worker asks for and ships the KV back.
+
+    `serve()` runs until the decode worker says shutdown or is lost; `step_once()` is one round
+    (poll, one batcher step) for single-threaded drivers. `key`: sign every payload (HMAC) with
+    this shared key (`pd.load_key`)."""
+
+    def __init__(self, config: Config, runtime: Any, transport: Transport, *,
+                 key: bytes | None = None) -> None:
+        self.batcher = AtomBatcher(config, runtime)
+        self.transport = transport
+        self.key = key
+        self.fingerprint = pd.model_fingerprint(runtime)
+        self.stats = PrefillStats()
+        self.done = False
+        self.ended_by: str | None = None  # "shutdown", or why the link ended
+        self._wire: dict[int, str] = {}  # local request -> wire id
+        self._local: dict[str, int] = {}  # wire id -> local request, while in flight
+
+    def serve(self, idle_wait: float = 0.5) -> None:
+        while not self.done:
+            if not self.step_once():
+                self.transport.wait(idle_wait)  # wakes on the next message
+
+    def step_once(self) -> bool:
+        """One round; False when there was nothing to do."""
+        msgs = self.transport.poll()
+        for header, _tensor in msgs:
+            self._on_message(header)
+        if not msgs and not self.transport.alive and not self.done:
+            # killed or closed on this side: no peer_lost will come
+            self.done, self.ended_by = True, "transport closed"
+        if self.done:
+            return False
+        if not self.batcher.busy():
+            return bool(msgs)
+        for ev in self.batcher.step():
+            self._on_event(ev)
+        return True
+
+    def _on_message(self, header: dict[str, Any]) -> None:
+        kind = header.get("kind")
+        if kind in ("shutdown", "peer_lost"):
+            if not self.done:
+                self.done = True
+                self.ended_by = "shutdown" if kind == "shutdown" else \
+                    f"decode worker lost: {header.get('error')}"
+        elif kind == "prefill":
+            self._on_prefill(header.get("id"), header.get("prompt"))
+        elif kind == "cancel":
+            rid = self._local.get(header.get("id"))  # type: ignore[arg-type]
+            if rid is not None and self.batcher.abort(rid):
+                self.stats.cancelled += 1
+                # The decode side may hold a block draining for this transfer: end it.
+                self._fail(rid, "cancelled by the decode worker")
+            else:
+                self.stats.ignored += 1  # its KV (or failure) is already on the way
+        else:
+            self.stats.ignored += 1
+
+    def _on_prefill(self, wire: Any, prompt: Any) -> None:
+        if not isinstance(wire, str) or wire in self._local:
+            # No id to answer to, or a duplicate: answering would fail the original request.
+            self.stats.ignored += 1
+            return
+        self.stats.requests += 1
+        try:
+            if not isinstance(prompt, list):
+                raise ValueError("prompt must be a list of token ids")
+            rid = self.batcher.submit(prompt, 1, export=True)
+        except ValueError as exc:
+            self.stats.failures += 1
+            _send(self.transport, {"kind": "prefill_failed", "id": wire,
+                                   "error": f"prefill worker refused the request: {exc}"})
+            return
+        self._wire[rid] = wire
+        self._local[wire] = rid
+
+    def _on_event(self, ev: Event) -> None:
+        rid = ev.request_id
+        if ev.kind == "export":
+            self._export(rid)
+        elif ev.kind == "error":
+            self._fail(rid, f"prefill failed: {ev.error}")
+        elif ev.kind == "finished":
+            self._forget(rid)
+
+    def _export(self, rid: int) -> None:
+        wire = self._wire[rid]
+        try:
+            prompt, tok, host = self.batcher.take_export(rid)
+            payload = pd.make_payload(wire, prompt, tok, host, self.fingerprint, self.key)
+            header, kv = pd.to_wire(payload)
+            # send copies the tensor, so the block may be released as soon as it returns
+            self.transport.send({**header, "kind": "kv"}, kv)
+        except Exception as exc:  # noqa: BLE001 - this export failed, the worker goes on
+            for ev in self.batcher.export_done(rid, f"export failed: {exc!r}"):
+                self._on_event(ev)
+            return
+        self.stats.exports += 1
+        for ev in self.batcher.export_done(rid):
+            self._on_event(ev)
+
+    def _fail(self, rid: int, error: str) -> None:
+        wire = self._wire.get(rid)
+        if wire is None:
+            return
+        self.stats.failures += 1
+        _send(self.transport, {"kind": "prefill_failed", "id": wire, "error": error})
+        self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        wire = self._wire.pop(rid, None)
+        if wire is not None:
+            self._local.pop(wire, None)
+
+
+# --------------------------------------------------------------------------- decode side
+@attrs.define
+class _Req:
+    """A request as the decode worker's caller sees it. `brid` is its id in the batcher; a
+    request served by local prefill after the prefill worker was lost gets a new one."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    eos: int | None
+    brid: int | None
+    t_submit: float
+    wire: str | None = None  # set once its prefill request is sent
+    t_sent: float | None = None
+    answered: bool = False  # its KV (or a failure) arrived
+    payload: pd.KVPayload | None = None  # prefetched KV, validated, until it gets a lane
+    t_first: float | None = None
+    t_end: float | None = None
+    error: str | None = None  # set when the worker ended it without the batcher
+    kind: str | None = None  # why it failed, for the summary
+
+
+class DecodeWorker:
+    """Decodes requests whose prompt KV a prefill worker computes (see the module docstring).
+
+    `key`: require every payload to carry a valid HMAC under this key. `fallback_local`: when
+    the prefill worker is lost, requests it has not answered and that hold no lane yet (and new
+    ones) are prefilled here. `transfer_timeout`: a transfer unanswered for this many seconds
+    ends (the request fails; a draining block is freed); None waits as long as the link is up.
+    `prefetch`: ask for the KV of up to this many waiting requests before they get a lane, and
+    keep what arrives (validated, in host memory: at most `prefetch` prompts' KV) until they
+    do; 0 asks only once a lane and a block wait for it. Prefetching takes the prefill round
+    trip off the lane's critical path."""
+
+    def __init__(self, config: Config, runtime: Any, transport: Transport, *,
+                 key: bytes | None = None, fallback_local: bool = True,
+                 transfer_timeout: float | None = None, prefetch: int = 0) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.batcher = AtomBatcher(config, runtime)
+        self.runtime, self.transport = runtime, transport
+        self.key, self.fallback_local = key, fallback_local
+        self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
+        self.fingerprint = pd.model_fingerprint(runtime)
+        # One host buffer for every import: import_kv copies it into the block before returning.
+        self._host = runtime.new_host_buffer()
+        self._layout = pd.layout_of(self._host)
+        self._dtype = pd.dtype_name(self._host.dtype)
+        self.requests: dict[int, _Req] = {}
+        self._by_brid: dict[int, int] = {}
+        self._by_wire: dict[str, int] = {}
+        self.lost: str | None = None  # why the prefill worker is gone
+        self.payload_errors: Counter[str] = Counter()  # by PayloadError.field
+        self.auth_failures = 0
+        self.stale_messages = 0  # late, duplicate or unknown: ignored
+        self.drained = 0  # late answers that freed a block draining after an abort
+        self.local_fallbacks = 0
+        self.overlapped_steps = 0  # decode calls made while a transfer was outstanding
+        self._progress = False
+
+    # ------------------------------------------------------------------ client API
+    def submit(self, prompt: Iterable[int], max_new_tokens: int,
+               eos: int | None = None) -> int:
+        """Queue a request; its KV comes from the prefill worker (or from local prefill once
+        that worker is lost, with fallback_local). Raises ValueError like `AtomBatcher.submit`."""
+        prompt = list(prompt)
+        wid = len(self.requests)
+        req = _Req(prompt, max_new_tokens, eos, None, time.perf_counter())
+        if self.lost is not None and not self.fallback_local:
+            # Nothing can prefill it: it fails now instead of waiting forever.
+            req.error = f"{LOST}: {self.lost}; not served (no local fallback)"
+            req.kind, req.t_end = "peer_lost", req.t_submit
+        else:
+            req.brid = self.batcher.submit(prompt, max_new_tokens, eos,
+                                           remote=self.lost is None)
+            self._by_brid[req.brid] = wid
+        self.requests[wid] = req
+        return wid
+
+    def abort(self, wid: int) -> bool:
+        """End a request early; False for unknown or ended ones. A transfer in flight is
+        cancelled; a block waiting for it stays draining until the prefill worker answers."""
+        req = self.requests.get(wid)
+        if req is None or req.brid is None:
+            return False
+        if not self.batcher.abort(req.brid):
+            return False
+        req.t_end, req.kind, req.payload = time.perf_counter(), "aborted", None
+        if req.wire is not None and not req.answered:
+            _send(self.transport, {"kind": "cancel", "id": req.wire})
+        return True
+
+    def busy(self) -> bool:
+        return self.batcher.busy()
+
+    def step(self) -> list[Event]:
+        """Handle what arrived, then one batcher step. Events carry this worker's request ids."""
+        out: list[Event] = []
+        self._progress = False
+        for header, tensor in self.transport.poll():
+            self._progress = True
+            self._on_message(header, tensor, out)
+        self._expire(out)
+        st = self.batcher.stats
+        in_flight = self._in_flight()
+        before = (st.decode_steps, st.prefill_tokens)
+        events = self.batcher.step()
+        if st.decode_steps > before[0] and in_flight:
+            self.overlapped_steps += 1
+        if events or (st.decode_steps, st.prefill_tokens) != before:
+            self._progress = True
+        self._handle(events, out)
+        self._prefetch(out)
+        return out
+
+    def run_until_done(self, timeout: float | None = None,
+                       idle_wait: float = 0.05) -> dict[int, Result]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy():
+            self.step()
+            if not self._progress:
+                self.transport.wait(idle_wait)  # nothing to compute: sleep until a message
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running after {timeout}s: "
+                                   f"{sorted(self._unfinished())}")
+        return self.results()
+
+    def results(self) -> dict[int, Result]:
+        out = {}
+        for wid, req in self.requests.items():
+            r = self.batcher.requests[req.brid] if req.brid is not None else None
+            tokens = list(r.tokens) if r is not None else []
+            error = req.error or (r.error if r is not None else None)
+            out[wid] = Result(tokens, error)
+        return out
+
+    def close(self) -> None:
+        """Tell the prefill worker to stop, then close the transport."""
+        if self.transport.alive:
+            _send(self.transport, {"kind": "shutdown"})
+        self.transport.close()
+
+    def __enter__(self) -> DecodeWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def summary(self) -> dict[str, Any]:
+        results = self.results()
+        failed = {wid for wid, r in results.items() if r.error is not None}
+        kinds = Counter(self.requests[w].kind or "runtime" for w in failed)
+        ended = [r for r in self.requests.values() if r.t_end is not None]
+        lat = sorted(r.t_end - r.t_submit for r in ended)  # type: ignore[operator]
+        ttft = sorted(r.t_first - r.t_submit for r in self.requests.values()
+                      if r.t_first is not None)
+        wall = (max(r.t_end for r in ended) - min(r.t_submit for r in self.requests.values())
+                if ended else 0.0)  # type: ignore[type-var]
+        st, ts = self.batcher.stats, self.transport.stats
+        return {
+            "requests": len(results),
+            "completed": len(results) - len(failed),
+            "failed": len(failed),
+            "errors_by_kind": dict(sorted(kinds.items())),
+            "generated_tokens": st.generated_tokens,
+            "imported_tokens": st.imported_tokens,
+            "local_prefill_tokens": st.prefill_tokens,
+            "local_fallbacks": self.local_fallbacks,
+            "auth_failures": self.auth_failures,
+            "payload_errors": dict(sorted(self.payload_errors.items())),
+            "stale_messages": self.stale_messages,
+            "bytes_received": ts["bytes_received"],
+            "bytes_sent": ts["bytes_sent"],
+            "prefetch": self.prefetch,
+            "decode_steps": st.decode_steps,
+            "decode_steps_overlapped": self.overlapped_steps,
+            "wall_s": round(wall, 3),
+            "tokens_per_s": round(st.generated_tokens / wall, 1) if wall > 0 else None,
+            "latency_median_s": _quantile(lat, 0.5),
+            "latency_p90_s": _quantile(lat, 0.9),
+            "ttft_median_s": _quantile(ttft, 0.5),
+        }
+
+    # ------------------------------------------------------------------ messages
+    def _on_message(self, header: dict[str, Any], tensor: Any, out: list[Event]) -> None:
+        kind = header.get("kind")
+        if kind == "peer_lost":
+            self._on_lost(str(header.get("error")), out)
+            return
+        if kind not in ("kv", "prefill_failed"):
+            self.stale_messages += 1
+            return
+        wire = header.get("request_id" if kind == "kv" else "id")
+        wid = self._by_wire.get(wire) if isinstance(wire, str) else None
+        if wid is None:
+            self.stale_messages += 1
+            return
+        req = self.requests[wid]
+        assert req.brid is not None
+        phase = self.batcher.state.phase.get(req.brid)
+        if req.answered or phase not in (core.PHASE_IMPORTING, core.PHASE_WAITING):
+            # Late or duplicate: ends the transfer of a block draining after an abort, if any.
+            self._end_transfer(req.brid, "late answer", out)
+            return
+        if kind == "prefill_failed":
+            self._fail(wid, "prefill_failed",
+                       f"the prefill worker failed this request: {header.get('error')}", out)
+            return
+        try:
+            payload = pd.from_wire(header, tensor)
+            pd.validate(payload, request_id=wire, prompt=req.prompt,
+                        fingerprint=self.fingerprint, layout=self._layout, dtype=self._dtype,
+                        vocab_size=self.runtime.vocab_size, key=self.key)
+        except pd.PayloadError as exc:
+            self.payload_errors[exc.field] += 1
+            if exc.field == "mac":
+                self.auth_failures += 1
+            self._fail(wid, f"payload:{exc.field}", f"KV payload rejected ({exc.field}): {exc}",
+                       out)
+            return
+        req.answered, req.payload = True, payload
+        if phase == core.PHASE_IMPORTING:
+            self._import(wid, out)
+        # else prefetched: it waits, validated, for its lane
+
+    def _import(self, wid: int, out: list[Event]) -> None:
+        req = self.requests[wid]
+        payload, req.payload = req.payload, None
+        assert payload is not None and req.brid is not None
+        host = pd.write_into(payload, self._host)
+        self._handle(self.batcher.import_kv(req.brid, payload.prompt, payload.first_token,
+                                            host), out)
+
+    def _fail(self, wid: int, kind: str, error: str, out: list[Event]) -> None:
+        """`wid`'s transfer ended without usable KV: it fails, holding a lane or not."""
+        req = self.requests[wid]
+        assert req.brid is not None
+        req.kind, req.answered, req.payload = kind, True, None
+        if self._importing(req.brid):
+            self._handle(self.batcher.transfer_ended(req.brid, error), out)
+        elif self.batcher.abort(req.brid):  # prefetched, still waiting: no block to free
+            req.error, req.t_end = error, time.perf_counter()
+            out.append(Event("error", wid, error=error))
+
+    def _on_lost(self, why: str, out: list[Event]) -> None:
+        if self.lost is not None:
+            return
+        self.lost = why
+        for brid in list(self.batcher.transfers()):
+            wid = self._by_brid[brid]
+            if self._importing(brid):
+                self._fail(wid, "peer_lost", f"{LOST}: {why}; the KV of this request was in "
+                           "flight", out)
+            else:
+                self._end_transfer(brid, f"{LOST}: {why}", out)
+        # Waiting requests whose KV did not arrive hold no block: prefill them here, or fail
+        # them now rather than let them wait for a worker that is gone. Prefetched KV that did
+        # arrive is still good and is imported when the request gets a lane.
+        for brid in list(self.batcher.waiting):
+            wid = self._by_brid[brid]
+            req = self.requests[wid]
+            if not self.batcher.requests[brid].remote or req.payload is not None:
+                continue
+            req.answered = True  # whatever it was asked for will never come
+            if self.fallback_local:
+                self.batcher.make_local(brid)
+                self.local_fallbacks += 1
+            else:
+                self.batcher.abort(brid)
+                req.error = f"{LOST}: {why}; not served (no local fallback)"
+                req.kind, req.t_end = "peer_lost", time.perf_counter()
+                out.append(Event("error", wid, error=req.error))
+
+    def _expire(self, out: list[Event]) -> None:
+        if self.transfer_timeout is None:
+            return
+        now = time.perf_counter()
+        msg = f"the prefill worker did not answer within {self.transfer_timeout:g}s"
+        for brid in [*self.batcher.transfers(), *self._next_waiting()]:
+            wid = self._by_brid.get(brid)
+            req = self.requests[wid] if wid is not None else None
+            if req is None or req.t_sent is None or req.answered or \
+                    now - req.t_sent < self.transfer_timeout:
+                continue
+            if self._importing(brid) or self.batcher.state.phase.get(brid) == \
+                    core.PHASE_WAITING:
+                self._fail(wid, "timeout", msg, out)  # type: ignore[arg-type]
+                _send(self.transport, {"kind": "cancel", "id": req.wire})
+            else:
+                req.answered = True
+                self._end_transfer(brid, msg, out)
+
+    def _end_transfer(self, brid: int, why: str, out: list[Event]) -> None:
+        """A transfer of an ended request is over: frees its draining block, else stale."""
+        stale = self.batcher.stats.stale_events
+        self._handle(self.batcher.transfer_ended(brid, why), out)
+        if self.batcher.stats.stale_events > stale:
+            self.stale_messages += 1
+        else:
+            self.drained += 1
+
+    # ------------------------------------------------------------------ batcher events
+    def _handle(self, events: list[Event], out: list[Event]) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            wid = self._by_brid.get(ev.request_id)
+            if wid is None:
+                continue
+            req = self.requests[wid]
+            if ev.kind == "import":
+                self._on_import(wid, out)
+                continue
+            if ev.kind == "token" and req.t_first is None:
+                req.t_first = now
+            elif ev.kind in ("finished", "error"):
+                req.t_end = now
+            out.append(Event(ev.kind, wid, ev.token, ev.error))
+
+    def _on_import(self, wid: int, out: list[Event]) -> None:
+        """`wid` got a lane and a block: import its prefetched KV, or ask for it."""
+        req = self.requests[wid]
+        assert req.brid is not None
+        if not self._importing(req.brid):
+            return  # ended meanwhile (a loss handled earlier in this batch)
+        if req.payload is not None:
+            self._import(wid, out)
+        elif self.lost is not None:
+            self._fail(wid, "peer_lost", f"{LOST}: {self.lost}", out)
+        elif req.wire is None:
+            self._send_prefill(wid, out)
+        # else: prefetched, its answer is on the way
+
+    def _send_prefill(self, wid: int, out: list[Event]) -> None:
+        req = self.requests[wid]
+        req.wire, req.t_sent = str(wid), time.perf_counter()
+        self._by_wire[req.wire] = wid
+        try:
+            self.transport.send({"kind": "prefill", "id": req.wire, "prompt": req.prompt})
+        except TransportError as exc:
+            self._on_lost(str(exc), out)
+
+    def _prefetch(self, out: list[Event]) -> None:
+        """Ask for the KV of the first `prefetch` waiting requests (FIFO: admission order)."""
+        for brid in self._next_waiting():
+            if self.lost is not None:
+                return
+            wid = self._by_brid[brid]
+            if self.requests[wid].wire is None and self.batcher.requests[brid].remote:
+                self._send_prefill(wid, out)
+
+    # ------------------------------------------------------------------ helpers
+    def _importing(self, brid: int) -> bool:
+        return self.batcher.state.phase.get(brid) == core.PHASE_IMPORTING
+
+    def _next_waiting(self) -> list[int]:
+        """The waiting requests prefetching covers: the next `prefetch` to be admitted."""
+        return list(itertools.islice(self.batcher.waiting, self.prefetch))
+
+    def _in_flight(self) -> bool:
+        """Some KV was asked for and has not arrived (for a lane, or prefetched)."""
+        asked = [b for b in self.batcher.transfers() if self._importing(b)]
+        for brid in asked + self._next_waiting():
+            req = self.requests[self._by_brid[brid]]
+            if req.wire is not None and not req.answered:
+                return True
+        return False
+
+    def _unfinished(self) -> list[int]:
+        return [w for w, r in self.requests.items()
+                if r.brid is not None and not self.batcher.requests[r.brid].ended]
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank quantile (no interpolation: with few requests it names a real one)."""
+    if not sorted_values:
+        return None
+    return round(sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)], 4)
