@@ -190,8 +190,21 @@ class AtomBatcher:
         if phase != core.PHASE_IMPORTING:
             self._stale_or_drained(request_id)
             return events
-        p = seq(int(t) for t in prompt_ids)
-        bad = core.import_done_guard(self.state, request_id, p, int(first_token))
+        try:  # integers only, as in submit: int() would turn 1.9 into 1
+            ids = [operator.index(t) for t in prompt_ids]
+            first_token = operator.index(first_token)
+        except TypeError:
+            self._transfer_failed(request_id, "import rejected: token ids must be integers",
+                                  events)
+            return events
+        vocab = getattr(self.runtime, "vocab_size", None)
+        if vocab is not None and not 0 <= first_token < vocab:
+            # a token the model cannot embed would fail the next decode call for every lane
+            self._transfer_failed(request_id, f"import rejected: first token {first_token} is "
+                                  f"outside the vocabulary 0..{vocab - 1}", events)
+            return events
+        p = seq(ids)
+        bad = core.import_done_guard(self.state, request_id, p, first_token)
         if bad is not None:
             self._transfer_failed(request_id, f"import rejected ({bad}): the KV covers "
                                   f"{len(p)} tokens, not this request's prompt", events)
@@ -203,9 +216,9 @@ class AtomBatcher:
             self._transfer_failed(request_id, f"update_kv_cache failed: {exc!r}", events)
             return events
         del self._transfers[request_id]
-        self._apply("import_done", r=request_id, p=p, tok=int(first_token))
+        self._apply("import_done", r=request_id, p=p, tok=first_token)
         self.stats.imported_tokens += len(p)
-        self._emit_token(self.state.req_lane.get(request_id), int(first_token), events)
+        self._emit_token(self.state.req_lane.get(request_id), first_token, events)
         return events
 
     def transfer_ended(self, request_id: int, error: str) -> list[Event]:
@@ -282,6 +295,9 @@ class AtomBatcher:
         return bool(self.waiting) or any(self.state.busy) or bool(self._transfers)
 
     def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
+        """Step until nothing waits, runs or transfers. With PD, transfers end only when the
+        caller reports them (`import_kv`, `transfer_ended`, `export_done`): drive PD batchers
+        through a worker (atom_core/workers.py), or pass `max_steps`."""
         steps = 0
         while self.busy():
             self.step()
