@@ -12,6 +12,16 @@ A decode graph computes every one of its rows and writes each row's KV at
 (block_tables[row, pos // block_size], pos % block_size), so the caller must aim rows it does not
 care about at a block whose content does not matter (the scratch block).
 
+Hybrid models (`uses_local_block_tables`, Gemma3-style: sliding-window layers beside global ones)
+keep the sliding layers' KV outside the blocks, in `batch_size` local slots of `sliding_window`
+(W) positions each, used as a ring: position p lives at ring index p % W of the slot named by
+`local_block_tables` (prefill: the sequence's slot; decode: each row's slot), and a query at q
+sees positions q-W+1..q only. A decode row writes its KV at (its slot, pos % W) whatever the row
+is, like a global block write; a prefill chunk writes only its real positions (those up to
+start + query_position), and of those only the last W. So a padding row must be aimed at a slot
+whose content does not matter, or at a position whose ring entry is dead: for a sequence whose
+next position to write is e, ring index e % W (it holds e - W, outside every later window).
+
 Both runtimes accept any integer tensor (or nested list) of the right shape and convert it to the
 graph's dtype; a wrong shape, a non-integer dtype, a value that does not fit the dtype, or a
 position/block id out of range raises `RuntimeInputError` before anything runs.
@@ -46,6 +56,12 @@ class Runtime(Protocol):
     `batch_size` (rows of the largest decode graph), `decoder_batch_sizes` (the compiled decode
     graphs' row counts, largest first; `decoder_batch_sizes[0] == batch_size`), `vocab_size` (V),
     `uses_local_block_tables` (hybrid models: pass `local_block_tables`, else pass None).
+
+    Hybrid runtimes only (optional, like the local tables themselves): `sliding_window` (W),
+    `new_local_host_buffer()` (a host buffer for one local slot, every sliding layer),
+    `fetch_local_cache(host, slot)` (device slot -> host) and `update_local_cache(host, slot)`
+    (host -> device slot). A sequence's KV is its global blocks plus its local slot: moving it
+    (PD import, swap, snapshot) moves both.
     """
 
     num_blocks: int
@@ -135,6 +151,14 @@ def check_block(name: str, block: int, num_blocks: int) -> int:
     b = int(block)
     if not 0 <= b < num_blocks:
         raise RuntimeInputError(f"{name}: block {b} is outside 0..{num_blocks - 1}")
+    return b
+
+
+def check_slot(name: str, slot: int, batch_size: int) -> int:
+    """A local slot id of a local-slot operation (hybrid models), or RuntimeInputError."""
+    b = int(slot)
+    if not 0 <= b < batch_size:
+        raise RuntimeInputError(f"{name}: local slot {b} is outside 0..{batch_size - 1}")
     return b
 
 

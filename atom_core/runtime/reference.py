@@ -3,8 +3,11 @@
 `TorchReferenceRuntime` emulates the device: KV lives in per-layer K and V tensors
 `[num_blocks, kv_heads, block_size, head_dim]`; prefill and decode write KV through the block
 tables for every computed position (padding positions of a chunk and padding rows of a decode
-included) and attend causally by position. `generate` is an independent oracle: greedy decoding by
-full recompute over the whole sequence, with no block table and no cache.
+included) and attend causally by position. A hybrid model (`RuntimeSpec.sliding_window`) has
+sliding-window layers whose KV lives instead in per-lane local ring slots
+`[batch_size, kv_heads, sliding_window, head_dim]` (see `TorchReferenceRuntime`). `generate`
+is an independent oracle: greedy decoding by full recompute over the whole sequence, with no
+block table and no cache.
 
 Exact arithmetic, so the cached path and the oracle agree bit for bit. The model is a fixed-point
 transformer evaluated in float64: weights and activations are multiples of 2**-8 (activations
@@ -48,6 +51,7 @@ from atom_core.runtime.protocol import (
     check_copy,
     check_decode_inputs,
     check_prefill_inputs,
+    check_slot,
     smallest_decode_batch,
 )
 
@@ -55,6 +59,9 @@ if TYPE_CHECKING:
     from atom_core.config import Config
 
 __all__ = ["RuntimeSpec", "TorchReferenceRuntime"]
+
+# attend(store index, q [N, heads, d], k [N, kv_heads, d], v [N, kv_heads, d]) -> [N, heads, d]
+_Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _positive(_inst: Any, attr: attrs.Attribute, value: int) -> None:
@@ -90,6 +97,12 @@ class RuntimeSpec:
     intermediate: int = attrs.field(default=128, validator=_positive)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # hybrid attention (Gemma3-style): with a window W, layer i is global when
+    # (i + 1) % global_every == 0 and sliding (attends to the last W positions, KV in a local
+    # ring per lane) otherwise; None = every layer global, no local KV.
+    sliding_window: int | None = attrs.field(default=None,
+                                             validator=attrs.validators.optional(_positive))
+    global_every: int = attrs.field(default=6, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_seq_len % self.block_size:
@@ -113,17 +126,48 @@ class RuntimeSpec:
         if not sizes or sizes[0] != self.batch_size or sizes[-1] <= 0:
             raise ValueError(f"decoder_batch_sizes={sizes} must be positive with the largest "
                              f"equal to batch_size={self.batch_size}")
+        if self.sliding_window is not None:
+            # both kinds of layer, so that both KV stores (blocks and local slots) exist and a
+            # hybrid artifact is never a plain one in disguise
+            if not 2 <= self.global_every <= self.layers:
+                raise ValueError(
+                    f"a hybrid model needs sliding and global layers: global_every="
+                    f"{self.global_every} must be in 2..layers={self.layers}")
+            if self.sliding_window > 65536:
+                raise ValueError(f"sliding_window={self.sliding_window} must be <= 65536 "
+                                 "(exactness bound, like max_seq_len)")
 
     @property
     def blocks_per_seq(self) -> int:
         """T: block-table entries per sequence."""
         return self.max_seq_len // self.block_size
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model has sliding-window layers (and the graphs local block tables)."""
+        return self.sliding_window is not None
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.hybrid and (layer + 1) % self.global_every != 0
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Layers with full causal attention, KV in the blocks (every layer unless hybrid)."""
+        return tuple(i for i in range(self.layers) if not self.is_sliding(i))
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Layers with window attention, KV in the local slots (none unless hybrid)."""
+        return tuple(i for i in range(self.layers) if self.is_sliding(i))
+
 
 # The artifact's sizes: they shape the cache and the graphs, not the KV a position gets, and PD
 # workers are sized differently on purpose, so the model fingerprint leaves them out.
 _ARTIFACT_FIELDS = frozenset({"num_blocks", "block_size", "max_seq_len", "prefill_chunk",
                               "batch_size", "decoder_batch_sizes"})
+# Model fields that mean nothing without a window: left out of a plain model's fingerprint, so
+# plain models keep the fingerprint they had before hybrid models existed.
+_HYBRID_FIELDS = frozenset({"sliding_window", "global_every"})
 
 
 # --- fixed-point arithmetic (float64, exact) -------------------------------------------------
@@ -176,6 +220,28 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _grid(x / torch.sqrt(ms + eps) * w)
 
 
+def _visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """valid [Q, L]: which keys each query attends to. Query positions qpos [Q]; key positions
+    kpos [L] (shared) or [Q, L], negative where a slot holds no position. A key is visible when
+    0 <= k <= q and, for a sliding layer, q - k < window (Gemma3: the last `window` positions,
+    the query's own included). The mask is by position only, never by where a key is stored,
+    so a cache and a full recompute select the same keys."""
+    kp = kpos if kpos.dim() == 2 else kpos[None, :]
+    q = qpos[:, None]
+    valid = (kp >= 0) & (kp <= q)
+    if window is not None:
+        valid &= kp > q - window
+    return valid
+
+
+def _ring_positions(last: torch.Tensor, window: int) -> torch.Tensor:
+    """[R, window]: the position at each ring index of a slot whose latest written position is
+    last[r] (-1 when nothing was written yet): the largest p <= last with p % window == index;
+    negative (no key) where that is below 0."""
+    last = last.long()[:, None]
+    return last - torch.remainder(last - torch.arange(window)[None, :], window)
+
+
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
     if n is None:
@@ -195,7 +261,16 @@ class TorchReferenceRuntime:
     Token embedding; `layers` x (RMSNorm, rotary grouped-query attention with `heads` query and
     `kv_heads` KV heads, RMSNorm, SiLU-gated MLP); final RMSNorm; LM head. Weights are drawn from
     `torch.Generator().manual_seed(seed)` and rounded to the fixed-point grid, so a seed is one
-    model in float32 and float64 alike. No sliding-window layers: pass `local_block_tables=None`.
+    model in float32 and float64 alike.
+
+    Plain (`spec.sliding_window is None`): every layer is global, KV in the blocks; pass
+    `local_block_tables=None`. Hybrid (a window W): the layers in `spec.sliding_layers` attend
+    to the last W positions only and keep their KV not in the blocks but in `batch_size` local
+    slots `k_local[j]`, `v_local[j]` [batch_size, kv_heads, W, head_dim] (one per lane), each a
+    ring (position p at index p % W); `k_cache`/`v_cache` then hold the global layers only. The
+    graphs take `local_block_tables` (prefill [1], decode [B,1]: the slot of the sequence, of
+    each row), `uses_local_block_tables` is True, and the local-slot operations
+    (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`, `read_local`) work.
     """
 
     uses_local_block_tables = False
@@ -221,17 +296,27 @@ class TorchReferenceRuntime:
         ang = torch.arange(spec.max_seq_len, dtype=_F)[:, None] * inv[None, :]
         self._cos = _grid(torch.cos(ang), _ROPE, 1.0)
         self._sin = _grid(torch.sin(ang), _ROPE, 1.0)
+        self.uses_local_block_tables = spec.hybrid
+        self.sliding_window = spec.sliding_window
+        # layer -> its index in k_cache/v_cache (global) or k_local/v_local (sliding)
+        self._store = {layer: j for group in (spec.global_layers, spec.sliding_layers)
+                       for j, layer in enumerate(group)}
         shape = (spec.num_blocks, spec.kv_heads, spec.block_size, spec.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.layers)]
-        self.calls = {"prefill": 0, "decode": 0, "copy": 0, "fetch": 0, "update": 0}
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in spec.global_layers]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in spec.global_layers]
+        local = (spec.batch_size, spec.kv_heads, spec.sliding_window or 0, spec.head_dim)
+        self.k_local = [torch.zeros(local, dtype=dtype) for _ in spec.sliding_layers]
+        self.v_local = [torch.zeros(local, dtype=dtype) for _ in spec.sliding_layers]
+        self.calls = {"prefill": 0, "decode": 0, "copy": 0, "fetch": 0, "update": 0,
+                      "fetch_local": 0, "update_local": 0}
 
     @classmethod
     def tiny(cls, config: Config, seed: int = 0, dtype: torch.dtype = torch.float32,
              **model: Any) -> TorchReferenceRuntime:
         """A tiny model (2 layers, hidden 64, vocab 128 unless overridden by `model`, e.g.
-        `decoder_batch_sizes=(4, 2, 1)`) for an `atom_core.config.Config`: its lanes, kv_blocks,
-        block_size, max_seq_len and prefill_chunk."""
+        `decoder_batch_sizes=(4, 2, 1)`, or `sliding_window=16, layers=3, global_every=3` for a
+        hybrid one) for an `atom_core.config.Config`: its lanes, kv_blocks, block_size,
+        max_seq_len and prefill_chunk."""
         spec = RuntimeSpec(num_blocks=config.kv_blocks, block_size=config.block_size,
                            max_seq_len=config.max_seq_len, prefill_chunk=config.prefill_chunk,
                            batch_size=config.lanes, **model)
@@ -242,7 +327,8 @@ class TorchReferenceRuntime:
         """SHA-256 hex of the model (the spec's model fields), the seed and the cache dtype, for
         `atom_core.pd`: the same in every process for the same three, whatever the artifact's
         sizes (blocks, lanes, chunk), which do not change the KV a position gets."""
-        model = {k: v for k, v in attrs.asdict(self.spec).items() if k not in _ARTIFACT_FIELDS}
+        skip = _ARTIFACT_FIELDS | (frozenset() if self.spec.hybrid else _HYBRID_FIELDS)
+        model = {k: v for k, v in attrs.asdict(self.spec).items() if k not in skip}
         facts = {"runtime": "atom_core.TorchReferenceRuntime", "model": model,
                  "seed": self.seed, "dtype": str(self.dtype)}
         return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
@@ -279,11 +365,12 @@ class TorchReferenceRuntime:
             x = x[rows]
         return _rmsnorm(x, w["final_norm"], s.norm_eps) @ w["lm_head"].T
 
-    def _attend(self, q: torch.Tensor, qpos: torch.Tensor, k: torch.Tensor,
+    def _attend(self, q: torch.Tensor, valid: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        """Causal attention, exact. q [Q, heads, d] at positions qpos [Q]; k, v [R, kv_heads, L, d]
-        hold key positions 0..L-1, R = 1 (shared by every query) or Q (one key row per query).
-        Keys after a query's position get weight exactly 0."""
+        """Masked attention, exact. q [Q, heads, d]; k, v [R, kv_heads, L, d] with R = 1 (shared
+        by every query) or Q (one key row per query); valid [Q, L] (`_visible`) says which keys
+        each query sees. Other keys get weight exactly 0, and since every sum is exact, neither
+        the order of the keys nor masked junk among them changes the result."""
         s = self.spec
         nq, rep, length = q.shape[0], s.heads // s.kv_heads, k.shape[2]
         qg = q.reshape(nq, s.kv_heads, rep, s.head_dim)
@@ -293,7 +380,7 @@ class TorchReferenceRuntime:
             dots = dots.permute(1, 0, 2, 3)
         else:                 # per-query keys: [Q, kv_heads, rep, d] @ [Q, kv_heads, d, L]
             dots = qg @ k.transpose(2, 3)
-        valid = (torch.arange(length)[None, :] <= qpos[:, None])[:, None, None, :]
+        valid = valid[:, None, None, :]
         sc = torch.where(valid, _grid(dots * (1.0 / math.sqrt(s.head_dim)), _ACT, math.inf),
                          -math.inf)                                   # [Q, kv_heads, rep, L]
         gap = sc.amax(-1, keepdim=True) - sc
@@ -309,44 +396,104 @@ class TorchReferenceRuntime:
 
     # --- the device graphs -------------------------------------------------------------------
 
-    def _gather(self, layer: int, tab: torch.Tensor, length: int
+    def _gather(self, j: int, tab: torch.Tensor, length: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [R, kv_heads, length, d] (float64) of positions 0..length-1 through block tables
-        tab [R, T]. Out-of-range entries past the validated positions are clamped (masked)."""
+        """K, V [R, kv_heads, length, d] (float64) of global layer store j, positions
+        0..length-1, through block tables tab [R, T]. Out-of-range entries past the validated
+        positions are clamped (masked)."""
         bs = self.block_size
         kpos = torch.arange(length)
         blk = torch.clamp(tab[:, kpos // bs], 0, self.num_blocks - 1)          # [R, L]
         off = (kpos % bs)[None, :].expand_as(blk)
-        k = self.k_cache[layer][blk, :, off, :].permute(0, 2, 1, 3)
-        v = self.v_cache[layer][blk, :, off, :].permute(0, 2, 1, 3)
+        k = self.k_cache[j][blk, :, off, :].permute(0, 2, 1, 3)
+        v = self.v_cache[j][blk, :, off, :].permute(0, 2, 1, 3)
         return _sane(k), _sane(v)
 
-    def _write(self, layer: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
+    def _write(self, j: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
-        self.k_cache[layer][blk, :, off, :] = k.to(self.dtype)
-        self.v_cache[layer][blk, :, off, :] = v.to(self.dtype)
+        self.k_cache[j][blk, :, off, :] = k.to(self.dtype)
+        self.v_cache[j][blk, :, off, :] = v.to(self.dtype)
 
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
                 local_block_tables: Any, query_position: Any) -> torch.Tensor:
-        ids, pos, bt, _, qp = check_prefill_inputs(
+        ids, pos, bt, lbt, qp = check_prefill_inputs(
             self, input_ids, cache_position, block_tables, local_block_tables, query_position)
         self.calls["prefill"] += 1
         p = pos[0].long()
         tab = bt.long()[None, :]                                             # [1, T]
         blk, off = tab[0, p // self.block_size], p % self.block_size
         length = int(p[-1]) + 1
+        causal = _visible(p, torch.arange(length), None)
+        local = None if lbt is None else self._prefill_local(p, int(qp), int(lbt[0]))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self._write(layer, blk, off, k, v)
-            return self._attend(q, p, *self._gather(layer, tab, length))
+            j = self._store[layer]
+            if local is not None and self.spec.is_sliding(layer):
+                return local(j, q, k, v)
+            self._write(j, blk, off, k, v)
+            return self._attend(q, causal, *self._gather(j, tab, length))
 
         with _threads(self.num_threads):
             out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
         return out.to(self.dtype).view(1, 1, self.vocab_size)
 
+    def _prefill_local(self, p: torch.Tensor, qp: int, slot: int) -> _Attend:
+        """Sliding-layer attention of a prefill chunk at positions p [C] in local slot `slot`.
+
+        A query sees the ring's positions before the chunk and the chunk's own positions, both
+        by position (`_visible`), so a chunk longer than the window masks its own old
+        positions. The chunk's KV goes into the ring only after the chunk has attended (its
+        writes overwrite positions its first queries still see), and only for real positions
+        (up to start + query_position: a padding position p would overwrite p - W, which the
+        next query may still need), and of those only the last W (distinct ring indices, and
+        what the ring must hold for the next chunk or decode step)."""
+        w = self.spec.sliding_window
+        assert w is not None
+        start, last = int(p[0]), int(p[0]) + qp
+        kpos = torch.cat([_ring_positions(torch.tensor([start - 1]), w)[0], p])   # [W + C]
+        valid = _visible(p, kpos, w)
+        keep = (p <= last) & (p > last - w)
+        rows, idx = torch.nonzero(keep)[:, 0], p[keep] % w
+
+        def attend(j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kr, vr = self.k_local[j][slot], self.v_local[j][slot]          # [kv_heads, W, d]
+            keys = torch.cat([_sane(kr), k.permute(1, 0, 2)], dim=1)[None]
+            vals = torch.cat([_sane(vr), v.permute(1, 0, 2)], dim=1)[None]
+            out = self._attend(q, valid, keys, vals)
+            kr[:, idx, :] = k[rows].permute(1, 0, 2).to(self.dtype)
+            vr[:, idx, :] = v[rows].permute(1, 0, 2).to(self.dtype)
+            return out
+
+        return attend
+
+    def _decode_local(self, p: torch.Tensor, slots: torch.Tensor) -> _Attend:
+        """Sliding-layer attention of decode rows at positions p [B] in local slots [B].
+
+        Every row writes its KV at (its slot, pos % W) first, like a global block write, then
+        reads its slot's ring, keys masked by the positions the ring holds for that row. Rows
+        that share a slot see each other's writes; two rows writing the same ring entry is a
+        scheduler bug (the later row wins, so the result is at least deterministic)."""
+        w = self.spec.sliding_window
+        assert w is not None
+        idx = p % w
+        key = slots * w + idx
+        later = torch.triu(key[:, None] == key[None, :], diagonal=1)   # a later row, same entry
+        keep = ~later.any(dim=1)
+        # the ring holds only positions in (q - W, q], so the window term is implied here;
+        # the mask mostly drops indices with no position yet (q < W - 1)
+        valid = _visible(p, _ring_positions(p, w), w)                     # [B, W]
+
+        def attend(j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.k_local[j][slots[keep], :, idx[keep], :] = k[keep].to(self.dtype)
+            self.v_local[j][slots[keep], :, idx[keep], :] = v[keep].to(self.dtype)
+            return self._attend(q, valid, _sane(self.k_local[j][slots]),
+                                _sane(self.v_local[j][slots]))
+
+        return attend
+
     def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
                local_block_tables: Any) -> torch.Tensor:
-        ids, pos, bt, _ = check_decode_inputs(
+        ids, pos, bt, lbt = check_decode_inputs(
             self, input_ids, cache_position, block_tables, local_block_tables)
         self.calls["decode"] += 1
         b = ids.shape[0]
@@ -354,10 +501,15 @@ class TorchReferenceRuntime:
         tab = bt.long()
         blk, off = tab[torch.arange(b), p // self.block_size], p % self.block_size
         length = int(p.max()) + 1
+        causal = _visible(p, torch.arange(length), None)
+        local = None if lbt is None else self._decode_local(p, lbt[:, 0].long())
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self._write(layer, blk, off, k, v)
-            return self._attend(q, p, *self._gather(layer, tab, length))
+            j = self._store[layer]
+            if local is not None and self.spec.is_sliding(layer):
+                return local(j, q, k, v)
+            self._write(j, blk, off, k, v)
+            return self._attend(q, causal, *self._gather(j, tab, length))
 
         with _threads(self.num_threads):
             out = self._forward(ids[:, 0], p, attend)
@@ -377,46 +529,96 @@ class TorchReferenceRuntime:
         for cache in (*self.k_cache, *self.v_cache):
             cache[d, :, :n] = cache[s, :, :n]
 
-    def new_host_buffer(self) -> torch.Tensor:
-        """[layers, 2 (K, V), kv_heads, block_size, head_dim] in the cache dtype."""
+    def _block_shape(self) -> tuple[int, ...]:
         s = self.spec
-        return torch.zeros((s.layers, 2, s.kv_heads, s.block_size, s.head_dim), dtype=self.dtype)
+        return (len(s.global_layers), 2, s.kv_heads, s.block_size, s.head_dim)
 
-    def _host(self, host_tensor: Any) -> torch.Tensor:
-        s = self.spec
-        shape = (s.layers, 2, s.kv_heads, s.block_size, s.head_dim)
+    def new_host_buffer(self) -> torch.Tensor:
+        """[global layers, 2 (K, V), kv_heads, block_size, head_dim] in the cache dtype (every
+        layer is global unless the model is hybrid)."""
+        return torch.zeros(self._block_shape(), dtype=self.dtype)
+
+    def _host(self, host_tensor: Any, shape: tuple[int, ...], maker: str) -> torch.Tensor:
         if not isinstance(host_tensor, torch.Tensor) or tuple(host_tensor.shape) != shape \
                 or host_tensor.dtype != self.dtype:
             got = (list(host_tensor.shape), host_tensor.dtype) \
                 if isinstance(host_tensor, torch.Tensor) else type(host_tensor).__name__
             raise RuntimeInputError(f"host tensor must be {self.dtype} {list(shape)} "
-                                    f"(new_host_buffer()), got {got}")
+                                    f"({maker}()), got {got}")
         return host_tensor
 
     def fetch_kv_cache(self, host_tensor: Any, block: int) -> None:
-        host, b = self._host(host_tensor), self._block("fetch", block)
+        host = self._host(host_tensor, self._block_shape(), "new_host_buffer")
+        b = self._block("fetch", block)
         self.calls["fetch"] += 1
-        for i in range(self.spec.layers):
-            host[i, 0].copy_(self.k_cache[i][b])
-            host[i, 1].copy_(self.v_cache[i][b])
+        for j in range(len(self.k_cache)):
+            host[j, 0].copy_(self.k_cache[j][b])
+            host[j, 1].copy_(self.v_cache[j][b])
 
     def update_kv_cache(self, host_tensor: Any, block: int) -> None:
-        host, b = self._host(host_tensor), self._block("update", block)
+        host = self._host(host_tensor, self._block_shape(), "new_host_buffer")
+        b = self._block("update", block)
         self.calls["update"] += 1
-        for i in range(self.spec.layers):
-            self.k_cache[i][b].copy_(host[i, 0])
-            self.v_cache[i][b].copy_(host[i, 1])
+        for j in range(len(self.k_cache)):
+            self.k_cache[j][b].copy_(host[j, 0])
+            self.v_cache[j][b].copy_(host[j, 1])
 
     def read_block(self, block: int) -> torch.Tensor:
-        """A copy of block `block`: [layers, 2 (K, V), kv_heads, block_size, head_dim]."""
+        """A copy of block `block`: [global layers, 2 (K, V), kv_heads, block_size, head_dim]."""
         b = self._block("read_block", block)
-        return torch.stack([torch.stack([self.k_cache[i][b], self.v_cache[i][b]])
-                            for i in range(self.spec.layers)])
+        return torch.stack([torch.stack([self.k_cache[j][b], self.v_cache[j][b]])
+                            for j in range(len(self.k_cache))])
+
+    # --- local-slot operations (hybrid models) -----------------------------------------------
+
+    def _hybrid_only(self, name: str) -> None:
+        if not self.spec.hybrid:
+            raise RuntimeInputError(f"{name}: this model has no sliding-window layers, so no "
+                                    "local slots")
+
+    def _slot(self, name: str, slot: int) -> int:
+        self._hybrid_only(name)
+        return check_slot(name, slot, self.batch_size)
+
+    def _local_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (len(s.sliding_layers), 2, s.kv_heads, s.sliding_window or 0, s.head_dim)
+
+    def new_local_host_buffer(self) -> torch.Tensor:
+        """[sliding layers, 2 (K, V), kv_heads, sliding_window, head_dim] in the cache dtype:
+        one local slot (ring index = position % sliding_window)."""
+        self._hybrid_only("new_local_host_buffer")
+        return torch.zeros(self._local_shape(), dtype=self.dtype)
+
+    def fetch_local_cache(self, host_tensor: Any, slot: int) -> None:
+        """Copy local slot `slot` (every sliding layer) from the device into `host_tensor`."""
+        t = self._slot("fetch_local", slot)
+        host = self._host(host_tensor, self._local_shape(), "new_local_host_buffer")
+        self.calls["fetch_local"] += 1
+        for j in range(len(self.k_local)):
+            host[j, 0].copy_(self.k_local[j][t])
+            host[j, 1].copy_(self.v_local[j][t])
+
+    def update_local_cache(self, host_tensor: Any, slot: int) -> None:
+        """Copy `host_tensor` (from `fetch_local_cache`) into local slot `slot` on the device."""
+        t = self._slot("update_local", slot)
+        host = self._host(host_tensor, self._local_shape(), "new_local_host_buffer")
+        self.calls["update_local"] += 1
+        for j in range(len(self.k_local)):
+            self.k_local[j][t].copy_(host[j, 0])
+            self.v_local[j][t].copy_(host[j, 1])
+
+    def read_local(self, slot: int) -> torch.Tensor:
+        """A copy of local slot `slot`: [sliding layers, 2 (K, V), kv_heads, W, head_dim]."""
+        t = self._slot("read_local", slot)
+        return torch.stack([torch.stack([self.k_local[j][t], self.v_local[j][t]])
+                            for j in range(len(self.k_local))])
 
     # --- the oracle --------------------------------------------------------------------------
 
     def oracle_logits(self, tokens: list[int]) -> torch.Tensor:
-        """Logits [V] after `tokens` by full causal recompute: no block table, no KV cache."""
+        """Logits [V] after `tokens` by full recompute: no block table, no KV cache; global
+        layers attend causally, sliding layers to the last `sliding_window` positions."""
         n = len(tokens)
         if not 1 <= n <= self.max_seq_len:
             raise ValueError(f"sequence length {n} must be in 1..{self.max_seq_len}")
@@ -424,9 +626,12 @@ class TorchReferenceRuntime:
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must be in 0..{self.vocab_size - 1}")
         pos = torch.arange(n)
+        causal = _visible(pos, pos, None)
+        window = _visible(pos, pos, self.spec.sliding_window) if self.spec.hybrid else causal
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self._attend(q, pos, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None])
+            valid = window if self.spec.is_sliding(layer) else causal
+            return self._attend(q, valid, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None])
 
         with _threads(self.num_threads):
             out = self._forward(ids, pos, attend, rows=torch.tensor([n - 1]))
