@@ -97,6 +97,12 @@ def check_runtime(cfg: Config, rt: Any) -> None:
                                 ("max_seq_len", cfg.max_seq_len),
                                 ("prefill_chunk", cfg.prefill_chunk))
              if hasattr(rt, name) and getattr(rt, name) != want]
+    hybrid = bool(getattr(rt, "uses_local_block_tables", False))
+    if hybrid != (cfg.sliding_window is not None):
+        wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime "
+                     + ("has sliding-window layers" if hybrid else "has none"))
+    elif hybrid and getattr(rt, "sliding_window", cfg.sliding_window) != cfg.sliding_window:
+        wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime {rt.sliding_window}")
     sizes = getattr(rt, "decoder_batch_sizes", None) or (getattr(rt, "batch_size", None),)
     if None not in sizes and cfg.lanes not in sizes:
         wrong.append(f"lanes: config {cfg.lanes}, runtime decode graphs {list(sizes)}")
@@ -110,6 +116,7 @@ class AtomBatcher:
                  ghost: bool = False, trace: IO[str] | None = None) -> None:
         self.config, self.runtime = config, runtime
         check_runtime(config, runtime)
+        self._hybrid = config.sliding_window is not None
         self.policy = policy or Policy()
         self.state = core.init(config.consts(), ghost=ghost)
         self.requests: dict[int, Request] = {}
@@ -403,8 +410,10 @@ class AtomBatcher:
         ids[0, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
         pos = torch.arange(eff.start, eff.start + c, dtype=torch.int32).unsqueeze(0)
         table = torch.tensor([eff.block], dtype=torch.int16)
+        # hybrid: the lane's own local slot (local_block_tables[lane] == lane)
+        local = torch.tensor([lane], dtype=torch.int16) if self._hybrid else None
         try:
-            logits = self.runtime.prefill(ids, pos, table, None,
+            logits = self.runtime.prefill(ids, pos, table, local,
                                           torch.tensor(len(chunk) - 1, dtype=torch.int16))
             tok = int(torch.argmax(logits[0, -1]))
         except Exception as exc:  # noqa: BLE001
@@ -437,8 +446,10 @@ class AtomBatcher:
                             for ln, live in enumerate(eff.live)], dtype=torch.int64)
         pos = torch.tensor(eff.positions, dtype=torch.int32).unsqueeze(1)
         tables = torch.tensor(eff.rows, dtype=torch.int16).unsqueeze(1)
+        # hybrid: every row its own lane's local slot, at the position the spec gives the row
+        local = torch.arange(b, dtype=torch.int16).unsqueeze(1) if self._hybrid else None
         try:
-            logits = self.runtime.decode(ids, pos, tables, None)
+            logits = self.runtime.decode(ids, pos, tables, local)
             toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
         except Exception as exc:  # noqa: BLE001
             # Every row was computed, so every row's target may be half-written.

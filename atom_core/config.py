@@ -42,6 +42,9 @@ class Config:
     # fewer); reserved: a fixed scratch block, for artifacts built that way.
     scratch: str = "dynamic"
     scratch_block: int | None = None  # reserved mode only; default: the last block
+    # Hybrid (Gemma3-style) models: the sliding window W of their local layers, each lane's
+    # sliding KV in its own local slot; None: every layer is global.
+    sliding_window: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.prefix_cache, bool):
@@ -50,6 +53,11 @@ class Config:
                 isinstance(self.scratch_block, bool) or not isinstance(self.scratch_block, int)):
             raise ConfigError(f"scratch_block must be a block id (int) or None, got "
                               f"{self.scratch_block!r}")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window <= 0):
+            raise ConfigError(f"sliding_window must be a positive integer (the window of the "
+                              f"model's sliding layers) or None, got {self.sliding_window!r}")
         if self.scratch not in SCRATCH_MODES:
             raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
         if self.prefill_chunk % 64:
@@ -80,7 +88,8 @@ class Config:
         """The spec's configuration constants for this artifact."""
         return g.Consts(B=self.lanes, K=self.kv_blocks, C=self.prefill_chunk,
                         S=self.max_seq_len, PREFIX=self.prefix_cache,
-                        RESERVED=self.scratch == "reserved", SCRATCH=self.scratch_id)
+                        RESERVED=self.scratch == "reserved", SCRATCH=self.scratch_id,
+                        HYBRID=self.sliding_window is not None)
 
     @property
     def scratch_id(self) -> int:
@@ -94,6 +103,10 @@ class Config:
 AXIOM_HELP = {
     "chunk_divides_block": "max_seq_len must be a multiple of prefill_chunk",
     "block_holds_a_chunk": "prefill_chunk must not exceed max_seq_len",
+    "hybrid_without_prefix_cache": (
+        "a hybrid model (sliding_window set) cannot use the prefix cache: a hit restores the "
+        "global layers' KV only, so prefill would resume with a sliding-window state from "
+        "another position; set prefix_cache=False for this model"),
 }
 
 

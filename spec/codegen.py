@@ -1226,8 +1226,10 @@ class Generator:
     def _consts(self) -> str:
         lines = [self._rule("configuration"), "@attrs.frozen\nclass Consts:\n",
                  '    """The configuration constants (rigid: no action changes them)."""\n\n']
-        for c in self.model.consts:
-            lines.append(f"    {c.name}: {self.py_type(c.sort)}\n")
+        # constants with a default come last (attrs needs them after the required ones)
+        for c in sorted(self.model.consts, key=lambda c: c.default is not None):
+            dflt = "" if c.default is None else f" = {c.default!r}"
+            lines.append(f"    {c.name}: {self.py_type(c.sort)}{dflt}\n")
         return "".join(lines)
 
     def _state(self) -> str:

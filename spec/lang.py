@@ -161,10 +161,12 @@ class Var(Expr):
 class Const(Expr):
     """A configuration constant (rigid: no action changes it)."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "default")
 
-    def __init__(self, name: str, sort: Sort) -> None:
-        self.name, self.sort = name, sort
+    def __init__(self, name: str, sort: Sort, default: Any = None) -> None:
+        # default: the value when a configuration does not mention the constant (features
+        # added later, so that older configurations and traces keep their meaning)
+        self.name, self.sort, self.default = name, sort, default
 
 
 class StateFn:
@@ -469,8 +471,8 @@ class Model:
         self.sorts.append(s)
         return s
 
-    def const(self, name: str, sort: Sort) -> Const:
-        c = Const(name, sort)
+    def const(self, name: str, sort: Sort, default: Any = None) -> Const:
+        c = Const(name, sort, default)
         self.consts.append(c)
         return c
 

@@ -58,12 +58,18 @@ S = m.const("S", INT)                 # max_seq_len == block_size in eager mode
 PREFIX = m.const("PREFIX", BOOL)      # prefix cache on
 RESERVED = m.const("RESERVED", BOOL)  # scratch discipline: a reserved block (else dynamic)
 SCRATCH = m.const("SCRATCH", Block)   # the reserved scratch block
+# sliding-window layers beside global ones (Gemma3-style); older configurations: False
+HYBRID = m.const("HYBRID", BOOL, default=False)
 
 m.axiom("chunk_positive", C > 0)
 m.axiom("chunk_divides_block", S % C == 0)
 m.axiom("block_holds_a_chunk", C <= S)
 m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
+# A prefix hit copies global KV only; the sliding-window state at the hit's length is not in the
+# cache, so a hybrid hit would resume with another position's sliding state
+# (`lane_local_state_is_its_own` refutes it when this axiom is dropped).
+m.axiom("hybrid_without_prefix_cache", ~(HYBRID & PREFIX))
 
 # ---------------------------------------------------------------- token sequences
 empty = m.op("empty", [], Seq, doc="no tokens")
@@ -86,6 +92,14 @@ junk = m.fn("junk", [Block], BOOL, init=True, ghost=True,
             doc="the block was scribbled on (padding rows, failed writes)")
 
 # ---------------------------------------------------------------- state: lanes
+# Hybrid models keep each lane's sliding-window KV in a lane-local slot
+# (local_block_tables[lane] == lane): a ring of the last W positions, read masked by position,
+# so the slot needs no clearing between requests, and a write at the lane's next position only
+# replaces a position already outside every later window.
+local_holds = m.fn("local_holds", [Lane], Seq, ghost=True,
+                   doc="tokens whose sliding-window state the lane's local slot holds")
+local_junk = m.fn("local_junk", [Lane], BOOL, init=True, ghost=True,
+                  doc="the lane's local slot was written by something other than its sequence")
 busy = m.fn("busy", [Lane], BOOL, init=False, doc="the lane serves a request")
 lane_req = m.fn("lane_req", [Lane], Req, doc="the request a busy lane serves")
 table = m.fn("table", [Lane], Block, doc="the lane's block table (T = 1)")
@@ -174,6 +188,14 @@ def row_block(l, pad):
     return ite(decoding(l), table(l), pad)
 
 
+def row_position(l):
+    """The position decode row l computes at. A decoding lane: its next token. A busy lane that
+    is not decoding (prefilling, importing, exporting): its next position, whose sliding-window
+    ring entry holds a position already outside every later window, so the padding write into
+    its own local slot is harmless. An idle lane: 0 (its slot has no live state)."""
+    return ite(busy(l), ite(importing(l), lane_plen(l), length(l)), 0)
+
+
 def scratch_ok(pad):
     return ite(RESERVED, owner(pad) == Owner.SCRATCH, reusable(pad))
 
@@ -200,6 +222,10 @@ def occupy(l, r, dst, n, ph=Phase.PREFILL):
     assign(req_lane(r), l)
     assign(owner(dst), Owner.LANE)
     assign(owner_lane(dst), l)
+    # a fresh sequence: its sliding state is that of the empty prefix (even after a hit: the
+    # cache has no sliding state, which is why hybrid models have no prefix cache)
+    assign(local_holds(l), take(prompt(r), 0))
+    assign(local_junk(l), False)
 
 
 def release(l, to_cache):
@@ -287,6 +313,7 @@ def prefill(l: Lane, tok: INT):
     assign(length(l), next_len(l))
     assign(lane_seq(l), seq_after)
     assign(holds(table(l)), take(seq_after, next_len(l)))  # sampling adds no KV
+    assign(local_holds(l), take(seq_after, next_len(l)))
     assign(phase(lane_req(l)), ite(done, Phase.DECODE, Phase.PREFILL))
     emit("prefill", lane=l, block=table(l), start=length(l), end=next_len(l))
 
@@ -312,8 +339,11 @@ def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
         holds(b)))
     assign_all(junk, lambda b: junk(b) | exists(Lane, lambda l: (row_block(l, pad) == b) & ~(
         decoding(l) & (owner(b) == Owner.LANE) & (owner_lane(b) == l))))
+    # Hybrid: row l writes its own local slot (never another lane's) at `row_position(l)`.
+    assign_all(local_holds, lambda l: ite(
+        decoding(l), take(push(lane_seq(l), tok(l)), length(l) + 1), local_holds(l)))
     emit("decode", rows=vector(Lane, lambda l: row_block(l, pad)),
-         positions=vector(Lane, lambda l: ite(decoding(l), length(l), 0)),
+         positions=vector(Lane, lambda l: row_position(l)),
          live=vector(Lane, lambda l: decoding(l)))
 
 
@@ -349,6 +379,7 @@ def fail(l: Lane):
     require("lane_busy", busy(l))
     assign(phase(lane_req(l)), Phase.FAILED)
     assign(junk(table(l)), True)
+    assign(local_junk(l), True)  # the failed call may have half-written the local slot too
     cancel(l)
     emit("release", lane=l, block=table(l))
 
@@ -393,6 +424,7 @@ def import_done(r: Req, p: Seq, tok: INT):
     assign(transfer(b), False)
     assign(xfer_live(r), False)
     assign(holds(b), p)  # what the transfer wrote
+    assign(local_holds(l), p)  # a hybrid payload carries the prompt's sliding state too
     assign(length(l), lane_plen(l))
     assign(lane_seq(l), push(lane_seq(l), tok))
     assign(phase(r), Phase.DECODE)
@@ -504,6 +536,12 @@ inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
     copying(l), (length(l) <= slen(key(copy_src(l))))
     & (take(key(copy_src(l)), length(l)) == take(lane_seq(l), length(l))))))
 
+# Hybrid: a lane's local slot holds its own sequence's sliding state (reset on admission, never
+# written by another lane's row).
+inv("lane_local_state_is_its_own", forall(Lane, lambda l: implies(
+    HYBRID & busy(l) & ~importing(l),
+    ~local_junk(l) & (local_holds(l) == take(lane_seq(l), length(l))))))
+
 # PD transfers: a block in a transfer is held by its lane's transfer or drains; every drain and
 # every transferring lane has its transfer (so once transfers end, every such pin is released).
 inv("transfer_block_held", forall(Block, lambda b: implies(
@@ -519,7 +557,7 @@ inv("pinned_block_transfer_running", forall(Block, lambda b: implies(
     transfer(b), xfer_live(transfer_req(b)) & (xfer_block(transfer_req(b)) == b))))
 inv("moving_lane_has_transfer", forall(Lane, lambda l: implies(moving(l), transfer(table(l)))))
 inv("import_target_untouched", forall(Lane, lambda l: implies(
-    importing(l), ~junk(table(l)) & (length(l) == 0) & ~copying(l))))
+    importing(l), ~junk(table(l)) & ~local_junk(l) & (length(l) == 0) & ~copying(l))))
 inv("export_after_prefill", forall(Lane, lambda l: implies(
     exporting(l), (length(l) == lane_plen(l)) & ~copying(l))))
 

@@ -66,6 +66,7 @@ class Consts:
     PREFIX: bool
     RESERVED: bool
     SCRATCH: int
+    HYBRID: bool = False
 
 
 # --------------------------------------------------------------------------- state
@@ -87,6 +88,12 @@ class State:
     holds: tuple[TokSeq | None, ...] | None
     # junk(Block) -> Bool [ghost]: the block was scribbled on (padding rows, failed writes)
     junk: tuple[bool, ...] | None
+    # local_holds(Lane) -> Seq [ghost]: tokens whose sliding-window state the lane's local slot
+    # holds
+    local_holds: tuple[TokSeq | None, ...] | None
+    # local_junk(Lane) -> Bool [ghost]: the lane's local slot was written by something other than
+    # its sequence
+    local_junk: tuple[bool, ...] | None
     # busy(Lane) -> Bool: the lane serves a request
     busy: tuple[bool, ...]
     # lane_req(Lane) -> Req: the request a busy lane serves
@@ -128,6 +135,8 @@ STATE_FIELDS = (
     "head",
     "holds",
     "junk",
+    "local_holds",
+    "local_junk",
     "busy",
     "lane_req",
     "table",
@@ -144,7 +153,7 @@ STATE_FIELDS = (
     "req_lane",
     "prompt",
 )
-GHOST_FIELDS = ("holds", "junk", "xfer_live", "xfer_block")
+GHOST_FIELDS = ("holds", "junk", "local_holds", "local_junk", "xfer_live", "xfer_block")
 
 
 class Step(NamedTuple):
@@ -265,10 +274,12 @@ def init(consts: Consts, ghost: bool = True) -> State:
     if ghost:
         holds = (None,) * K
         junk = (True,) * K
+        local_holds = (None,) * B
+        local_junk = (True,) * B
         xfer_live = PMap(default=False)
         xfer_block = PMap()
     else:
-        holds = junk = xfer_live = xfer_block = None
+        holds = junk = local_holds = local_junk = xfer_live = xfer_block = None
     return State(
         consts,
         ghost,
@@ -278,6 +289,8 @@ def init(consts: Consts, ghost: bool = True) -> State:
         head,
         holds,
         junk,
+        local_holds,
+        local_junk,
         busy,
         lane_req,
         table,
@@ -334,6 +347,8 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.head,
         s.holds,
         s.junk,
+        s.local_holds,
+        s.local_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -443,14 +458,21 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     new_owner_lane = tuple(new_owner_lane)
     effects = (Admit(l, r, dst),)
     if s.ghost:
+        new_local_holds = list(s.local_holds)
+        _m4 = take(_m3, 0)
+        new_local_holds[l] = _m4
+        new_local_holds = tuple(new_local_holds)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = False
+        new_local_junk = tuple(new_local_junk)
         new_holds = list(s.holds)
-        new_holds[dst] = take(_m3, 0)
+        new_holds[dst] = _m4
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_holds = new_junk = None
+        new_local_holds = new_local_junk = new_holds = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -460,6 +482,8 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         head,
         new_holds,
         new_junk,
+        new_local_holds,
+        new_local_junk,
         new_busy,
         new_lane_req,
         new_table,
@@ -634,11 +658,17 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     new_copy_src = tuple(new_copy_src)
     effects = (Admit(l, r, dst), Copy(l, src, dst, n))
     if s.ghost:
+        new_local_holds = list(s.local_holds)
+        new_local_holds[l] = take(_m1, 0)
+        new_local_holds = tuple(new_local_holds)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = False
+        new_local_junk = tuple(new_local_junk)
         new_junk = list(s.junk)
         new_junk[dst] = True
         new_junk = tuple(new_junk)
     else:
-        new_junk = None
+        new_local_holds = new_local_junk = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -648,6 +678,8 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         s.head,
         s.holds,
         new_junk,
+        new_local_holds,
+        new_local_junk,
         new_busy,
         new_lane_req,
         new_table,
@@ -751,6 +783,8 @@ def copy_done(s: State, l: int) -> Step:
         s.head,
         new_holds,
         new_junk,
+        s.local_holds,
+        s.local_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -813,10 +847,14 @@ def prefill(s: State, l: int, tok: int) -> Step:
     effects = (Prefill(l, table[l], length[l], _m0),)
     if s.ghost:
         new_holds = list(s.holds)
-        new_holds[table[l]] = take(_m2, _m0)
+        _m4 = take(_m2, _m0)
+        new_holds[table[l]] = _m4
         new_holds = tuple(new_holds)
+        new_local_holds = list(s.local_holds)
+        new_local_holds[l] = _m4
+        new_local_holds = tuple(new_local_holds)
     else:
-        new_holds = None
+        new_holds = new_local_holds = None
     new = State(
         s.consts,
         s.ghost,
@@ -826,6 +864,8 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.head,
         new_holds,
         s.junk,
+        new_local_holds,
+        s.local_junk,
         s.busy,
         lane_req,
         table,
@@ -905,7 +945,8 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m1 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m0 = tuple([busy[l] and _m1[l] == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= S:
@@ -914,9 +955,9 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     copying = s.copying
     copy_src = s.copy_src
     RESERVED = s.consts.RESERVED
-    _m1 = not all(_m0)
+    _m2 = not all(_m0)
     # scratch_target_ok
-    if _m1:
+    if _m2:
         if RESERVED:
             if owner[pad] != OWNER_SCRATCH:
                 return Step(s, (), "scratch_target_ok")
@@ -929,15 +970,29 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     new_length = tuple([(length[l] + 1 if _m0[l] else length[l]) for l in range(B)])
     lane_seq = s.lane_seq
     new_lane_seq = tuple([(push(lane_seq[l], tok[l]) if _m0[l] else lane_seq[l]) for l in range(B)])
-    _m2 = _m1 and not RESERVED
+    _m3 = _m2 and not RESERVED
     K = s.consts.K
     new_owner = tuple([
-        (OWNER_FREE if (_m2 and b == pad and owner[b] == OWNER_CACHE) else owner[b])
+        (OWNER_FREE if (_m3 and b == pad and owner[b] == OWNER_CACHE) else owner[b])
         for b in range(K)
     ])
     table = s.table
-    _m3 = tuple([(table[l] if _m0[l] else pad) for l in range(B)])
-    effects = (Decode(_m3, tuple([(length[l] if _m0[l] else 0) for l in range(B)]), _m0),)
+    _m4 = tuple([(table[l] if _m0[l] else pad) for l in range(B)])
+    lane_plen = s.lane_plen
+    effects = (
+        Decode(
+            _m4,
+            tuple([
+                (
+                    (lane_plen[l] if (busy[l] and _m1[l] == PHASE_IMPORTING) else length[l])
+                    if busy[l]
+                    else 0
+                )
+                for l in range(B)
+            ]),
+            _m0,
+        ),
+    )
     if s.ghost:
         owner_lane = s.owner_lane
         holds = s.holds
@@ -958,13 +1013,18 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         new_junk = tuple([
             junk[b]
             or any(
-                _m3[l] == b and not (_m0[l] and owner[b] == OWNER_LANE and owner_lane[b] == l)
+                _m4[l] == b and not (_m0[l] and owner[b] == OWNER_LANE and owner_lane[b] == l)
                 for l in range(B)
             )
             for b in range(K)
         ])
+        local_holds = s.local_holds
+        new_local_holds = tuple([
+            (take(push(lane_seq[l], tok[l]), length[l] + 1) if _m0[l] else local_holds[l])
+            for l in range(B)
+        ])
     else:
-        new_holds = new_junk = None
+        new_holds = new_junk = new_local_holds = None
     new = State(
         s.consts,
         s.ghost,
@@ -974,12 +1034,14 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.head,
         new_holds,
         new_junk,
+        new_local_holds,
+        s.local_junk,
         busy,
         lane_req,
         table,
         new_length,
         new_lane_seq,
-        s.lane_plen,
+        lane_plen,
         copying,
         copy_src,
         s.transfer,
@@ -1005,7 +1067,8 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m1 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m0 = tuple([busy[l] and _m1[l] == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= S:
@@ -1025,10 +1088,18 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
                 if copying[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
     table = s.table
+    lane_plen = s.lane_plen
     return (
         Decode(
             tuple([(table[l] if _m0[l] else pad) for l in range(B)]),
-            tuple([(length[l] if _m0[l] else 0) for l in range(B)]),
+            tuple([
+                (
+                    (lane_plen[l] if (busy[l] and _m1[l] == PHASE_IMPORTING) else length[l])
+                    if busy[l]
+                    else 0
+                )
+                for l in range(B)
+            ]),
             _m0,
         ),
     )
@@ -1085,6 +1156,8 @@ def finish(s: State, l: int, keep: bool) -> Step:
         new_head,
         s.holds,
         s.junk,
+        s.local_holds,
+        s.local_junk,
         new_busy,
         lane_req,
         table,
@@ -1145,6 +1218,8 @@ def abort_waiting(s: State, r: int) -> Step:
         s.head,
         s.holds,
         s.junk,
+        s.local_holds,
+        s.local_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1199,6 +1274,8 @@ def abort_running(s: State, l: int) -> Step:
         s.head,
         s.holds,
         s.junk,
+        s.local_holds,
+        s.local_junk,
         new_busy,
         s.lane_req,
         table,
@@ -1260,8 +1337,11 @@ def fail(s: State, l: int) -> Step:
         new_junk = list(s.junk)
         new_junk[table[l]] = True
         new_junk = tuple(new_junk)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = True
+        new_local_junk = tuple(new_local_junk)
     else:
-        new_junk = None
+        new_junk = new_local_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1271,6 +1351,8 @@ def fail(s: State, l: int) -> Step:
         s.head,
         s.holds,
         new_junk,
+        s.local_holds,
+        new_local_junk,
         new_busy,
         s.lane_req,
         table,
@@ -1350,6 +1432,8 @@ def discard(s: State, b: int) -> Step:
         s.head,
         s.holds,
         new_junk,
+        s.local_holds,
+        s.local_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1445,13 +1529,19 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     new_transfer_req = tuple(new_transfer_req)
     effects = (Inbound(l, r, dst),)
     if s.ghost:
+        new_local_holds = list(s.local_holds)
+        new_local_holds[l] = take(_m0, 0)
+        new_local_holds = tuple(new_local_holds)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = False
+        new_local_junk = tuple(new_local_junk)
         new_xfer_live = s.xfer_live.set(r, True)
         new_xfer_block = s.xfer_block.set(r, dst)
         new_junk = list(s.junk)
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_xfer_live = new_xfer_block = new_junk = None
+        new_local_holds = new_local_junk = new_xfer_live = new_xfer_block = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1461,6 +1551,8 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         s.head,
         s.holds,
         new_junk,
+        new_local_holds,
+        new_local_junk,
         new_busy,
         new_lane_req,
         new_table,
@@ -1549,8 +1641,11 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         new_holds = list(s.holds)
         new_holds[_m3] = p
         new_holds = tuple(new_holds)
+        new_local_holds = list(s.local_holds)
+        new_local_holds[_m2] = p
+        new_local_holds = tuple(new_local_holds)
     else:
-        new_xfer_live = new_holds = None
+        new_xfer_live = new_holds = new_local_holds = None
     new = State(
         s.consts,
         s.ghost,
@@ -1560,6 +1655,8 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         s.head,
         new_holds,
         s.junk,
+        new_local_holds,
+        s.local_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1644,6 +1741,8 @@ def export(s: State, l: int) -> Step:
         s.head,
         s.holds,
         s.junk,
+        s.local_holds,
+        s.local_junk,
         s.busy,
         lane_req,
         table,
@@ -1734,6 +1833,8 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         new_head,
         s.holds,
         s.junk,
+        s.local_holds,
+        s.local_junk,
         new_busy,
         s.lane_req,
         s.table,
@@ -1816,6 +1917,8 @@ def transfer_fail(s: State, r: int) -> Step:
         s.head,
         s.holds,
         new_junk,
+        s.local_holds,
+        s.local_junk,
         new_busy,
         s.lane_req,
         s.table,
@@ -1893,6 +1996,8 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.head,
         s.holds,
         new_junk,
+        s.local_holds,
+        s.local_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1980,6 +2085,7 @@ INVARIANTS = (
     "copy_source_cached",
     "copy_target_not_ready",
     "copy_source_holds_prefix",
+    "lane_local_state_is_its_own",
     "transfer_block_held",
     "draining_has_transfer",
     "transfer_names_lane_request",
@@ -2070,10 +2176,11 @@ def check_invariants(s: State) -> list[str]:
         lane_seq = s.lane_seq
         length = s.length
         copying = s.copying
-        _m5 = tuple([busy[l] and _m2[l] for l in range(B)])
+        _m6 = tuple([busy[l] and _m2[l] for l in range(B)])
+        _m5 = tuple([not _m6[l] for l in range(B)])
         # lane_holds_its_tokens
         if not all(
-            not (busy[l] and not copying[l] and not _m5[l])
+            not (busy[l] and not copying[l] and _m5[l])
             or (not junk[table[l]] and holds[table[l]] == take(lane_seq[l], length[l]))
             for l in range(B)
         ):
@@ -2107,18 +2214,18 @@ def check_invariants(s: State) -> list[str]:
     if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] < S) for l in range(B)):
         bad.append("lane_prompt_fits")
     lane_seq = s.lane_seq
-    _m6 = tuple([prompt.get(lane_req[l]) for l in range(B)])
-    _m7 = tuple([busy[l] and _m0[l] for l in range(B)])
-    _m5 = tuple([busy[l] and _m2[l] for l in range(B)])
+    _m7 = tuple([prompt.get(lane_req[l]) for l in range(B)])
+    _m8 = tuple([busy[l] and _m0[l] for l in range(B)])
+    _m6 = tuple([busy[l] and _m2[l] for l in range(B)])
     # lane_computes_its_prompt
     if not all(
-        not (_m7[l] or _m5[l]) or (lane_seq[l] == _m6[l] and lane_plen[l] == slen(_m6[l]))
+        not (_m8[l] or _m6[l]) or (lane_seq[l] == _m7[l] and lane_plen[l] == slen(_m7[l]))
         for l in range(B)
     ):
         bad.append("lane_computes_its_prompt")
     copying = s.copying
     # copy_only_while_prefilling
-    if not all(not copying[l] or _m7[l] for l in range(B)):
+    if not all(not copying[l] or _m8[l] for l in range(B)):
         bad.append("copy_only_while_prefilling")
     copy_src = s.copy_src
     # copy_source_cached
@@ -2143,7 +2250,19 @@ def check_invariants(s: State) -> list[str]:
         for l in range(B)
     ):
         bad.append("copy_source_holds_prefix")
-    _m8 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    if s.ghost:
+        local_junk = s.local_junk
+        local_holds = s.local_holds
+        HYBRID = s.consts.HYBRID
+        _m5 = tuple([not _m6[l] for l in range(B)])
+        # lane_local_state_is_its_own
+        if not all(
+            not (HYBRID and busy[l] and _m5[l])
+            or (not local_junk[l] and local_holds[l] == take(lane_seq[l], length[l]))
+            for l in range(B)
+        ):
+            bad.append("lane_local_state_is_its_own")
+    _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
     if not all(
@@ -2152,21 +2271,21 @@ def check_invariants(s: State) -> list[str]:
         or (
             owner[b] == OWNER_LANE
             and (
-                (busy[owner_lane[b]] and _m8[b] == PHASE_IMPORTING)
-                or (busy[owner_lane[b]] and _m8[b] == PHASE_EXPORTING)
+                (busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING)
+                or (busy[owner_lane[b]] and _m9[b] == PHASE_EXPORTING)
             )
         )
         for b in range(K)
     ):
         bad.append("transfer_block_held")
     transfer_req = s.transfer_req
-    _m9 = tuple([phase.get(transfer_req[b]) for b in range(K)])
+    _m10 = tuple([phase.get(transfer_req[b]) for b in range(K)])
     # draining_has_transfer
     if not all(
         owner[b] != OWNER_DRAINING
         or (
             transfer[b]
-            and (_m9[b] == PHASE_FINISHED or _m9[b] == PHASE_ABORTED or _m9[b] == PHASE_FAILED)
+            and (_m10[b] == PHASE_FINISHED or _m10[b] == PHASE_ABORTED or _m10[b] == PHASE_FAILED)
         )
         for b in range(K)
     ):
@@ -2194,32 +2313,34 @@ def check_invariants(s: State) -> list[str]:
             for b in range(K)
         ):
             bad.append("pinned_block_transfer_running")
-    _m10 = tuple([busy[l] and _m3[l] for l in range(B)])
+    _m11 = tuple([busy[l] and _m3[l] for l in range(B)])
     # moving_lane_has_transfer
-    if not all(not (_m5[l] or _m10[l]) or transfer[table[l]] for l in range(B)):
+    if not all(not (_m6[l] or _m11[l]) or transfer[table[l]] for l in range(B)):
         bad.append("moving_lane_has_transfer")
     if s.ghost:
         junk = s.junk
+        local_junk = s.local_junk
         # import_target_untouched
         if not all(
-            not _m5[l] or (not junk[table[l]] and length[l] == 0 and not copying[l])
+            not _m6[l]
+            or (not junk[table[l]] and not local_junk[l] and length[l] == 0 and not copying[l])
             for l in range(B)
         ):
             bad.append("import_target_untouched")
     # export_after_prefill
-    if not all(not _m10[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
+    if not all(not _m11[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
         bad.append("export_after_prefill")
     # length_within_block
     if not all(not busy[l] or (length[l] >= 0 and length[l] <= S) for l in range(B)):
         bad.append("length_within_block")
     # prefill_before_prompt_end
-    if not all(not _m7[l] or length[l] < lane_plen[l] for l in range(B)):
+    if not all(not _m8[l] or length[l] < lane_plen[l] for l in range(B)):
         bad.append("prefill_before_prompt_end")
     # decode_after_prompt
     if not all(not (busy[l] and _m1[l]) or lane_plen[l] <= length[l] for l in range(B)):
         bad.append("decode_after_prompt")
     # prefill_on_chunk_boundary
-    if not all(not _m7[l] or length[l] % C == 0 for l in range(B)):
+    if not all(not _m8[l] or length[l] % C == 0 for l in range(B)):
         bad.append("prefill_on_chunk_boundary")
     # lane_blocks_equal_busy_lanes
     if sum(1 for b in range(K) if owner[b] == OWNER_LANE) != sum(1 for l in range(B) if busy[l]):
@@ -2274,6 +2395,7 @@ AXIOMS = (
     "block_holds_a_chunk",
     "lanes_positive",
     "blocks_positive",
+    "hybrid_without_prefix_cache",
     "empty_has_no_tokens",
 )
 
@@ -2298,6 +2420,9 @@ def check_axioms(c: Consts) -> list[str]:
     # blocks_positive
     if c.K <= 0:
         bad.append("blocks_positive")
+    # hybrid_without_prefix_cache
+    if c.HYBRID and c.PREFIX:
+        bad.append("hybrid_without_prefix_cache")
     # empty_has_no_tokens
     if slen(empty()) != 0:
         bad.append("empty_has_no_tokens")
@@ -2402,6 +2527,8 @@ def describe_state(s: State) -> dict[str, Any]:
     out["head"] = [_tokens(x) for x in s.head]
     out["holds"] = None if s.holds is None else [_tokens(x) for x in s.holds]
     out["junk"] = None if s.junk is None else list(s.junk)
+    out["local_holds"] = None if s.local_holds is None else [_tokens(x) for x in s.local_holds]
+    out["local_junk"] = None if s.local_junk is None else list(s.local_junk)
     out["busy"] = list(s.busy)
     out["lane_req"] = list(s.lane_req)
     out["table"] = list(s.table)
