@@ -52,6 +52,18 @@ class Result:
     error: str | None = None
 
 
+@attrs.frozen(eq=False)
+class Export:
+    """What `take_export` hands out: the request's prompt, its first generated token, a host
+    buffer holding its block (`runtime.new_host_buffer()`), and for a hybrid model its lane's
+    local slot (`runtime.new_local_host_buffer()`: the sliding-window ring), else None."""
+
+    prompt: list[int]
+    first_token: int
+    host: Any
+    local_host: Any = None
+
+
 @attrs.define
 class Stats:
     prefill_tokens: int = 0  # prompt tokens computed by prefill
@@ -188,10 +200,14 @@ class AtomBatcher:
         return True
 
     def import_kv(self, request_id: int, prompt_ids: Iterable[int], first_token: int,
-                  host_kv: Any) -> list[Event]:
+                  host_kv: Any, local_kv: Any = None) -> list[Event]:
         """The transfer for `request_id` delivered KV for `prompt_ids` (in a runtime host buffer)
         and the first generated token. Accepted only if it covers the request's whole prompt;
-        otherwise the request fails. Events for requests without a transfer change nothing."""
+        otherwise the request fails. Events for requests without a transfer change nothing.
+
+        Hybrid models: `local_kv` is the prompt's sliding-window ring (a local host buffer,
+        `runtime.new_local_host_buffer()` layout), written into the request's lane's local slot;
+        without it the request fails like a partial import. A plain model takes none."""
         events: list[Event] = []
         phase = self.state.phase.get(request_id)
         if phase != core.PHASE_IMPORTING:
@@ -216,12 +232,35 @@ class AtomBatcher:
             self._transfer_failed(request_id, f"import rejected ({bad}): the KV covers "
                                   f"{len(p)} tokens, not this request's prompt", events)
             return events
+        if self._hybrid and local_kv is None:
+            # The spec's import_done delivers the sliding state too (local_holds := p): without
+            # it the lane's sliding layers would attend to its slot's stale content.
+            self._transfer_failed(request_id, "import rejected (local_kv): this model is hybrid "
+                                  "and the transfer delivered no sliding-window state for the "
+                                  "lane's local slot; ship the prefill lane's local ring "
+                                  "(take_export(...).local_host)", events)
+            return events
+        if not self._hybrid and local_kv is not None:
+            self._transfer_failed(request_id, "import rejected (local_kv): the transfer "
+                                  "delivered sliding-window state, but this model has no "
+                                  "sliding-window layers: the prefill side runs another model",
+                                  events)
+            return events
         block = self._transfers[request_id]
         try:
             self.runtime.update_kv_cache(host_kv, block)
         except Exception as exc:  # noqa: BLE001 - this request's import failed, nothing else
             self._transfer_failed(request_id, f"update_kv_cache failed: {exc!r}", events)
             return events
+        if self._hybrid:
+            # the whole slot: the ring is indexed by position, so the prefill lane's ring is
+            # valid as-is here (and overwrites what this lane's padding rows wrote meanwhile)
+            lane = self.state.req_lane.get(request_id)
+            try:
+                self.runtime.update_local_cache(local_kv, lane)
+            except Exception as exc:  # noqa: BLE001 - this request's import failed
+                self._transfer_failed(request_id, f"update_local_cache failed: {exc!r}", events)
+                return events
         del self._transfers[request_id]
         self._apply("import_done", r=request_id, p=p, tok=first_token)
         self.stats.imported_tokens += len(p)
@@ -239,15 +278,20 @@ class AtomBatcher:
             self._stale_or_drained(request_id)
         return events
 
-    def take_export(self, request_id: int) -> tuple[list[int], int, Any]:
-        """(prompt, first token, host KV buffer) of an exported request, read from its pinned
-        block. Call `export_done` once the KV is handed to the transport."""
+    def take_export(self, request_id: int) -> Export:
+        """The prompt, first token and host KV buffer of an exported request, read from its
+        pinned block, and for a hybrid model its lane's local slot (the lane stays the request's
+        until `export_done`). Call `export_done` once the KV is handed to the transport."""
         if request_id not in self._exports:
             raise KeyError(f"request {request_id} has no export pending")
         block = self._transfers[request_id]
         host = self.runtime.new_host_buffer()
         self.runtime.fetch_kv_cache(host, block)
-        return self.requests[request_id].prompt, self._exports[request_id], host
+        local = None
+        if self._hybrid:
+            local = self.runtime.new_local_host_buffer()
+            self.runtime.fetch_local_cache(local, self.state.req_lane.get(request_id))
+        return Export(self.requests[request_id].prompt, self._exports[request_id], host, local)
 
     def export_done(self, request_id: int, error: str | None = None) -> list[Event]:
         """The export of `request_id` was sent (error None) or could not be: its block is

@@ -11,6 +11,15 @@ share a key, an HMAC-SHA256. The flow is
     decode worker:  from_wire(...); validate(...); write_into(payload, buf);
                     runtime.update_kv_cache(buf, block)
 
+A hybrid (Gemma3-style) model keeps the KV of its sliding-window layers not in the blocks but in
+a per-lane local ring `[sliding_layers, 2, kv_heads, W, head_dim]` (position p at index p % W),
+and its host buffer covers the global layers only. Its payload also carries `local_kv`, the
+lane's ring after prefill (`runtime.fetch_local_cache(local, lane)`; `make_payload(...,
+local_host=local)`), which the decode side writes into its lane's slot
+(`runtime.update_local_cache(payload.local_kv, lane)`). Without it the decode side's sliding
+layers would attend to whatever its slot held: plausible tokens, wrong ones. The ring is
+position-indexed, so it is valid as-is at the same positions in another lane of another worker.
+
 Once KV is in a lane's block nothing downstream can tell good KV from bad: decode attends to
 whatever the block holds and produces plausible-looking tokens either way. So every check runs
 before the write, and each one exists because a payload can be wrong in a way that would
@@ -30,11 +39,17 @@ otherwise go unnoticed:
 - first_token: a token outside the vocabulary would fail (or index out of range) at the first
   decode step, after the lane was already committed.
 - shape and dtype: a different layout or cache dtype cannot be copied into the device block.
+- local_kv: a hybrid decode side needs the sliding-window ring, of exactly its local slot's
+  shape and dtype; a plain one has no slot to put it in (a payload with one comes from a
+  different kind of model).
 
 The checksum and the MAC are over the same message: a version tag, the canonical JSON of the
-header fields (request_id, prompt, first_token, dtype, fingerprint, shape; sorted keys, no
-whitespace, ASCII), a NUL byte (which canonical JSON never contains), and the raw bytes of the
-contiguous KV in the machine's byte order (little-endian on every supported host).
+header fields (request_id, prompt, first_token, dtype, fingerprint, shape, and local_shape when
+the payload carries local_kv; sorted keys, no whitespace, ASCII), a NUL byte (which canonical
+JSON never contains), and the raw bytes of the contiguous KV, then of the contiguous local_kv if
+any, in the machine's byte order (little-endian on every supported host). Both shapes are in the
+header, so the boundary between the two byte runs is authenticated too; a plain payload's
+message is unchanged from before hybrid payloads existed (same tag, same checksum).
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import operator
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -76,7 +92,7 @@ _HEADER_FIELDS = ("request_id", "prompt", "first_token", "dtype", "fingerprint",
 class PayloadError(ValueError):
     """One request's payload is unusable; `field` names what was wrong ("mac", "checksum",
     "fingerprint", "request_id", "length", "prompt", "first_token", "shape", "dtype",
-    "header"). The message says what was expected, what arrived and what to do."""
+    "local_kv", "header"). The message says what was expected, what arrived and what to do."""
 
     field: str
 
@@ -109,6 +125,7 @@ def _opt_str(_inst: Any, _attr: Any, value: Any) -> None:
 
 
 _str = attrs.validators.instance_of(str)
+_opt_tensor = attrs.validators.optional(attrs.validators.instance_of(torch.Tensor))
 
 
 @attrs.frozen(eq=False)
@@ -116,8 +133,10 @@ class KVPayload:
     """The KV of one prompt, shipped from a prefill worker to a decode worker.
 
     `kv` is `[layers, 2 (K, V), kv_heads, n, head_dim]`: the runtime's host layout cut to the
-    prompt's n positions. `dtype` is `kv`'s dtype without "torch.". `checksum` is the SHA-256
-    hex and `mac` the HMAC-SHA256 hex (or None) of the message in the module docstring.
+    prompt's n positions (the global layers of a hybrid model). `dtype` is `kv`'s dtype without
+    "torch.". `checksum` is the SHA-256 hex and `mac` the HMAC-SHA256 hex (or None) of the
+    message in the module docstring. `local_kv` (hybrid models only, else None) is the lane's
+    sliding-window ring `[sliding_layers, 2, kv_heads, W, head_dim]`, in `kv`'s dtype.
     `eq=False`: tensors have no boolean equality.
     """
 
@@ -129,6 +148,7 @@ class KVPayload:
     fingerprint: str = attrs.field(validator=_str)
     checksum: str = attrs.field(validator=_str)
     mac: str | None = attrs.field(default=None, validator=_opt_str)
+    local_kv: torch.Tensor | None = attrs.field(default=None, validator=_opt_tensor)
 
 
 # --- digests -----------------------------------------------------------------------------------
@@ -151,6 +171,9 @@ def layout_of(host_buffer: torch.Tensor) -> tuple[int, int, int, int]:
 def _header_bytes(p: KVPayload) -> bytes:
     fields = {"request_id": p.request_id, "prompt": list(p.prompt), "first_token": p.first_token,
               "dtype": p.dtype, "fingerprint": p.fingerprint, "shape": list(p.kv.shape)}
+    if p.local_kv is not None:
+        # only when present: a plain payload hashes exactly as before hybrid payloads existed
+        fields["local_shape"] = list(p.local_kv.shape)
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -168,7 +191,9 @@ def _check_key(key: Any) -> bytes:
 
 def _digests(p: KVPayload, key: bytes | None) -> tuple[str, str | None]:
     """(checksum, mac or None) of `p`, in one pass over the KV bytes."""
-    parts = (_TAG, _header_bytes(p), b"\0", _kv_bytes(p.kv))
+    parts = [_TAG, _header_bytes(p), b"\0", _kv_bytes(p.kv)]
+    if p.local_kv is not None:
+        parts.append(_kv_bytes(p.local_kv))
     sha = hashlib.sha256()
     mac = None if key is None else hmac.new(_check_key(key), digestmod=hashlib.sha256)
     for part in parts:
@@ -223,10 +248,20 @@ def model_fingerprint(runtime: Any) -> str:
 
 def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
                  host_block: torch.Tensor, fingerprint: str,
-                 key: bytes | None = None) -> KVPayload:
+                 key: bytes | None = None, *,
+                 local_host: torch.Tensor | None = None) -> KVPayload:
     """The payload of a finished prefill: `host_block` is a whole host buffer
     `[layers, 2, kv_heads, block_size, head_dim]` fetched from the request's block; positions
-    [0, len(prompt)) are kept (a contiguous copy, so the buffer can be reused at once)."""
+    [0, len(prompt)) are kept (a contiguous copy, so the buffer can be reused at once).
+
+    Hybrid models: `local_host` is the lane's local slot `[sliding_layers, 2, kv_heads, W,
+    head_dim]` (`runtime.fetch_local_cache`), shipped as `local_kv`: a copy in which only the
+    ring entries of positions max(0, n - W + 1)..n - 1 are kept and every other entry is zeroed.
+    Those are the positions the next query (position n) and later ones can still see; the
+    other entries hold either nothing of this prompt (an earlier request's KV, which must not
+    leave the worker) or position n - W, which no later window reads and which the exporting
+    lane's padding rows may already have overwritten. So `local_kv` is a function of the prompt
+    alone, like `kv`."""
     tokens = _tokens(prompt)
     if host_block.dim() != 5 or host_block.shape[1] != 2:
         raise PayloadError("shape", f"host_block must be [layers, 2, kv_heads, block_size, "
@@ -237,28 +272,62 @@ def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
         raise PayloadError("length", f"a prompt of {n} tokens cannot be shipped from a block of "
                                      f"{block} positions: it must have 1..{block} tokens")
     kv = host_block.detach()[:, :, :, :n].cpu().clone(memory_format=torch.contiguous_format)
+    local = None if local_host is None else _shipped_ring(local_host, n, kv.dtype)
     unsigned = KVPayload(request_id=request_id, prompt=tokens, first_token=first_token, kv=kv,
-                         dtype=dtype_name(kv.dtype), fingerprint=fingerprint, checksum="")
+                         dtype=dtype_name(kv.dtype), fingerprint=fingerprint, checksum="",
+                         local_kv=local)
     checksum, mac = _digests(unsigned, key)
     return attrs.evolve(unsigned, checksum=checksum, mac=mac)
+
+
+def _shipped_ring(local_host: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The local ring of a prompt of n tokens as `make_payload` ships it (see there)."""
+    if not isinstance(local_host, torch.Tensor) or local_host.dim() != 5 \
+            or local_host.shape[1] != 2 or local_host.shape[3] < 1:
+        got = list(local_host.shape) if isinstance(local_host, torch.Tensor) else \
+            type(local_host).__name__
+        raise PayloadError("local_kv", f"local_host must be [sliding_layers, 2, kv_heads, "
+                                       f"sliding_window, head_dim] "
+                                       f"(runtime.new_local_host_buffer()), got {got}")
+    if local_host.dtype != dtype:
+        raise PayloadError("local_kv", f"local_host is {dtype_name(local_host.dtype)}, the KV "
+                                       f"{dtype_name(dtype)}: both come from the same runtime's "
+                                       "cache and must agree")
+    w = int(local_host.shape[3])
+    ring = local_host.detach().cpu().clone(memory_format=torch.contiguous_format)
+    keep = torch.zeros(w, dtype=torch.bool)
+    keep[torch.arange(max(0, n - w + 1), n) % w] = True
+    ring[:, :, :, ~keep] = 0
+    return ring
 
 
 # --- decode side -------------------------------------------------------------------------------
 
 def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fingerprint: str,
              layout: tuple[int, int, int, int], dtype: str, vocab_size: int,
-             key: bytes | None = None) -> None:
+             key: bytes | None = None,
+             local_layout: tuple[int, int, int, int, int] | None = None) -> None:
     """Check `payload` against what this decode worker expects; raise `PayloadError` naming the
     first bad field. Authentication (when `key` is set) comes first and the payload is trusted
     for nothing before it passes, so messages before that quote the expected request id, not
     the payload's. With `key=None` a payload's mac is ignored (this side did not configure
-    authentication)."""
+    authentication).
+
+    `local_layout`: None for a plain model (a payload carrying `local_kv` is refused); for a
+    hybrid one the shape of its local slot, `tuple(runtime.new_local_host_buffer().shape)` =
+    (sliding_layers, 2, kv_heads, W, head_dim), which `local_kv` must have exactly, in `dtype`.
+    """
     expected = _tokens(prompt)
     if not expected:
         raise ValueError("validate needs the request's prompt (got an empty one)")
     layout = tuple(int(d) for d in layout)  # type: ignore[assignment]
     if len(layout) != 4:
         raise ValueError(f"layout is (layers, 2, kv_heads, head_dim), got {layout}")
+    if local_layout is not None:
+        local_layout = tuple(int(d) for d in local_layout)  # type: ignore[assignment]
+        if len(local_layout) != 5:
+            raise ValueError(f"local_layout is (sliding_layers, 2, kv_heads, sliding_window, "
+                             f"head_dim), got {local_layout}")
     rid = request_id
     checksum, mac = _digests(payload, key)
     if key is not None:
@@ -324,6 +393,40 @@ def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fing
         raise PayloadError("dtype", f"the KV of request {rid!r} is {payload.dtype} (tensor: "
                                     f"{kv_dtype}), this runtime's KV cache is {dtype}: start "
                                     "both workers with the same cache dtype")
+    _validate_local(payload.local_kv, rid, local_layout, dtype)
+
+
+def _validate_local(local: torch.Tensor | None, rid: str,
+                    local_layout: tuple[int, ...] | None, dtype: str) -> None:
+    if local_layout is None:
+        if local is not None:
+            raise PayloadError("local_kv", f"the payload for request {rid!r} carries "
+                                           f"sliding-window state {list(local.shape)}, but this "
+                                           "decode worker's model has no sliding-window layers: "
+                                           "the prefill worker runs a hybrid model; start both "
+                                           "workers with the same model")
+        return
+    if local is None:
+        raise PayloadError("local_kv", f"the payload for request {rid!r} carries no "
+                                       "sliding-window state (local_kv), and this decode "
+                                       "worker's model is hybrid: its sliding layers would "
+                                       "attend to whatever the lane's local slot held. The "
+                                       "prefill worker must ship the lane's local ring "
+                                       "(make_payload(local_host=...)); upgrade it, or run the "
+                                       "same model on both workers")
+    shape = tuple(int(d) for d in local.shape)
+    if shape != local_layout:
+        raise PayloadError("local_kv", f"the sliding-window state (local_kv) of request "
+                                       f"{rid!r} has shape {list(shape)}, expected "
+                                       f"[sliding_layers, 2, kv_heads, sliding_window, "
+                                       f"head_dim] = {list(local_layout)}: the workers' models "
+                                       "differ in window or layers; start both with the same "
+                                       "model")
+    local_dtype = dtype_name(local.dtype)
+    if local_dtype != dtype:
+        raise PayloadError("local_kv", f"the sliding-window state (local_kv) of request "
+                                       f"{rid!r} is {local_dtype}, this runtime's cache is "
+                                       f"{dtype}: start both workers with the same cache dtype")
 
 
 def write_into(payload: KVPayload, host_buffer: torch.Tensor) -> torch.Tensor:
@@ -354,12 +457,23 @@ def write_into(payload: KVPayload, host_buffer: torch.Tensor) -> torch.Tensor:
 # --- wire format -------------------------------------------------------------------------------
 
 def to_wire(payload: KVPayload) -> tuple[dict[str, Any], torch.Tensor]:
-    """A JSON-serializable header and the KV tensor (not copied), for a transport to ship."""
+    """A JSON-serializable header and one tensor, for a transport to ship (transports carry one
+    tensor per message). A plain payload ships its KV tensor (not copied). One with `local_kv`
+    ships a flat 1-D tensor, the KV's elements then local_kv's (a copy), with the header's
+    "shape" and "local_shape" saying where to cut it."""
     header = {"request_id": payload.request_id, "prompt": list(payload.prompt),
               "first_token": payload.first_token, "dtype": payload.dtype,
               "fingerprint": payload.fingerprint, "checksum": payload.checksum,
               "mac": payload.mac, "shape": [int(d) for d in payload.kv.shape]}
-    return header, payload.kv
+    if payload.local_kv is None:
+        return header, payload.kv
+    local = payload.local_kv
+    if local.dtype != payload.kv.dtype:
+        # one tensor has one dtype; such a payload would fail validate anyway
+        raise PayloadError("local_kv", f"cannot ship local_kv of dtype {dtype_name(local.dtype)} "
+                                       f"with KV of dtype {dtype_name(payload.kv.dtype)}")
+    header["local_shape"] = [int(d) for d in local.shape]
+    return header, torch.cat([payload.kv.detach().reshape(-1), local.detach().reshape(-1)])
 
 
 def from_wire(header: Mapping[str, Any], tensor: torch.Tensor) -> KVPayload:
@@ -386,19 +500,41 @@ def from_wire(header: Mapping[str, Any], tensor: torch.Tensor) -> KVPayload:
         v = header[k]
         if not isinstance(v, list) or not all(_is_int(t) for t in v):
             bad.append(f"{k} must be a list of integers")
+    local_shape = header.get("local_shape")
+    if local_shape is not None:
+        for k in ("shape", "local_shape"):
+            v = header[k]
+            if not isinstance(v, list) or not all(_is_int(d) and d >= 0 for d in v):
+                bad.append(f"{k} must be a list of non-negative integers")
     if bad:
         raise PayloadError("header", "the payload header is malformed: " + "; ".join(bad))
     if not isinstance(tensor, torch.Tensor):
         raise PayloadError("shape", f"the payload's KV must be a torch.Tensor, got "
                                     f"{type(tensor).__name__}")
-    if list(header["shape"]) != list(tensor.shape):
+    kv, local = tensor, None
+    if local_shape is not None:
+        kv, local = _unpack(header["shape"], local_shape, tensor)
+    elif list(header["shape"]) != list(tensor.shape):
         raise PayloadError("shape", f"the header announces KV of shape {header['shape']}, the "
                                     f"tensor received has shape {list(tensor.shape)}: the "
                                     "transfer was cut or mixed up; re-run the prefill")
     return KVPayload(request_id=header["request_id"], prompt=header["prompt"],
-                     first_token=header["first_token"], kv=tensor, dtype=header["dtype"],
+                     first_token=header["first_token"], kv=kv, dtype=header["dtype"],
                      fingerprint=header["fingerprint"], checksum=header["checksum"],
-                     mac=header["mac"])
+                     mac=header["mac"], local_kv=local)
+
+
+def _unpack(shape: list[int], local_shape: list[int], tensor: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV and local_kv (views) of the flat tensor `to_wire` packs them into."""
+    n_kv, n_local = math.prod(shape), math.prod(local_shape)
+    if tensor.dim() != 1 or tensor.numel() != n_kv + n_local:
+        raise PayloadError("shape", f"the header announces KV of shape {shape} and local_kv of "
+                                    f"shape {local_shape}, packed flat: {n_kv} + {n_local} "
+                                    f"elements; the tensor received has shape "
+                                    f"{list(tensor.shape)}: the transfer was cut or mixed up; "
+                                    "re-run the prefill")
+    return tensor[:n_kv].reshape(shape), tensor[n_kv:].reshape(local_shape)
 
 
 # --- shared key --------------------------------------------------------------------------------

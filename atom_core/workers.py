@@ -14,6 +14,9 @@ Other messages, decode -> prefill: `{"kind": "cancel", "id"}` (the request was a
 out: the prefill worker drops it and answers prefill_failed, so a block draining on the decode
 side is freed) and `{"kind": "shutdown"}`.
 
+For a hybrid (sliding-window) model the payload also carries the prefill lane's local ring, which
+the decode worker requires (validated to its local slot's shape) and writes into its lane's slot.
+
 Wire ids are the decode worker's request ids as strings; each request has at most one transfer,
 so a message for an id whose transfer is over is late or duplicated: counted, never imported.
 When the prefill worker is lost, transfers into a lane fail; requests holding no lane are
@@ -158,8 +161,9 @@ class PrefillWorker:
     def _export(self, rid: int) -> None:
         wire = self._wire[rid]
         try:
-            prompt, tok, host = self.batcher.take_export(rid)
-            payload = pd.make_payload(wire, prompt, tok, host, self.fingerprint, self.key)
+            exp = self.batcher.take_export(rid)
+            payload = pd.make_payload(wire, exp.prompt, exp.first_token, exp.host,
+                                      self.fingerprint, self.key, local_host=exp.local_host)
             header, kv = pd.to_wire(payload)
             # send copies the tensor, so the block may be released as soon as it returns
             self.transport.send({**header, "kind": "kv"}, kv)
@@ -232,6 +236,9 @@ class DecodeWorker:
         self._host = runtime.new_host_buffer()
         self._layout = pd.layout_of(self._host)
         self._dtype = pd.dtype_name(self._host.dtype)
+        # hybrid: every payload must carry the sliding-window ring of exactly this local slot
+        self._local_layout = None if config.sliding_window is None else tuple(
+            int(d) for d in runtime.new_local_host_buffer().shape)
         self.requests: dict[int, _Req] = {}
         self._by_brid: dict[int, int] = {}
         self._by_wire: dict[str, int] = {}
@@ -396,7 +403,8 @@ class DecodeWorker:
             payload = pd.from_wire(header, tensor)
             pd.validate(payload, request_id=wire, prompt=req.prompt,
                         fingerprint=self.fingerprint, layout=self._layout, dtype=self._dtype,
-                        vocab_size=self.runtime.vocab_size, key=self.key)
+                        vocab_size=self.runtime.vocab_size, key=self.key,
+                        local_layout=self._local_layout)
         except pd.PayloadError as exc:
             self.payload_errors[exc.field] += 1
             if exc.field == "mac":
@@ -414,8 +422,10 @@ class DecodeWorker:
         payload, req.payload = req.payload, None
         assert payload is not None and req.brid is not None
         host = pd.write_into(payload, self._host)
+        # local_kv (hybrid) goes in as received: validated to be exactly the local slot's shape
+        # and dtype, and update_local_cache copies it before import_kv returns
         self._handle(self.batcher.import_kv(req.brid, payload.prompt, payload.first_token,
-                                            host), out)
+                                            host, local_kv=payload.local_kv), out)
 
     def _fail(self, wid: int, kind: str, error: str, out: list[Event]) -> None:
         """`wid`'s transfer ended without usable KV: it fails, holding a lane or not."""

@@ -246,8 +246,8 @@ class Link:
     def _export(self, pid: int) -> None:
         did = self.wire[pid]
         try:
-            prompt, tok, host = self.p.take_export(pid)
-            payload = pd.make_payload(str(did), prompt, tok, host,
+            exp = self.p.take_export(pid)
+            payload = pd.make_payload(str(did), exp.prompt, exp.first_token, exp.host,
                                       pd.model_fingerprint(self.p.runtime))
         except Exception as exc:  # noqa: BLE001 - the export of this request failed
             self.p_errors[pid] = repr(exc)
@@ -565,8 +565,8 @@ def test_abort_during_export_drains_until_export_done(taken: bool) -> None:
     assert [e.kind for e in events] == ["export"]
     block = p.transfers()[x]
     if taken:
-        prompt, tok, _ = p.take_export(x)
-        assert prompt == p.requests[x].prompt and tok == events[0].token
+        exp = p.take_export(x)
+        assert exp.prompt == p.requests[x].prompt and exp.first_token == events[0].token
     assert p.abort(x) is True
     p.check_invariants()
     assert owners(p)[block] == "DRAINING" and p.transfers() == {x: block}
@@ -691,8 +691,9 @@ def machine_payload(prompt: list[int]) -> Ready:
         pid = p.submit(prompt, 1, export=True)
         while pid not in p.transfers():
             checked_step(p)
-        got, tok, host = p.take_export(pid)
-        payload = pd.make_payload(str(pid), got, tok, host, pd.model_fingerprint(p.runtime))
+        exp = p.take_export(pid)
+        payload = pd.make_payload(str(pid), exp.prompt, exp.first_token, exp.host,
+                                  pd.model_fingerprint(p.runtime))
         assert p.export_done(pid) == [Event("finished", pid)]
         buf = pd.write_into(payload, p.runtime.new_host_buffer())
         _M_READY[key] = Ready(list(payload.prompt), payload.first_token, buf)

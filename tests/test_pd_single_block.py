@@ -246,8 +246,8 @@ class Worker:
             if e.kind != "export":
                 continue
             did = self.wire[e.request_id]
-            prompt, tok, host = self.p.take_export(e.request_id)
-            payload = pd.make_payload(str(did), prompt, tok, host,
+            ex = self.p.take_export(e.request_id)
+            payload = pd.make_payload(str(did), ex.prompt, ex.first_token, ex.host,
                                       pd.model_fingerprint(self.p.runtime))
             assert self.p.export_done(e.request_id) == [Event("finished", e.request_id)]
             buf = pd.write_into(payload, self.d.runtime.new_host_buffer())

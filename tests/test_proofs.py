@@ -193,6 +193,13 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
     ("discard", "junk"): "ghost: the discarded block is free or the scratch block afterwards",
     ("transfer_fail", "junk"): "ghost: the failed transfer's block is freed in the same step",
     ("transfer_end", "junk"): "ghost: the drained block is freed in the same step",
+    # Hybrid ghost state where no hybrid run can observe it.
+    ("admit_hit", "local_holds"): "ghost: hybrid models have no prefix cache, so no hit",
+    ("admit_hit", "local_junk"): "ghost: hybrid models have no prefix cache, so no hit",
+    ("fail", "local_junk"): "ghost: the failed lane is freed in the same step, and admission "
+                            "resets its slot",
+    ("admit_import", "local_holds"): "ghost: an importing lane's slot is the transfer's until "
+                                     "import_done writes it",
     # Not equivalent, but outside what the model states: the update is the whole action, and
     # an abort that does nothing is safe (no block is misused); the batcher tests catch it
     # (an aborted request must end).
@@ -317,6 +324,17 @@ def test_restriction_to_the_mutated_action_is_faithful(kind, action, piece):
 
 
 # --------------------------------------------------------------------------- (c) capacity
+
+
+def test_hybrid_prefix_hits_are_unsound():
+    """The axiom that keeps hybrid models off the prefix cache is needed: without it a hit
+    resumes prefill with the sliding-window state of the empty prefix (the cache holds global KV
+    only), which `lane_local_state_is_its_own` refutes at admit_hit, and nothing else does."""
+    m = MODEL.copy()
+    m.axioms = [a for a in m.axioms if a.name != "hybrid_without_prefix_cache"]
+    assert len(m.axioms) == len(MODEL.axioms) - 1
+    bad = not_proved(checks.relational(m))
+    assert bad == {("lane_local_state_is_its_own", "admit_hit", "counterexample")}, bad
 
 
 def test_copy_into_the_source_is_unsafe():
