@@ -3,8 +3,13 @@
 The machine drives `atom_core._generated.core` (ghost state on) through every action, with
 choices from the policy and with arbitrary drawn parameters, over small configurations that
 exercise chunked prefill, prefix hits, padding rows and the block end. After every step it
-checks the spec's invariants, transition invariants and (when no copy is in flight) progress,
-and compares the core against a plain-Python model of the request lifecycle kept here.
+checks the spec's invariants, transition invariants and (when quiescent: no copy in flight,
+no block draining) progress, and compares the core against a plain-Python model of the
+request lifecycle kept here.
+With `pd`, requests may also take the prefill/decode disaggregation path: import their KV by
+transfer (decode side) or export it after prefill (prefill side), with transfers that fail,
+get cancelled (the block drains until the transfer ends) and events that arrive late, twice
+or for the wrong request (refused, changing nothing).
 
 It also checks:
 * refinement: every choice `Policy` makes is accepted by the core's guard; the policy never
@@ -12,7 +17,7 @@ It also checks:
   never misses a scratch target the spec would accept;
 * ghost erasure: a ghost-off core fed the same steps has the same non-ghost fields;
 * teeth: the same machine over mutant cores (`codegen.load(MODEL.without_guard(...))`)
-  finds the expected invariant violation.
+  finds the expected invariant violation (or lifecycle divergence).
 
 `bench/stateful.py` reuses `make_machine` to measure stateful steps per second.
 """
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import attrs
 import hypothesis.strategies as st
@@ -40,8 +46,9 @@ from atom_core._generated import capacity
 from atom_core._generated import core as committed
 from atom_core.policy import Policy
 from atom_core.seq import TokSeq, seq
-from atom_core.spec import codegen
-from atom_core.spec.model import MODEL
+from atom_core.spec import codegen, lang
+from atom_core.spec import model as spec
+from atom_core.spec.model import MODEL, PD_ACTIONS
 
 FEATURES = [(p, s) for p in (False, True) for s in ("reserved", "dynamic")]
 ALPHABET = (1, 2, 3)
@@ -50,13 +57,16 @@ ALPHABET = (1, 2, 3)
 STEMS = ((1,) * 12, (1, 2) * 6, (2, 3, 3) * 4)
 CRASH = "check_invariants crashed"
 UNKNOWN = "?"  # the plain model cannot predict the guard (it depends on blocks)
-RUNNING = ("prefill", "decode")
+MOVING = ("importing", "exporting")  # PD: the lane's block is in a transfer
+RUNNING = ("prefill", "decode", *MOVING)
 ENDED = ("finished", "aborted", "failed")
 PHASE_OF = {"waiting": "WAITING", "prefill": "PREFILL", "decode": "DECODE",
+            "importing": "IMPORTING", "exporting": "EXPORTING",
             "finished": "FINISHED", "aborted": "ABORTED", "failed": "FAILED"}
 # Guard conjuncts that read blocks (the lifecycle model predicts every other rejection).
 BLOCK_GUARDS = {
     "admit_miss": {"dst_reusable", "no_cache_hit"},
+    "admit_import": {"dst_reusable"},
     "admit_hit": {"src_cached", "n_whole_chunks", "n_within_entry", "token_left_to_compute",
                   "prefix_matches", "dst_not_src", "dst_reusable"},
     "decode": {"scratch_target_ok"},
@@ -72,11 +82,12 @@ class Stats:
     applied = Counter()  # successful transitions per action
     rejected = Counter()  # rejections per (action, guard)
     policy_idle = 0  # policy returned no admission (copy in flight or no idle lane)
+    events = Counter()  # situations worth reaching (PD: drains, stale events, ...)
 
     @classmethod
     def reset(cls) -> None:
         cls.steps, cls.calls, cls.policy_idle = 0, 0, 0
-        cls.applied, cls.rejected = Counter(), Counter()
+        cls.applied, cls.rejected, cls.events = Counter(), Counter(), Counter()
 
 
 class InvariantViolation(AssertionError):
@@ -88,6 +99,18 @@ class InvariantViolation(AssertionError):
         super().__init__(
             f"{kind} {names} violated by {action}{args}\n"
             f"pre:  {core.describe_state(pre)}\npost: {core.describe_state(post)}")
+
+
+class LifecycleDivergence(AssertionError):
+    """The core accepted or refused a step against the lifecycle model's prediction (a guard
+    no invariant protects, e.g. one that only rejects late events)."""
+
+    def __init__(self, action: str, args: tuple[Any, ...], expected: str | None,
+                 got: str | None) -> None:
+        self.action, self.args, self.expected, self.got = action, args, expected, got
+        super().__init__(f"{action}{args}: the lifecycle model expects "
+                         f"{'acceptance' if expected is None else expected!r}, "
+                         f"the core {'accepted' if got is None else f'rejected ({got})'}")
 
 
 class MirrorDivergence(AssertionError):
@@ -162,7 +185,12 @@ def num(data: Any, lo: int, hi: int, label: str | None = None) -> int:
 
 
 class Life:
-    """The request lifecycle in plain Python: what the core must agree with."""
+    """The request lifecycle in plain Python: what the core must agree with.
+
+    With PD a request runs importing (decode side: its KV arrives by transfer) or exporting
+    (prefill side: its KV is being sent), and a transferring lane that is aborted or fails
+    leaves its block draining until the transfer ends (`draining`, block -> request).
+    """
 
     def __init__(self, c: Any) -> None:
         self.c = c
@@ -173,10 +201,20 @@ class Life:
         self.length = [0] * c.B
         self.seq: list[tuple[int, ...]] = [()] * c.B
         self.copying = [False] * c.B
+        self.draining: dict[int, int] = {}
+        self.drained: list[tuple[int, int]] = []  # (request, block) drains that ended
 
     def decoding(self, l: int) -> bool:
         r = self.lane[l]
         return r is not None and self.status[r] == "decode"
+
+    def prefilled(self, l: int) -> bool:
+        """Lane l has just computed its prompt (and sampled the first token): it may export."""
+        r = self.lane[l]
+        return self.decoding(l) and r is not None and self.length[l] == len(self.prompt[r])
+
+    def in_phase(self, *phases: str) -> list[int]:
+        return sorted(r for r, x in self.status.items() if x in phases)
 
     def predict(self, name: str, args: tuple[Any, ...]) -> str | None:
         """The guard the core must report, None (must apply) or UNKNOWN (block-level)."""
@@ -188,11 +226,16 @@ class Life:
             if len(p) <= 0:
                 return "prompt_not_empty"
             return "prompt_fits" if len(p) >= c.S else None
-        if name in ("admit_miss", "admit_hit"):
+        if name in ("admit_miss", "admit_hit", "admit_import"):
             l, r = args[:2]
             if self.lane[l] is not None:
                 return "lane_idle"
-            return "request_waiting" if self.status.get(r) != "waiting" else UNKNOWN
+            if self.status.get(r) != "waiting":
+                return "request_waiting"
+            # A draining block is never reusable (admit_hit checks it after its src guards).
+            if name != "admit_hit" and args[2] in self.draining:
+                return "dst_reusable"
+            return UNKNOWN
         if name == "copy_done":
             return None if self.copying[args[0]] else "copy_in_flight"
         if name == "prefill":
@@ -204,6 +247,8 @@ class Life:
         if name == "decode":
             if any(self.decoding(l) and self.length[l] >= c.S for l in range(c.B)):
                 return "no_block_overflow"
+            if args[0] in self.draining and not all(self.decoding(l) for l in range(c.B)):
+                return "scratch_target_ok"
             return None if all(self.decoding(l) for l in range(c.B)) else UNKNOWN
         if name == "finish":
             l, keep = args
@@ -215,7 +260,26 @@ class Life:
         if name in ("abort_running", "fail"):
             return None if self.lane[args[0]] is not None else "lane_busy"
         if name == "discard":
-            return UNKNOWN
+            return "not_a_lane_block" if args[0] in self.draining else UNKNOWN
+        if name == "import_done":
+            r, p, _ = args
+            if self.status.get(r) != "importing":
+                return "request_importing"
+            return None if tuple(p) == self.prompt[r] else "covers_prompt"
+        if name == "export":
+            return None if self.prefilled(args[0]) else "lane_prefilled"
+        if name == "export_done":
+            r, keep = args
+            if self.status.get(r) != "exporting":
+                return "request_exporting"
+            return "keep_needs_prefix_cache" if keep and not c.PREFIX else None
+        if name == "transfer_fail":
+            return None if self.status.get(args[0]) in MOVING else "request_transferring"
+        if name == "transfer_end":
+            r, b = args
+            if b not in self.draining:
+                return "block_draining"
+            return None if self.draining[b] == r else "transfer_of_request"
         raise KeyError(name)
 
     def _end(self, r: int, how: str) -> None:
@@ -232,21 +296,23 @@ class Life:
             r, p = args
             self.status[r], self.prompt[r] = "waiting", tuple(p)
             assert kinds == []
-        elif name in ("admit_miss", "admit_hit"):
+        elif name in ("admit_miss", "admit_hit", "admit_import"):
             l, r = args[:2]
             n = args[4] if name == "admit_hit" else 0
             if name == "admit_hit":
                 assert c.C <= n < len(self.prompt[r]) and n % c.C == 0, args
             assert self.lane[l] is None and self.status[r] == "waiting"
-            self.lane[l], self.status[r] = r, "prefill"
+            self.lane[l] = r
+            self.status[r] = "importing" if name == "admit_import" else "prefill"
             self.length[l], self.seq[l] = n, self.prompt[r]
             self.copying[l] = name == "admit_hit"
             dst = args[-2] if name == "admit_hit" else args[2]
-            assert effects[0] == (l, r, dst) and kinds[0] == "Admit"
+            assert dst not in self.draining, (name, args, self.draining)
             if name == "admit_hit":
                 assert kinds == ["Admit", "Copy"] and effects[1] == (l, args[2], dst, n)
             else:
-                assert kinds == ["Admit"]
+                assert kinds == ["Inbound" if name == "admit_import" else "Admit"], kinds
+            assert effects[0] == (l, r, dst), effects
         elif name == "copy_done":
             self.copying[args[0]] = False
             assert kinds == []
@@ -264,7 +330,12 @@ class Life:
             pad, toks = args
             live = tuple(self.decoding(l) for l in range(c.B))
             rows = tuple(pre.table[l] if live[l] else pad for l in range(c.B))
-            positions = tuple(self.length[l] if live[l] else 0 for l in range(c.B))
+            # a busy lane's row computes at its next position (an importing lane's is past its
+            # prompt), so that a hybrid model's padding write into its own ring is harmless
+            positions = tuple(
+                0 if self.lane[l] is None
+                else len(self.prompt[self.lane[l]]) if self.status[self.lane[l]] == "importing"
+                else self.length[l] for l in range(c.B))
             (e,) = effects
             assert kinds == ["Decode"] and (e.rows, e.positions) == (rows, positions), (
                 effects, rows, positions)
@@ -280,6 +351,8 @@ class Life:
             how = {"finish": "finished", "abort_running": "aborted", "fail": "failed"}[name]
             if name == "finish":
                 assert self.status[r] == "decode"
+            if self.status[r] in MOVING:  # the transfer still uses the block: it drains
+                self.draining[pre.table[l]] = r
             self._end(r, how)
             self.lane[l], self.copying[l] = None, False
             assert kinds == ["Release"] and effects[0] == (l, pre.table[l])
@@ -288,6 +361,30 @@ class Life:
             assert kinds == []
         elif name == "discard":
             assert kinds == []  # no lifecycle change
+        elif name == "import_done":
+            r, p, tok = args
+            l = self.lane.index(r)
+            assert self.seq[l] == self.prompt[r] == tuple(p) and self.length[l] == 0
+            self.length[l], self.seq[l] = len(p), self.seq[l] + (tok,)
+            self.status[r] = "decode"
+            assert kinds == ["Imported"] and effects[0] == (l, r, pre.table[l]), effects
+        elif name == "export":
+            l = args[0]
+            r = self.lane[l]
+            assert r is not None and self.prefilled(l)
+            self.status[r] = "exporting"
+            assert kinds == ["Outbound"] and effects[0] == (l, r, pre.table[l], self.length[l])
+        elif name in ("export_done", "transfer_fail"):
+            r = args[0]
+            l = self.lane.index(r)
+            self._end(r, "finished" if name == "export_done" else "failed")
+            self.lane[l] = None
+            assert kinds == ["Release"] and effects[0] == (l, pre.table[l]), effects
+        elif name == "transfer_end":
+            r, b = args
+            assert self.draining.pop(b) == r
+            self.drained.append((r, b))
+            assert kinds == []
         else:
             raise KeyError(name)
 
@@ -312,9 +409,24 @@ class Life:
             assert s.copying[l] == self.copying[l]
         held = [r for r in self.lane if r is not None]
         assert len(held) == len(set(held))
+        # PD: exactly the transferring lanes' blocks and the draining ones are in a transfer,
+        # each for its own request; a block drains exactly while its ended request's transfer
+        # has not ended.
+        moving = {s.table[l]: r for l, r in enumerate(self.lane)
+                  if r is not None and self.status[r] in MOVING}
+        for b in range(self.c.K):
+            drains = s.owner[b] == core.OWNER_DRAINING
+            assert drains == (b in self.draining), (b, core.OWNER_NAMES[s.owner[b]],
+                                                    self.draining)
+            assert s.transfer[b] == (b in moving or drains), (b, moving, self.draining)
+            if s.transfer[b]:
+                assert s.transfer_req[b] == (self.draining[b] if drains else moving[b]), b
 
 
 # ------------------------------------------------------------------------------- machine
+
+# The rules that take PD actions (make_machine(pd=False) drops them).
+PD_RULES = {"admit_import", "pd_flow", "late_pd_event"}
 
 
 def _to_committed(e: Any) -> Any:
@@ -326,13 +438,15 @@ def _to_committed(e: Any) -> Any:
 
 def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = None, *,
                  mirror: bool = True, mirror_core: Any = None, check_progress: bool = True,
-                 focus: set[str] | None = None) -> type[RuleBasedStateMachine]:
+                 focus: set[str] | None = None, pd: bool = True) -> type[RuleBasedStateMachine]:
     """A state machine over `core` (ghost on), configurations drawn from `config`.
 
     mirror: apply each step to a ghost-off state too (of `mirror_core`, default `core`) and
-    compare non-ghost fields. check_progress: assert progress whenever no copy is in flight
-    and K is at least the proved minimum. focus: keep only these rules (a focused search
-    with the same rules and checks).
+    compare non-ghost fields. check_progress: assert progress whenever the state is
+    quiescent (no copy in flight, no block draining) and K is at least the proved minimum.
+    focus: keep only these rules (a focused search with the same rules and checks). pd: take
+    the PD actions too (colocated serving never does): the PD rules (PD_RULES), and PD steps
+    among `advance`'s moves.
     """
     config = config if config is not None else st.one_of(
         *(configs(core, p, s) for p, s in FEATURES))
@@ -356,7 +470,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         # helpers ---------------------------------------------------------------
         def quiescent(self) -> bool:
-            return not any(self.s.copying)
+            """The spec's `quiescent`: no copy in flight and no block draining."""
+            return not any(self.s.copying) and core.OWNER_DRAINING not in self.s.owner
 
         def apply(self, name: str, *args: Any) -> Any:
             """Run one action on the core and check everything about the step."""
@@ -385,8 +500,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                                             else out.rejected), (name, args)
             if expect == UNKNOWN:
                 assert out.rejected in BLOCK_GUARDS[name] | {None}, (name, out.rejected)
-            else:
-                assert out.rejected == expect, (name, args, out.rejected, expect)
+            elif out.rejected != expect:
+                raise LifecycleDivergence(name, args, expect, out.rejected)
             if out.rejected is None:
                 Stats.applied[name] += 1
                 self.s = out.state
@@ -413,7 +528,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 assert out2.state is pre2
                 return
             s2 = self.s2 = out2.state
-            assert s2.holds is None and s2.junk is None
+            assert all(getattr(s2, f) is None for f in mcore.GHOST_FIELDS)
             for f in plain:
                 if getattr(s2, f) != getattr(self.s, f):
                     raise MirrorDivergence(f, name, args, getattr(self.s, f), getattr(s2, f))
@@ -442,6 +557,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         # rules: the natural workload -----------------------------------------------
         @rule(data=st.data())
         def submit(self, data: Any) -> None:
+            self.new_request(data)
+
+        def new_request(self, data: Any) -> None:
             """A fresh prompt, or (multi-turn) a prefix of an earlier prompt or cache key
             with a new tail, so deep prefix hits happen."""
             s, m = self.s, self.c.S - 1
@@ -481,7 +599,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             pad = self.policy.pad(self.s)
             if core.decode_guard(self.s, pad, toks) == "scratch_target_ok":
                 # Refinement the other way: the policy found no target, so none exists
-                # (every block is a lane's or pinned by a copy).
+                # (every block is a lane's, pinned by a copy or draining).
                 assert all(core.decode_guard(self.s, b, toks) is not None
                            for b in range(self.c.K)), "policy missed a scratch target"
             return self.apply("decode", pad, toks)
@@ -494,7 +612,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         @rule(data=st.data(), k=st.integers(1, 16))
         def advance(self, data: Any, k: int) -> None:
             """Up to k productive steps, as a scheduler would take them: admit, complete a
-            copy, prefill, decode (policy pad) or finish, whichever the draw picks."""
+            copy, prefill, decode (policy pad) or finish, whichever the draw picks; with pd,
+            also a PD step (`pd_step`: import, export, end a transfer or a drain)."""
             for _ in range(k):
                 life, c = self.life, self.c
                 moves = []
@@ -509,6 +628,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 decoding = [l for l in range(c.B) if life.decoding(l)]
                 if decoding:
                     moves += ["decode", "decode", "finish"]
+                if pd and (life.draining or life.in_phase(*MOVING) or moves and moves[0] == "admit"
+                           or any(map(life.prefilled, range(c.B)))):
+                    moves.append("pd")
                 if not moves:
                     return
                 move = pick(data, moves, "move")
@@ -527,6 +649,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         if not full:
                             return  # no scratch target until a prefill or copy completes
                         self.apply("finish", full[0], coin(data, "keep"))
+                elif move == "pd":
+                    if not self.pd_step(data, feed=False):
+                        return
                 else:
                     l = pick(data, decoding, "lane")
                     self.apply("finish", l, coin(data, "keep"))
@@ -534,12 +659,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         # rules: single actions, arbitrary parameters ----------------------------------
         def block(self, data: Any, label: str, *prefer: int) -> int:
             """Any block, often an interesting one: `prefer`, a copy source, a lane's block,
-            a cache entry or the reserved scratch block."""
+            a cache entry, the reserved scratch block or a draining one."""
             s, c = self.s, self.c
             special = set(prefer) | {s.table[l] for l in range(c.B) if s.busy[l]}
             special |= {s.copy_src[l] for l in range(c.B) if s.copying[l]}
             special |= {b for b in range(c.K) if s.owner[b] == core.OWNER_CACHE}
             special |= {c.SCRATCH} if c.RESERVED else set()
+            special |= {b for b in range(c.K) if s.owner[b] == core.OWNER_DRAINING}
             how = num(data, 0, 2, f"{label}: any, preferred, special")
             if how == 1 and prefer:
                 return pick(data, prefer, label)
@@ -609,9 +735,199 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             elif kind == "discard":
                 self.apply("discard", self.block(data, "block"))
             else:
-                copying = any(self.s.copying) and coin(data, "copying")
-                self.apply(kind, self.lanes(data, lambda l: self.s.copying[l] if copying
-                                            else self.s.busy[l]))
+                # Often a lane with a copy or a PD transfer in flight: its block must drain.
+                life = self.life
+                moving = [l for l, r in enumerate(life.lane)
+                          if r is not None and life.status[r] in MOVING]
+                how = num(data, 0, 2, "busy, copying, moving")
+                copying = how == 1 and any(self.s.copying)
+                if how == 2 and moving:
+                    l = pick(data, moving, "lane")
+                else:
+                    l = self.lanes(data, lambda l: self.s.copying[l] if copying
+                                   else self.s.busy[l])
+                b = self.s.table[l]
+                if self.apply(kind, l).rejected is None and l in moving:
+                    assert self.s.owner[b] == core.OWNER_DRAINING and self.s.transfer[b], b
+                    Stats.events[f"{kind} drains"] += 1
+
+        # rules: prefill/decode disaggregation -----------------------------------------
+        @precondition(lambda self: self.waiting())
+        @rule(data=st.data())
+        def admit_import(self, data: Any) -> None:
+            """Decode side: a waiting request takes an idle lane and a block the policy would
+            reuse, to receive its KV by transfer (accepted); or drawn parameters (rejected
+            unless legal)."""
+            s, c = self.s, self.c
+            idle = [l for l in range(c.B) if not s.busy[l]]
+            dst = self.policy.reusable(s)
+            if idle and dst is not None and num(data, 0, 3, "drawn (0)"):
+                r = pick(data, self.waiting(), "request")
+                assert self.apply("admit_import", pick(data, idle), r, dst).rejected is None
+                return
+            l = self.lanes(data, lambda l: not self.s.busy[l])
+            w = self.waiting()
+            r = pick(data, w, "request") if coin(data, "waiting") else self.any_request(data)
+            self.apply("admit_import", l, r, self.block(data, "dst"))
+
+        @rule(data=st.data(), k=st.integers(1, 8))
+        def pd_flow(self, data: Any, k: int) -> None:
+            """Up to k PD steps (`pd_step`), submitting and prefilling to get there."""
+            for _ in range(k):
+                if not self.pd_step(data, feed=True):
+                    return
+
+        def pd_step(self, data: Any, feed: bool) -> bool:
+            """One PD step, whichever the draw picks among the possible ones: import a waiting
+            request (the policy's lane and block), export a prefilled lane, deliver an import
+            (the whole prompt, or a payload `covers_prompt` rejects), end an export, fail a
+            transfer, cancel one (abort or failure of its lane: the block drains) or end a
+            drain. feed: also submit, complete a copy or prefill. False if none is possible."""
+            life, c, s = self.life, self.c, self.s
+            prefilled = [l for l in range(c.B) if life.prefilled(l)]
+            prefilling = [l for l, r in enumerate(life.lane)
+                          if r is not None and life.status[r] == "prefill"]
+            importing, exporting = life.in_phase("importing"), life.in_phase("exporting")
+            moving = importing + exporting
+            moves = ["import"] if self.waiting() and not all(s.busy) else []
+            moves += ["export"] * 2 if prefilled else []
+            # An export of a lane that has decoded past its prompt is refused.
+            decoded = [l for l in range(c.B) if life.decoding(l) and not life.prefilled(l)]
+            moves += ["late_export"] if decoded else []
+            moves += ["import_done"] * 2 if importing else []
+            moves += ["export_done"] if exporting else []
+            moves += ["transfer_fail", "cancel"] if moving else []
+            moves += ["transfer_end", "late"] if life.draining else []
+            if feed:
+                moves += ["submit"] if not self.waiting() else []
+                moves += ["prefill"] if prefilling else []
+            if not moves:
+                return False
+            move = pick(data, moves, "pd move")
+            if move == "import":
+                dst = self.policy.reusable(s)
+                if dst is None:  # refinement: only while a copy runs or a block drains
+                    assert not (self.quiescent() and self.at_capacity), "no block to import to"
+                    return False
+                r, l = pick(data, self.waiting(), "request"), self.policy.idle_lane(s)
+                if life.draining and coin(data, "a draining block first"):  # refused
+                    b = pick(data, sorted(life.draining), "draining")
+                    assert self.apply("admit_import", l, r, b).rejected == "dst_reusable"
+                assert self.apply("admit_import", l, r, dst).rejected is None
+            elif move == "export":
+                assert self.apply("export", pick(data, prefilled, "lane")).rejected is None
+            elif move == "late_export":
+                l = pick(data, decoded, "lane")
+                assert self.apply("export", l).rejected == "lane_prefilled"
+            elif move == "import_done":
+                self.deliver(data, pick(data, importing, "request"))
+            elif move == "export_done":  # keep without the prefix cache is rejected
+                r, keep = pick(data, exporting, "request"), coin(data, "keep")
+                out = self.apply("export_done", r, keep)
+                assert (out.rejected is None) == (c.PREFIX or not keep), out.rejected
+            elif move == "transfer_fail":
+                r = pick(data, moving, "request")
+                b = s.table[life.lane.index(r)]
+                assert self.apply("transfer_fail", r).rejected is None
+                assert self.s.owner[b] == core.OWNER_FREE and not self.s.transfer[b], b
+            elif move == "cancel":
+                l = life.lane.index(pick(data, moving, "request"))
+                kind, b = pick(data, ("abort_running", "fail"), "how"), s.table[l]
+                assert self.apply(kind, l).rejected is None
+                assert self.s.owner[b] == core.OWNER_DRAINING and self.s.transfer[b], b
+                Stats.events[f"{kind} drains"] += 1
+            elif move == "transfer_end":
+                b = pick(data, sorted(life.draining), "block")
+                assert self.apply("transfer_end", life.draining[b], b).rejected is None
+                assert self.s.owner[b] == core.OWNER_FREE and not self.s.transfer[b], b
+                Stats.events["drain released"] += 1
+            elif move == "late":  # e.g. a duplicate of the event that just ended a drain
+                self.late_event(data)
+            elif move == "submit":
+                self.new_request(data)
+            elif any(self.s.copying[l] for l in prefilling):
+                self.apply("copy_done", next(l for l in prefilling if self.s.copying[l]))
+            else:
+                self.apply("prefill", pick(data, prefilling, "lane"), data.draw(tokens))
+            return True
+
+        def deliver(self, data: Any, r: int) -> None:
+            """r's import ends: the whole prompt (accepted), or a partial, mismatched or
+            over-long payload, which `covers_prompt` rejects, changing nothing (the adapter
+            then fails the request: transfer_fail)."""
+            p, tok = self.life.prompt[r], data.draw(tokens, label="first token")
+            kind = pick(data, ("whole", "whole", "prefix", "mismatch", "longer"), "payload")
+            if kind == "prefix":
+                payload = p[:num(data, 0, len(p) - 1, "prefix length")]
+            elif kind == "mismatch":
+                i = num(data, 0, len(p) - 1, "position")
+                payload = p[:i] + ((p[i] % len(ALPHABET)) + 1,) + p[i + 1:]
+            elif kind == "longer":  # the first token too, as if it had KV
+                payload = p + (tok,)
+            else:
+                payload = p
+            out = self.apply("import_done", r, seq(payload), tok)
+            if kind != "whole":
+                assert out.rejected == "covers_prompt", (kind, payload, out.rejected)
+                Stats.events[f"{kind} import rejected"] += 1
+                if coin(data, "then fail it"):
+                    self.apply("transfer_fail", r)
+
+        @rule(data=st.data())
+        def late_pd_event(self, data: Any) -> None:
+            """A late, duplicate or misdirected transfer event (for a request that is unknown,
+            ended or not transferring, or a block that is not draining for it): the core
+            must refuse it and change nothing."""
+            self.late_event(data)
+
+        def late_event(self, data: Any) -> None:
+            """See late_pd_event (pd_step takes one too, right where drains come and go)."""
+            life = self.life
+            ended = life.in_phase(*ENDED)
+            other = life.in_phase("waiting", "prefill", "decode")
+            drained = [x for x in life.drained
+                       if life.draining.get(x[1], x[0]) != x[0]]  # its block drains again
+            options = ["unknown", "wrong_block"]
+            options += ["ended"] * 3 if ended else []
+            options += ["other"] if other else []
+            options += ["drained"] * 2 if life.drained else []
+            options += ["redrained"] * 2 if drained else []
+            options += ["other_drain"] * 2 if life.draining else []
+            kind = pick(data, options, "kind")
+            if kind in ("drained", "redrained"):  # a duplicate transfer_end
+                r, b = pick(data, drained if kind == "redrained" else life.drained)
+                expect = "transfer_of_request" if b in life.draining else "block_draining"
+                assert self.apply("transfer_end", r, b).rejected == expect
+                Stats.events[f"{kind} transfer_end rejected"] += 1
+                return
+            if kind == "wrong_block":  # a block not draining, named with its (last) transfer's
+                # request: one still transferring, or whose transfer ended normally
+                s = self.s
+                b = pick(data, [b for b in range(self.c.K) if b not in life.draining] or [0])
+                r = s.transfer_req[b] if s.transfer_req[b] is not None else self.next_id
+                if b not in life.draining:
+                    assert self.apply("transfer_end", r, b).rejected == "block_draining"
+                return
+            if kind == "other_drain":  # a draining block, named with another request
+                b = pick(data, sorted(life.draining), "block")
+                r = pick(data, [x for x in (*life.draining.values(), *life.in_phase(*MOVING),
+                                            *life.status, self.next_id + 5)
+                                if x != life.draining[b]], "request")
+                assert self.apply("transfer_end", r, b).rejected == "transfer_of_request"
+                Stats.events["misdirected transfer_end rejected"] += 1
+                return
+            if kind == "unknown":
+                r = self.next_id + 5
+            else:
+                r = pick(data, ended if kind == "ended" else other, "request")
+            p = seq(life.prompt.get(r, (1,)))  # what r's import would have had to deliver
+            call, args, expect = pick(data, (
+                ("import_done", (r, p, 1), "request_importing"),
+                ("transfer_fail", (r,), "request_transferring"),
+                ("export_done", (r, False), "request_exporting")), "event")
+            out = self.apply(call, *args)
+            assert out.rejected == expect, (kind, call, args, out.rejected)
+            Stats.events[f"late {call} rejected"] += 1
 
         # rules: calls that must be rejected ------------------------------------------
         @rule(data=st.data())
@@ -634,6 +950,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             options += ["uncached_src"] if idle and waiting and uncached else []
             options += ["owned_pad"] if busy else []
             options += ["discard_lane_block"] if busy and "discard" in core.ACTIONS else []
+            options += ["not_prefilled"] if pd and not all(map(life.prefilled, range(c.B))) else []
+            options += ["draining_block"] if life.draining else []
             kind = pick(data, options, "kind")
             block = _ints(0, c.K - 1)
             expect: str | None
@@ -678,6 +996,20 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             elif kind == "discard_lane_block":
                 b = s.table[pick(data, busy)]
                 call, args, expect = "discard", (b,), "not_a_lane_block"
+            elif kind == "not_prefilled":  # idle, prefilling, transferring or decoded on
+                l = pick(data, [l for l in range(c.B) if not life.prefilled(l)])
+                call, args, expect = "export", (l,), "lane_prefilled"
+            elif kind == "draining_block":  # no admission, padding row or discard uses it
+                b = pick(data, sorted(life.draining))
+                toks = self.decode_tokens(data)
+                l, r = (idle or [0])[0], (waiting or [self.next_id])[0]
+                calls = [("discard", (b,), "not_a_lane_block")]
+                calls += [("admit_miss", (l, r, b), "dst_reusable"),
+                          ("admit_import", (l, r, b), "dst_reusable")] if idle and waiting else []
+                calls += [("decode", (b, toks), "scratch_target_ok")] if not all(
+                    map(life.decoding, range(c.B))) and not any(
+                    life.decoding(l) and life.length[l] >= c.S for l in range(c.B)) else []
+                call, args, expect = pick(data, calls)
             else:  # owned_pad: a padding row must not write a lane's block
                 pad = s.table[pick(data, busy)]
                 call, args = "decode", (pad, self.decode_tokens(data))
@@ -690,13 +1022,22 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         def teardown(self) -> None:
             """Drain: end every request (admitting each waiting one as the policy chooses,
-            then finishing or aborting it), and check each ended exactly once."""
+            then finishing or aborting it; an import completes, an export is sent) and every
+            transfer, and check each request ended exactly once."""
             if not hasattr(self, "life"):
                 return
             life = self.life
             while True:
-                if any(life.copying):
+                if life.draining:
+                    b = min(life.draining)
+                    self.apply("transfer_end", life.draining[b], b)
+                elif any(life.copying):
                     self.apply("copy_done", life.copying.index(True))
+                elif life.in_phase("importing"):
+                    r = life.in_phase("importing")[0]
+                    self.apply("import_done", r, seq(life.prompt[r]), ALPHABET[0])
+                elif life.in_phase("exporting"):
+                    self.apply("export_done", life.in_phase("exporting")[0], self.c.PREFIX)
                 elif any(life.decoding(l) for l in range(self.c.B)):
                     l = next(l for l in range(self.c.B) if life.decoding(l))
                     self.apply("finish", l, self.c.PREFIX)
@@ -710,16 +1051,18 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 else:
                     break
             assert all(x in ENDED and life.ends[r] == 1 for r, x in life.status.items())
-            assert not any(self.s.busy) and self.quiescent()
+            assert not any(self.s.busy) and self.quiescent() and not any(self.s.transfer)
 
         @invariant()
         def count_step(self) -> None:
             Stats.steps += 1
 
     CoreMachine.__name__ = CoreMachine.__qualname__ = f"CoreMachine_{core.__name__}"
-    if focus is None:
-        return CoreMachine
     rules = {k for k, v in vars(CoreMachine).items() if hasattr(v, "hypothesis_stateful_rule")}
+    assert PD_RULES <= rules, PD_RULES - rules
+    if focus is None and pd:
+        return CoreMachine
+    focus = (rules if focus is None else focus) - (set() if pd else PD_RULES)
     assert focus <= rules, focus - rules
     # A rule attribute shadowed by None is no rule (hypothesis collects marked members).
     return type(f"Focused{CoreMachine.__name__}", (CoreMachine,),
@@ -729,18 +1072,35 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 # --------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("pd", [False, True], ids=["colocated", "pd"])
 @pytest.mark.parametrize("prefix,scratch", FEATURES,
                          ids=[f"{'prefix' if p else 'noprefix'}-{s}" for p, s in FEATURES])
-def test_core_machine(prefix: bool, scratch: str) -> None:
+def test_core_machine(prefix: bool, scratch: str, pd: bool) -> None:
     """Invariants, transition invariants, progress, the lifecycle model, policy refinement
-    and the ghost-off mirror, over B in 1..3, K from the proved minimum to minimum + 2."""
+    and the ghost-off mirror, over B in 1..3, K from the proved minimum to minimum + 2: the
+    colocated workload, and (pd) the same with prefill/decode disaggregation mixed in."""
     Stats.reset()
-    run_state_machine_as_test(make_machine(config=configs(committed, prefix, scratch)))
-    # Not vacuous: every action applied (hits only with the prefix cache), and some lane
-    # reached the block end (decode refused until it finishes).
+    run_state_machine_as_test(make_machine(config=configs(committed, prefix, scratch), pd=pd))
+    # Not vacuous: every action applied (hits only with the prefix cache; PD actions only
+    # with pd), and some lane reached the block end (decode refused until it finishes).
     expected = set(committed.ACTIONS) - (set() if prefix else {"admit_hit", "copy_done"})
+    expected -= set() if pd else set(PD_ACTIONS)
     assert expected <= set(Stats.applied), expected - set(Stats.applied)
     assert Stats.rejected["decode", "no_block_overflow"] > 0
+    if not pd:
+        assert not set(PD_ACTIONS) & set(Stats.applied)
+        return
+    # PD: blocks drained (abort or failure of a transferring lane) and were released by
+    # transfer_end; partial or mismatched payloads were refused; late, duplicate and
+    # misdirected events were refused by each guard that exists for them.
+    assert Stats.events["drain released"] > 0
+    assert Stats.events["abort_running drains"] > 0 and Stats.events["fail drains"] > 0
+    assert Stats.events["prefix import rejected"] > 0
+    assert Stats.rejected["import_done", "covers_prompt"] > Stats.events["prefix import rejected"]
+    late = [("import_done", "request_importing"), ("transfer_fail", "request_transferring"),
+            ("export_done", "request_exporting"), ("transfer_end", "block_draining"),
+            ("transfer_end", "transfer_of_request"), ("export", "lane_prefilled")]
+    assert all(Stats.rejected[k] for k in late), {k: Stats.rejected[k] for k in late}
 
 
 def test_core_machine_below_capacity() -> None:
@@ -767,40 +1127,95 @@ def _search_settings() -> settings:
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-# name -> (mutant spec, features, expected invariant, focus). Each mutant removes or weakens
-# one guard or update. focus (None: every rule) keeps only the rules the bug needs, so the
-# search stays within a few seconds; the rules and every check are the same machine's.
+class Mutant(NamedTuple):
+    """A planted bug: the spec variant, the features it shows in, the check that must catch
+    it (an invariant's name, or `lifecycle:<guard>`: the core did not refuse a step the
+    lifecycle model predicts that guard refuses, `lifecycle:accepted`: it refused one the
+    model predicts it accepts; several when either may come first), the
+    rules the search needs (None: every rule) and whether the machine takes PD actions."""
+
+    build: Callable[[], Any]
+    features: tuple[bool, str]
+    expected: str | tuple[str, ...]
+    focus: set[str] | None
+    pd: bool = False
+
+
+# Each mutant removes or weakens one guard or update. focus keeps only the rules the bug
+# needs, so the search stays within a few seconds; the rules and every check are the same
+# machine's.
 HIT_RULES = {"submit", "advance", "admit_arbitrary"}
-MUTANTS: dict[str, tuple[Any, tuple[bool, str], str, set[str] | None]] = {
-    "admit_hit-dst_not_src": (
+PD_FLOW = {"pd_flow"}
+MUTANTS: dict[str, Mutant] = {
+    "admit_hit-dst_not_src": Mutant(
         lambda: MODEL.without_guard("admit_hit", "dst_not_src"),
         (True, "dynamic"), "copy_source_cached", HIT_RULES),
-    "decode-scratch_target_ok": (
+    "decode-scratch_target_ok": Mutant(
         lambda: MODEL.without_guard("decode", "scratch_target_ok"),
         (False, "dynamic"), "lane_holds_its_tokens", None),
-    "finish-key": (
+    "finish-key": Mutant(
         lambda: MODEL.without_update("finish", "key"),
         (True, "dynamic"), "cache_key_is_content", None),
-    "admit_miss-dst_reusable": (
+    "admit_miss-dst_reusable": Mutant(
         lambda: MODEL.without_guard("admit_miss", "dst_reusable"),
         (False, "dynamic"), "no_block_in_two_tables",
         {"submit", "admit", "admit_arbitrary", "must_reject"}),
-    "copy_done-copying": (
+    "copy_done-copying": Mutant(
         lambda: MODEL.without_update("copy_done", "copying"),
         (True, "dynamic"), "copy_target_not_ready", None),
-    "abort_running-copying": (
+    "abort_running-copying": Mutant(
         lambda: MODEL.without_update("abort_running", "copying"),
         (True, "reserved"), "copy_only_while_prefilling",
         {"submit", "admit", "advance", "abort"}),
-    "finish-keep_needs_prefix_cache": (
+    "finish-keep_needs_prefix_cache": Mutant(
         lambda: MODEL.without_guard("finish", "keep_needs_prefix_cache"),
         (False, "reserved"), "cache_needs_prefix_cache", None),
-    "submit-prompt_fits": (
+    "submit-prompt_fits": Mutant(
         lambda: MODEL.without_guard("submit", "prompt_fits"),
         (False, "dynamic"), "waiting_prompt_fits", None),
-    "admit_hit-n_whole_chunks-weakened": (
+    "admit_hit-n_whole_chunks-weakened": Mutant(
         lambda: _weakened_chunk_guard(),
         (True, "dynamic"), "prefill_on_chunk_boundary", HIT_RULES),
+    # PD. A partial or mismatched payload is imported as if it were the prompt's KV.
+    "import_done-covers_prompt": Mutant(
+        lambda: MODEL.without_guard("import_done", "covers_prompt"),
+        (False, "dynamic"), "lane_holds_its_tokens", PD_FLOW, pd=True),
+    # covers_prompt off by one: the payload must hold the first token's KV too. The real
+    # payload is refused (only the lifecycle model notices: a transfer may always fail, so no
+    # progress property does), and an over-long one is imported.
+    "import_done-covers_prompt-off-by-one": Mutant(
+        lambda: _import_needs_first_token(),
+        (False, "dynamic"), ("lane_holds_its_tokens", "lifecycle:accepted"), PD_FLOW, pd=True),
+    # A late transfer_end naming another request frees a block whose transfer still runs.
+    "transfer_end-transfer_of_request": Mutant(
+        lambda: MODEL.without_guard("transfer_end", "transfer_of_request"),
+        (False, "reserved"), "running_transfer_pins_its_block",
+        PD_FLOW | {"late_pd_event"}, pd=True),
+    # A transfer_end for a block that is not draining (named with its transfer's request) is
+    # accepted: a running lane's block is freed (lane_block_owned); when the block is free or
+    # cached the state stays consistent, and only the lifecycle model notices.
+    "transfer_end-block_draining": Mutant(
+        lambda: MODEL.without_guard("transfer_end", "block_draining"),
+        (False, "dynamic"), ("lane_block_owned", "lifecycle:block_draining"),
+        PD_FLOW | {"late_pd_event"}, pd=True),
+    "admit_import-transfer": Mutant(
+        lambda: MODEL.without_update("admit_import", "transfer"),
+        (False, "dynamic"), "moving_lane_has_transfer", PD_FLOW, pd=True),
+    "export_done-transfer": Mutant(
+        lambda: MODEL.without_update("export_done", "transfer"),
+        (True, "dynamic"), "transfer_block_held", PD_FLOW, pd=True),
+    # Abort and failure free a transferring lane's block instead of draining it.
+    "cancel-frees": Mutant(
+        lambda: _cancel_frees(), (False, "reserved"), "transfer_block_held", PD_FLOW, pd=True),
+    # export from any decoding lane, not only one that has just prefilled.
+    "export-lane_prefilled-weakened": Mutant(
+        lambda: _weakened_export_guard(),
+        (False, "reserved"), "export_after_prefill", PD_FLOW | {"advance"}, pd=True),
+    # An import may take a draining block (whose old transfer still writes into it).
+    "admit_import-reuses-draining": Mutant(
+        lambda: _import_reuses_draining(),
+        (False, "dynamic"), "running_transfer_pins_its_block",
+        PD_FLOW | {"admit_import", "must_reject"}, pd=True),
 }
 
 
@@ -810,16 +1225,63 @@ def _weakened_chunk_guard() -> Any:
     return MODEL.with_guard("admit_hit", "n_whole_chunks", n > 0)
 
 
+def _param(action: str, name: str) -> Any:
+    (v,) = [p for p in MODEL.get_action(action).params if p.name == name]
+    return v
+
+
+def _import_needs_first_token() -> Any:
+    """import_done's covers_prompt compares p with the prompt and the first token (with_guard)."""
+    r, p, tok = (_param("import_done", x) for x in ("r", "p", "tok"))
+    return MODEL.with_guard("import_done", "covers_prompt",
+                            p == spec.push(spec.lane_seq(spec.req_lane(r)), tok))
+
+
+def _weakened_export_guard() -> Any:
+    """export accepts any decoding lane (with_guard)."""
+    return MODEL.with_guard("export", "lane_prefilled", spec.decoding(_param("export", "l")))
+
+
+def _import_reuses_draining() -> Any:
+    """admit_import's dst may be a draining block too (with_guard)."""
+    dst = _param("admit_import", "dst")
+    return MODEL.with_guard("admit_import", "dst_reusable", lang.one_of(
+        spec.owner(dst), spec.Owner.FREE, spec.Owner.CACHE, spec.Owner.DRAINING)
+        & ~spec.pinned(dst))
+
+
+def _cancel_frees() -> Any:
+    """`cancel` (abort_running, fail) frees the block even while a transfer uses it. The
+    mutant API removes guards and updates or replaces a guard, not an update's value, so the
+    owner update is replaced here on a copy of the model."""
+    m = MODEL.copy()
+    for name in ("abort_running", "fail"):
+        a = m.get_action(name)
+        a.updates = [lang.Update(u.fn, u.args, spec.Owner.FREE, u.whole)
+                     if u.fn.name == "owner" else u for u in a.updates]
+    return m
+
+
+def caught_by(exc: AssertionError) -> list[str]:
+    """The checks that reported `exc`, as MUTANTS names them."""
+    if isinstance(exc, LifecycleDivergence):
+        return [f"lifecycle:{exc.expected or 'accepted'}"]
+    assert isinstance(exc, InvariantViolation)
+    assert exc.kind != "checker crash", str(exc)  # checkers report, never raise
+    return exc.names
+
+
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_machine_catches_mutant(name: str) -> None:
-    """The same machine over a mutant core reports the expected invariant."""
-    build, (prefix, scratch), expected, focus = MUTANTS[name]
-    mutant = codegen.load(build(), f"atom_core_mutant_{name.replace('-', '_')}")
-    config = configs(mutant, prefix, scratch, lanes=(2, 2))
+    """The same machine over a mutant core reports the expected invariant (or lifecycle
+    guard)."""
+    m = MUTANTS[name]
+    mutant = codegen.load(m.build(), f"atom_core_mutant_{name.replace('-', '_')}")
+    config = configs(mutant, *m.features, lanes=(2, 2))
     if name == "admit_hit-n_whole_chunks-weakened":
         config = config.filter(lambda c: c.C == 2)
-    machine = make_machine(mutant, config, mirror=False, focus=focus)
-    with pytest.raises(InvariantViolation) as info:
+    machine = make_machine(mutant, config, mirror=False, focus=m.focus, pd=m.pd)
+    with pytest.raises((InvariantViolation, LifecycleDivergence)) as info:
         run_state_machine_as_test(machine, settings=_search_settings())
-    assert info.value.kind != "checker crash", str(info.value)  # checkers report, never raise
-    assert expected in info.value.names, (info.value.names, str(info.value))
+    expected = {m.expected} if isinstance(m.expected, str) else set(m.expected)
+    assert expected & set(caught_by(info.value)), (caught_by(info.value), str(info.value))
