@@ -285,19 +285,29 @@ def _connect(args: argparse.Namespace, rank: int) -> Any:
     return GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout)
 
 
-def cmd_pd_prefill(args: argparse.Namespace) -> int:
+def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
+    """(config, runtime, key, transport), or the exit code: 2 for a bad setting (before any
+    connection is tried), 1 when the peer cannot be reached."""
     from atom_core.transport import TransportError
-    from atom_core.workers import PrefillWorker
 
     try:
-        cfg, rt, key = _pd_setup(args, decode=False)
-        transport = _connect(args, rank=1)
+        cfg, rt, key = _pd_setup(args, decode=decode)
+        return cfg, rt, key, _connect(args, rank=0 if decode else 1)
     except _Usage as exc:
         print(exc, file=sys.stderr)
         return 2
     except TransportError as exc:
         print(exc, file=sys.stderr)
         return 1
+
+
+def cmd_pd_prefill(args: argparse.Namespace) -> int:
+    from atom_core.workers import PrefillWorker
+
+    started = _pd_start(args, decode=False)
+    if isinstance(started, int):
+        return started
+    cfg, rt, key, transport = started
     with transport:
         worker = PrefillWorker(cfg, rt, transport, key=key)
         worker.serve()
@@ -345,19 +355,12 @@ def _config_json(cfg: Any) -> dict[str, Any]:
 
 
 def cmd_pd_decode(args: argparse.Namespace) -> int:
-    from atom_core.transport import TransportError
-
     if args.check is None:
         args.check = args.runtime == "reference"
-    try:
-        cfg, rt, key = _pd_setup(args, decode=True)
-        transport = _connect(args, rank=0)
-    except _Usage as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except TransportError as exc:
-        print(exc, file=sys.stderr)
-        return 1
+    started = _pd_start(args, decode=True)
+    if isinstance(started, int):
+        return started
+    cfg, rt, key, transport = started
     out = run_pd_decode(args, cfg, rt, key, transport)
     if args.json:
         _emit(out)
