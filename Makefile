@@ -42,6 +42,7 @@ bench: install
 	$(PY) -m bench.core
 	$(PY) -m bench.batcher
 	$(PY) -m bench.stateful
+	$(PY) -m bench.prefix
 
 demo: install
 	.venv/bin/atom-core demo

@@ -34,6 +34,7 @@ from atom_core.config import Config
 from atom_core.policy import Policy
 from atom_core.replay import record
 from atom_core.seq import seq
+from atom_core.snapshots import SnapshotStore
 
 
 @attrs.frozen
@@ -76,6 +77,8 @@ class Stats:
     exports: int = 0
     transfer_failures: int = 0
     stale_events: int = 0  # transfer events for requests that had no transfer (late, duplicate)
+    snapshots: int = 0  # hybrid prefix cache: sliding-state snapshots taken
+    snapshot_failures: int = 0  # fetches that failed (the lane just has no later snapshots)
 
 
 @attrs.define
@@ -115,6 +118,12 @@ def check_runtime(cfg: Config, rt: Any) -> None:
                      + ("has sliding-window layers" if hybrid else "has none"))
     elif hybrid and getattr(rt, "sliding_window", cfg.sliding_window) != cfg.sliding_window:
         wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime {rt.sliding_window}")
+    elif hybrid and cfg.prefix_cache and not all(
+            hasattr(rt, op) for op in ("new_local_host_buffer", "fetch_local_cache",
+                                       "update_local_cache")):
+        wrong.append("prefix_cache: a hybrid model's hits restore sliding-window snapshots, and "
+                     "this runtime cannot move a local slot to and from the host "
+                     "(fetch_local_cache/update_local_cache); set prefix_cache=False")
     sizes = getattr(rt, "decoder_batch_sizes", None) or (getattr(rt, "batch_size", None),)
     if None not in sizes and cfg.lanes not in sizes:
         wrong.append(f"lanes: config {cfg.lanes}, runtime decode graphs {list(sizes)}")
@@ -129,6 +138,8 @@ class AtomBatcher:
         self.config, self.runtime = config, runtime
         check_runtime(config, runtime)
         self._hybrid = config.sliding_window is not None
+        # hybrid prefix cache: host copies of sliding-window state at chunk boundaries
+        self._snaps = SnapshotStore() if self._hybrid and config.prefix_cache else None
         self.policy = policy or Policy()
         self.state = core.init(config.consts(), ghost=ghost)
         self.requests: dict[int, Request] = {}
@@ -387,9 +398,37 @@ class AtomBatcher:
             raise CoreRejected(f"{action}({args}) rejected by guard {step.rejected}")
         self.state = step.state
         self.policy.observe(step.effects)
+        if self._snaps is not None:
+            self._move_snapshots(step.effects)
         if self._trace is not None:
             self._trace.write(json.dumps(record(action, args, step.effects)) + "\n")
         return step
+
+    def _move_snapshots(self, effects: Iterable[Any]) -> None:
+        assert self._snaps is not None
+        for eff in effects:
+            if isinstance(eff, (core.Admit, core.Inbound)):
+                self._snaps.admitted(eff.lane, None)
+            elif isinstance(eff, core.Copy):
+                self._snaps.admitted(eff.lane, eff.src)
+            elif isinstance(eff, core.Release):
+                self._snaps.released(eff.lane, eff.block)
+        self._snaps.sync(self.state)
+
+    def _snapshot(self, lane: int) -> None:
+        """Hybrid prefix cache: keep the lane's sliding state at this chunk boundary. A failed
+        fetch costs only later hits their snapshot (the core then allows no later one)."""
+        if self._snaps is None or not self.policy.snapshot(self.state, lane):
+            return
+        host = self.runtime.new_local_host_buffer()
+        try:
+            self.runtime.fetch_local_cache(host, lane)
+        except Exception:  # noqa: BLE001 - a read: the lane's state is intact, it just has no copy
+            self.stats.snapshot_failures += 1
+            return
+        (eff,) = self._apply("snapshot", l=lane).effects
+        self._snaps.taken(lane, eff.n, host)
+        self.stats.snapshots += 1
 
     def _end(self, lane: int, events: list[Event], error: str | None) -> None:
         rid = self.state.lane_req[lane]
@@ -433,6 +472,13 @@ class AtomBatcher:
                     except Exception as exc:  # noqa: BLE001 - any runtime failure fails this one
                         self._end(eff.lane, events, f"copy_kv_cache failed: {exc!r}")
                         continue
+                    if self._snaps is not None:  # the hit's sliding state (spec: copy_done)
+                        try:
+                            self.runtime.update_local_cache(
+                                self._snaps.restore_source(eff.src, eff.n), eff.lane)
+                        except Exception as exc:  # noqa: BLE001 - fails this request only
+                            self._end(eff.lane, events, f"update_local_cache failed: {exc!r}")
+                            continue
                     self._apply("copy_done", l=eff.lane)
                     self.stats.prefix_hit_tokens += eff.n
 
@@ -465,6 +511,7 @@ class AtomBatcher:
             return
         self.stats.prefill_tokens += len(chunk)
         self._apply("prefill", l=lane, tok=tok)
+        self._snapshot(lane)
         if eff.end == len(prompt):
             if self.requests[rid].export:
                 (out,) = self._apply("export", l=lane).effects

@@ -103,10 +103,6 @@ class Config:
 AXIOM_HELP = {
     "chunk_divides_block": "max_seq_len must be a multiple of prefill_chunk",
     "block_holds_a_chunk": "prefill_chunk must not exceed max_seq_len",
-    "hybrid_without_prefix_cache": (
-        "a hybrid model (sliding_window set) cannot use the prefix cache: a hit restores the "
-        "global layers' KV only, so prefill would resume with a sliding-window state from "
-        "another position; set prefix_cache=False for this model"),
 }
 
 

@@ -80,7 +80,9 @@ class Policy:
             if s.owner[b] != g.OWNER_CACHE or s.head[b] != first:
                 continue
             key = s.key[b]
-            n = common_chunks(key, prompt, c, min(limit, len(key) // c * c))
+            # a hybrid hit also restores the sliding state: only where the entry has a snapshot
+            upto = s.snap_upto[b] if s.consts.HYBRID else len(key)
+            n = common_chunks(key, prompt, c, min(limit, len(key) // c * c, upto))
             if n and (best is None or (n, self.last_use.get(b, 0))
                       > (best[1], self.last_use.get(best[0], 0))):
                 best = (b, n)
@@ -107,6 +109,13 @@ class Policy:
         if dst is None:
             return None
         return Choice("admit_miss", {"l": lane, "r": r, "dst": dst})
+
+    def snapshot(self, s: g.State, lane: int) -> bool:
+        """Hybrid prefix cache: save the lane's sliding state now? At every chunk boundary of
+        the prompt (the spec allows more: generated tokens too), which is where a later prompt
+        that shares a prefix can hit. Each snapshot costs one local slot of host memory."""
+        return (g.snapshot_guard(s, lane) is None
+                and s.length[lane] <= s.lane_plen[lane])
 
     def pad(self, s: g.State) -> int:
         """Where padding rows of the next decode call write."""

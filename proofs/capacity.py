@@ -28,24 +28,35 @@ SCRATCH_MODES = ("reserved", "dynamic")
 class Features:
     prefix_cache: bool
     scratch: str
+    hybrid: bool = False  # sliding-window layers (with the prefix cache: hits need snapshots)
 
     @property
     def name(self) -> str:
-        return f"{'prefix cache' if self.prefix_cache else 'no cache'}, {self.scratch} scratch"
+        return (f"{'prefix cache' if self.prefix_cache else 'no cache'}, {self.scratch} scratch"
+                + (", hybrid" if self.hybrid else ""))
+
+    @property
+    def key(self) -> tuple[bool, str]:
+        """The rule table's key: a hybrid model must need what the plain one does."""
+        return (self.prefix_cache, self.scratch)
 
     def consts(self, lanes: int, blocks: int) -> dict[str, Any]:
         return {"B": lanes, "K": blocks, "C": CHUNK, "S": SEQ_LEN, "PREFIX": self.prefix_cache,
-                "RESERVED": self.scratch == "reserved", "SCRATCH": 0}
+                "RESERVED": self.scratch == "reserved", "SCRATCH": 0, "HYBRID": self.hybrid}
 
 
-COMBINATIONS = tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES)
+# Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), so
+# only the hybrid prefix cache is a combination of its own.
+COMBINATIONS = tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES) + tuple(
+    Features(True, s, hybrid=True) for s in SCRATCH_MODES)
 
 
 def progress_by_features(model: L.Model, lanes: int, blocks: int) -> dict[Features, list[Check]]:
     """Progress checks at one size for every feature combination (one translation, shared)."""
     u = bounded_universe(model, lanes, blocks, {"C": CHUNK, "S": SEQ_LEN, "SCRATCH": 0})
     cases = {f"B={lanes},K={blocks},{f.name}": {"PREFIX": f.prefix_cache,
-                                                 "RESERVED": f.scratch == "reserved"}
+                                                 "RESERVED": f.scratch == "reserved",
+                                                 "HYBRID": f.hybrid}
              for f in COMBINATIONS}
     out: dict[Features, list[Check]] = {f: [] for f in COMBINATIONS}
     by_case = dict(zip(cases, COMBINATIONS, strict=True))
@@ -61,7 +72,8 @@ def safe(model: L.Model, f: Features, lanes: int, blocks: int) -> tuple[bool, li
 
 def stuck_trace(model: L.Model, f: Features, lanes: int, blocks: int) -> bmc.Trace | None:
     """A stuck run from the initial state, confirmed by z3 against the spec (see search.py)."""
-    return search.stuck_run(model, lanes, blocks, f.prefix_cache, f.scratch == "reserved")
+    return search.stuck_run(model, lanes, blocks, f.prefix_cache, f.scratch == "reserved",
+                            hybrid=f.hybrid)
 
 
 def min_blocks(model: L.Model, f: Features, lanes: int, max_blocks: int) -> int | None:
@@ -81,11 +93,11 @@ class Row:
 
     @property
     def key(self) -> tuple[bool, str]:
-        return (self.features.prefix_cache, self.features.scratch)
+        return self.features.key
 
     @property
     def rule(self) -> str:
-        name = RULE_NAMES[(self.features.prefix_cache, self.features.scratch)]
+        name = RULE_NAMES[self.key]
         return f"{name}: " + ("no linear rule" if self.offset is None else rule_text(self.offset))
 
 
@@ -117,7 +129,7 @@ def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
                 tr = stuck_trace(model, f, b, k_min - 1)
                 found[b] = tr
                 status = "proved" if tr is not None else "counterexample"
-                checks.append(Check(f"tight:{RULE_NAMES[(f.prefix_cache, f.scratch)]}", "*",
+                checks.append(Check(f"tight:{RULE_NAMES[f.key]}", "*",
                                     "capacity-tight", status, time.perf_counter() - t0,
                                     f"B={b},K={k_min - 1},{f.name}",
                                     "" if tr else "no stuck run one block below the minimum"))
@@ -186,11 +198,17 @@ def render(rows: list[Row], max_lanes: int) -> str:
         "",
         "OFFSETS = {",
     ]
+    plain = [r for r in rows if not r.features.hybrid]
     for r in rows:
-        key = (r.features.prefix_cache, r.features.scratch)
         if r.offset is None:
             raise RuntimeError(f"no linear capacity rule for {r.features.name}: {r.minimum}")
-        lines.append(f"    {key!r}: {r.offset},")
+        same = next(p for p in plain if p.key == r.key)
+        if r.offset != same.offset:  # one table serves both; a difference needs a key of its own
+            raise RuntimeError(f"{r.features.name} needs offset {r.offset}, "
+                               f"{same.features.name} {same.offset}")
+    rows = plain
+    for r in rows:
+        lines.append(f"    {r.key!r}: {r.offset},")
     lines += ["}", "", "RULE_NAMES = {"]
     lines += [f"    {r.key!r}: {RULE_NAMES[r.key]!r}," for r in rows]
     lines += ["}", "", "RULES = {"]

@@ -145,7 +145,7 @@ def confirm(model: L.Model, consts: g.Consts, run: list[tuple[str, dict]], viola
     """z3 replays the run on the spec: each step's guard holds and its updates are the spec's,
     and the final state breaks the named progress property."""
     cs = {"B": consts.B, "K": consts.K, "C": consts.C, "S": consts.S, "PREFIX": consts.PREFIX,
-          "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH}
+          "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH, "HYBRID": consts.HYBRID}
     u = bounded_universe(model, consts.B, consts.K, cs, requests=requests, concrete_seqs=True)
     env = u.init_state("c0")
     facts = list(u.axioms())
@@ -213,12 +213,13 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
         sorts = dict(zip(g.ACTIONS[name][2], g.ACTIONS[name][3], strict=True))
         body.append((name, {k: (renum[v] if sorts[k] == "Req" else v) for k, v in args.items()}))
     big = g.Consts(B=lanes, K=blocks, C=consts.C, S=consts.S, PREFIX=consts.PREFIX,
-                   RESERVED=consts.RESERVED, SCRATCH=consts.SCRATCH)
+                   RESERVED=consts.RESERVED, SCRATCH=consts.SCRATCH, HYBRID=consts.HYBRID)
     return big, pre + body
 
 
 def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
-              role: str = "colocated", want: str | None = None) -> Trace | None:
+              role: str = "colocated", want: str | None = None,
+              hybrid: bool = False) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
     lifted from the largest searched size."""
     t0 = time.perf_counter()
@@ -227,7 +228,7 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
     if base_k < 1:
         base_b, base_k = lanes, blocks
     c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, PREFIX=prefix,
-                 RESERVED=reserved, SCRATCH=0)
+                 RESERVED=reserved, SCRATCH=0, HYBRID=hybrid)
     found = shortest_stuck_run(c, role=role, want=want)
     if found is None:
         return None

@@ -972,6 +972,19 @@ class Body:
         return _genexpr("any", call, [f"for {n} in {d}" for n, d in loops]), ATOM
 
 
+def _none_all(names: list[str], indent: int) -> list[str]:
+    """`a = b = ... = None`, split into as few statements as fit the line width."""
+    out: list[str] = []
+    group: list[str] = []
+    for n in names:
+        if group and indent + len(" = ".join(group + [n, "None"])) > WIDTH:
+            out.append(" = ".join(group + ["None"]))
+            group = []
+        group.append(n)
+    out.append(" = ".join(group + ["None"]))
+    return out
+
+
 def _is_true(e: Expr) -> bool:
     return type(e) is Lit and e.value is True
 
@@ -1343,7 +1356,8 @@ class Generator:
                 for f, e, vs in ghosts:
                     emit(f, e, vs)
             with b.block("else:"):
-                b.stmt(" = ".join([f.name for f, _, _ in ghosts] + ["None"]))
+                for line in _none_all([f.name for f, _, _ in ghosts], b.indent):
+                    b.stmt(line)
         args = ["consts", "ghost"] + [f.name for f in m.state]
         b.stmt(["return ", _call("State", args)])
         return b
@@ -1595,7 +1609,8 @@ class Generator:
                 for n in ghost:
                     self._update(b, fns[n], per_fn[n])
             with b.block("else:"):
-                b.stmt(" = ".join([f"new_{n}" for n in ghost] + ["None"]))
+                for line in _none_all([f"new_{n}" for n in ghost], b.indent):
+                    b.stmt(line)
         if not per_fn:  # nothing changes: the same state object
             b.stmt(f"return Step(s, {'effects' if effects else '()'}, None)")
             return b
@@ -1644,7 +1659,7 @@ class Generator:
             b.stmt(f"{new} = list({b.field(f, False)})")
         for u in points:
             idx = [["[", b.top(x)[0], "]"] for x in u.args]
-            b.stmt([new, *idx, " = ", b._at(u.value, b.env0, TERN)])
+            b.stmt([new, *idx, " = ", self._breakable(b.top(u.value))])
         b.stmt(f"{new} = tuple(map(tuple, {new}))" if nested else f"{new} = tuple({new})")
 
     # -- checkers ------------------------------------------------------------------------

@@ -66,10 +66,6 @@ m.axiom("chunk_divides_block", S % C == 0)
 m.axiom("block_holds_a_chunk", C <= S)
 m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
-# A prefix hit copies global KV only; the sliding-window state at the hit's length is not in the
-# cache, so a hybrid hit would resume with another position's sliding state
-# (`lane_local_state_is_its_own` refutes it when this axiom is dropped).
-m.axiom("hybrid_without_prefix_cache", ~(HYBRID & PREFIX))
 
 # ---------------------------------------------------------------- token sequences
 empty = m.op("empty", [], Seq, doc="no tokens")
@@ -100,6 +96,21 @@ local_holds = m.fn("local_holds", [Lane], Seq, ghost=True,
                    doc="tokens whose sliding-window state the lane's local slot holds")
 local_junk = m.fn("local_junk", [Lane], BOOL, init=True, ghost=True,
                   doc="the lane's local slot was written by something other than its sequence")
+# Hybrid prefix caching: a hit copies global KV only, so it must also restore the sliding state
+# at the hit's length. The host keeps snapshots of a lane's local slot at chunk boundaries
+# C, 2C, .., lane_snap(l) (taken by `snapshot`, or inherited from the entry it hit); a cache
+# entry keeps its lane's (snap_upto), and a hybrid hit of n tokens needs n <= snap_upto.
+lane_snap = m.fn("lane_snap", [Lane], INT, init=0,
+                 doc="the lane has sliding-state snapshots at every chunk boundary up to this")
+snap_upto = m.fn("snap_upto", [Block], INT, init=0,
+                 doc="a cache entry has sliding-state snapshots at every chunk boundary up to this")
+# Ghost: a snapshot at boundary n must hold the sliding state of its owner's first n tokens (the
+# lane's sequence, the entry's key). These flags record any that does not (taken from a slot that
+# held something else, or a boundary skipped); the invariants say they are never set.
+lane_snap_junk = m.fn("lane_snap_junk", [Lane], BOOL, init=True, ghost=True,
+                      doc="some snapshot of the lane is not its own sequence's state there")
+snap_junk = m.fn("snap_junk", [Block], BOOL, init=True, ghost=True,
+                 doc="some snapshot of the entry is not its key's state there")
 busy = m.fn("busy", [Lane], BOOL, init=False, doc="the lane serves a request")
 lane_req = m.fn("lane_req", [Lane], Req, doc="the request a busy lane serves")
 table = m.fn("table", [Lane], Block, doc="the lane's block table (T = 1)")
@@ -157,9 +168,12 @@ def moving(l):
 
 
 def hit_ok(r, b):
-    """Entry b shares at least the prompt's first chunk, and a token is left to compute."""
+    """Entry b shares at least the prompt's first chunk, and a token is left to compute; for a
+    hybrid model it also has the sliding state there (else the hit is not usable, and a miss
+    must not wait for it)."""
     return ((slen(prompt(r)) > C) & (owner(b) == Owner.CACHE)
-            & (head(b) == take(prompt(r), C)) & (slen(key(b)) >= C))
+            & (head(b) == take(prompt(r), C)) & (slen(key(b)) >= C)
+            & implies(HYBRID, snap_upto(b) >= C))
 
 
 def pinned(b):
@@ -210,7 +224,7 @@ def next_len(l):
     return ite(length(l) + C < lane_plen(l), length(l) + C, lane_plen(l))
 
 
-def occupy(l, r, dst, n, ph=Phase.PREFILL):
+def occupy(l, r, dst, n, ph=Phase.PREFILL, src=None):
     """The updates every admission shares: lane l takes request r into block dst."""
     assign(busy(l), True)
     assign(lane_req(l), r)
@@ -222,16 +236,22 @@ def occupy(l, r, dst, n, ph=Phase.PREFILL):
     assign(req_lane(r), l)
     assign(owner(dst), Owner.LANE)
     assign(owner_lane(dst), l)
-    # a fresh sequence: its sliding state is that of the empty prefix (even after a hit: the
-    # cache has no sliding state, which is why hybrid models have no prefix cache)
+    # a fresh sequence: its sliding state is that of the empty prefix until a hit's copy_done
+    # restores the snapshot at the hit's length
     assign(local_holds(l), take(prompt(r), 0))
     assign(local_junk(l), False)
+    if src is None:  # no snapshots yet (an idle lane has none: lane_snap(l) == 0)
+        assign(lane_snap_junk(l), False)
+    else:  # the entry's snapshots up to the hit's length: its key and the prompt agree there
+        assign(lane_snap(l), ite(n <= snap_upto(src), n, snap_upto(src)))
+        assign(lane_snap_junk(l), snap_junk(src))
 
 
 def release(l, to_cache):
     """The lane's block goes back to the free pool (or into the cache)."""
     assign(busy(l), False)
     assign(owner(table(l)), ite(to_cache, Owner.CACHE, Owner.FREE))
+    assign(lane_snap(l), 0)  # the entry keeps them (retire), else they are dropped
 
 
 def cancel(l):
@@ -240,6 +260,7 @@ def cancel(l):
     assign(busy(l), False)
     assign(owner(table(l)), ite(transfer(table(l)), Owner.DRAINING, Owner.FREE))
     assign(copying(l), False)
+    assign(lane_snap(l), 0)  # partial work is never cached: its snapshots are dropped
 
 
 def retire(l, keep):
@@ -247,6 +268,8 @@ def retire(l, keep):
     b = table(l)
     assign(key(b), take(lane_seq(l), length(l)))
     assign(head(b), take(take(lane_seq(l), length(l)), C))
+    assign(snap_upto(b), lane_snap(l))  # <= length(l): the key covers every snapshot
+    assign(snap_junk(b), lane_snap_junk(l))
     release(l, keep)
 
 
@@ -284,9 +307,10 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
     require("n_within_entry", n <= slen(key(src)))
     require("token_left_to_compute", n < slen(prompt(r)))
     require("prefix_matches", take(key(src), n) == take(prompt(r), n))
+    require("hybrid_snapshot_at_n", implies(HYBRID, n <= snap_upto(src)))
     require("dst_not_src", dst != src)
     require("dst_reusable", reusable(dst))
-    occupy(l, r, dst, n)
+    occupy(l, r, dst, n, src=src)
     assign(junk(dst), True)  # nothing valid in it until the copy lands
     assign(copying(l), True)
     assign(copy_src(l), src)
@@ -296,11 +320,30 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
 
 @m.action
 def copy_done(l: Lane):
-    """The runtime finished copying lane l's prefix hit; the source is unpinned."""
+    """The runtime finished copying lane l's prefix hit (and, for a hybrid model, restoring the
+    lane's local slot from its snapshot at the hit's length); the source is unpinned."""
     require("copy_in_flight", copying(l))
     assign(copying(l), False)
     assign(holds(table(l)), take(holds(copy_src(l)), length(l)))
     assign(junk(table(l)), False)
+    # Ghost: the restore reads the snapshot at length(l); it is the lane's own state there only
+    # if the lane has one there (and its snapshots are sound).
+    assign(local_holds(l), take(lane_seq(l), length(l)))
+    assign(local_junk(l), lane_snap_junk(l) | (length(l) > lane_snap(l)))
+
+
+@m.action
+def snapshot(l: Lane):
+    """Hybrid prefix cache: the host saves lane l's local slot (its sliding state) at the next
+    chunk boundary, so that a later hit of that length can restore it."""
+    require("hybrid_prefix_cache", HYBRID & PREFIX)
+    require("lane_computing", (prefilling(l) | decoding(l)) & ~copying(l))
+    require("next_boundary", length(l) == lane_snap(l) + C)
+    assign(lane_snap(l), length(l))
+    # Ghost: the new snapshot holds whatever the slot holds, and a skipped boundary has none.
+    assign(lane_snap_junk(l), lane_snap_junk(l) | local_junk(l)
+           | (local_holds(l) != take(lane_seq(l), length(l))) | (length(l) != lane_snap(l) + C))
+    emit("snapshot", lane=l, n=length(l))
 
 
 @m.action
@@ -539,8 +582,17 @@ inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
 # Hybrid: a lane's local slot holds its own sequence's sliding state (reset on admission, never
 # written by another lane's row).
 inv("lane_local_state_is_its_own", forall(Lane, lambda l: implies(
-    HYBRID & busy(l) & ~importing(l),
+    HYBRID & busy(l) & ~importing(l) & ~copying(l),
     ~local_junk(l) & (local_holds(l) == take(lane_seq(l), length(l))))))
+# Hybrid prefix cache: a lane's and an entry's snapshots hold the sliding state of prefixes of
+# its own tokens, at boundaries it has reached; so a hit restores the state at its own length.
+inv("lane_snapshots_are_its_own", forall(Lane, lambda l: implies(
+    busy(l), ~lane_snap_junk(l) & (lane_snap(l) >= 0) & (lane_snap(l) <= length(l)))))
+inv("idle_lane_has_no_snapshots", forall(Lane, lambda l: implies(~busy(l), lane_snap(l) == 0)))
+inv("entry_snapshots_are_its_own", forall(Block, lambda b: implies(
+    owner(b) == Owner.CACHE, ~snap_junk(b) & (snap_upto(b) >= 0))))
+inv("hybrid_hit_has_snapshot", forall(Lane, lambda l: implies(
+    HYBRID & copying(l), lane_snap(l) == length(l))))
 
 # PD transfers: a block in a transfer is held by its lane's transfer or drains; every drain and
 # every transferring lane has its transfer (so once transfers end, every such pin is released).
@@ -576,6 +628,9 @@ inv("prefill_on_chunk_boundary", forall(Lane, lambda l: implies(
 inv("lane_blocks_equal_busy_lanes",
     count_of(Block, lambda b: owner(b) == Owner.LANE) == count_of(Lane, lambda l: busy(l)),
     bounded=True)
+inv("snapshots_on_chunk_boundaries", forall(Lane, lambda l: implies(
+    busy(l), lane_snap(l) % C == 0)) & forall(Block, lambda b: implies(
+        owner(b) == Owner.CACHE, snap_upto(b) % C == 0)), bounded=True)
 inv("one_scratch_block_when_reserved",
     count_of(Block, lambda b: owner(b) == Owner.SCRATCH) == ite(RESERVED, 1, 0),
     bounded=True)

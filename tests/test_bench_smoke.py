@@ -51,3 +51,20 @@ def test_batcher_bench_quick_json(capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     rows = report["decode_overhead"]
     assert rows and all(_positive(r["ghost_off"]["median_us_per_step"]) for r in rows.values())
+
+
+def test_prefix_bench_reports_tokens_saved(capsys) -> None:
+    """A small run of `bench.prefix`: the prefix cache saves prefill tokens for the plain and the
+    hybrid model alike, and computed + copied tokens add up to the workload's prompt tokens."""
+    from bench import prefix
+
+    assert prefix.main(["--requests", "6", "--system", "140", "--lanes", "2", "--window", "16",
+                        "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["models"]) == {"plain", "hybrid W=16"}
+    for row in report["models"].values():
+        off, on = row["cache_off"], row["cache_on"]
+        assert off["prefill_tokens"] == report["prompt_tokens"]
+        assert on["prefill_tokens"] + on["prefix_hit_tokens"] == report["prompt_tokens"]
+        assert row["saved"] == on["prefix_hit_tokens"] > 0
+    assert report["models"]["hybrid W=16"]["cache_on"]["snapshots"] > 0

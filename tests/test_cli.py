@@ -141,7 +141,8 @@ def test_verify_json_small_cutoff(capsys):
     check_verify_json(out)
     assert code == 1 and out["ok"] is False
     bad = {c["invariant"] for c in out["checks"] if c["status"] != "proved"}
-    assert bad == {"rule:prefix cache, reserved scratch", "capacity-table-matches-proofs"}
+    assert bad == {"rule:prefix cache, reserved scratch",
+                   "rule:prefix cache, reserved scratch, hybrid", "capacity-table-matches-proofs"}
     kinds = {c["kind"] for c in out["checks"]}
     assert {"base", "step", "transition", "capacity"} <= kinds
 

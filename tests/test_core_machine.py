@@ -1085,6 +1085,9 @@ def test_core_machine(prefix: bool, scratch: str, pd: bool) -> None:
     # with pd), and some lane reached the block end (decode refused until it finishes).
     expected = set(committed.ACTIONS) - (set() if prefix else {"admit_hit", "copy_done"})
     expected -= set() if pd else set(PD_ACTIONS)
+    # the machine's configurations are plain models (HYBRID off): no sliding-state snapshots;
+    # hybrid prefix caching is fuzzed by tests/test_hybrid_prefix.py
+    expected -= {"snapshot"}
     assert expected <= set(Stats.applied), expected - set(Stats.applied)
     assert Stats.rejected["decode", "no_block_overflow"] > 0
     if not pd:

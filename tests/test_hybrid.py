@@ -5,8 +5,9 @@ next to the global layers' blocks.
   lanes, both scratch modes and windows below, equal to and above the prefill chunk, with prompts
   of 1..200 tokens, varied output lengths (so padding rows occur) and random aborts; the core's
   invariants (ghost ones included) are checked after every step.
-- Config and runtime agreement: the prefix cache is refused with a window, the window must be a
-  positive int, and a batcher refuses a runtime whose window differs from its config's.
+- Config and runtime agreement: the window must be a positive int, and a batcher refuses a
+  runtime whose window differs from its config's (the prefix cache with a window:
+  tests/test_hybrid_prefix.py).
 - PD: the payload carries the prefill lane's local ring (`local_kv`), covered by checksum and MAC
   and packed into the one wire tensor. A prefill batcher feeding a decode batcher is token-exact,
   also while an import is held (the importing lane's padding rows write its own slot) and while
@@ -141,17 +142,6 @@ def test_colocated_token_exact(lanes: int, scratch: str, window: int) -> None:
 
 
 # --------------------------------------------------------------------------- config
-def test_prefix_cache_is_refused_with_a_window() -> None:
-    with pytest.raises(ConfigError) as e:
-        Config(lanes=2, kv_blocks=4, max_seq_len=S, prefill_chunk=C, prefix_cache=True,
-               sliding_window=16)
-    msg = str(e.value)
-    assert "hybrid_without_prefix_cache" in msg and "prefix_cache=False" in msg
-    # the same artifact without the prefix cache is fine
-    assert Config(lanes=2, kv_blocks=4, max_seq_len=S, prefill_chunk=C,
-                  sliding_window=16).consts().HYBRID
-
-
 @pytest.mark.parametrize("bad", [0, -3, True, 1.5, "16", 16.0])
 def test_sliding_window_must_be_a_positive_int(bad: Any) -> None:
     with pytest.raises(ConfigError, match="sliding_window must be a positive integer"):

@@ -16,6 +16,8 @@ import z3
 from atom_core._generated import capacity as committed
 from atom_core.proofs import capacity, checks
 from atom_core.proofs.capacity import Features
+from atom_core.seq import seq
+from atom_core.spec import codegen
 from atom_core.spec import lang as L
 from atom_core.spec.model import MODEL
 
@@ -161,13 +163,15 @@ def test_planted_bug_is_caught_by_the_right_obligation(key):
 
 def test_bounded_invariant_mutant_needs_the_bounded_proof():
     """admit_hit copying a non-chunk-multiple prefix (n >= C, no `n % C == 0`) resumes prefill
-    off a chunk boundary: invisible to the relational proof (which has no `%`), caught per size."""
+    off a chunk boundary (and would give the lane a snapshot boundary off the chunk grid):
+    invisible to the relational proof (which has no `%`), caught per size."""
     n, c = _param("admit_hit", "n"), _const("C")
     mut = MODEL.with_guard("admit_hit", "n_whole_chunks", n >= c)
     assert not_proved(checks.relational(mut)) == set()
     bad = [cc for cc in checks.bounded(mut, 2, 2) if cc.status != "proved"]
     assert {(cc.invariant, cc.action, cc.status) for cc in bad} == {
-        ("prefill_on_chunk_boundary", "admit_hit", "counterexample")}
+        ("prefill_on_chunk_boundary", "admit_hit", "counterexample"),
+        ("snapshots_on_chunk_boundaries", "admit_hit", "counterexample")}
     # not at K=1: admit_hit needs two blocks, the cached source and a distinct destination
     assert {cc.size for cc in bad} == {"B=1,K=2", "B=2,K=2"}
 
@@ -200,6 +204,12 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
                             "resets its slot",
     ("admit_import", "local_holds"): "ghost: an importing lane's slot is the transfer's until "
                                      "import_done writes it",
+    # Hybrid prefix cache. The junk write is the tripwire for mutants of snapshot's guards (it
+    # catches them); with the guards in place the snapshot it marks is sound.
+    ("snapshot", "lane_snap_junk"): "ghost: with snapshot's guards, the new snapshot is sound",
+    # Not a safety property: a snapshot the core does not record is never restored, so hits
+    # only get shorter; tests/test_hybrid_prefix.py catches it (hybrid hits stop happening).
+    ("snapshot", "lane_snap"): "gap: performance only, caught by the hybrid prefix tests",
     # Not equivalent, but outside what the model states: the update is the whole action, and
     # an abort that does nothing is safe (no block is misused); the batcher tests catch it
     # (an aborted request must end).
@@ -326,15 +336,41 @@ def test_restriction_to_the_mutated_action_is_faithful(kind, action, piece):
 # --------------------------------------------------------------------------- (c) capacity
 
 
-def test_hybrid_prefix_hits_are_unsound():
-    """The axiom that keeps hybrid models off the prefix cache is needed: without it a hit
-    resumes prefill with the sliding-window state of the empty prefix (the cache holds global KV
-    only), which `lane_local_state_is_its_own` refutes at admit_hit, and nothing else does."""
-    m = MODEL.copy()
-    m.axioms = [a for a in m.axioms if a.name != "hybrid_without_prefix_cache"]
-    assert len(m.axioms) == len(MODEL.axioms) - 1
-    bad = not_proved(checks.relational(m))
-    assert bad == {("lane_local_state_is_its_own", "admit_hit", "counterexample")}, bad
+def test_hybrid_prefix_hits_need_a_snapshot_at_their_length():
+    """A hybrid prefix hit copies global KV only; the sliding state comes from the entry's
+    snapshot at the hit's length. Without the guard that such a snapshot exists, the restore
+    reads another position's state (or none), which `lane_local_state_is_its_own` refutes at
+    copy_done. `hybrid_hit_has_snapshot` states the guard's consequence for the copy in
+    flight, so it fails first; without it, the content invariant fails."""
+    mut = MODEL.without_guard("admit_hit", "hybrid_snapshot_at_n")
+    bad = not_proved(checks.relational(mut))
+    assert bad == {("hybrid_hit_has_snapshot", "admit_hit", "counterexample")}, bad
+    # The run it allows, on the mutant's generated core: an entry without snapshots is hit, and
+    # the lane resumes with a sliding state that is not its prefix's.
+    g = codegen.load(mut)
+    s = g.init(g.Consts(B=1, K=3, C=2, S=8, PREFIX=True, RESERVED=False, SCRATCH=0,
+                        HYBRID=True), ghost=True)
+    p = seq([1, 2, 3])
+    run = [("submit", {"r": 0, "p": p}), ("admit_miss", {"l": 0, "r": 0, "dst": 0}),
+           ("prefill", {"l": 0, "tok": 7}), ("prefill", {"l": 0, "tok": 7}),
+           ("finish", {"l": 0, "keep": True}), ("submit", {"r": 1, "p": p}),
+           ("admit_hit", {"l": 0, "r": 1, "src": 0, "dst": 1, "n": 2}),
+           ("copy_done", {"l": 0})]
+    for name, args in run:
+        step = g.ACTIONS[name][0](s, **args)
+        assert step.rejected is None, (name, step.rejected)
+        s = step.state
+        want = {"admit_hit": ["hybrid_hit_has_snapshot"],
+                "copy_done": ["lane_local_state_is_its_own"]}.get(name, [])
+        assert g.check_invariants(s) == want, name
+    assert s.snap_upto[0] == 0
+
+
+def test_hybrid_snapshots_must_not_skip_a_boundary():
+    """A snapshot taken past the next chunk boundary would leave a boundary without one that
+    the entry claims (snapshots are kept at every boundary up to snap_upto)."""
+    bad = not_proved(checks.relational(MODEL.without_guard("snapshot", "next_boundary")))
+    assert ("lane_snapshots_are_its_own", "snapshot", "counterexample") in bad, bad
 
 
 def test_copy_into_the_source_is_unsafe():

@@ -94,6 +94,17 @@ class State:
     # local_junk(Lane) -> Bool [ghost]: the lane's local slot was written by something other than
     # its sequence
     local_junk: tuple[bool, ...] | None
+    # lane_snap(Lane) -> Int: the lane has sliding-state snapshots at every chunk boundary up to
+    # this
+    lane_snap: tuple[int, ...]
+    # snap_upto(Block) -> Int: a cache entry has sliding-state snapshots at every chunk boundary up
+    # to this
+    snap_upto: tuple[int, ...]
+    # lane_snap_junk(Lane) -> Bool [ghost]: some snapshot of the lane is not its own sequence's
+    # state there
+    lane_snap_junk: tuple[bool, ...] | None
+    # snap_junk(Block) -> Bool [ghost]: some snapshot of the entry is not its key's state there
+    snap_junk: tuple[bool, ...] | None
     # busy(Lane) -> Bool: the lane serves a request
     busy: tuple[bool, ...]
     # lane_req(Lane) -> Req: the request a busy lane serves
@@ -137,6 +148,10 @@ STATE_FIELDS = (
     "junk",
     "local_holds",
     "local_junk",
+    "lane_snap",
+    "snap_upto",
+    "lane_snap_junk",
+    "snap_junk",
     "busy",
     "lane_req",
     "table",
@@ -153,7 +168,16 @@ STATE_FIELDS = (
     "req_lane",
     "prompt",
 )
-GHOST_FIELDS = ("holds", "junk", "local_holds", "local_junk", "xfer_live", "xfer_block")
+GHOST_FIELDS = (
+    "holds",
+    "junk",
+    "local_holds",
+    "local_junk",
+    "lane_snap_junk",
+    "snap_junk",
+    "xfer_live",
+    "xfer_block",
+)
 
 
 class Step(NamedTuple):
@@ -180,6 +204,13 @@ class Copy(NamedTuple):
     lane: int
     src: int
     dst: int
+    n: int
+
+
+class Snapshot(NamedTuple):
+    """Effect `snapshot` (emitted by snapshot)."""
+
+    lane: int
     n: int
 
 
@@ -235,6 +266,7 @@ class Outbound(NamedTuple):
 EFFECTS = {
     "admit": Admit,
     "copy": Copy,
+    "snapshot": Snapshot,
     "prefill": Prefill,
     "decode": Decode,
     "release": Release,
@@ -258,6 +290,8 @@ def init(consts: Consts, ghost: bool = True) -> State:
     key = (empty(),) * K
     head = (empty(),) * K
     B = consts.B
+    lane_snap = (0,) * B
+    snap_upto = (0,) * K
     busy = (False,) * B
     lane_req = (None,) * B
     table = (0,) * B
@@ -276,10 +310,13 @@ def init(consts: Consts, ghost: bool = True) -> State:
         junk = (True,) * K
         local_holds = (None,) * B
         local_junk = (True,) * B
+        lane_snap_junk = (True,) * B
+        snap_junk = (True,) * K
         xfer_live = PMap(default=False)
         xfer_block = PMap()
     else:
-        holds = junk = local_holds = local_junk = xfer_live = xfer_block = None
+        holds = junk = local_holds = local_junk = lane_snap_junk = snap_junk = xfer_live = None
+        xfer_block = None
     return State(
         consts,
         ghost,
@@ -291,6 +328,10 @@ def init(consts: Consts, ghost: bool = True) -> State:
         junk,
         local_holds,
         local_junk,
+        lane_snap,
+        snap_upto,
+        lane_snap_junk,
+        snap_junk,
         busy,
         lane_req,
         table,
@@ -349,6 +390,10 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -391,10 +436,18 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     head = s.head
     _m1 = take(_m2, C)
     key = s.key
+    snap_upto = s.snap_upto
+    HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
         for b in range(s.consts.K):
-            if _m0 and owner[b] == OWNER_CACHE and head[b] == _m1 and slen(key[b]) >= C:
+            if (
+                _m0
+                and owner[b] == OWNER_CACHE
+                and head[b] == _m1
+                and slen(key[b]) >= C
+                and (not HYBRID or snap_upto[b] >= C)
+            ):
                 return "no_cache_hit"
     return None
 
@@ -425,10 +478,18 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     head = s.head
     _m1 = take(_m3, C)
     key = s.key
+    snap_upto = s.snap_upto
+    HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
         for b in range(s.consts.K):
-            if _m0 and owner[b] == OWNER_CACHE and head[b] == _m1 and slen(key[b]) >= C:
+            if (
+                _m0
+                and owner[b] == OWNER_CACHE
+                and head[b] == _m1
+                and slen(key[b]) >= C
+                and (not HYBRID or snap_upto[b] >= C)
+            ):
                 return Step(s, (), "no_cache_hit")
     new_busy = list(busy)
     new_busy[l] = True
@@ -465,6 +526,9 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_local_junk = list(s.local_junk)
         new_local_junk[l] = False
         new_local_junk = tuple(new_local_junk)
+        new_lane_snap_junk = list(s.lane_snap_junk)
+        new_lane_snap_junk[l] = False
+        new_lane_snap_junk = tuple(new_lane_snap_junk)
         new_holds = list(s.holds)
         new_holds[dst] = _m4
         new_holds = tuple(new_holds)
@@ -472,7 +536,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_holds = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_holds = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -484,6 +548,10 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_junk,
         new_local_holds,
         new_local_junk,
+        s.lane_snap,
+        snap_upto,
+        new_lane_snap_junk,
+        s.snap_junk,
         new_busy,
         new_lane_req,
         new_table,
@@ -530,10 +598,18 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     head = s.head
     _m1 = take(_m2, C)
     key = s.key
+    snap_upto = s.snap_upto
+    HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
         for b in range(s.consts.K):
-            if _m0 and owner[b] == OWNER_CACHE and head[b] == _m1 and slen(key[b]) >= C:
+            if (
+                _m0
+                and owner[b] == OWNER_CACHE
+                and head[b] == _m1
+                and slen(key[b]) >= C
+                and (not HYBRID or snap_upto[b] >= C)
+            ):
                 return "no_cache_hit"
     return (Admit(l, r, dst),)
 
@@ -567,6 +643,9 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
     # prefix_matches
     if take(key[src], n) != take(_m0, n):
         return "prefix_matches"
+    # hybrid_snapshot_at_n
+    if s.consts.HYBRID and n > s.snap_upto[src]:
+        return "hybrid_snapshot_at_n"
     # dst_not_src
     if dst == src:
         return "dst_not_src"
@@ -613,6 +692,11 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     # prefix_matches
     if take(key[src], n) != take(_m1, n):
         return Step(s, (), "prefix_matches")
+    snap_upto = s.snap_upto
+    _m2 = n <= snap_upto[src]
+    # hybrid_snapshot_at_n
+    if s.consts.HYBRID and not _m2:
+        return Step(s, (), "hybrid_snapshot_at_n")
     # dst_not_src
     if dst == src:
         return Step(s, (), "dst_not_src")
@@ -650,6 +734,9 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     new_owner_lane = list(s.owner_lane)
     new_owner_lane[dst] = l
     new_owner_lane = tuple(new_owner_lane)
+    new_lane_snap = list(s.lane_snap)
+    new_lane_snap[l] = (n if _m2 else snap_upto[src])
+    new_lane_snap = tuple(new_lane_snap)
     new_copying = list(copying)
     new_copying[l] = True
     new_copying = tuple(new_copying)
@@ -664,11 +751,14 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         new_local_junk = list(s.local_junk)
         new_local_junk[l] = False
         new_local_junk = tuple(new_local_junk)
+        new_lane_snap_junk = list(s.lane_snap_junk)
+        new_lane_snap_junk[l] = s.snap_junk[src]
+        new_lane_snap_junk = tuple(new_lane_snap_junk)
         new_junk = list(s.junk)
         new_junk[dst] = True
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -680,6 +770,10 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         new_junk,
         new_local_holds,
         new_local_junk,
+        new_lane_snap,
+        snap_upto,
+        new_lane_snap_junk,
+        s.snap_junk,
         new_busy,
         new_lane_req,
         new_table,
@@ -732,6 +826,9 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     # prefix_matches
     if take(key[src], n) != take(_m0, n):
         return "prefix_matches"
+    # hybrid_snapshot_at_n
+    if s.consts.HYBRID and n > s.snap_upto[src]:
+        return "hybrid_snapshot_at_n"
     # dst_not_src
     if dst == src:
         return "dst_not_src"
@@ -755,7 +852,9 @@ def copy_done_guard(s: State, l: int) -> str | None:
 
 
 def copy_done(s: State, l: int) -> Step:
-    """The runtime finished copying lane l's prefix hit; the source is unpinned."""
+    """The runtime finished copying lane l's prefix hit (and, for a hybrid model, restoring the
+    lane's local slot from its snapshot at the hit's length); the source is unpinned.
+    """
     copying = s.copying
     # copy_in_flight
     if not copying[l]:
@@ -767,13 +866,20 @@ def copy_done(s: State, l: int) -> Step:
         holds = s.holds
         new_holds = list(holds)
         table = s.table
-        new_holds[table[l]] = take(holds[s.copy_src[l]], s.length[l])
+        length = s.length
+        new_holds[table[l]] = take(holds[s.copy_src[l]], length[l])
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
         new_junk[table[l]] = False
         new_junk = tuple(new_junk)
+        new_local_holds = list(s.local_holds)
+        new_local_holds[l] = take(s.lane_seq[l], length[l])
+        new_local_holds = tuple(new_local_holds)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = s.lane_snap_junk[l] or s.lane_snap[l] < length[l]
+        new_local_junk = tuple(new_local_junk)
     else:
-        new_holds = new_junk = None
+        new_holds = new_junk = new_local_holds = new_local_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -783,8 +889,12 @@ def copy_done(s: State, l: int) -> Step:
         s.head,
         new_holds,
         new_junk,
-        s.local_holds,
-        s.local_junk,
+        new_local_holds,
+        new_local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -802,6 +912,123 @@ def copy_done(s: State, l: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def snapshot_guard(s: State, l: int) -> str | None:
+    """The first failing guard conjunct of `snapshot`, or None."""
+    # hybrid_prefix_cache
+    if not s.consts.HYBRID:
+        return "hybrid_prefix_cache"
+    if not s.consts.PREFIX:
+        return "hybrid_prefix_cache"
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return "lane_computing"
+    if s.copying[l]:
+        return "lane_computing"
+    # next_boundary
+    if s.length[l] != s.lane_snap[l] + s.consts.C:
+        return "next_boundary"
+    return None
+
+
+def snapshot(s: State, l: int) -> Step:
+    """Hybrid prefix cache: the host saves lane l's local slot (its sliding state) at the next
+    chunk boundary, so that a later hit of that length can restore it.
+    """
+    # hybrid_prefix_cache
+    if not s.consts.HYBRID:
+        return Step(s, (), "hybrid_prefix_cache")
+    if not s.consts.PREFIX:
+        return Step(s, (), "hybrid_prefix_cache")
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return Step(s, (), "lane_computing")
+    if s.copying[l]:
+        return Step(s, (), "lane_computing")
+    length = s.length
+    lane_snap = s.lane_snap
+    _m1 = length[l] == lane_snap[l] + s.consts.C
+    # next_boundary
+    if not _m1:
+        return Step(s, (), "next_boundary")
+    new_lane_snap = list(lane_snap)
+    new_lane_snap[l] = length[l]
+    new_lane_snap = tuple(new_lane_snap)
+    effects = (Snapshot(l, length[l]),)
+    if s.ghost:
+        lane_snap_junk = s.lane_snap_junk
+        new_lane_snap_junk = list(lane_snap_junk)
+        new_lane_snap_junk[l] = (
+            lane_snap_junk[l]
+            or s.local_junk[l]
+            or s.local_holds[l] != take(s.lane_seq[l], length[l])
+            or not _m1
+        )
+        new_lane_snap_junk = tuple(new_lane_snap_junk)
+    else:
+        new_lane_snap_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        s.owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        new_lane_snap,
+        s.snap_upto,
+        new_lane_snap_junk,
+        s.snap_junk,
+        busy,
+        s.lane_req,
+        s.table,
+        length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
+    """The effects `snapshot` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # hybrid_prefix_cache
+    if not s.consts.HYBRID:
+        return "hybrid_prefix_cache"
+    if not s.consts.PREFIX:
+        return "hybrid_prefix_cache"
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return "lane_computing"
+    if s.copying[l]:
+        return "lane_computing"
+    length = s.length
+    # next_boundary
+    if length[l] != s.lane_snap[l] + s.consts.C:
+        return "next_boundary"
+    return (Snapshot(l, length[l]),)
 
 
 def prefill_guard(s: State, l: int, tok: int) -> str | None:
@@ -866,6 +1093,10 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.junk,
         new_local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         lane_req,
         table,
@@ -1036,6 +1267,10 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         new_junk,
         new_local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         busy,
         lane_req,
         table,
@@ -1140,13 +1375,26 @@ def finish(s: State, l: int, keep: bool) -> Step:
     new_head = list(s.head)
     new_head[table[l]] = take(_m0, s.consts.C)
     new_head = tuple(new_head)
+    new_snap_upto = list(s.snap_upto)
+    lane_snap = s.lane_snap
+    new_snap_upto[table[l]] = lane_snap[l]
+    new_snap_upto = tuple(new_snap_upto)
     new_busy = list(busy)
     new_busy[l] = False
     new_busy = tuple(new_busy)
     new_owner = list(s.owner)
     new_owner[table[l]] = (OWNER_CACHE if keep else OWNER_FREE)
     new_owner = tuple(new_owner)
+    new_lane_snap = list(lane_snap)
+    new_lane_snap[l] = 0
+    new_lane_snap = tuple(new_lane_snap)
     effects = (Release(l, table[l]),)
+    if s.ghost:
+        new_snap_junk = list(s.snap_junk)
+        new_snap_junk[table[l]] = s.lane_snap_junk[l]
+        new_snap_junk = tuple(new_snap_junk)
+    else:
+        new_snap_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1158,6 +1406,10 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
+        new_lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
         new_busy,
         lane_req,
         table,
@@ -1220,6 +1472,10 @@ def abort_waiting(s: State, r: int) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1264,6 +1520,9 @@ def abort_running(s: State, l: int) -> Step:
     new_copying = list(s.copying)
     new_copying[l] = False
     new_copying = tuple(new_copying)
+    new_lane_snap = list(s.lane_snap)
+    new_lane_snap[l] = 0
+    new_lane_snap = tuple(new_lane_snap)
     effects = (Release(l, table[l]),)
     new = State(
         s.consts,
@@ -1276,6 +1535,10 @@ def abort_running(s: State, l: int) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
+        new_lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         new_busy,
         s.lane_req,
         table,
@@ -1332,6 +1595,9 @@ def fail(s: State, l: int) -> Step:
     new_copying = list(s.copying)
     new_copying[l] = False
     new_copying = tuple(new_copying)
+    new_lane_snap = list(s.lane_snap)
+    new_lane_snap[l] = 0
+    new_lane_snap = tuple(new_lane_snap)
     effects = (Release(l, table[l]),)
     if s.ghost:
         new_junk = list(s.junk)
@@ -1353,6 +1619,10 @@ def fail(s: State, l: int) -> Step:
         new_junk,
         s.local_holds,
         new_local_junk,
+        new_lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         new_busy,
         s.lane_req,
         table,
@@ -1434,6 +1704,10 @@ def discard(s: State, b: int) -> Step:
         new_junk,
         s.local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1535,13 +1809,17 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_local_junk = list(s.local_junk)
         new_local_junk[l] = False
         new_local_junk = tuple(new_local_junk)
+        new_lane_snap_junk = list(s.lane_snap_junk)
+        new_lane_snap_junk[l] = False
+        new_lane_snap_junk = tuple(new_lane_snap_junk)
         new_xfer_live = s.xfer_live.set(r, True)
         new_xfer_block = s.xfer_block.set(r, dst)
         new_junk = list(s.junk)
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_xfer_live = new_xfer_block = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_xfer_live = None
+        new_xfer_block = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1553,6 +1831,10 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_junk,
         new_local_holds,
         new_local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        new_lane_snap_junk,
+        s.snap_junk,
         new_busy,
         new_lane_req,
         new_table,
@@ -1657,6 +1939,10 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         s.junk,
         new_local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -1743,6 +2029,10 @@ def export(s: State, l: int) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         lane_req,
         table,
@@ -1813,17 +2103,27 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     new_head = list(s.head)
     new_head[_m0] = take(_m2, s.consts.C)
     new_head = tuple(new_head)
+    new_snap_upto = list(s.snap_upto)
+    lane_snap = s.lane_snap
+    new_snap_upto[_m0] = lane_snap[_m1]
+    new_snap_upto = tuple(new_snap_upto)
     new_busy = list(s.busy)
     new_busy[_m1] = False
     new_busy = tuple(new_busy)
     new_owner = list(s.owner)
     new_owner[_m0] = (OWNER_CACHE if keep else OWNER_FREE)
     new_owner = tuple(new_owner)
+    new_lane_snap = list(lane_snap)
+    new_lane_snap[_m1] = 0
+    new_lane_snap = tuple(new_lane_snap)
     effects = (Release(_m1, _m0),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
+        new_snap_junk = list(s.snap_junk)
+        new_snap_junk[_m0] = s.lane_snap_junk[_m1]
+        new_snap_junk = tuple(new_snap_junk)
     else:
-        new_xfer_live = None
+        new_xfer_live = new_snap_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1835,6 +2135,10 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
+        new_lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
         new_busy,
         s.lane_req,
         s.table,
@@ -1900,6 +2204,9 @@ def transfer_fail(s: State, r: int) -> Step:
     new_owner = list(s.owner)
     new_owner[_m1] = OWNER_FREE
     new_owner = tuple(new_owner)
+    new_lane_snap = list(s.lane_snap)
+    new_lane_snap[_m2] = 0
+    new_lane_snap = tuple(new_lane_snap)
     effects = (Release(_m2, _m1),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
@@ -1919,6 +2226,10 @@ def transfer_fail(s: State, r: int) -> Step:
         new_junk,
         s.local_holds,
         s.local_junk,
+        new_lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         new_busy,
         s.lane_req,
         s.table,
@@ -1998,6 +2309,10 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         new_junk,
         s.local_holds,
         s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
         s.busy,
         s.lane_req,
         s.table,
@@ -2028,6 +2343,7 @@ ACTIONS = {
         ("Lane", "Req", "Block", "Block", "Int"),
     ),
     "copy_done": (copy_done, copy_done_guard, ("l",), ("Lane",)),
+    "snapshot": (snapshot, snapshot_guard, ("l",), ("Lane",)),
     "prefill": (prefill, prefill_guard, ("l", "tok"), ("Lane", "Int")),
     "decode": (decode, decode_guard, ("pad", "tok"), ("Block", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
@@ -2086,6 +2402,10 @@ INVARIANTS = (
     "copy_target_not_ready",
     "copy_source_holds_prefix",
     "lane_local_state_is_its_own",
+    "lane_snapshots_are_its_own",
+    "idle_lane_has_no_snapshots",
+    "entry_snapshots_are_its_own",
+    "hybrid_hit_has_snapshot",
     "transfer_block_held",
     "draining_has_transfer",
     "transfer_names_lane_request",
@@ -2099,6 +2419,7 @@ INVARIANTS = (
     "decode_after_prompt",
     "prefill_on_chunk_boundary",
     "lane_blocks_equal_busy_lanes",
+    "snapshots_on_chunk_boundaries",
     "one_scratch_block_when_reserved",
 )
 
@@ -2257,11 +2578,37 @@ def check_invariants(s: State) -> list[str]:
         _m5 = tuple([not _m6[l] for l in range(B)])
         # lane_local_state_is_its_own
         if not all(
-            not (HYBRID and busy[l] and _m5[l])
+            not (HYBRID and busy[l] and _m5[l] and not copying[l])
             or (not local_junk[l] and local_holds[l] == take(lane_seq[l], length[l]))
             for l in range(B)
         ):
             bad.append("lane_local_state_is_its_own")
+        lane_snap_junk = s.lane_snap_junk
+        lane_snap = s.lane_snap
+        # lane_snapshots_are_its_own
+        if not all(
+            not busy[l]
+            or (not lane_snap_junk[l] and lane_snap[l] >= 0 and lane_snap[l] <= length[l])
+            for l in range(B)
+        ):
+            bad.append("lane_snapshots_are_its_own")
+    lane_snap = s.lane_snap
+    # idle_lane_has_no_snapshots
+    if not all(busy[l] or lane_snap[l] == 0 for l in range(B)):
+        bad.append("idle_lane_has_no_snapshots")
+    if s.ghost:
+        snap_junk = s.snap_junk
+        snap_upto = s.snap_upto
+        # entry_snapshots_are_its_own
+        if not all(
+            owner[b] != OWNER_CACHE or (not snap_junk[b] and snap_upto[b] >= 0)
+            for b in range(K)
+        ):
+            bad.append("entry_snapshots_are_its_own")
+    HYBRID = s.consts.HYBRID
+    # hybrid_hit_has_snapshot
+    if not all(not (HYBRID and copying[l]) or lane_snap[l] == length[l] for l in range(B)):
+        bad.append("hybrid_hit_has_snapshot")
     _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
@@ -2345,6 +2692,13 @@ def check_invariants(s: State) -> list[str]:
     # lane_blocks_equal_busy_lanes
     if sum(1 for b in range(K) if owner[b] == OWNER_LANE) != sum(1 for l in range(B) if busy[l]):
         bad.append("lane_blocks_equal_busy_lanes")
+    snap_upto = s.snap_upto
+    # snapshots_on_chunk_boundaries
+    if not (
+        all(not busy[l] or lane_snap[l] % C == 0 for l in range(B))
+        and all(owner[b] != OWNER_CACHE or snap_upto[b] % C == 0 for b in range(K))
+    ):
+        bad.append("snapshots_on_chunk_boundaries")
     # one_scratch_block_when_reserved
     if sum(1 for b in range(K) if owner[b] == OWNER_SCRATCH) != (1 if RESERVED else 0):
         bad.append("one_scratch_block_when_reserved")
@@ -2395,7 +2749,6 @@ AXIOMS = (
     "block_holds_a_chunk",
     "lanes_positive",
     "blocks_positive",
-    "hybrid_without_prefix_cache",
     "empty_has_no_tokens",
 )
 
@@ -2420,9 +2773,6 @@ def check_axioms(c: Consts) -> list[str]:
     # blocks_positive
     if c.K <= 0:
         bad.append("blocks_positive")
-    # hybrid_without_prefix_cache
-    if c.HYBRID and c.PREFIX:
-        bad.append("hybrid_without_prefix_cache")
     # empty_has_no_tokens
     if slen(empty()) != 0:
         bad.append("empty_has_no_tokens")
@@ -2529,6 +2879,10 @@ def describe_state(s: State) -> dict[str, Any]:
     out["junk"] = None if s.junk is None else list(s.junk)
     out["local_holds"] = None if s.local_holds is None else [_tokens(x) for x in s.local_holds]
     out["local_junk"] = None if s.local_junk is None else list(s.local_junk)
+    out["lane_snap"] = list(s.lane_snap)
+    out["snap_upto"] = list(s.snap_upto)
+    out["lane_snap_junk"] = None if s.lane_snap_junk is None else list(s.lane_snap_junk)
+    out["snap_junk"] = None if s.snap_junk is None else list(s.snap_junk)
     out["busy"] = list(s.busy)
     out["lane_req"] = list(s.lane_req)
     out["table"] = list(s.table)

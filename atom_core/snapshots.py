@@ -1,0 +1,55 @@
+"""Host copies of hybrid lanes' sliding-window state, for the prefix cache (the adapter's side).
+
+The core decides which snapshots exist: a lane has one at every chunk boundary up to
+`lane_snap[lane]`, a cache entry at every boundary up to `snap_upto[block]`. This store only
+holds the host buffers for them, moving them along the transitions the core takes: a lane's
+snapshots become its entry's when its block is cached, and a hit hands the entry's (up to the
+hit's length) to the lane that hit. Buffers are never written after they are taken, so a lane
+and an entry may share one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom_core._generated import core
+
+Snaps = dict[int, Any]  # chunk boundary n -> host buffer of the slot's state after n tokens
+
+
+class SnapshotStore:
+    def __init__(self) -> None:
+        self.lanes: dict[int, Snaps] = {}
+        self.entries: dict[int, Snaps] = {}
+
+    def taken(self, lane: int, n: int, host: Any) -> None:
+        self.lanes.setdefault(lane, {})[n] = host
+
+    def restore_source(self, src: int, n: int) -> Any:
+        """The buffer a hit of n tokens from entry src restores (the core guarantees it)."""
+        return self.entries[src][n]
+
+    def sync(self, s: core.State) -> None:
+        """Drop what the core no longer has: snapshots of idle lanes and of blocks that are no
+        longer cache entries, and any past the core's boundary (after a hit, a lane keeps its
+        entry's only up to the hit's length)."""
+        self.lanes = {ln: _upto(sn, s.lane_snap[ln]) for ln, sn in self.lanes.items()
+                      if s.busy[ln]}
+        self.entries = {b: _upto(sn, s.snap_upto[b]) for b, sn in self.entries.items()
+                        if s.owner[b] == core.OWNER_CACHE}
+
+    def admitted(self, lane: int, src: int | None) -> None:
+        """A lane takes a new request: no snapshots, or (a hit) the entry's."""
+        self.lanes[lane] = dict(self.entries.get(src, {})) if src is not None else {}
+
+    def released(self, lane: int, block: int) -> None:
+        """The lane's request ended and its block was released; if it became a cache entry, the
+        lane's snapshots are now the entry's (`sync` trims them to the core's `snap_upto`)."""
+        self.entries[block] = self.lanes.pop(lane, {})
+
+    def count(self) -> int:
+        return sum(map(len, self.lanes.values())) + sum(map(len, self.entries.values()))
+
+
+def _upto(snaps: Snaps, n: int) -> Snaps:
+    return {k: v for k, v in snaps.items() if k <= n}
