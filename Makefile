@@ -6,8 +6,10 @@ PIP := .venv/bin/pip
 STAMP := .venv/.installed
 # Override on the command line, e.g. `make test HYPOTHESIS_PROFILE=deep`.
 HYPOTHESIS_PROFILE := ci
+# First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
+SIMULATE_SEED := 0
 
-.PHONY: install generate check-generated verify test lint bench demo pd-demo
+.PHONY: install generate check-generated verify test lint bench demo pd-demo simulate simulate-deep
 
 install: $(STAMP)
 
@@ -51,3 +53,12 @@ demo: install
 # same workload colocated; prints the comparison.
 pd-demo: install
 	.venv/bin/atom-core pd-demo
+
+# Seeded simulation of the batcher and PD workers under injected faults (atom_core/simulate.py):
+# a short bounded sweep, and a 10-minute deep run; both stop at the first failing seed and print
+# its shortest failing prefix and replay command.
+simulate: install
+	.venv/bin/atom-core simulate --seeds 0..9 --steps 100
+
+simulate-deep: install
+	.venv/bin/atom-core simulate --minutes 10 --seed $(SIMULATE_SEED)

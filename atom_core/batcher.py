@@ -77,6 +77,10 @@ class Stats:
     exports: int = 0
     transfer_failures: int = 0
     stale_events: int = 0  # transfer events for requests that had no transfer (late, duplicate)
+    host_stores: int = 0  # evicted cache entries stored into the host tier
+    host_store_failures: int = 0  # stores that failed (the entry was dropped)
+    host_hit_tokens: int = 0  # prompt tokens loaded from the host tier instead of computed
+    host_load_failures: int = 0  # loads that failed (the request recomputed its prompt)
     snapshots: int = 0  # hybrid prefix cache: sliding-state snapshots taken
     snapshot_failures: int = 0  # fetches that failed (the lane just has no later snapshots)
 
@@ -118,7 +122,12 @@ def check_runtime(cfg: Config, rt: Any) -> None:
                      + ("has sliding-window layers" if hybrid else "has none"))
     elif hybrid and getattr(rt, "sliding_window", cfg.sliding_window) != cfg.sliding_window:
         wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime {rt.sliding_window}")
-    elif hybrid and cfg.prefix_cache and not all(
+    if cfg.host_cache_blocks and not all(
+            hasattr(rt, op) for op in ("new_host_buffer", "fetch_kv_cache", "update_kv_cache")):
+        wrong.append("host_cache_blocks: the host tier stores and loads blocks through host "
+                     "buffers (new_host_buffer/fetch_kv_cache/update_kv_cache), which this "
+                     "runtime lacks; set host_cache_blocks=0")
+    if hybrid and cfg.prefix_cache and not all(
             hasattr(rt, op) for op in ("new_local_host_buffer", "fetch_local_cache",
                                        "update_local_cache")):
         wrong.append("prefix_cache: a hybrid model's hits restore sliding-window snapshots, and "
@@ -140,6 +149,7 @@ class AtomBatcher:
         self._hybrid = config.sliding_window is not None
         # hybrid prefix cache: host copies of sliding-window state at chunk boundaries
         self._snaps = SnapshotStore() if self._hybrid and config.prefix_cache else None
+        self._host: dict[int, Any] = {}  # host tier: slot -> its host buffer (made on first use)
         self.policy = policy or Policy()
         self.state = core.init(config.consts(), ghost=ghost)
         self.requests: dict[int, Request] = {}
@@ -368,6 +378,47 @@ class AtomBatcher:
                 raise RuntimeError(f"not done after {max_steps} steps")
         return {rid: Result(list(r.tokens), r.error) for rid, r in self.requests.items()}
 
+    # --------------------------------------------------------------- host tier
+    def _spill(self, block: int) -> bool:
+        """Store cache entry `block` into the host tier before it is evicted, evicting the least
+        recently used host entry when every slot is full. False if no slot can take it, or the
+        host tier already holds it (the device entry is then simply evicted). A failed store
+        drops the entry; either way the block is free afterwards."""
+        place = self.policy.spill_slot(self.state, block)
+        if place is None:
+            return False
+        slot, evict = place
+        if evict:
+            self._apply("host_evict", h=slot)
+        self._apply("spill", b=block, h=slot)
+        if slot not in self._host:
+            self._host[slot] = self.runtime.new_host_buffer()
+        try:
+            self.runtime.fetch_kv_cache(self._host[slot], block)
+        except Exception:  # noqa: BLE001 - a read of the device: only this entry is lost
+            self._apply("store_fail", h=slot)
+            self.stats.host_store_failures += 1
+            return True
+        self._apply("store_done", h=slot)
+        self.stats.host_stores += 1
+        return True
+
+    def _load(self, eff: Any) -> None:
+        """A host-tier hit: load the slot into the lane's fresh block. If the load fails, the
+        request recomputes its prompt from the start (the core's `load_fail`); nothing else is
+        affected."""
+        try:
+            self.runtime.update_kv_cache(self._host[eff.slot], eff.dst)
+        except Exception:  # noqa: BLE001 - the request recomputes; the host entry is intact
+            self._apply("load_fail", l=eff.lane)
+            self.stats.host_load_failures += 1
+            return
+        self._apply("load_done", l=eff.lane)
+        self.stats.host_hit_tokens += eff.n
+
+    def _is_cache_entry(self, block: int) -> bool:
+        return self.state.owner[block] == core.OWNER_CACHE
+
     def check_invariants(self) -> None:
         bad = core.check_invariants(self.state)
         if bad:
@@ -388,7 +439,14 @@ class AtomBatcher:
             owners.append(own)
         cache = [{"block": b, "tokens": len(s.key[b]), "last_use": self.policy.last_use.get(b, 0)}
                  for b in range(s.consts.K) if s.owner[b] == core.OWNER_CACHE]
-        return {"lanes": lanes, "blocks": owners, "cache": cache,
+        host = [{"slot": h, "state": core.SLOTSTATE_NAMES[s.slot_state[h]].lower(),
+                 "tokens": len(s.slot_key[h])} for h in range(s.consts.H)]
+        # host memory the adapter holds for the core's snapshots (each one a local slot)
+        snaps = ({"lanes": {ln: sorted(v) for ln, v in self._snaps.lanes.items()},
+                  "entries": {b: sorted(v) for b, v in self._snaps.entries.items()}}
+                 if self._snaps is not None else None)
+        return {"lanes": lanes, "blocks": owners, "cache": cache, "host_cache": host,
+                "snapshots": snaps,
                 "waiting": list(self.waiting), "stats": attrs.asdict(self.stats)}
 
     # --------------------------------------------------------------- core plumbing
@@ -460,6 +518,9 @@ class AtomBatcher:
             choice = self.policy.admission(self.state, rid, remote=self.requests[rid].remote)
             if choice is None:
                 return
+            dst = choice.args.get("dst")
+            if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
+                continue  # the entry went to the host tier; its block is free now: choose again
             self.waiting.popleft()
             step = self._apply(choice.action, **choice.args)
             for eff in step.effects:
@@ -481,6 +542,8 @@ class AtomBatcher:
                             continue
                     self._apply("copy_done", l=eff.lane)
                     self.stats.prefix_hit_tokens += eff.n
+                elif isinstance(eff, core.Load):
+                    self._load(eff)
 
     # --------------------------------------------------------------- prefill
     def _prefilling_lane(self) -> int | None:
@@ -529,6 +592,11 @@ class AtomBatcher:
         if isinstance(plan, str):
             return  # no lane decodes, or no padding target yet (a prefill will come first)
         (eff,) = plan
+        if (self.config.host_cache_blocks and not all(eff.live) and self._is_cache_entry(pad)
+                and self._spill(pad)):
+            # padding would evict that entry: it went to the host tier first; choose again
+            self._decode(events)
+            return
         lanes = [ln for ln, live in enumerate(eff.live) if live]
         if not lanes:
             return

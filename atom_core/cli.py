@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from atom_core._generated import capacity
-from atom_core.config import SCRATCH_MODES, features, min_kv_blocks, rule_for
+from atom_core.config import SCRATCH_MODES, Config, ConfigError, features, min_kv_blocks, rule_for
 
 NEEDS_VERIFY = "this command needs z3: pip install 'atom-core[verify]'"
 
@@ -104,9 +104,34 @@ def _short(v: Any) -> str:
     return str(v)
 
 
+def _artifact_error(args: argparse.Namespace, kv_blocks: int) -> str | None:
+    """What is wrong with the artifact's settings other than its number of KV blocks (checked
+    with `kv_blocks` blocks, at least the rule's minimum), or None."""
+    try:
+        Config(lanes=args.lanes, kv_blocks=kv_blocks, max_seq_len=args.max_seq_len,
+               block_size=args.block_size if args.block_size is not None else args.max_seq_len,
+               prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+               scratch=args.scratch, host_cache_blocks=args.host_cache_blocks)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _invalid(args: argparse.Namespace, error: str, out: dict[str, Any]) -> int:
+    if args.json:
+        _emit({**out, "safe": False, "error": error})
+    else:
+        print(f"INVALID: {error}", file=sys.stderr)
+    return 1 if "safe" in out else 2
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch)
     rule = rule_for(args.prefix_cache, args.scratch)
+    error = _artifact_error(args, max(need, args.kv_blocks))
+    if error is not None:
+        return _invalid(args, error, {"safe": False, "lanes": args.lanes,
+                                      "kv_blocks": args.kv_blocks})
     out: dict[str, Any] = {"safe": args.kv_blocks >= need, "rule": rule, "trace": [],
                            "lanes": args.lanes, "kv_blocks": args.kv_blocks,
                            "min_kv_blocks": need, "proved_lanes": capacity.PROVED_LANES}
@@ -116,7 +141,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from atom_core.spec.model import MODEL
 
         tr = stuck_run(MODEL, args.lanes, args.kv_blocks, args.prefix_cache,
-                       args.scratch == "reserved")
+                       args.scratch == "reserved", host=args.host_cache_blocks > 0)
         if tr is None:  # the rule says unsafe, so this is a bug in the proofs: say so loudly
             print("internal error: no stuck run found below the proved minimum", file=sys.stderr)
             return 3
@@ -127,7 +152,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         _emit(out)
         return 0 if out["safe"] else 1
     what = f"lanes={args.lanes}, kv_blocks={args.kv_blocks}, " + features(
-        args.prefix_cache, args.scratch)
+        args.prefix_cache, args.scratch) + (
+        f", host cache of {args.host_cache_blocks} blocks" if args.host_cache_blocks else "")
     if out["safe"]:
         note = ("" if args.lanes <= capacity.PROVED_LANES else
                 f" (the rule is proved for lanes <= {capacity.PROVED_LANES} by `atom-core verify`)")
@@ -149,6 +175,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_min_blocks(args: argparse.Namespace) -> int:
     need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch)
+    error = _artifact_error(args, need)
+    if error is not None:
+        return _invalid(args, error, {"lanes": args.lanes})
     out = {"lanes": args.lanes, "min_kv_blocks": need,
            "rule": rule_for(args.prefix_cache, args.scratch)}
     if args.json:
@@ -500,6 +529,101 @@ def _pd_demo_table(runs: dict[str, dict[str, Any]]) -> None:
             "colocated"], rows)
 
 
+# --------------------------------------------------------------------------- simulate
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        from atom_core import simulate
+    except ImportError as exc:  # torch is an extra
+        print(f"simulate needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
+        return 2
+    try:
+        faults = simulate.parse_faults(args.faults)
+        fixed = simulate.parse_fixed(args.set)
+        if args.mode is not None:
+            fixed["mode"] = args.mode
+        if args.prefix_cache is not None:
+            fixed["prefix_cache"] = args.prefix_cache
+        if args.scratch is not None:
+            fixed["scratch"] = args.scratch
+        if args.sliding_window is not None:
+            fixed.update(simulate.parse_fixed([f"sliding_window={args.sliding_window}"]))
+        if args.lanes is not None:
+            fixed["lanes"] = args.lanes
+        simulate.draw_config(args.seed, fixed)  # a bad combination is a usage error, now
+        if args.minutes is None and args.seeds is None:
+            report = simulate.run(args.seed, args.steps, faults, shrink=True, **fixed)
+            print(json.dumps(report.as_json()) if args.json else simulate.render(report))
+            return 0 if report.ok else 1
+        first, last = args.seeds if args.seeds is not None else (args.seed, None)
+        result = simulate.sweep_with_progress(
+            first, args.steps, last_seed=last, faults=faults, show=not args.json,
+            seconds=None if args.minutes is None else args.minutes * 60, **fixed)
+    except simulate.UsageError as exc:
+        print(f"atom-core simulate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        _emit(result.as_json())
+    elif result.failing is None:
+        print(f"OK: seeds {first}..{first + result.seeds_run - 1} ({result.seeds_run} seeds, "
+              f"{result.ticks} ticks, {result.seconds:.0f} s)")
+    else:
+        print(simulate.render(result.failing))
+    return 0 if result.ok else 1
+
+
+def _seed_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("..")
+    try:
+        lo, hi = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A..B (e.g. 0..99), got {text!r}") from None
+    if hi < lo:
+        raise argparse.ArgumentTypeError(f"empty seed range {text!r}")
+    return lo, hi
+
+
+def _minutes(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _simulate_parser(sub: Any) -> None:
+    sim = sub.add_parser("simulate", help="seeded simulation of the batcher and PD workers under "
+                                          "injected faults, checked against the spec and the "
+                                          "oracle")
+    sim.add_argument("--seed", type=int, default=0,
+                     help="picks the configuration, the workload and the faults (deep mode: "
+                          "the first seed)")
+    sim.add_argument("--steps", type=int, default=200,
+                     help="ticks with fault injection before the drain (default 200)")
+    sim.add_argument("--faults", default=None,
+                     help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
+                          "delay, drop, corrupt, duplicate, late, kill, abort), all (default) "
+                          "or none")
+    sim.add_argument("--mode", choices=("colocated", "pd"), default=None,
+                     help="fix the serving mode (default: the seed picks)")
+    sim.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                     help="fix the prefix cache on or off (default: the seed picks)")
+    sim.add_argument("--scratch", choices=SCRATCH_MODES, default=None,
+                     help="fix the scratch discipline (default: the seed picks)")
+    sim.add_argument("--sliding-window", default=None, metavar="W|none",
+                     help="fix the hybrid model's window, or none for a plain model")
+    sim.add_argument("--lanes", type=_positive, default=None)
+    sim.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                     help="fix any configuration dimension (e.g. prefetch=2, "
+                          "fallback_local=false, host_cache_blocks=2); repeatable")
+    deep = sim.add_mutually_exclusive_group()
+    deep.add_argument("--minutes", type=_minutes, default=None,
+                      help="deep mode: consecutive seeds from --seed until the time is up; "
+                           "stops at the first failing seed")
+    deep.add_argument("--seeds", type=_seed_range, default=None, metavar="A..B",
+                      help="deep mode over the seeds A..B (inclusive)")
+    sim.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    sim.set_defaults(fn=cmd_simulate)
+
+
 def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="the decode worker's address (default: loopback only)")
@@ -581,6 +705,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                        help="reserved: a fixed scratch block; dynamic: padding rows write into a "
                             "free block (default)")
+        p.add_argument("--max-seq-len", type=_positive, default=4096)
+        p.add_argument("--block-size", type=_positive, default=None,
+                       help="KV block size (default: max_seq_len, the eager artifact)")
+        p.add_argument("--prefill-chunk", type=_positive, default=128)
+        p.add_argument("--host-cache-blocks", type=int, default=0,
+                       help="host cache slots below the prefix cache (default 0: none)")
         p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         p.set_defaults(fn=fn)
 
@@ -612,6 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(pdemo)
     pdemo.add_argument("--json", action="store_true", help="one JSON object on stdout")
     pdemo.set_defaults(fn=cmd_pd_demo)
+
+    _simulate_parser(sub)
     return ap
 
 

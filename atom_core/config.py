@@ -45,6 +45,9 @@ class Config:
     # Hybrid (Gemma3-style) models: the sliding window W of their local layers, each lane's
     # sliding KV in its own local slot; None: every layer is global.
     sliding_window: int | None = None
+    # Host cache tier: evicted prefix-cache entries are stored into this many host slots (one
+    # block's KV each) and loaded back on a hit; 0: off.
+    host_cache_blocks: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.prefix_cache, bool):
@@ -58,6 +61,10 @@ class Config:
                 or self.sliding_window <= 0):
             raise ConfigError(f"sliding_window must be a positive integer (the window of the "
                               f"model's sliding layers) or None, got {self.sliding_window!r}")
+        if (isinstance(self.host_cache_blocks, bool) or not isinstance(self.host_cache_blocks, int)
+                or self.host_cache_blocks < 0):
+            raise ConfigError(f"host_cache_blocks must be an integer >= 0 (0: no host tier), "
+                              f"got {self.host_cache_blocks!r}")
         if self.scratch not in SCRATCH_MODES:
             raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
         if self.prefill_chunk % 64:
@@ -89,7 +96,8 @@ class Config:
         return g.Consts(B=self.lanes, K=self.kv_blocks, C=self.prefill_chunk,
                         S=self.max_seq_len, PREFIX=self.prefix_cache,
                         RESERVED=self.scratch == "reserved", SCRATCH=self.scratch_id,
-                        HYBRID=self.sliding_window is not None)
+                        HYBRID=self.sliding_window is not None,
+                        HOST=self.host_cache_blocks > 0, H=self.host_cache_blocks)
 
     @property
     def scratch_id(self) -> int:
@@ -103,6 +111,13 @@ class Config:
 AXIOM_HELP = {
     "chunk_divides_block": "max_seq_len must be a multiple of prefill_chunk",
     "block_holds_a_chunk": "prefill_chunk must not exceed max_seq_len",
+    "host_cache_needs_prefix_cache": (
+        "host_cache_blocks > 0 needs prefix_cache=True: the host tier holds prefix-cache entries "
+        "evicted from the device; turn the prefix cache on or set host_cache_blocks=0"),
+    "hybrid_without_host_cache": (
+        "a hybrid model (sliding_window set) cannot use the host cache: a host entry would have "
+        "to carry the sliding-window snapshots its hits restore, which is not built; set "
+        "host_cache_blocks=0 (the device prefix cache works for hybrid models)"),
 }
 
 

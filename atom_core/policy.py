@@ -33,6 +33,7 @@ class Policy:
     def __init__(self) -> None:
         self.clock = 0
         self.last_use: dict[int, int] = {}  # block -> time its cache entry was made or hit
+        self.slot_use: dict[int, int] = {}  # host slot -> time its entry was stored or hit
 
     # bookkeeping -------------------------------------------------------------------
     def observe(self, effects: Iterable[Any]) -> None:
@@ -42,6 +43,9 @@ class Policy:
                 self._touch(e.src)
             elif isinstance(e, g.Release):
                 self._touch(e.block)
+            elif isinstance(e, (g.Store, g.Load)):
+                self.clock += 1
+                self.slot_use[e.slot] = self.clock
 
     def _touch(self, block: int) -> None:
         self.clock += 1
@@ -55,7 +59,9 @@ class Policy:
         return None
 
     def pinned(self, s: g.State) -> set[int]:
-        return {s.copy_src[ln] for ln in range(s.consts.B) if s.copying[ln]}
+        # a host load reads a slot, not a block (its lane's copy_src is stale)
+        return {s.copy_src[ln] for ln in range(s.consts.B)
+                if s.copying[ln] and not s.copy_host[ln]}
 
     def reusable(self, s: g.State, exclude: int | None = None) -> int | None:
         """The lowest free block, else the least recently used unpinned cache entry."""
@@ -69,22 +75,34 @@ class Policy:
         return min(cached, key=lambda b: self.last_use.get(b, 0)) if cached else None
 
     def best_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
-        """(src, n) of the longest hit (most recently used among equals), or None."""
+        """(src, n) of the longest device hit (most recently used among equals), or None."""
+        def upto(b: int) -> int:
+            # a hybrid hit also restores the sliding state: only where the entry has a snapshot
+            return s.snap_upto[b] if s.consts.HYBRID else len(s.key[b])
+        entries = [b for b in range(s.consts.K) if s.owner[b] == g.OWNER_CACHE]
+        return self._longest(s, prompt, entries, s.head, s.key, upto, self.last_use)
+
+    def best_host_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
+        """(slot, n) of the longest host-tier hit, or None."""
+        stored = [h for h in range(s.consts.H) if s.slot_state[h] == g.SLOTSTATE_STORED]
+        return self._longest(s, prompt, stored, s.slot_head, s.slot_key,
+                             lambda h: len(s.slot_key[h]), self.slot_use)
+
+    @staticmethod
+    def _longest(s: g.State, prompt: TokSeq, entries: list[int], head: Any, key: Any,
+                 upto: Any, use: dict[int, int]) -> tuple[int, int] | None:
         c = s.consts.C
         limit = (len(prompt) - 1) // c * c  # at least one prompt token is recomputed
         if limit < c:
             return None
         first = take(prompt, c)
         best: tuple[int, int] | None = None
-        for b in range(s.consts.K):
-            if s.owner[b] != g.OWNER_CACHE or s.head[b] != first:
+        for b in entries:
+            if head[b] != first:
                 continue
-            key = s.key[b]
-            # a hybrid hit also restores the sliding state: only where the entry has a snapshot
-            upto = s.snap_upto[b] if s.consts.HYBRID else len(key)
-            n = common_chunks(key, prompt, c, min(limit, len(key) // c * c, upto))
-            if n and (best is None or (n, self.last_use.get(b, 0))
-                      > (best[1], self.last_use.get(best[0], 0))):
+            k = key[b]
+            n = common_chunks(k, prompt, c, min(limit, len(k) // c * c, upto(b)))
+            if n and (best is None or (n, use.get(b, 0)) > (best[1], use.get(best[0], 0))):
                 best = (b, n)
         return best
 
@@ -98,7 +116,15 @@ class Policy:
             dst = self.reusable(s)
             return None if dst is None else Choice("admit_import",
                                                    {"l": lane, "r": r, "dst": dst})
-        hit = self.best_hit(s, s.prompt.get(r)) if s.consts.PREFIX else None
+        prompt = s.prompt.get(r)
+        hit = self.best_hit(s, prompt) if s.consts.PREFIX else None
+        host = self.best_host_hit(s, prompt) if s.consts.HOST else None
+        if host is not None and (hit is None or host[1] > hit[1]):
+            dst = self.reusable(s)
+            if dst is None:
+                return None
+            return Choice("admit_host_hit", {"l": lane, "r": r, "h": host[0], "dst": dst,
+                                             "n": host[1]})
         if hit is not None:
             src, n = hit
             dst = self.reusable(s, exclude=src)
@@ -109,6 +135,26 @@ class Policy:
         if dst is None:
             return None
         return Choice("admit_miss", {"l": lane, "r": r, "dst": dst})
+
+    def spill_slot(self, s: g.State, block: int) -> tuple[int, bool] | None:
+        """Where evicted device entry `block` goes in the host tier: (an empty slot, False), else
+        (the least recently used host entry, True: evict it first), else None; also None when a
+        host entry already offers every hit it could (hits are whole chunks: the same whole
+        chunks of its key)."""
+        key = s.key[block]
+        m = len(key) // s.consts.C * s.consts.C
+        if any(s.slot_state[h] != g.SLOTSTATE_EMPTY and len(s.slot_key[h]) >= m
+               and take(s.slot_key[h], m) == take(key, m) for h in range(s.consts.H)):
+            return None
+        stored = []
+        for h in range(s.consts.H):
+            if s.slot_state[h] == g.SLOTSTATE_EMPTY:
+                return h, False
+            if s.slot_state[h] == g.SLOTSTATE_STORED:
+                stored.append(h)
+        if not stored:
+            return None
+        return min(stored, key=lambda h: self.slot_use.get(h, 0)), True
 
     def snapshot(self, s: g.State, lane: int) -> bool:
         """Hybrid prefix cache: save the lane's sliding state now? At every chunk boundary of

@@ -35,7 +35,7 @@ import itertools
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -79,8 +79,8 @@ class PrefillWorker:
     this shared key (`pd.load_key`)."""
 
     def __init__(self, config: Config, runtime: Any, transport: Transport, *,
-                 key: bytes | None = None) -> None:
-        self.batcher = AtomBatcher(config, runtime)
+                 key: bytes | None = None, ghost: bool = False) -> None:
+        self.batcher = AtomBatcher(config, runtime, ghost=ghost)
         self.transport = transport
         self.key = key
         self.fingerprint = pd.model_fingerprint(runtime)
@@ -224,10 +224,14 @@ class DecodeWorker:
 
     def __init__(self, config: Config, runtime: Any, transport: Transport, *,
                  key: bytes | None = None, fallback_local: bool = True,
-                 transfer_timeout: float | None = None, prefetch: int = 0) -> None:
+                 transfer_timeout: float | None = None, prefetch: int = 0, ghost: bool = False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`ghost`: the batcher keeps ghost state (for invariant checks). `clock`: the time
+        source of latencies and transfer timeouts (a simulation passes its own)."""
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        self.batcher = AtomBatcher(config, runtime)
+        self.batcher = AtomBatcher(config, runtime, ghost=ghost)
+        self.clock = clock
         self.runtime, self.transport = runtime, transport
         self.key, self.fallback_local = key, fallback_local
         self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
@@ -258,7 +262,7 @@ class DecodeWorker:
         that worker is lost, with fallback_local). Raises ValueError like `AtomBatcher.submit`."""
         prompt = list(prompt)
         wid = len(self.requests)
-        req = _Req(prompt, max_new_tokens, eos, None, time.perf_counter())
+        req = _Req(prompt, max_new_tokens, eos, None, self.clock())
         if self.lost is not None and not self.fallback_local:
             # Nothing can prefill it: it fails now instead of waiting forever.
             req.error = f"{LOST}: {self.lost}; not served (no local fallback)"
@@ -278,7 +282,7 @@ class DecodeWorker:
             return False
         if not self.batcher.abort(req.brid):
             return False
-        req.t_end, req.kind, req.payload = time.perf_counter(), "aborted", None
+        req.t_end, req.kind, req.payload = self.clock(), "aborted", None
         if req.wire is not None and not req.answered:
             _send(self.transport, {"kind": "cancel", "id": req.wire})
         return True
@@ -435,7 +439,7 @@ class DecodeWorker:
         if self._importing(req.brid):
             self._handle(self.batcher.transfer_ended(req.brid, error), out)
         elif self.batcher.abort(req.brid):  # prefetched, still waiting: no block to free
-            req.error, req.t_end = error, time.perf_counter()
+            req.error, req.t_end = error, self.clock()
             out.append(Event("error", wid, error=error))
 
     def _on_lost(self, why: str, out: list[Event]) -> None:
@@ -464,13 +468,13 @@ class DecodeWorker:
             else:
                 self.batcher.abort(brid)
                 req.error = f"{LOST}: {why}; not served (no local fallback)"
-                req.kind, req.t_end = "peer_lost", time.perf_counter()
+                req.kind, req.t_end = "peer_lost", self.clock()
                 out.append(Event("error", wid, error=req.error))
 
     def _expire(self, out: list[Event]) -> None:
         if self.transfer_timeout is None:
             return
-        now = time.perf_counter()
+        now = self.clock()
         msg = f"the prefill worker did not answer within {self.transfer_timeout:g}s"
         for brid in [*self.batcher.transfers(), *self._next_waiting()]:
             wid = self._by_brid.get(brid)
@@ -497,7 +501,7 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ batcher events
     def _handle(self, events: list[Event], out: list[Event]) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         for ev in events:
             wid = self._by_brid.get(ev.request_id)
             if wid is None:
@@ -528,7 +532,7 @@ class DecodeWorker:
 
     def _send_prefill(self, wid: int, out: list[Event]) -> None:
         req = self.requests[wid]
-        req.wire, req.t_sent = str(wid), time.perf_counter()
+        req.wire, req.t_sent = str(wid), self.clock()
         self._by_wire[req.wire] = wid
         try:
             self.transport.send({"kind": "prefill", "id": req.wire, "prompt": req.prompt})

@@ -1,11 +1,15 @@
-"""Prefill tokens the prefix cache saves: `python -m bench.prefix`.
+"""Prefill tokens the prefix cache and its host tier save: `python -m bench.prefix`.
 
-Workload: requests sharing a system prompt (several whole chunks and a bit), each with its own
-suffix, plus some unrelated prompts, on the tiny torch reference runtime. For a plain model and
-a hybrid one (sliding window W, where a hit also restores a sliding-state snapshot), it reports
-the prompt tokens computed by prefill with and without the prefix cache, the tokens hits
-copied instead, the snapshots taken and their host memory, and the wall time (model included;
-a shared machine is noisy, so the token counts are the figures to read).
+Prefix cache: requests sharing a system prompt (several whole chunks and a bit), each with its
+own suffix, plus some unrelated prompts, on the tiny torch reference runtime. For a plain model
+and a hybrid one (sliding window W, where a hit also restores a sliding-state snapshot), it
+reports the prompt tokens computed by prefill with and without the prefix cache, the tokens
+hits copied instead, the snapshots taken and their host memory, and the wall time (model
+included; a shared machine is noisy, so the token counts are the figures to read).
+
+Host tier: requests drawn from more system prompts than the device cache holds entries (at the
+proved minimum of blocks), served with host_cache_blocks = 0 and = H: prefill tokens computed,
+tokens copied from device entries and loaded from host slots, stores.
 """
 
 from __future__ import annotations
@@ -36,11 +40,20 @@ def workload(requests: int, system: int, seed: int = 0) -> list[tuple[list[int],
     return out
 
 
+def many_systems(requests: int, systems: int, seed: int = 1) -> list[tuple[list[int], int]]:
+    """Requests over `systems` system prompts of 2-4 chunks and a bit, in random order."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 4) * CHUNK + 10)]
+               for _ in range(systems)]
+    return [(rng.choice(prompts) + [rng.randrange(VOCAB) for _ in range(rng.randint(5, 40))],
+             rng.randint(2, 8)) for _ in range(requests)]
+
+
 def run(work: list[tuple[list[int], int]], lanes: int, prefix: bool,
-        window: int | None) -> dict[str, Any]:
-    cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, "dynamic") + 2,
+        window: int | None, host: int = 0, extra: int = 2) -> dict[str, Any]:
+    cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, "dynamic") + extra,
                  max_seq_len=SEQ, prefill_chunk=CHUNK, prefix_cache=prefix,
-                 sliding_window=window)
+                 sliding_window=window, host_cache_blocks=host)
     model: dict[str, Any] = {"layers": 3}
     if window is not None:
         model.update(sliding_window=window, global_every=3)
@@ -56,6 +69,7 @@ def run(work: list[tuple[list[int], int]], lanes: int, prefix: bool,
         snap_bytes = one.numel() * one.element_size()
     return {"prefill_tokens": b.stats.prefill_tokens,
             "prefix_hit_tokens": b.stats.prefix_hit_tokens,
+            "host_hit_tokens": b.stats.host_hit_tokens, "host_stores": b.stats.host_stores,
             "snapshots": b.stats.snapshots, "snapshot_bytes_each": snap_bytes,
             "wall_s": round(wall, 3)}
 
@@ -66,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system", type=int, default=300, help="shared system prompt tokens")
     ap.add_argument("--lanes", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--systems", type=int, default=8,
+                    help="host tier: distinct system prompts (more than the device cache holds)")
+    ap.add_argument("--host-blocks", type=int, default=8, help="host tier: slots")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     work = workload(args.requests, args.system)
@@ -78,8 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                       "saved": off["prefill_tokens"] - on["prefill_tokens"],
                       "saved_fraction": round(1 - on["prefill_tokens"] / off["prefill_tokens"],
                                               3)}
+    hwork = many_systems(args.requests, args.systems)
+    tiers = {f"host_cache_blocks={h}": run(hwork, args.lanes, True, None, host=h, extra=0)
+             for h in (0, args.host_blocks)}
+    base, tier = tiers["host_cache_blocks=0"], tiers[f"host_cache_blocks={args.host_blocks}"]
     out = {"requests": args.requests, "prompt_tokens": total, "system": args.system,
-           "lanes": args.lanes, "chunk": CHUNK, "models": rows}
+           "lanes": args.lanes, "chunk": CHUNK, "models": rows,
+           "host_tier": {"systems": args.systems,
+                         "prompt_tokens": sum(len(p) for p, _ in hwork),
+                         "kv_blocks": min_kv_blocks(args.lanes, True, "dynamic"),
+                         "runs": tiers,
+                         "saved": base["prefill_tokens"] - tier["prefill_tokens"]}}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -92,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{on['prefill_tokens']:6} ({r['saved_fraction']:.0%} saved; hits copied "
               f"{on['prefix_hit_tokens']}; snapshots {on['snapshots']} x "
               f"{on['snapshot_bytes_each']} B); wall {off['wall_s']} s -> {on['wall_s']} s")
+    ht = out["host_tier"]
+    print(f"host tier: {args.requests} requests over {args.systems} system prompts, "
+          f"{ht['prompt_tokens']} prompt tokens, {ht['kv_blocks']} KV blocks (the minimum)")
+    for name, r in ht["runs"].items():
+        print(f"  {name:22} prefill tokens {r['prefill_tokens']:6}; copied from device "
+              f"entries {r['prefix_hit_tokens']:5}; loaded from host {r['host_hit_tokens']:5}; "
+              f"stores {r['host_stores']}; wall {r['wall_s']} s")
+    print(f"  the host tier saves {ht['saved']} prefill tokens")
     return 0
 
 

@@ -29,26 +29,34 @@ class Features:
     prefix_cache: bool
     scratch: str
     hybrid: bool = False  # sliding-window layers (with the prefix cache: hits need snapshots)
+    host: bool = False  # a host cache tier below the prefix cache
 
     @property
     def name(self) -> str:
         return (f"{'prefix cache' if self.prefix_cache else 'no cache'}, {self.scratch} scratch"
-                + (", hybrid" if self.hybrid else ""))
+                + (", hybrid" if self.hybrid else "") + (", host cache" if self.host else ""))
 
     @property
     def key(self) -> tuple[bool, str]:
-        """The rule table's key: a hybrid model must need what the plain one does."""
+        """The rule table's key: a hybrid model, or a host tier, must need what the plain
+        prefix cache does."""
         return (self.prefix_cache, self.scratch)
 
     def consts(self, lanes: int, blocks: int) -> dict[str, Any]:
         return {"B": lanes, "K": blocks, "C": CHUNK, "S": SEQ_LEN, "PREFIX": self.prefix_cache,
-                "RESERVED": self.scratch == "reserved", "SCRATCH": 0, "HYBRID": self.hybrid}
+                "RESERVED": self.scratch == "reserved", "SCRATCH": 0, "HYBRID": self.hybrid,
+                "HOST": self.host}
+
+    @property
+    def plain(self) -> bool:
+        return not (self.hybrid or self.host)
 
 
-# Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), so
-# only the hybrid prefix cache is a combination of its own.
-COMBINATIONS = tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES) + tuple(
-    Features(True, s, hybrid=True) for s in SCRATCH_MODES)
+# Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), and
+# the host tier needs the prefix cache, so those are the combinations of their own.
+COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES)
+                + tuple(Features(True, s, hybrid=True) for s in SCRATCH_MODES)
+                + tuple(Features(True, s, host=True) for s in SCRATCH_MODES))
 
 
 def progress_by_features(model: L.Model, lanes: int, blocks: int) -> dict[Features, list[Check]]:
@@ -56,7 +64,7 @@ def progress_by_features(model: L.Model, lanes: int, blocks: int) -> dict[Featur
     u = bounded_universe(model, lanes, blocks, {"C": CHUNK, "S": SEQ_LEN, "SCRATCH": 0})
     cases = {f"B={lanes},K={blocks},{f.name}": {"PREFIX": f.prefix_cache,
                                                  "RESERVED": f.scratch == "reserved",
-                                                 "HYBRID": f.hybrid}
+                                                 "HYBRID": f.hybrid, "HOST": f.host}
              for f in COMBINATIONS}
     out: dict[Features, list[Check]] = {f: [] for f in COMBINATIONS}
     by_case = dict(zip(cases, COMBINATIONS, strict=True))
@@ -73,7 +81,7 @@ def safe(model: L.Model, f: Features, lanes: int, blocks: int) -> tuple[bool, li
 def stuck_trace(model: L.Model, f: Features, lanes: int, blocks: int) -> bmc.Trace | None:
     """A stuck run from the initial state, confirmed by z3 against the spec (see search.py)."""
     return search.stuck_run(model, lanes, blocks, f.prefix_cache, f.scratch == "reserved",
-                            hybrid=f.hybrid)
+                            hybrid=f.hybrid, host=f.host)
 
 
 def min_blocks(model: L.Model, f: Features, lanes: int, max_blocks: int) -> int | None:
@@ -198,7 +206,7 @@ def render(rows: list[Row], max_lanes: int) -> str:
         "",
         "OFFSETS = {",
     ]
-    plain = [r for r in rows if not r.features.hybrid]
+    plain = [r for r in rows if r.features.plain]
     for r in rows:
         if r.offset is None:
             raise RuntimeError(f"no linear capacity rule for {r.features.name}: {r.minimum}")

@@ -40,9 +40,10 @@ def table_matches(rows: list[capacity.Row]) -> Check:
     """The committed capacity table (which Config validates against) is the proved one."""
     from atom_core._generated import capacity as committed
 
-    found = {r.key: r.offset for r in rows if not r.features.hybrid}
-    # one table serves plain and hybrid models: the hybrid rows must need the same
-    differ = [r.features.name for r in rows if r.features.hybrid and r.offset != found.get(r.key)]
+    found = {r.key: r.offset for r in rows if r.features.plain}
+    # one table serves plain and hybrid models, with or without a host tier: all need the same
+    differ = [r.features.name for r in rows
+              if not r.features.plain and r.offset != found.get(r.key)]
     ok = found == committed.OFFSETS and not differ
     detail = "" if ok else (f"hybrid rows {differ} differ from the plain ones" if differ else
                             f"committed {committed.OFFSETS} != proved {found}: run `make generate`")
@@ -52,7 +53,7 @@ def table_matches(rows: list[capacity.Row]) -> Check:
 
 def row_json(r: capacity.Row) -> dict[str, Any]:
     return {"prefix_cache": r.features.prefix_cache, "scratch": r.features.scratch,
-            "hybrid": r.features.hybrid, "rule": r.rule,
+            "hybrid": r.features.hybrid, "host_cache": r.features.host, "rule": r.rule,
             "min_kv_blocks": {str(b): k for b, k in r.minimum.items()},
             "tight": {str(b): (t is not None) for b, t in r.traces.items()}}
 

@@ -61,6 +61,8 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
     submitted = sum(1 for r in range(requests) if s.phase.get(r) != g.PHASE_NONE)
     idle = [ln for ln in range(c.B) if not s.busy[ln]]
     free = [b for b in range(c.K) if s.owner[b] == g.OWNER_FREE]
+    empty = [x for x in range(c.H) if s.slot_state[x] == g.SLOTSTATE_EMPTY]
+    slots = [x for x in range(c.H) if s.slot_state[x] != g.SLOTSTATE_EMPTY] + empty[:1]
     waiting: dict[Any, int] = {}
     for r in range(requests):
         if s.phase.get(r) == g.PHASE_WAITING:
@@ -73,6 +75,7 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
         "Lane": lambda _p: lanes,
         "Block": lambda _p: blocks,
         "Req": lambda _p: reqs,
+        "Slot": lambda _p: slots,
         "Seq": lambda _p: prompts,
         "Bool": lambda _p: [False, True],
         "Int": lambda p: list(range(c.C, c.S, c.C)) if p == "n" else [TOKEN],
@@ -145,8 +148,10 @@ def confirm(model: L.Model, consts: g.Consts, run: list[tuple[str, dict]], viola
     """z3 replays the run on the spec: each step's guard holds and its updates are the spec's,
     and the final state breaks the named progress property."""
     cs = {"B": consts.B, "K": consts.K, "C": consts.C, "S": consts.S, "PREFIX": consts.PREFIX,
-          "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH, "HYBRID": consts.HYBRID}
-    u = bounded_universe(model, consts.B, consts.K, cs, requests=requests, concrete_seqs=True)
+          "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH, "HYBRID": consts.HYBRID,
+          "HOST": consts.HOST, "H": max(consts.H, 1)}
+    u = bounded_universe(model, consts.B, consts.K, cs, requests=requests, concrete_seqs=True,
+                         slots=max(consts.H, 1))
     env = u.init_state("c0")
     facts = list(u.axioms())
     for i, (name, args) in enumerate(run):
@@ -191,6 +196,9 @@ def _select(dom: list[Any], table: list[Any], x: Any) -> Any:
     return out
 
 
+# Host slots in the searched runs: one is enough to take every host action.
+SEARCH_SLOTS = 1
+
 # Lanes up to which the search itself runs; above, runs are lifted (see `lift`).
 SEARCH_LANES = 2
 
@@ -213,13 +221,14 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
         sorts = dict(zip(g.ACTIONS[name][2], g.ACTIONS[name][3], strict=True))
         body.append((name, {k: (renum[v] if sorts[k] == "Req" else v) for k, v in args.items()}))
     big = g.Consts(B=lanes, K=blocks, C=consts.C, S=consts.S, PREFIX=consts.PREFIX,
-                   RESERVED=consts.RESERVED, SCRATCH=consts.SCRATCH, HYBRID=consts.HYBRID)
+                   RESERVED=consts.RESERVED, SCRATCH=consts.SCRATCH, HYBRID=consts.HYBRID,
+                   HOST=consts.HOST, H=consts.H)
     return big, pre + body
 
 
 def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
               role: str = "colocated", want: str | None = None,
-              hybrid: bool = False) -> Trace | None:
+              hybrid: bool = False, host: bool = False) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
     lifted from the largest searched size."""
     t0 = time.perf_counter()
@@ -228,7 +237,8 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
     if base_k < 1:
         base_b, base_k = lanes, blocks
     c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, PREFIX=prefix,
-                 RESERVED=reserved, SCRATCH=0, HYBRID=hybrid)
+                 RESERVED=reserved, SCRATCH=0, HYBRID=hybrid, HOST=host,
+                 H=SEARCH_SLOTS if host else 0)
     found = shortest_stuck_run(c, role=role, want=want)
     if found is None:
         return None

@@ -1408,6 +1408,13 @@ class Generator:
     def _signature(self, a: Any) -> str:
         return ", ".join(["s: State"] + [f"{p.name}: {self.py_type(p.sort)}" for p in a.params])
 
+    def _def(self, name: str, a: Any, ret: str) -> str:
+        """A function header, its parameters on a line of their own when it is too long."""
+        line = f"def {name}({self._signature(a)}) -> {ret}:\n"
+        if len(line) <= WIDTH + 1:
+            return line
+        return f"def {name}(\n    {self._signature(a)},\n) -> {ret}:\n"
+
     def _actions(self) -> str:
         parts = [self._rule("actions")]
         for a in self.model.actions:
@@ -1439,7 +1446,7 @@ class Generator:
         return f'{pad}"""{text}"""\n'
 
     def _guard_fn(self, a: Any) -> str:
-        head = (f"def {a.name}_guard({self._signature(a)}) -> str | None:\n"
+        head = (self._def(f"{a.name}_guard", a, "str | None")
                 + self._docstring(f"The first failing guard conjunct of `{a.name}`, or None."))
 
         def build(counts: dict[tuple[Any, ...], int] | None) -> Body:
@@ -1538,7 +1545,7 @@ class Generator:
                 b.indent -= 4
 
     def _plan_fn(self, a: Any) -> str:
-        head = (f"def {a.name}_plan({self._signature(a)}) -> tuple[Any, ...] | str:\n"
+        head = (self._def(f"{a.name}_plan", a, "tuple[Any, ...] | str")
                 + self._docstring(
                     f"The effects `{a.name}` would have, or the first failing guard's name.\n\n"
                     "A parameter no effect reads (a token the planned call will sample) may\n"
@@ -1560,7 +1567,7 @@ class Generator:
         return head + self._two_pass(build)
 
     def _action_fn(self, a: Any) -> str:
-        head = (f"def {a.name}({self._signature(a)}) -> Step:\n"
+        head = (self._def(a.name, a, "Step")
                 + self._docstring(a.doc or f"Action {a.name}."))
         return head + self._two_pass(lambda counts: self._action_body(a, counts))
 

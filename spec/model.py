@@ -41,10 +41,15 @@ use_model(m)
 Lane = m.sort(index_sort("Lane", size="B"))     # rows of the compiled decode batch
 Block = m.sort(index_sort("Block", size="K"))   # physical KV blocks
 Req = m.sort(ident_sort("Req"))                 # requests
+Slot = m.sort(index_sort("Slot", size="H"))     # host cache slots (one block's KV each)
 Seq = m.sort(value_sort("Seq"))                 # token sequences (the KV a block holds)
 # DRAINING: the block's request ended while a PD transfer still reads or writes it; it is freed
 # when the transfer ends, never before.
-Owner = m.sort(enum_sort("Owner", "FREE SCRATCH LANE CACHE DRAINING"))
+# SPILLING: a cache entry being stored to a host slot; freed when the store ends, never before.
+Owner = m.sort(enum_sort("Owner", "FREE SCRATCH LANE CACHE DRAINING SPILLING"))
+# A host slot: STORING (a store from a device block is writing it), STORED (an entry), LOADING
+# (an entry a hit is reading into a device block).
+SlotState = m.sort(enum_sort("SlotState", "EMPTY STORING STORED LOADING"))
 # IMPORTING (decode side): the lane waits for KV computed elsewhere. EXPORTING (prefill side): the
 # lane's prompt KV is being sent.
 Phase = m.sort(enum_sort(
@@ -60,12 +65,18 @@ RESERVED = m.const("RESERVED", BOOL)  # scratch discipline: a reserved block (el
 SCRATCH = m.const("SCRATCH", Block)   # the reserved scratch block
 # sliding-window layers beside global ones (Gemma3-style); older configurations: False
 HYBRID = m.const("HYBRID", BOOL, default=False)
+# host cache tier (evicted entries stored to host, hits loaded back); older configurations: off
+HOST = m.const("HOST", BOOL, default=False)
+H = m.const("H", INT, default=0)      # host cache slots
 
 m.axiom("chunk_positive", C > 0)
 m.axiom("chunk_divides_block", S % C == 0)
 m.axiom("block_holds_a_chunk", C <= S)
 m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
+m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
+# A host entry would have to carry the sliding-state snapshots too; not built.
+m.axiom("hybrid_without_host_cache", ~(HYBRID & HOST))
 
 # ---------------------------------------------------------------- token sequences
 empty = m.op("empty", [], Seq, doc="no tokens")
@@ -120,6 +131,9 @@ lane_plen = m.fn("lane_plen", [Lane], INT, init=0, doc="prompt length of the lan
 copying = m.fn("copying", [Lane], BOOL, init=False,
                doc="a prefix-hit copy into the lane's block is in flight")
 copy_src = m.fn("copy_src", [Lane], Block, doc="the cache entry an in-flight copy reads")
+copy_host = m.fn("copy_host", [Lane], BOOL, init=False,
+                 doc="the in-flight copy is a load from a host slot (else from a device entry)")
+copy_slot = m.fn("copy_slot", [Lane], Slot, doc="the host slot an in-flight load reads")
 transfer = m.fn("transfer", [Block], BOOL, init=False,
                 doc="a PD transfer (an import writing, an export reading) is using the block")
 transfer_req = m.fn("transfer_req", [Block], Req,
@@ -129,6 +143,18 @@ transfer_req = m.fn("transfer_req", [Block], Req,
 xfer_live = m.fn("xfer_live", [Req], BOOL, init=False, ghost=True,
                  doc="the request's transfer is still running")
 xfer_block = m.fn("xfer_block", [Req], Block, ghost=True, doc="the block that transfer uses")
+
+# ---------------------------------------------------------------- state: host cache
+slot_state = m.fn("slot_state", [Slot], SlotState, init=SlotState.EMPTY)
+slot_key = m.fn("slot_key", [Slot], Seq, init=lambda h: empty(),
+                doc="the tokens a host entry is indexed by")
+slot_head = m.fn("slot_head", [Slot], Seq, init=lambda h: empty(), doc="its first chunk")
+slot_block = m.fn("slot_block", [Slot], Block, doc="the device block a store reads")
+spill_slot = m.fn("spill_slot", [Block], Slot, doc="the slot a spilling block is stored into")
+load_lane = m.fn("load_lane", [Slot], Lane, doc="the lane a loading slot is read into")
+slot_holds = m.fn("slot_holds", [Slot], Seq, ghost=True, doc="the tokens whose KV it holds")
+slot_junk = m.fn("slot_junk", [Slot], BOOL, init=True, ghost=True,
+                 doc="the slot holds nothing valid (a store in flight or failed)")
 
 # ---------------------------------------------------------------- state: requests
 phase = m.fn("phase", [Req], Phase, init=Phase.NONE)
@@ -178,7 +204,7 @@ def hit_ok(r, b):
 
 def pinned(b):
     """An in-flight copy reads b: it must stay cached and untouched until the copy is done."""
-    return exists(Lane, lambda l: copying(l) & (copy_src(l) == b))
+    return exists(Lane, lambda l: copying(l) & ~copy_host(l) & (copy_src(l) == b))
 
 
 def reusable(b):
@@ -189,7 +215,9 @@ def reusable(b):
 def quiescent():
     """No copy in flight (the adapter completes each copy within the step that started it) and
     no block waiting for a transfer of an ended request to stop."""
-    return forall(Lane, lambda l: ~copying(l)) & forall(Block, lambda b: owner(b) != Owner.DRAINING)
+    return (forall(Lane, lambda l: ~copying(l))
+            & forall(Block, lambda b: owner(b) != Owner.DRAINING)
+            & forall(Slot, lambda h: slot_state(h) != SlotState.STORING))
 
 
 def needs_scratch():
@@ -260,6 +288,9 @@ def cancel(l):
     assign(busy(l), False)
     assign(owner(table(l)), ite(transfer(table(l)), Owner.DRAINING, Owner.FREE))
     assign(copying(l), False)
+    # (over every slot: with no host tier there is no slot to index)
+    assign_all(slot_state, lambda h: ite(copying(l) & copy_host(l) & (copy_slot(l) == h),
+                                         SlotState.STORED, slot_state(h)))
     assign(lane_snap(l), 0)  # partial work is never cached: its snapshots are dropped
 
 
@@ -313,6 +344,7 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
     occupy(l, r, dst, n, src=src)
     assign(junk(dst), True)  # nothing valid in it until the copy lands
     assign(copying(l), True)
+    assign(copy_host(l), False)
     assign(copy_src(l), src)
     emit("admit", lane=l, request=r, block=dst)
     emit("copy", lane=l, src=src, dst=dst, n=n)
@@ -322,7 +354,7 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
 def copy_done(l: Lane):
     """The runtime finished copying lane l's prefix hit (and, for a hybrid model, restoring the
     lane's local slot from its snapshot at the hit's length); the source is unpinned."""
-    require("copy_in_flight", copying(l))
+    require("copy_in_flight", copying(l) & ~copy_host(l))
     assign(copying(l), False)
     assign(holds(table(l)), take(holds(copy_src(l)), length(l)))
     assign(junk(table(l)), False)
@@ -435,6 +467,94 @@ def discard(b: Block):
     require("not_pinned", ~pinned(b))
     assign(owner(b), ite(owner(b) == Owner.CACHE, Owner.FREE, owner(b)))
     assign(junk(b), True)
+
+
+# ---------------------------------------------------------------- host cache
+@m.action
+def spill(b: Block, h: Slot):
+    """Evict cache entry b to host slot h: the store (device -> host) pins both until it ends."""
+    require("host_cache_on", HOST)
+    require("entry_cached", owner(b) == Owner.CACHE)
+    require("entry_unpinned", ~pinned(b))
+    require("slot_empty", slot_state(h) == SlotState.EMPTY)
+    assign(owner(b), Owner.SPILLING)
+    assign(spill_slot(b), h)
+    assign(slot_state(h), SlotState.STORING)
+    assign(slot_block(h), b)
+    assign(slot_key(h), key(b))
+    assign(slot_head(h), head(b))  # (its content is the block's once store_done lands)
+    emit("store", block=b, slot=h)
+
+
+@m.action
+def store_done(h: Slot):
+    """The store into h completed: h is a host entry, and its device block is free."""
+    require("slot_storing", slot_state(h) == SlotState.STORING)
+    b = slot_block(h)
+    assign(slot_state(h), SlotState.STORED)
+    assign(owner(b), Owner.FREE)
+    assign(slot_holds(h), holds(b))
+    assign(slot_junk(h), junk(b))
+
+
+@m.action
+def store_fail(h: Slot):
+    """The store into h failed: the entry is dropped (the device block is free, the slot empty)."""
+    require("slot_storing", slot_state(h) == SlotState.STORING)
+    assign(slot_state(h), SlotState.EMPTY)
+    assign(owner(slot_block(h)), Owner.FREE)
+
+
+@m.action
+def host_evict(h: Slot):
+    """Drop host entry h (never one a store writes or a load reads)."""
+    require("slot_stored", slot_state(h) == SlotState.STORED)
+    assign(slot_state(h), SlotState.EMPTY)
+
+
+@m.action
+def admit_host_hit(l: Lane, r: Req, h: Slot, dst: Block, n: INT):
+    """Admit r into idle lane l by loading n tokens of host entry h into a fresh dst."""
+    require("lane_idle", ~busy(l))
+    require("request_waiting", phase(r) == Phase.WAITING)
+    require("slot_stored", slot_state(h) == SlotState.STORED)
+    require("n_whole_chunks", (n >= C) & (n % C == 0))
+    require("n_within_entry", n <= slen(slot_key(h)))
+    require("token_left_to_compute", n < slen(prompt(r)))
+    require("prefix_matches", take(slot_key(h), n) == take(prompt(r), n))
+    require("dst_reusable", reusable(dst))
+    occupy(l, r, dst, n)
+    assign(junk(dst), True)  # nothing valid in it until the load lands
+    assign(copying(l), True)
+    assign(copy_host(l), True)
+    assign(copy_slot(l), h)
+    assign(slot_state(h), SlotState.LOADING)
+    assign(load_lane(h), l)
+    emit("admit", lane=l, request=r, block=dst)
+    emit("load", lane=l, slot=h, dst=dst, n=n)
+
+
+@m.action
+def load_done(l: Lane):
+    """The load into lane l's block completed; its slot is a plain host entry again."""
+    require("load_in_flight", copying(l) & copy_host(l))
+    assign(copying(l), False)
+    assign(holds(table(l)), take(slot_holds(copy_slot(l)), length(l)))
+    assign(junk(table(l)), slot_junk(copy_slot(l)))
+    assign(slot_state(copy_slot(l)), SlotState.STORED)
+
+
+@m.action
+def load_fail(l: Lane):
+    """The load into lane l's block failed: the request recomputes its prompt from the start
+    (nothing below length 0 is read, so the half-written block is an empty one)."""
+    require("load_in_flight", copying(l) & copy_host(l))
+    assign(copying(l), False)
+    assign(length(l), 0)
+    assign(holds(table(l)), take(lane_seq(l), 0))
+    assign(junk(table(l)), False)
+    assign(slot_state(copy_slot(l)), SlotState.STORED)
+    emit("recompute", lane=l)
 
 
 # ---------------------------------------------------------------- PD: decode side
@@ -573,10 +693,10 @@ inv("lane_computes_its_prompt", forall(Lane, lambda l: implies(
     & (lane_plen(l) == slen(prompt(lane_req(l)))))))
 inv("copy_only_while_prefilling", forall(Lane, lambda l: implies(copying(l), prefilling(l))))
 inv("copy_source_cached", forall(Lane, lambda l: implies(
-    copying(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != table(l)))))
+    copying(l) & ~copy_host(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != table(l)))))
 inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(table(l)))))
 inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
-    copying(l), (length(l) <= slen(key(copy_src(l))))
+    copying(l) & ~copy_host(l), (length(l) <= slen(key(copy_src(l))))
     & (take(key(copy_src(l)), length(l)) == take(lane_seq(l), length(l))))))
 
 # Hybrid: a lane's local slot holds its own sequence's sliding state (reset on admission, never
@@ -593,6 +713,35 @@ inv("entry_snapshots_are_its_own", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~snap_junk(b) & (snap_upto(b) >= 0))))
 inv("hybrid_hit_has_snapshot", forall(Lane, lambda l: implies(
     HYBRID & copying(l), lane_snap(l) == length(l))))
+
+# Host cache: a spilling block and its slot's store name each other, and the block holds the
+# slot's key until the store lands; a stored or loading slot holds its key; a loading slot and
+# its lane's load name each other, and the slot holds the lane's prefix.
+inv("spilling_block_has_its_store", forall(Block, lambda b: implies(
+    owner(b) == Owner.SPILLING, (slot_state(spill_slot(b)) == SlotState.STORING)
+    & (slot_block(spill_slot(b)) == b))))
+inv("storing_slot_key_is_content", forall(Slot, lambda h: implies(
+    slot_state(h) == SlotState.STORING,
+    ~junk(slot_block(h)) & (holds(slot_block(h)) == slot_key(h)))))
+inv("storing_slot_reads_a_spilling_block", forall(Slot, lambda h: implies(
+    slot_state(h) == SlotState.STORING,
+    (owner(slot_block(h)) == Owner.SPILLING) & (spill_slot(slot_block(h)) == h))))
+inv("host_key_is_content", forall(Slot, lambda h: implies(
+    one_of(slot_state(h), SlotState.STORED, SlotState.LOADING),
+    ~slot_junk(h) & (slot_holds(h) == slot_key(h)))))
+inv("host_head_is_first_chunk", forall(Slot, lambda h: implies(
+    slot_state(h) != SlotState.EMPTY, slot_head(h) == take(slot_key(h), C))))
+inv("loading_slot_has_its_lane", forall(Slot, lambda h: implies(
+    slot_state(h) == SlotState.LOADING, copying(load_lane(h)) & copy_host(load_lane(h))
+    & (copy_slot(load_lane(h)) == h))))
+inv("load_reads_a_loading_slot", forall(Lane, lambda l: implies(
+    copying(l) & copy_host(l), (slot_state(copy_slot(l)) == SlotState.LOADING)
+    & (load_lane(copy_slot(l)) == l) & (lane_snap(l) == 0)
+    & (length(l) <= slen(slot_key(copy_slot(l))))
+    & (take(slot_key(copy_slot(l)), length(l)) == take(lane_seq(l), length(l))))))
+inv("host_needs_host_cache", forall(Slot, lambda h: implies(
+    slot_state(h) != SlotState.EMPTY, HOST)) & forall(Block, lambda b: implies(
+        owner(b) == Owner.SPILLING, HOST)))
 
 # PD transfers: a block in a transfer is held by its lane's transfer or drains; every drain and
 # every transferring lane has its transfer (so once transfers end, every such pin is released).
@@ -638,6 +787,11 @@ inv("one_scratch_block_when_reserved",
 # ---------------------------------------------------------------- transition invariants
 m.transition_invariant("ended_is_final", forall(Req, lambda r: implies(
     ended(r), phase.post(r) == phase(r))))
+m.transition_invariant("host_content_untouched", forall(Slot, lambda h: implies(
+    one_of(slot_state(h), SlotState.STORED, SlotState.LOADING)
+    & one_of(slot_state.post(h), SlotState.STORED, SlotState.LOADING),
+    (slot_holds.post(h) == slot_holds(h)) & (slot_key.post(h) == slot_key(h))
+    & ~slot_junk.post(h))))
 m.transition_invariant("cached_content_untouched", forall(Block, lambda b: implies(
     (owner(b) == Owner.CACHE) & (owner.post(b) == Owner.CACHE),
     (holds.post(b) == holds(b)) & (key.post(b) == key(b)) & ~junk.post(b))))
@@ -651,6 +805,8 @@ m.progress_property("running_request_advances", implies(
     exists(Req, lambda r: running(r)),
     exists(Lane, lambda l: enabled(prefill, l=l))
     | exists(Lane, lambda l: enabled(copy_done, l=l))
+    | exists(Lane, lambda l: enabled(load_done, l=l))
+    | exists(Slot, lambda h: enabled(store_done, h=h))
     | (exists(Lane, lambda l: decoding(l)) & enabled(decode))
     | exists(Lane, lambda l: decoding(l) & (length(l) == S))
     | exists(Lane, lambda l: moving(l) & enabled(transfer_fail, r=lane_req(l)))
@@ -665,7 +821,14 @@ m.progress_property("transfers_end", forall(Block, lambda b: implies(
     | enabled(transfer_fail, r=transfer_req(b)))),
     doc="every block a transfer pins is released when the transfer ends")
 
+m.progress_property("stores_end", forall(Slot, lambda h: implies(
+    slot_state(h) == SlotState.STORING, enabled(store_done, h=h) | enabled(store_fail, h=h))),
+    doc="every store to the host tier can end, releasing its device block")
+
 MODEL = m
 # The actions only prefill/decode disaggregation uses; colocated serving never takes them.
 PD_ACTIONS = ("admit_import", "import_done", "export", "export_done", "transfer_fail",
               "transfer_end")
+# The actions only the host cache tier uses.
+HOST_ACTIONS = ("spill", "store_done", "store_fail", "host_evict", "admit_host_hit", "load_done",
+                "load_fail")

@@ -394,7 +394,7 @@ def test_trace_replays_ok_in_process_and_by_cli(tmp_path, capsys):
     lines = text.splitlines()
     assert json.loads(lines[0]) == {"consts": {"B": 2, "K": 3, "C": C, "S": S, "PREFIX": True,
                                                "RESERVED": False, "SCRATCH": 2,
-                                               "HYBRID": False}}
+                                               "HYBRID": False, "HOST": False, "H": 0}}
     v = replay(lines)
     assert v.ok, (v.line, v.error)
     assert v.steps == len(lines) - 1

@@ -142,7 +142,9 @@ def test_verify_json_small_cutoff(capsys):
     assert code == 1 and out["ok"] is False
     bad = {c["invariant"] for c in out["checks"] if c["status"] != "proved"}
     assert bad == {"rule:prefix cache, reserved scratch",
-                   "rule:prefix cache, reserved scratch, hybrid", "capacity-table-matches-proofs"}
+                   "rule:prefix cache, reserved scratch, hybrid",
+                   "rule:prefix cache, reserved scratch, host cache",
+                   "capacity-table-matches-proofs"}
     kinds = {c["kind"] for c in out["checks"]}
     assert {"base", "step", "transition", "capacity"} <= kinds
 
@@ -161,3 +163,28 @@ def test_console_script_help():
     assert r.returncode == 0, r.stderr
     for cmd in ("verify", "check-config", "min-blocks"):
         assert cmd in r.stdout
+
+
+def test_check_config_accepts_a_host_tier(capsys):
+    code, out = run(capsys, "check-config", "--lanes", "2", "--kv-blocks", "3", "--prefix-cache",
+                    "--host-cache-blocks", "8")
+    assert code == 0 and out.startswith("SAFE") and "host cache of 8 blocks" in out
+    # the host tier adds no device block to the rule, and below it the stuck run is shown
+    code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "2",
+                         "--prefix-cache", "--host-cache-blocks", "8")
+    assert code == 1 and out["safe"] is False and out["min_kv_blocks"] == 3 and out["trace"]
+
+
+@pytest.mark.parametrize("argv,why", [
+    (("--host-cache-blocks", "4"), "host_cache_needs_prefix_cache"),
+    (("--prefix-cache", "--host-cache-blocks", "-1"), "host_cache_blocks must be an integer"),
+    (("--block-size", "256", "--max-seq-len", "1024"), "paged block tables are not supported"),
+    (("--max-seq-len", "1000"), "max_seq_len must be a multiple of prefill_chunk"),
+])
+def test_check_config_and_min_blocks_say_what_is_invalid(capsys, argv, why):
+    code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "8", *argv)
+    assert code == 1 and out["safe"] is False and why in out["error"]
+    code, out = run_json(capsys, "min-blocks", "--lanes", "2", *argv)
+    assert code == 2 and why in out["error"]
+    code = cli.main(["min-blocks", "--lanes", "2", *argv])
+    assert code == 2 and why in capsys.readouterr().err

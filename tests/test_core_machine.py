@@ -3,21 +3,34 @@
 The machine drives `atom_core._generated.core` (ghost state on) through every action, with
 choices from the policy and with arbitrary drawn parameters, over small configurations that
 exercise chunked prefill, prefix hits, padding rows and the block end. After every step it
-checks the spec's invariants, transition invariants and (when quiescent: no copy in flight,
-no block draining) progress, and compares the core against a plain-Python model of the
-request lifecycle kept here.
+checks the spec's invariants, transition invariants and (when quiescent: no copy or load in
+flight, no block draining, no store in flight) progress, and compares the core against a
+plain-Python model kept here (`Life`): the request lifecycle, every block's owner, the cache
+entries' keys and snapshot boundaries, the host slots. The model predicts the guard that
+refuses each call (or that none does), and the core must agree.
 With `pd`, requests may also take the prefill/decode disaggregation path: import their KV by
 transfer (decode side) or export it after prefill (prefill side), with transfers that fail,
 get cancelled (the block drains until the transfer ends) and events that arrive late, twice
 or for the wrong request (refused, changing nothing).
+The prefix cache's tiers (`TIERS`, one per configuration):
+* hybrid: sliding-window layers; the lane's sliding state is snapshotted at chunk boundaries
+  (`snapshot`, at the right and at wrong times), a cache entry keeps its lane's snapshots, a
+  hit is only as deep as they reach (`hybrid_snapshot_at_n`), and an entry without a snapshot
+  at the first chunk does not block a miss;
+* host: 1..2 host slots; entries are spilled there (the batcher's way: the victim of an
+  admission, into the policy's slot) and loaded back by host hits; stores and loads fail,
+  requests are cancelled while their load is in flight, and a slot that a store writes or a
+  load reads is never evicted, spilled into or hit, an entry a copy reads never spilled.
 
 It also checks:
-* refinement: every choice `Policy` makes is accepted by the core's guard; the policy never
-  declines an admission in a quiescent state with an idle lane (at or above capacity), and
-  never misses a scratch target the spec would accept;
+* refinement: every choice `Policy` makes (admissions, host hits, spills and the host
+  evictions they need) is accepted by the core's guard; the policy never declines an
+  admission in a quiescent state with an idle lane (at or above capacity), and never misses a
+  scratch target the spec would accept;
 * ghost erasure: a ghost-off core fed the same steps has the same non-ghost fields;
 * teeth: the same machine over mutant cores (`codegen.load(MODEL.without_guard(...))`)
-  finds the expected invariant violation (or lifecycle divergence).
+  finds the expected invariant violation (or lifecycle divergence, progress failure, policy
+  refinement failure).
 
 `bench/stateful.py` reuses `make_machine` to measure stateful steps per second.
 """
@@ -44,11 +57,11 @@ from hypothesis.stateful import (
 
 from atom_core._generated import capacity
 from atom_core._generated import core as committed
-from atom_core.policy import Policy
+from atom_core.policy import Policy, common_chunks
 from atom_core.seq import TokSeq, seq
 from atom_core.spec import codegen, lang
 from atom_core.spec import model as spec
-from atom_core.spec.model import MODEL, PD_ACTIONS
+from atom_core.spec.model import HOST_ACTIONS, MODEL, PD_ACTIONS
 
 FEATURES = [(p, s) for p in (False, True) for s in ("reserved", "dynamic")]
 ALPHABET = (1, 2, 3)
@@ -56,22 +69,16 @@ ALPHABET = (1, 2, 3)
 # long shared prefixes are common.
 STEMS = ((1,) * 12, (1, 2) * 6, (2, 3, 3) * 4)
 CRASH = "check_invariants crashed"
-UNKNOWN = "?"  # the plain model cannot predict the guard (it depends on blocks)
 MOVING = ("importing", "exporting")  # PD: the lane's block is in a transfer
 RUNNING = ("prefill", "decode", *MOVING)
 ENDED = ("finished", "aborted", "failed")
 PHASE_OF = {"waiting": "WAITING", "prefill": "PREFILL", "decode": "DECODE",
             "importing": "IMPORTING", "exporting": "EXPORTING",
             "finished": "FINISHED", "aborted": "ABORTED", "failed": "FAILED"}
-# Guard conjuncts that read blocks (the lifecycle model predicts every other rejection).
-BLOCK_GUARDS = {
-    "admit_miss": {"dst_reusable", "no_cache_hit"},
-    "admit_import": {"dst_reusable"},
-    "admit_hit": {"src_cached", "n_whole_chunks", "n_within_entry", "token_left_to_compute",
-                  "prefix_matches", "dst_not_src", "dst_reusable"},
-    "decode": {"scratch_target_ok"},
-    "discard": {"not_a_lane_block", "not_pinned"},
-}
+# The prefix-cache tiers beside the plain one: "hybrid" (sliding-window layers, hits restore
+# sliding-state snapshots) and "host" (a host cache tier of 1..2 slots). Both need the prefix
+# cache, and a model has at most one of them (axiom hybrid_without_host_cache).
+TIERS = ("hybrid", "host")
 
 
 class Stats:
@@ -113,6 +120,27 @@ class LifecycleDivergence(AssertionError):
                          f"the core {'accepted' if got is None else f'rejected ({got})'}")
 
 
+class ProgressViolation(AssertionError):
+    """A quiescent state at or above the proved capacity in which a progress property fails
+    (e.g. an idle lane and a waiting request that no admission accepts)."""
+
+    def __init__(self, names: list[str], action: str, args: tuple[Any, ...], core: Any,
+                 state: Any) -> None:
+        self.names, self.action, self.args = names, action, args
+        super().__init__(f"progress {names} fails after {action}{args}\n"
+                         f"state: {core.describe_state(state)}")
+
+
+class RefinementViolation(AssertionError):
+    """The policy chose a step the spec refuses, or declined (or missed) one the spec allows
+    where it must not."""
+
+    def __init__(self, action: str, what: str, core: Any, state: Any) -> None:
+        self.action = action
+        super().__init__(f"policy refinement ({action}): {what}\n"
+                         f"state: {core.describe_state(state)}")
+
+
 class MirrorDivergence(AssertionError):
     """The ghost-off core disagrees with the ghost-on core on a step."""
 
@@ -128,15 +156,18 @@ def min_blocks(lanes: int, prefix: bool, scratch: str) -> int:
 
 @st.composite
 def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, int] = (0, 2),
-            lanes: tuple[int, int] = (1, 3)) -> Any:
-    """Small configurations: K from min_blocks + extra[0] to min_blocks + extra[1]."""
+            lanes: tuple[int, int] = (1, 3), tier: str = "plain") -> Any:
+    """Small configurations: K from min_blocks + extra[0] to min_blocks + extra[1]; tier
+    "hybrid" turns on HYBRID, "host" HOST with H in 1..2 (both with the prefix cache)."""
+    assert tier == "plain" or (tier in TIERS and prefix), (tier, prefix)
     b = draw(st.integers(*lanes))
     lo = min_blocks(b, prefix, scratch)
     k = draw(st.integers(max(1, lo + extra[0]), max(1, lo + extra[1])))
     c = draw(st.sampled_from((1, 2)))
     s = draw(st.sampled_from([x for x in range(6, 13) if x % c == 0]))
+    h = draw(st.integers(1, 2)) if tier == "host" else 0
     return core.Consts(B=b, K=k, C=c, S=s, PREFIX=prefix, RESERVED=scratch == "reserved",
-                       SCRATCH=k - 1)
+                       SCRATCH=k - 1, HYBRID=tier == "hybrid", HOST=tier == "host", H=h)
 
 
 @functools.cache
@@ -184,12 +215,26 @@ def num(data: Any, lo: int, hi: int, label: str | None = None) -> int:
 # ------------------------------------------------------------------------ lifecycle model
 
 
+def _first(*checks: tuple[str, Callable[[], bool]]) -> str | None:
+    """The first guard whose check fails, in order (later checks are not evaluated)."""
+    for guard, ok in checks:
+        if not ok():
+            return guard
+    return None
+
+
 class Life:
-    """The request lifecycle in plain Python: what the core must agree with.
+    """The request lifecycle, the blocks' owners and the host slots in plain Python: what the
+    core must agree with, and the guard that must refuse each call.
 
     With PD a request runs importing (decode side: its KV arrives by transfer) or exporting
     (prefill side: its KV is being sent), and a transferring lane that is aborted or fails
     leaves its block draining until the transfer ends (`draining`, block -> request).
+    Blocks: each block's owner (`owner`, the spec's Owner names), the cache entries' keys and
+    snapshot boundaries (`entries`, block -> (key, snap_upto)), the entry an in-flight copy
+    reads (`copy_src`, which pins it) or the slot an in-flight load reads (`load_slot`).
+    Hybrid prefix cache: each lane's last snapshot boundary (`snap`, the spec's lane_snap).
+    Host tier: each slot's state, key, the block a store reads and the lane a load writes.
     """
 
     def __init__(self, c: Any) -> None:
@@ -200,13 +245,34 @@ class Life:
         self.lane: list[int | None] = [None] * c.B
         self.length = [0] * c.B
         self.seq: list[tuple[int, ...]] = [()] * c.B
-        self.copying = [False] * c.B
+        self.table = [0] * c.B  # the lane's block, while it is busy
+        self.copy_src: list[int | None] = [None] * c.B
+        self.load_slot: list[int | None] = [None] * c.B
+        self.snap = [0] * c.B
+        self.owner = ["SCRATCH" if c.RESERVED and b == c.SCRATCH else "FREE"
+                      for b in range(c.K)]
+        self.entries: dict[int, tuple[tuple[int, ...], int]] = {}
         self.draining: dict[int, int] = {}
         self.drained: list[tuple[int, int]] = []  # (request, block) drains that ended
+        self.slot_state = ["EMPTY"] * c.H
+        self.slot_key: list[tuple[int, ...]] = [()] * c.H
+        self.slot_block: dict[int, int] = {}  # storing slot -> the spilling block it reads
+        self.slot_lane: dict[int, int] = {}  # loading slot -> the lane it is read into
+
+    # queries -------------------------------------------------------------------------
+    @property
+    def copying(self) -> list[bool]:
+        """Lanes with a copy (device entry) or a load (host slot) in flight."""
+        return [self.copy_src[l] is not None or self.load_slot[l] is not None
+                for l in range(self.c.B)]
 
     def decoding(self, l: int) -> bool:
         r = self.lane[l]
         return r is not None and self.status[r] == "decode"
+
+    def prefilling(self, l: int) -> bool:
+        r = self.lane[l]
+        return r is not None and self.status[r] == "prefill"
 
     def prefilled(self, l: int) -> bool:
         """Lane l has just computed its prompt (and sampled the first token): it may export."""
@@ -216,8 +282,42 @@ class Life:
     def in_phase(self, *phases: str) -> list[int]:
         return sorted(r for r, x in self.status.items() if x in phases)
 
+    def slots(self, *states: str) -> list[int]:
+        return [h for h in range(self.c.H) if self.slot_state[h] in states]
+
+    def pinned(self, b: int) -> bool:
+        return b in self.copy_src
+
+    def reusable(self, b: int) -> bool:
+        return self.owner[b] in ("FREE", "CACHE") and not self.pinned(b)
+
+    def hit_ok(self, p: tuple[int, ...], b: int) -> bool:
+        """Entry b shares p's first chunk (and, hybrid, has a snapshot there): a miss is
+        refused."""
+        c = self.c
+        if len(p) <= c.C or b not in self.entries:
+            return False
+        key, snap = self.entries[b]
+        return (len(key) >= c.C and key[:c.C] == p[:c.C]
+                and (not c.HYBRID or snap >= c.C))
+
+    def shares_first_chunk(self, p: tuple[int, ...]) -> bool:
+        """Some entry shares p's first chunk (a hit, but for the hybrid snapshot clause)."""
+        c = self.c
+        return len(p) > c.C and any(len(key) >= c.C and key[:c.C] == p[:c.C]
+                                    for key, _ in self.entries.values())
+
+    def snapshot_ok(self, l: int) -> bool:
+        c = self.c
+        return (c.HYBRID and c.PREFIX and (self.prefilling(l) or self.decoding(l))
+                and not self.copying[l] and self.length[l] == self.snap[l] + c.C)
+
+    def needs_scratch(self) -> bool:
+        return not all(self.decoding(l) for l in range(self.c.B))
+
+    # prediction ----------------------------------------------------------------------
     def predict(self, name: str, args: tuple[Any, ...]) -> str | None:
-        """The guard the core must report, None (must apply) or UNKNOWN (block-level)."""
+        """The guard the core must report, or None (it must apply the step)."""
         c = self.c
         if name == "submit":
             r, p = args
@@ -226,30 +326,55 @@ class Life:
             if len(p) <= 0:
                 return "prompt_not_empty"
             return "prompt_fits" if len(p) >= c.S else None
-        if name in ("admit_miss", "admit_hit", "admit_import"):
+        if name in ("admit_miss", "admit_hit", "admit_host_hit", "admit_import"):
             l, r = args[:2]
             if self.lane[l] is not None:
                 return "lane_idle"
             if self.status.get(r) != "waiting":
                 return "request_waiting"
-            # A draining block is never reusable (admit_hit checks it after its src guards).
-            if name != "admit_hit" and args[2] in self.draining:
-                return "dst_reusable"
-            return UNKNOWN
+            p = self.prompt[r]
+            if name == "admit_miss":
+                return _first(("dst_reusable", lambda: self.reusable(args[2])),
+                              ("no_cache_hit", lambda: not c.PREFIX or not any(
+                                  self.hit_ok(p, b) for b in self.entries)))
+            if name == "admit_import":
+                return _first(("dst_reusable", lambda: self.reusable(args[2])))
+            src, dst, n = args[2:]
+            whole = ("n_whole_chunks", lambda: n >= c.C and n % c.C == 0)
+            left = ("token_left_to_compute", lambda: n < len(p))
+            reuse = ("dst_reusable", lambda: self.reusable(dst))
+            if name == "admit_host_hit":
+                key = self.slot_key[src]
+                return _first(("slot_stored", lambda: self.slot_state[src] == "STORED"), whole,
+                              ("n_within_entry", lambda: n <= len(key)), left,
+                              ("prefix_matches", lambda: key[:n] == p[:n]), reuse)
+            key, snap = self.entries.get(src, ((), 0))
+            return _first(("src_cached", lambda: src in self.entries), whole,
+                          ("n_within_entry", lambda: n <= len(key)), left,
+                          ("prefix_matches", lambda: key[:n] == p[:n]),
+                          ("hybrid_snapshot_at_n", lambda: not c.HYBRID or n <= snap),
+                          ("dst_not_src", lambda: dst != src), reuse)
         if name == "copy_done":
-            return None if self.copying[args[0]] else "copy_in_flight"
+            return None if self.copy_src[args[0]] is not None else "copy_in_flight"
+        if name in ("load_done", "load_fail"):
+            return None if self.load_slot[args[0]] is not None else "load_in_flight"
+        if name == "snapshot":
+            l = args[0]
+            return _first(("hybrid_prefix_cache", lambda: c.HYBRID and c.PREFIX),
+                          ("lane_computing", lambda: (self.prefilling(l) or self.decoding(l))
+                           and not self.copying[l]),
+                          ("next_boundary", lambda: self.length[l] == self.snap[l] + c.C))
         if name == "prefill":
             l = args[0]
-            r = self.lane[l]
-            if r is None or self.status[r] != "prefill":
+            if not self.prefilling(l):
                 return "lane_prefilling"
             return "no_copy_in_flight" if self.copying[l] else None
         if name == "decode":
-            if any(self.decoding(l) and self.length[l] >= c.S for l in range(c.B)):
-                return "no_block_overflow"
-            if args[0] in self.draining and not all(self.decoding(l) for l in range(c.B)):
-                return "scratch_target_ok"
-            return None if all(self.decoding(l) for l in range(c.B)) else UNKNOWN
+            pad = args[0]
+            return _first(("no_block_overflow", lambda: not any(
+                self.decoding(l) and self.length[l] >= c.S for l in range(c.B))),
+                ("scratch_target_ok", lambda: not self.needs_scratch() or (
+                    self.owner[pad] == "SCRATCH" if c.RESERVED else self.reusable(pad))))
         if name == "finish":
             l, keep = args
             if not self.decoding(l):
@@ -260,7 +385,19 @@ class Life:
         if name in ("abort_running", "fail"):
             return None if self.lane[args[0]] is not None else "lane_busy"
         if name == "discard":
-            return "not_a_lane_block" if args[0] in self.draining else UNKNOWN
+            b = args[0]
+            return _first(("not_a_lane_block", lambda: self.owner[b] in (
+                "FREE", "CACHE", "SCRATCH")), ("not_pinned", lambda: not self.pinned(b)))
+        if name == "spill":
+            b, h = args
+            return _first(("host_cache_on", lambda: c.HOST),
+                          ("entry_cached", lambda: b in self.entries),
+                          ("entry_unpinned", lambda: not self.pinned(b)),
+                          ("slot_empty", lambda: self.slot_state[h] == "EMPTY"))
+        if name in ("store_done", "store_fail"):
+            return None if self.slot_state[args[0]] == "STORING" else "slot_storing"
+        if name == "host_evict":
+            return None if self.slot_state[args[0]] == "STORED" else "slot_stored"
         if name == "import_done":
             r, p, _ = args
             if self.status.get(r) != "importing":
@@ -282,10 +419,33 @@ class Life:
             return None if self.draining[b] == r else "transfer_of_request"
         raise KeyError(name)
 
+    # transitions ---------------------------------------------------------------------
     def _end(self, r: int, how: str) -> None:
         assert self.status[r] not in ENDED, f"request {r} ends twice"
         self.status[r] = how
         self.ends[r] += 1
+
+    def _set_free(self, b: int) -> None:
+        """Block b no longer holds anything (a cache entry there is gone)."""
+        self.entries.pop(b, None)
+        self.owner[b] = "FREE"
+
+    def _release(self, l: int, keep: bool) -> int:
+        """Lane l gives its block back: a cache entry of its tokens (keep, with its snapshots)
+        or free; a load into it stops (its slot is a host entry again). The block."""
+        b = self.table[l]
+        if keep:
+            self.entries[b] = (self.seq[l][:self.length[l]], self.snap[l])
+            self.owner[b] = "CACHE"
+        else:
+            self._set_free(b)
+        h = self.load_slot[l]
+        if h is not None:  # cancelled (abort, failure): its slot is a host entry again
+            self.slot_state[h] = "STORED"
+            del self.slot_lane[h]
+            Stats.events["load cancelled"] += 1
+        self.lane[l], self.copy_src[l], self.load_slot[l], self.snap[l] = None, None, None, 0
+        return b
 
     def apply(self, name: str, args: tuple[Any, ...], effects: tuple[Any, ...],
               pre: Any) -> None:
@@ -296,26 +456,54 @@ class Life:
             r, p = args
             self.status[r], self.prompt[r] = "waiting", tuple(p)
             assert kinds == []
-        elif name in ("admit_miss", "admit_hit", "admit_import"):
+        elif name in ("admit_miss", "admit_hit", "admit_host_hit", "admit_import"):
             l, r = args[:2]
-            n = args[4] if name == "admit_hit" else 0
-            if name == "admit_hit":
+            hit = name in ("admit_hit", "admit_host_hit")
+            dst, n = (args[3], args[4]) if hit else (args[2], 0)
+            if hit:
                 assert c.C <= n < len(self.prompt[r]) and n % c.C == 0, args
             assert self.lane[l] is None and self.status[r] == "waiting"
-            self.lane[l] = r
-            self.status[r] = "importing" if name == "admit_import" else "prefill"
-            self.length[l], self.seq[l] = n, self.prompt[r]
-            self.copying[l] = name == "admit_hit"
-            dst = args[-2] if name == "admit_hit" else args[2]
-            assert dst not in self.draining, (name, args, self.draining)
+            assert self.reusable(dst) and dst not in self.draining, (name, args, self.owner)
+            if name == "admit_miss" and c.HYBRID and self.shares_first_chunk(self.prompt[r]):
+                # an entry shares the first chunk but has no snapshot there: not a hit
+                Stats.events["miss beside an entry without a snapshot"] += 1
             if name == "admit_hit":
-                assert kinds == ["Admit", "Copy"] and effects[1] == (l, args[2], dst, n)
+                src = args[2]
+                self.copy_src[l] = src
+                # the entry's snapshots up to the hit's length (hybrid_snapshot_at_n: all of it)
+                self.snap[l] = min(n, self.entries[src][1])
+                assert kinds == ["Admit", "Copy"] and effects[1] == (l, src, dst, n), effects
+            elif name == "admit_host_hit":
+                h = args[2]
+                self.load_slot[l], self.slot_state[h], self.slot_lane[h] = h, "LOADING", l
+                assert kinds == ["Admit", "Load"] and effects[1] == (l, h, dst, n), effects
             else:
                 assert kinds == ["Inbound" if name == "admit_import" else "Admit"], kinds
             assert effects[0] == (l, r, dst), effects
+            self._set_free(dst)  # a cache entry there is evicted
+            self.owner[dst], self.table[l] = "LANE", dst
+            self.lane[l] = r
+            self.status[r] = "importing" if name == "admit_import" else "prefill"
+            self.length[l], self.seq[l] = n, self.prompt[r]
         elif name == "copy_done":
-            self.copying[args[0]] = False
+            self.copy_src[args[0]] = None
             assert kinds == []
+        elif name in ("load_done", "load_fail"):
+            l = args[0]
+            h = self.load_slot[l]
+            assert h is not None
+            self.load_slot[l], self.slot_state[h] = None, "STORED"
+            del self.slot_lane[h]
+            if name == "load_fail":  # the request recomputes its prompt from the start
+                self.length[l] = 0
+                assert kinds == ["Recompute"] and effects[0] == (l,), effects
+            else:
+                assert kinds == []
+        elif name == "snapshot":
+            l = args[0]
+            assert self.snapshot_ok(l)
+            self.snap[l] = self.length[l]
+            assert kinds == ["Snapshot"] and effects[0] == (l, self.length[l]), effects
         elif name == "prefill":
             l, tok = args
             start = self.length[l]
@@ -325,11 +513,11 @@ class Life:
             if end == plen:
                 self.seq[l] += (tok,)
                 self.status[self.lane[l]] = "decode"
-            assert kinds == ["Prefill"] and effects[0] == (l, pre.table[l], start, end)
+            assert kinds == ["Prefill"] and effects[0] == (l, self.table[l], start, end)
         elif name == "decode":
             pad, toks = args
             live = tuple(self.decoding(l) for l in range(c.B))
-            rows = tuple(pre.table[l] if live[l] else pad for l in range(c.B))
+            rows = tuple(self.table[l] if live[l] else pad for l in range(c.B))
             # a busy lane's row computes at its next position (an importing lane's is past its
             # prompt), so that a hybrid model's padding write into its own ring is harmless
             positions = tuple(
@@ -340,6 +528,8 @@ class Life:
             assert kinds == ["Decode"] and (e.rows, e.positions) == (rows, positions), (
                 effects, rows, positions)
             assert getattr(e, "live", live) == live, (effects, live)
+            if not all(live) and not c.RESERVED and pad in self.entries:
+                self._set_free(pad)  # a dynamic padding target that was an entry is evicted
             for l in range(c.B):
                 if live[l]:
                     self.seq[l] += (toks[l],)
@@ -351,38 +541,56 @@ class Life:
             how = {"finish": "finished", "abort_running": "aborted", "fail": "failed"}[name]
             if name == "finish":
                 assert self.status[r] == "decode"
-            if self.status[r] in MOVING:  # the transfer still uses the block: it drains
-                self.draining[pre.table[l]] = r
+            moving = self.status[r] in MOVING
             self._end(r, how)
-            self.lane[l], self.copying[l] = None, False
-            assert kinds == ["Release"] and effects[0] == (l, pre.table[l])
+            b = self._release(l, name == "finish" and args[1])
+            if moving:  # the transfer still uses the block: it drains
+                self.draining[b], self.owner[b] = r, "DRAINING"
+            assert kinds == ["Release"] and effects[0] == (l, b), effects
         elif name == "abort_waiting":
             self._end(args[0], "aborted")
             assert kinds == []
         elif name == "discard":
+            if args[0] in self.entries:
+                self._set_free(args[0])
             assert kinds == []  # no lifecycle change
+        elif name == "spill":
+            b, h = args
+            key, _ = self.entries.pop(b)
+            self.owner[b] = "SPILLING"
+            self.slot_state[h], self.slot_key[h], self.slot_block[h] = "STORING", key, b
+            assert kinds == ["Store"] and effects[0] == (b, h), effects
+        elif name in ("store_done", "store_fail"):
+            h = args[0]
+            self._set_free(self.slot_block.pop(h))
+            self.slot_state[h] = "STORED" if name == "store_done" else "EMPTY"
+            assert kinds == []
+        elif name == "host_evict":
+            self.slot_state[args[0]] = "EMPTY"
+            assert kinds == []
         elif name == "import_done":
             r, p, tok = args
             l = self.lane.index(r)
             assert self.seq[l] == self.prompt[r] == tuple(p) and self.length[l] == 0
             self.length[l], self.seq[l] = len(p), self.seq[l] + (tok,)
             self.status[r] = "decode"
-            assert kinds == ["Imported"] and effects[0] == (l, r, pre.table[l]), effects
+            assert kinds == ["Imported"] and effects[0] == (l, r, self.table[l]), effects
         elif name == "export":
             l = args[0]
             r = self.lane[l]
             assert r is not None and self.prefilled(l)
             self.status[r] = "exporting"
-            assert kinds == ["Outbound"] and effects[0] == (l, r, pre.table[l], self.length[l])
+            assert kinds == ["Outbound"] and effects[0] == (l, r, self.table[l], self.length[l])
         elif name in ("export_done", "transfer_fail"):
             r = args[0]
             l = self.lane.index(r)
             self._end(r, "finished" if name == "export_done" else "failed")
-            self.lane[l] = None
-            assert kinds == ["Release"] and effects[0] == (l, pre.table[l]), effects
+            b = self._release(l, name == "export_done" and args[1])
+            assert kinds == ["Release"] and effects[0] == (l, b), effects
         elif name == "transfer_end":
             r, b = args
             assert self.draining.pop(b) == r
+            self._set_free(b)
             self.drained.append((r, b))
             assert kinds == []
         else:
@@ -390,37 +598,57 @@ class Life:
 
     def compare(self, core: Any, s: Any) -> None:
         """The core state agrees with the model."""
+        c = self.c
         names = core.PHASE_NAMES
         for r, st_ in self.status.items():
             assert names[s.phase.get(r)] == PHASE_OF[st_], (r, st_, names[s.phase.get(r)])
             assert tuple(s.prompt.get(r)) == self.prompt[r]
             assert self.ends[r] == (1 if st_ in ENDED else 0), (r, st_, self.ends[r])
         assert len(s.phase) == len(self.status)  # nothing else was ever submitted
-        for l in range(self.c.B):
+        copying = self.copying
+        for l in range(c.B):
             r = self.lane[l]
             assert s.busy[l] == (r is not None), l
+            assert s.lane_snap[l] == self.snap[l], (l, s.lane_snap, self.snap)
+            assert s.copying[l] == copying[l], l
             if r is None:
                 continue
             assert self.status[r] in RUNNING  # ended requests hold no lane
             assert s.lane_req[l] == r and s.req_lane.get(r) == l
+            assert s.table[l] == self.table[l], (l, s.table, self.table)
             assert s.length[l] == self.length[l]
             assert tuple(s.lane_seq[l]) == self.seq[l]
             assert s.lane_plen[l] == len(self.prompt[r])
-            assert s.copying[l] == self.copying[l]
+            if self.copy_src[l] is not None:
+                assert not s.copy_host[l] and s.copy_src[l] == self.copy_src[l], l
+            if self.load_slot[l] is not None:
+                assert s.copy_host[l] and s.copy_slot[l] == self.load_slot[l], l
         held = [r for r in self.lane if r is not None]
         assert len(held) == len(set(held))
+        owners = [core.OWNER_NAMES[o] for o in s.owner]
+        assert owners == self.owner, (owners, self.owner)
+        for b, (key, snap) in self.entries.items():
+            assert (tuple(s.key[b]), s.snap_upto[b]) == (key, snap), (b, key, snap)
+            assert tuple(s.head[b]) == key[:c.C], b
+        slots = [core.SLOTSTATE_NAMES[x] for x in s.slot_state]
+        assert slots == self.slot_state, (slots, self.slot_state)
+        for h in self.slots("STORING", "STORED", "LOADING"):
+            assert tuple(s.slot_key[h]) == self.slot_key[h], h
+            assert tuple(s.slot_head[h]) == self.slot_key[h][:c.C], h
+        for h, b in self.slot_block.items():
+            assert s.slot_block[h] == b and s.spill_slot[b] == h, (h, b)
+        for h, l in self.slot_lane.items():
+            assert s.load_lane[h] == l, (h, l)
         # PD: exactly the transferring lanes' blocks and the draining ones are in a transfer,
         # each for its own request; a block drains exactly while its ended request's transfer
         # has not ended.
-        moving = {s.table[l]: r for l, r in enumerate(self.lane)
+        moving = {self.table[l]: r for l, r in enumerate(self.lane)
                   if r is not None and self.status[r] in MOVING}
-        for b in range(self.c.K):
-            drains = s.owner[b] == core.OWNER_DRAINING
-            assert drains == (b in self.draining), (b, core.OWNER_NAMES[s.owner[b]],
-                                                    self.draining)
-            assert s.transfer[b] == (b in moving or drains), (b, moving, self.draining)
+        for b in range(c.K):
+            assert s.transfer[b] == (b in moving or b in self.draining), (b, moving,
+                                                                           self.draining)
             if s.transfer[b]:
-                assert s.transfer_req[b] == (self.draining[b] if drains else moving[b]), b
+                assert s.transfer_req[b] == self.draining.get(b, moving.get(b)), b
 
 
 # ------------------------------------------------------------------------------- machine
@@ -443,10 +671,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
     mirror: apply each step to a ghost-off state too (of `mirror_core`, default `core`) and
     compare non-ghost fields. check_progress: assert progress whenever the state is
-    quiescent (no copy in flight, no block draining) and K is at least the proved minimum.
-    focus: keep only these rules (a focused search with the same rules and checks). pd: take
-    the PD actions too (colocated serving never does): the PD rules (PD_RULES), and PD steps
-    among `advance`'s moves.
+    quiescent (no copy or load in flight, no block draining, no store in flight) and K is at
+    least the proved minimum. focus: keep only these rules (a focused search with the same
+    rules and checks). pd: take the PD actions too (colocated serving never does): the PD
+    rules (PD_RULES), and PD steps among `advance`'s moves. The tiers' rules (`hybrid_flow`,
+    `host_flow`) only run in configurations with that tier.
     """
     config = config if config is not None else st.one_of(
         *(configs(core, p, s) for p, s in FEATURES))
@@ -470,8 +699,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         # helpers ---------------------------------------------------------------
         def quiescent(self) -> bool:
-            """The spec's `quiescent`: no copy in flight and no block draining."""
-            return not any(self.s.copying) and core.OWNER_DRAINING not in self.s.owner
+            """The spec's `quiescent`: no copy or load in flight, no block draining and no
+            store to the host tier in flight."""
+            return (not any(self.s.copying) and core.OWNER_DRAINING not in self.s.owner
+                    and core.SLOTSTATE_STORING not in self.s.slot_state)
 
         def apply(self, name: str, *args: Any) -> Any:
             """Run one action on the core and check everything about the step."""
@@ -498,9 +729,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if plan is not None:  # the effects the action would have, or the guard
                 assert plan(pre, *args) == (out.effects if out.rejected is None
                                             else out.rejected), (name, args)
-            if expect == UNKNOWN:
-                assert out.rejected in BLOCK_GUARDS[name] | {None}, (name, out.rejected)
-            elif out.rejected != expect:
+            if out.rejected != expect:
                 raise LifecycleDivergence(name, args, expect, out.rejected)
             if out.rejected is None:
                 Stats.applied[name] += 1
@@ -514,7 +743,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if mirror:
                 self.mirror(name, args, out)
             if check_progress and self.at_capacity and self.quiescent():
-                assert core.progress_violations(self.s) == [], core.describe_state(self.s)
+                stuck = core.progress_violations(self.s)
+                if stuck:
+                    raise ProgressViolation(stuck, name, args, core, self.s)
             return out
 
         def mirror(self, name: str, args: tuple[Any, ...], out: Any) -> None:
@@ -559,49 +790,108 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         def submit(self, data: Any) -> None:
             self.new_request(data)
 
-        def new_request(self, data: Any) -> None:
+        def new_request(self, data: Any, host: bool = False) -> None:
             """A fresh prompt, or (multi-turn) a prefix of an earlier prompt or cache key
-            with a new tail, so deep prefix hits happen."""
-            s, m = self.s, self.c.S - 1
-            cached = sorted({tuple(s.key[b]) for b in range(self.c.K)
-                             if s.owner[b] == core.OWNER_CACHE})
-            earlier = sorted({tuple(p) for p in self.life.prompt.values()})
-            how = num(data, 0, 2, "fresh, extend a cache key, extend an earlier prompt")
-            base = pick(data, cached, "cache key") if how == 1 and cached else (
-                pick(data, earlier, "earlier prompt") if how and earlier else None)
-            if base:
-                k = num(data, 1, len(base), "keep")
-                tail = data.draw(_token_lists(0, m), label="tail")
-                p = seq((base[:k] + tuple(tail))[:m])
+            (device or host) with a new tail, so deep prefix hits happen. host: a prompt
+            that shares at least a chunk with a host entry, when there is one. Hybrid: often
+            the next turn of a cached conversation (its whole key, generated tokens too), which
+            matches further than the snapshots (taken over the prompt) reach."""
+            s, c, m = self.s, self.c, self.c.S - 1
+            stored = sorted({tuple(s.slot_key[h]) for h in range(c.H)
+                             if s.slot_state[h] != core.SLOTSTATE_EMPTY})
+            if host and stored:
+                base = pick(data, stored, "host key")
+                k = num(data, min(c.C, len(base)), len(base), "keep")
+                p = seq((base[:k] + tuple(data.draw(_token_lists(1, m), label="tail")))[:m])
             else:
-                p = data.draw(prompts(m), label="prompt")
+                cached = sorted(set(stored) | {tuple(s.key[b]) for b in range(c.K)
+                                               if s.owner[b] == core.OWNER_CACHE})
+                earlier = sorted({tuple(p) for p in self.life.prompt.values()})
+                how = num(data, 0, 2, "fresh, extend a cache key, extend an earlier prompt")
+                base = pick(data, cached, "cache key") if how == 1 and cached else (
+                    pick(data, earlier, "earlier prompt") if how and earlier else None)
+                if base:
+                    whole = how == 1 and c.HYBRID and coin(data, "next turn")
+                    k = len(base) if whole else num(data, 1, len(base), "keep")
+                    tail = data.draw(_token_lists(0, m), label="tail")
+                    p = seq((base[:k] + tuple(tail))[:m])
+                else:
+                    p = data.draw(prompts(m), label="prompt")
             r = self.next_id
             self.next_id += 1
             assert self.apply("submit", r, p).rejected is None
 
-        def admit_by_policy(self, r: int) -> bool:
-            """Admit r as the policy chooses; False if the policy declines."""
+        def admit_by_policy(self, r: int, data: Any = None) -> bool:
+            """Admit r as the policy chooses; False if the policy declines. With the host tier
+            (and data to draw from), often as the batcher does: a cache entry the admission
+            would evict is spilled to the host first (`spill_by_policy`), then it chooses
+            again."""
             choice = self.policy.admission(self.s, r)
             if choice is None:
                 Stats.policy_idle += 1
                 idle = [l for l in range(self.c.B) if not self.s.busy[l]]
                 if idle and self.quiescent() and self.at_capacity:
-                    raise AssertionError(f"policy refuses a quiescent admission of {r}: "
-                                         f"{core.describe_state(self.s)}")
+                    raise RefinementViolation("admission", f"refuses a quiescent admission "
+                                              f"of {r}", core, self.s)
                 return False
             # Refinement: the policy picks only what the spec allows.
-            assert core.ACTIONS[choice.action][1](self.s, **choice.args) is None, choice
+            self.refine(choice.action, choice.args)
+            dst = choice.args["dst"]
+            if (data is not None and self.c.HOST and self.s.owner[dst] == core.OWNER_CACHE
+                    and num(data, 0, 3, "spill the victim (>0)")
+                    and self.spill_by_policy(data, dst)):
+                return self.admit_by_policy(r, data)
             names = core.ACTIONS[choice.action][2]
             assert self.apply(choice.action, *(choice.args[k] for k in names)).rejected is None
+            if choice.action == "admit_host_hit":
+                Stats.events["policy host hit"] += 1
             return True
+
+        def spill_by_policy(self, data: Any, b: int) -> bool:
+            """Store cache entry b into the slot the policy picks (evicting the least recently
+            used host entry when every slot is full); the store then lands, fails or stays in
+            flight. False if the policy keeps no copy of b."""
+            place = self.policy.spill_slot(self.s, b)
+            if place is None:
+                return False
+            h, evict = place
+            # Refinement: the policy's slot (after its eviction) takes b.
+            if evict:
+                self.refine("host_evict", {"h": h})
+                assert self.apply("host_evict", h).rejected is None
+            self.refine("spill", {"b": b, "h": h})
+            assert self.apply("spill", b, h).rejected is None
+            how = pick(data, ("done", "fail", "in flight"), "store")
+            if how == "in flight":
+                self.busy_store(data, h)
+            else:
+                assert self.apply(f"store_{how}", h).rejected is None
+            Stats.events["policy spill"] += 1
+            return True
+
+        def complete_copy(self, data: Any, l: int) -> Any:
+            """The copy into lane l lands (copy_done), or its load lands or fails."""
+            if self.life.load_slot[l] is None:
+                return self.apply("copy_done", l)
+            return self.apply("load_fail" if num(data, 0, 2, "load fails (0)") == 0
+                              else "load_done", l)
+
+        def refine(self, action: str, args: dict[str, Any]) -> None:
+            """The policy's choice is a step the spec allows."""
+            why = core.ACTIONS[action][1](self.s, **args)
+            if why is not None:
+                raise RefinementViolation(action, f"chose {args}, refused by {why}", core,
+                                          self.s)
 
         def decode_by_policy(self, toks: tuple[int, ...]) -> Any:
             pad = self.policy.pad(self.s)
             if core.decode_guard(self.s, pad, toks) == "scratch_target_ok":
                 # Refinement the other way: the policy found no target, so none exists
-                # (every block is a lane's, pinned by a copy or draining).
-                assert all(core.decode_guard(self.s, b, toks) is not None
-                           for b in range(self.c.K)), "policy missed a scratch target"
+                # (every block is a lane's, pinned by a copy, draining or spilling).
+                ok = [b for b in range(self.c.K) if core.decode_guard(self.s, b, toks) is None]
+                if ok:
+                    raise RefinementViolation("decode", f"missed the scratch targets {ok}",
+                                              core, self.s)
             return self.apply("decode", pad, toks)
 
         @precondition(lambda self: self.waiting())
@@ -611,16 +901,19 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         @rule(data=st.data(), k=st.integers(1, 16))
         def advance(self, data: Any, k: int) -> None:
-            """Up to k productive steps, as a scheduler would take them: admit, complete a
-            copy, prefill, decode (policy pad) or finish, whichever the draw picks; with pd,
-            also a PD step (`pd_step`: import, export, end a transfer or a drain)."""
+            """Up to k productive steps, as a scheduler would take them: admit (with the host
+            tier, often spilling the entry the admission evicts first), complete a copy or a
+            load, prefill (hybrid: then a snapshot at a boundary, as the policy takes them),
+            snapshot a lane at its next boundary, decode (policy pad) or finish, whichever the
+            draw picks; with pd, also a PD step (`pd_step`: import, export, end a transfer or a
+            drain); with the host tier, a host step (`host_step`)."""
             for _ in range(k):
                 life, c = self.life, self.c
                 moves = []
                 if self.waiting() and None in life.lane:
                     moves.append("admit")
                 if any(life.copying):
-                    moves.append("copy_done")
+                    moves.append("copy_done")  # or a load's end
                 prefilling = [l for l in range(c.B) if life.lane[l] is not None
                               and life.status[life.lane[l]] == "prefill" and not life.copying[l]]
                 if prefilling:
@@ -631,18 +924,31 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 if pd and (life.draining or life.in_phase(*MOVING) or moves and moves[0] == "admit"
                            or any(map(life.prefilled, range(c.B)))):
                     moves.append("pd")
+                if c.HOST and (life.entries or life.slots("STORING", "STORED", "LOADING")):
+                    moves.append("host")
+                if any(map(life.snapshot_ok, range(c.B))):
+                    moves.append("snapshot")  # e.g. a decoding lane at a chunk boundary
                 if not moves:
                     return
                 move = pick(data, moves, "move")
                 if move == "admit":
                     r = pick(data, self.waiting(), "request")
-                    if not self.admit_by_policy(r):
+                    if not self.admit_by_policy(r, data):
                         return
                 elif move == "copy_done":
-                    self.apply("copy_done", life.copying.index(True))
+                    self.complete_copy(data, life.copying.index(True))
                 elif move == "prefill":
                     l = pick(data, prefilling, "lane")
                     self.apply("prefill", l, data.draw(tokens, label="tok"))
+                    # hybrid: a snapshot at each boundary of the prompt, as the policy takes
+                    # them (a failed fetch skips one: that lane then has no later snapshot)
+                    if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
+                        assert self.apply("snapshot", l).rejected is None
+                elif move == "snapshot":
+                    l = pick(data, [l for l in range(c.B) if life.snapshot_ok(l)], "lane")
+                    assert self.apply("snapshot", l).rejected is None
+                elif move == "host":
+                    self.host_step(data, feed=False)
                 elif move == "decode":
                     if self.decode_by_policy(self.decode_tokens(data)).rejected is not None:
                         full = [l for l in decoding if life.length[l] >= c.S]
@@ -659,13 +965,14 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         # rules: single actions, arbitrary parameters ----------------------------------
         def block(self, data: Any, label: str, *prefer: int) -> int:
             """Any block, often an interesting one: `prefer`, a copy source, a lane's block,
-            a cache entry, the reserved scratch block or a draining one."""
+            a cache entry, the reserved scratch block, a draining or a spilling one."""
             s, c = self.s, self.c
             special = set(prefer) | {s.table[l] for l in range(c.B) if s.busy[l]}
             special |= {s.copy_src[l] for l in range(c.B) if s.copying[l]}
-            special |= {b for b in range(c.K) if s.owner[b] == core.OWNER_CACHE}
+            special |= {b for b in range(c.K)
+                        if s.owner[b] in (core.OWNER_CACHE, core.OWNER_DRAINING,
+                                          core.OWNER_SPILLING)}
             special |= {c.SCRATCH} if c.RESERVED else set()
-            special |= {b for b in range(c.K) if s.owner[b] == core.OWNER_DRAINING}
             how = num(data, 0, 2, f"{label}: any, preferred, special")
             if how == 1 and prefer:
                 return pick(data, prefer, label)
@@ -678,6 +985,15 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             """Admit with drawn parameters: rejected (nothing changes) or applied."""
             c = self.c
             w = self.waiting()
+            past = self.hits_past_snapshot() if c.HYBRID else []
+            if past and num(data, 0, 2, "past the snapshots (0)") == 0:
+                # Hybrid: the prefix matches further than the entry's snapshots reach: the
+                # whole match (refused), or as far as the snapshots go (a legal hit).
+                r, src, n = pick(data, past, "request, entry, n")
+                n = pick(data, (n, self.s.snap_upto[src]), "n")
+                l = self.lanes(data, lambda l: not self.s.busy[l])
+                self.apply("admit_hit", l, r, src, self.block(data, "dst", src), n)
+                return
             hits = [(r, h) for r in w if c.PREFIX
                     and (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
             if hits and num(data, 0, 3, "near a hit (>0)"):
@@ -699,7 +1015,87 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         @rule(data=st.data())
         def copy_done(self, data: Any) -> None:
-            self.apply("copy_done", self.lanes(data, lambda l: self.s.copying[l]))
+            """copy_done (or, host tier, load_done / load_fail) for a lane, often one copying:
+            each is refused for the other kind of copy."""
+            name = pick(data, ("copy_done", "load_done", "load_fail") if self.c.HOST
+                        else ("copy_done",), "action")
+            self.apply(name, self.lanes(data, lambda l: self.s.copying[l]))
+
+        # rules: hybrid prefix cache ---------------------------------------------------
+        @precondition(lambda self: self.c.HYBRID)
+        @rule(data=st.data(), k=st.integers(1, 8))
+        def hybrid_flow(self, data: Any, k: int) -> None:
+            """Up to k hybrid steps (`hybrid_step`)."""
+            for _ in range(k):
+                if not self.hybrid_step(data):
+                    return
+
+        def hybrid_step(self, data: Any) -> bool:
+            """One hybrid prefix cache step, whichever the draw picks among the possible ones:
+            a snapshot of a lane at its next chunk boundary (accepted) or at a wrong time
+            (refused: an idle, copying, importing or exporting lane, one short of its next
+            boundary or past it, a boundary having been skipped); the next turn of a cached
+            conversation (it matches further than the entry's snapshots reach); a hit past
+            the snapshots (refused) or as deep as they go; or to get there: submit, admit as
+            the policy chooses, complete a copy, prefill (snapshot as the policy does), decode
+            (generated tokens have no snapshots) or finish into the cache. False if no step is
+            possible."""
+            life, c = self.life, self.c
+            ready = [l for l in range(c.B) if life.snapshot_ok(l)]
+            past = self.hits_past_snapshot()
+            beyond = [b for b, (key, snap) in life.entries.items() if len(key) >= snap + c.C]
+            waiting, idle = self.waiting(), [l for l in range(c.B) if life.lane[l] is None]
+            prefilling = [l for l in range(c.B) if life.prefilling(l) and not life.copying[l]]
+            decoding = [l for l in range(c.B) if life.decoding(l)]
+            moves = ["snapshot"] * 3 if ready else []
+            moves += ["bad_snapshot"]
+            moves += ["past"] * 3 if past and idle else []
+            moves += ["next_turn"] * 2 if beyond else []
+            moves += ["submit"] if not waiting else []
+            moves += ["admit"] * 2 if waiting and idle else []
+            moves += ["copy_done"] if any(x is not None for x in life.copy_src) else []
+            moves += ["prefill"] * 2 if prefilling else []
+            moves += ["decode", "finish", "finish"] if decoding else []
+            move = pick(data, moves, "hybrid move")
+            if move == "snapshot":
+                assert self.apply("snapshot", pick(data, ready, "lane")).rejected is None
+            elif move == "bad_snapshot":
+                l = self.lanes(data, lambda l: not life.snapshot_ok(l))
+                ok = life.snapshot_ok(l)
+                assert (self.apply("snapshot", l).rejected is None) == ok
+            elif move == "past":
+                r, src, n = pick(data, past, "request, entry, n")
+                snap = self.s.snap_upto[src]
+                if coin(data, "as deep as the snapshots go"):
+                    n = snap  # 0: no snapshot at all (n_whole_chunks)
+                dst = self.policy.reusable(self.s, exclude=src)
+                dst = self.block(data, "dst", src) if dst is None else dst
+                out = self.apply("admit_hit", pick(data, idle, "lane"), r, src, dst, n)
+                if n > snap:  # every other guard holds
+                    assert out.rejected == "hybrid_snapshot_at_n", out.rejected
+            elif move == "next_turn":
+                key = life.entries[pick(data, beyond, "entry")][0]
+                tail = data.draw(_token_lists(1, c.S), label="tail")
+                assert self.apply("submit", self.next_id, seq((key + tuple(tail))[:c.S - 1])
+                                  ).rejected is None
+                self.next_id += 1
+            elif move == "submit":
+                self.new_request(data)
+            elif move == "admit":
+                self.admit_by_policy(pick(data, waiting, "request"), data)
+            elif move == "copy_done":
+                self.apply("copy_done", next(l for l in range(c.B)
+                                             if life.copy_src[l] is not None))
+            elif move == "prefill":
+                l = pick(data, prefilling, "lane")
+                self.apply("prefill", l, data.draw(tokens))
+                if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
+                    assert self.apply("snapshot", l).rejected is None
+            elif move == "decode":
+                self.decode_by_policy(self.decode_tokens(data))
+            else:
+                self.apply("finish", pick(data, decoding, "lane"), True)
+            return True
 
         @rule(data=st.data(), tok=tokens)
         def prefill(self, data: Any, tok: int) -> None:
@@ -751,6 +1147,211 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     assert self.s.owner[b] == core.OWNER_DRAINING and self.s.transfer[b], b
                     Stats.events[f"{kind} drains"] += 1
 
+        # rules: host cache tier -------------------------------------------------------
+        def slot(self, data: Any, label: str, among: list[int] | None = None) -> int:
+            """A host slot: one of `among` when there are any, else any."""
+            if among and num(data, 0, 3, f"{label}: any (0)"):
+                return pick(data, among, label)
+            return num(data, 0, self.c.H - 1, label)
+
+        @precondition(lambda self: self.c.HOST)
+        @rule(data=st.data(), k=st.integers(1, 8))
+        def host_flow(self, data: Any, k: int) -> None:
+            """Up to k host-tier steps (`host_step`)."""
+            for _ in range(k):
+                if not self.host_step(data, feed=True):
+                    return
+
+        def host_step(self, data: Any, feed: bool) -> bool:
+            """One host-tier step, whichever the draw picks among the possible ones: spill an
+            entry (the policy's slot, or a drawn one) and let the store land, fail or stay in
+            flight; a host hit (the policy's, or drawn parameters near one); end a store or a
+            load in flight (it lands or fails: the request recomputes its prompt); evict a
+            host entry; a late or misdirected event (`late_host_event`). Whatever is left in
+            flight is busy meanwhile (`busy_store`, `busy_load`, `busy_copy`). feed: also serve
+            a request into the cache (`serve`). False if no step is possible."""
+            life, c = self.life, self.c
+            unpinned = [b for b in sorted(life.entries) if not life.pinned(b)]
+            storing, stored = life.slots("STORING"), life.slots("STORED")
+            loading = life.slots("LOADING")
+            waiting, idle = self.waiting(), [l for l in range(c.B) if life.lane[l] is None]
+            moves = ["late"] * 2 if life.entries or storing or stored or loading else []
+            moves += ["spill"] * 3 if unpinned else []
+            moves += ["store_done", "store_fail"] if storing else []
+            moves += ["host_hit"] * 3 if stored and waiting and idle else []
+            moves += ["load_done", "load_fail"] if loading else []
+            moves += ["host_evict"] if stored else []
+            if feed and idle:
+                moves += ["serve"] * (3 if stored or not life.entries else 1)
+            if not moves:
+                return False
+            move = pick(data, moves, "host move")
+            if move == "spill":
+                b = pick(data, unpinned, "entry")
+                if not (coin(data, "the policy's slot") and self.spill_by_policy(data, b)):
+                    h = self.slot(data, "slot", life.slots("EMPTY"))
+                    if self.apply("spill", b, h).rejected is None:
+                        self.busy_store(data, h)
+            elif move in ("store_done", "store_fail"):
+                h = pick(data, storing, "slot")
+                b = life.slot_block[h]
+                assert self.apply(move, h).rejected is None
+                assert self.s.owner[b] == core.OWNER_FREE, b
+            elif move == "host_hit":  # often a request that has one
+                hits = [r for r in waiting
+                        if self.policy.best_host_hit(self.s, self.s.prompt.get(r))]
+                self.host_hit(data, pick(data, hits or waiting, "request"), idle)
+            elif move in ("load_done", "load_fail"):
+                l = life.slot_lane[pick(data, loading, "slot")]
+                assert self.apply(move, l).rejected is None
+            elif move == "host_evict":
+                assert self.apply("host_evict", pick(data, stored, "slot")).rejected is None
+            elif move == "late":
+                self.late_host_event(data)
+            else:
+                self.serve(data)
+            return True
+
+        def serve(self, data: Any) -> None:
+            """Serve one request into the cache: a waiting one, or a new one (usually extending
+            a host entry's key, when there is one); admit it as the policy chooses (spilling
+            the entry it evicts), complete its copy or load (which may fail; meanwhile it is
+            busy), prefill its prompt, decode a few tokens (sometimes to the block end) and
+            finish it, keeping its KV."""
+            life, c = self.life, self.c
+            if not self.waiting() or (life.slots("STORED") and num(data, 0, 3, "waiting (0)")):
+                self.new_request(data, host=True)
+                r = self.next_id - 1
+            else:
+                r = pick(data, self.waiting(), "request")
+            if not self.admit_by_policy(r, data):
+                return
+            l = life.lane.index(r)
+            self.busy_copy(data, l)
+            if life.lane[l] != r:
+                return  # cancelled
+            while life.copying[l]:
+                self.complete_copy(data, l)
+            while life.prefilling(l):
+                self.apply("prefill", l, data.draw(tokens))
+            for _ in range(pick(data, (0, 1, 2, c.S), "tokens")):
+                if self.decode_by_policy(self.decode_tokens(data)).rejected is not None:
+                    break  # the block is full, or no padding target until a copy lands
+            assert self.apply("finish", l, True).rejected is None
+
+        def host_hit(self, data: Any, r: int, idle: list[int]) -> None:
+            """Admit waiting r from the host tier: the policy's choice when it is a host hit
+            (accepted), else drawn parameters near the longest host hit (another n, lane or
+            dst, a slot without an entry; refused unless legal). The load it starts is busy
+            (`busy_copy`)."""
+            s, c = self.s, self.c
+            choice = self.policy.admission(s, r)
+            if choice is not None and choice.action == "admit_host_hit" and coin(data, "policy"):
+                assert self.admit_by_policy(r)
+                self.busy_copy(data, choice.args["l"])
+                return
+            best = self.policy.best_host_hit(s, s.prompt.get(r))
+            h, n = best if best is not None else (self.slot(data, "slot"), c.C)
+            busy = [x for x in range(c.H) if s.slot_state[x] != core.SLOTSTATE_STORED]
+            if busy and coin(data, "a slot without an entry"):  # refused: slot_stored
+                h = pick(data, busy, "slot")
+            n = pick(data, (n, n - c.C, n + c.C, n + 1, c.C), "n")
+            l = pick(data, idle, "lane") if coin(data, "an idle lane") else self.lanes(
+                data, lambda l: not s.busy[l])
+            dst = self.policy.reusable(s)
+            dst = dst if dst is not None and coin(data, "a reusable dst") else self.block(
+                data, "dst")
+            if self.apply("admit_host_hit", l, r, h, dst, n).rejected is None:
+                self.busy_copy(data, l)
+
+        def busy_store(self, data: Any, h: int) -> None:
+            """A store into slot h is in flight: the slot may not be evicted, spilled into or
+            hit (`busy_slot`)."""
+            assert self.life.slot_state[h] == "STORING"
+            self.busy_slot(data, h)
+
+        def busy_slot(self, data: Any, h: int) -> None:
+            """One of the calls a busy slot h refuses: an eviction, a spill into it, a hit on
+            it."""
+            life, c = self.life, self.c
+            unpinned = [b for b in sorted(life.entries) if not life.pinned(b)]
+            waiting, idle = self.waiting(), [l for l in range(c.B) if life.lane[l] is None]
+            options = ["host_evict"] + (["spill"] if unpinned else [])
+            options += ["admit_host_hit"] if waiting and idle else []
+            what = pick(data, options, "while busy")
+            state = life.slot_state[h]
+            args = {"host_evict": (h,), "spill": (pick(data, unpinned or [0], "entry"), h),
+                    "admit_host_hit": (idle[0] if idle else 0, waiting[0] if waiting else 0, h,
+                                       0, c.C)}[what]
+            expect = "slot_empty" if what == "spill" else "slot_stored"
+            assert self.apply(what, *args).rejected == expect
+            Stats.events[f"{what} of a {state} slot rejected"] += 1
+
+        def busy_copy(self, data: Any, l: int) -> None:
+            """Lane l has just been admitted. While its copy reads a device entry, the entry
+            may not be spilled (nor discarded). While its load reads a slot, the slot may not
+            be evicted, spilled into or hit (`busy_slot`), and copy_done is no way to end it;
+            or the request ends (abort, failure) and the slot is a host entry again. Or nothing
+            happens yet."""
+            life = self.life
+            src, h = life.copy_src[l], life.load_slot[l]
+            if src is not None:
+                what = pick(data, ("spill", "spill", "discard", "later"), "while copying")
+                if what != "later":
+                    args = ((src, self.slot(data, "slot", life.slots("EMPTY")))
+                            if what == "spill" else (src,))
+                    expect = "entry_unpinned" if what == "spill" else "not_pinned"
+                    assert self.apply(what, *args).rejected == expect
+                    Stats.events[f"{what} of a pinned entry rejected"] += 1
+                return
+            if h is None:
+                return
+            assert life.slot_state[h] == "LOADING"
+            self.busy_slot(data, h)
+            what = pick(data, ("copy_done", "cancel", "later"), "then")
+            if what == "cancel":
+                how = pick(data, ("abort_running", "fail"), "how")
+                assert self.apply(how, l).rejected is None
+                assert self.s.slot_state[h] == core.SLOTSTATE_STORED, h  # intact, evictable
+            elif what == "copy_done":  # a load ends by load_done or load_fail
+                assert self.apply("copy_done", l).rejected == "copy_in_flight"
+                Stats.events["copy_done of a load rejected"] += 1
+
+        def late_host_event(self, data: Any) -> None:
+            """A store or load event for a slot or lane that has none in flight, an eviction
+            of an empty slot, a hit on a slot that holds no entry, a spill of a block that is
+            no cache entry: refused, changing nothing."""
+            life, c = self.life, self.c
+            quiet = [h for h in range(c.H) if life.slot_state[h] != "STORING"]
+            unloaded = [l for l in range(c.B) if life.load_slot[l] is None]
+            empty = life.slots("EMPTY")
+            waiting, idle = self.waiting(), [l for l in range(c.B) if life.lane[l] is None]
+            options = ["store"] if quiet else []
+            options += ["load"] if unloaded else []
+            options += ["evict"] if empty else []
+            options += ["hit"] if waiting and idle and len(life.slots("STORED")) < c.H else []
+            options += ["not_an_entry"] if len(life.entries) < c.K else []
+            kind = pick(data, options, "late host event")
+            if kind == "store":
+                call, args, expect = pick(data, ("store_done", "store_fail")), (
+                    pick(data, quiet, "slot"),), "slot_storing"
+            elif kind == "load":
+                call, args, expect = pick(data, ("load_done", "load_fail")), (
+                    pick(data, unloaded, "lane"),), "load_in_flight"
+            elif kind == "evict":
+                call, args, expect = "host_evict", (pick(data, empty, "slot"),), "slot_stored"
+            elif kind == "hit":  # an empty, storing or loading slot, with its key's first chunk
+                h = pick(data, [h for h in range(c.H) if life.slot_state[h] != "STORED"])
+                r, l = pick(data, waiting, "request"), pick(data, idle, "lane")
+                call, args = "admit_host_hit", (l, r, h, 0, c.C)
+                expect = "slot_stored"
+            else:  # a lane's, free, scratch, draining or spilling block
+                b = pick(data, [b for b in range(c.K) if b not in life.entries], "block")
+                call, args, expect = "spill", (b, self.slot(data, "slot")), "entry_cached"
+            out = self.apply(call, *args)
+            assert out.rejected == expect, (call, args, out.rejected, expect)
+            Stats.events[f"late {call} rejected"] += 1
+
         # rules: prefill/decode disaggregation -----------------------------------------
         @precondition(lambda self: self.waiting())
         @rule(data=st.data())
@@ -795,7 +1396,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             decoded = [l for l in range(c.B) if life.decoding(l) and not life.prefilled(l)]
             moves += ["late_export"] if decoded else []
             moves += ["import_done"] * 2 if importing else []
-            moves += ["export_done"] if exporting else []
+            moves += ["export_done"] * 2 if exporting else []
             moves += ["transfer_fail", "cancel"] if moving else []
             moves += ["transfer_end", "late"] if life.draining else []
             if feed:
@@ -846,7 +1447,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             elif move == "submit":
                 self.new_request(data)
             elif any(self.s.copying[l] for l in prefilling):
-                self.apply("copy_done", next(l for l in prefilling if self.s.copying[l]))
+                self.complete_copy(data, next(l for l in prefilling if self.s.copying[l]))
             else:
                 self.apply("prefill", pick(data, prefilling, "lane"), data.draw(tokens))
             return True
@@ -933,7 +1534,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         @rule(data=st.data())
         def must_reject(self, data: Any) -> None:
             """Unknown or ended ids, idle or busy lanes, blocks the action may not use, bad
-            prompts: the core must refuse, naming the guard the lifecycle says."""
+            prompts; hybrid: a snapshot at a wrong time, a hit past the entry's snapshots;
+            host: a load ended as a copy or a copy as a load: the core must refuse, naming the
+            guard the lifecycle model says."""
             c, s, life = self.c, self.s, self.life
             idle = [l for l in range(c.B) if life.lane[l] is None]
             busy = [l for l in range(c.B) if life.lane[l] is not None]
@@ -952,6 +1555,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             options += ["discard_lane_block"] if busy and "discard" in core.ACTIONS else []
             options += ["not_prefilled"] if pd and not all(map(life.prefilled, range(c.B))) else []
             options += ["draining_block"] if life.draining else []
+            # hybrid prefix cache and host tier (or a configuration without them)
+            options += ["bad_snapshot"] if c.HYBRID else []
+            options += ["other_copy"] if c.HOST and any(life.copying) else []
+            past = self.hits_past_snapshot() if c.HYBRID and idle else []
+            options += ["hit_past_snapshot"] * 2 if past else []
             kind = pick(data, options, "kind")
             block = _ints(0, c.K - 1)
             expect: str | None
@@ -1010,6 +1618,24 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     map(life.decoding, range(c.B))) and not any(
                     life.decoding(l) and life.length[l] >= c.S for l in range(c.B)) else []
                 call, args, expect = pick(data, calls)
+            elif kind == "bad_snapshot":  # a lane with no sliding state to save right now
+                l = num(data, 0, c.B - 1, "lane")
+                if life.snapshot_ok(l):
+                    return
+                computing = (life.prefilling(l) or life.decoding(l)) and not life.copying[l]
+                call, args = "snapshot", (l,)
+                expect = "next_boundary" if computing else "lane_computing"
+            elif kind == "other_copy":  # copy_done ends a device copy, load_done a load
+                l = pick(data, [l for l in range(c.B) if life.copying[l]], "lane")
+                call, args, expect = (("load_done", (l,), "load_in_flight")
+                                      if life.load_slot[l] is None
+                                      else ("copy_done", (l,), "copy_in_flight"))
+            elif kind == "hit_past_snapshot":  # the prefix matches, the snapshots stop short
+                r, src, n = pick(data, past, "request, entry, n")
+                l = pick(data, idle, "lane")
+                dst = self.policy.reusable(self.s, exclude=src)
+                dst = (src + 1) % c.K if dst is None else dst  # a refused dst comes later
+                call, args, expect = "admit_hit", (l, r, src, dst, n), "hybrid_snapshot_at_n"
             else:  # owned_pad: a padding row must not write a lane's block
                 pad = s.table[pick(data, busy)]
                 call, args = "decode", (pad, self.decode_tokens(data))
@@ -1019,39 +1645,96 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 expect = "no_block_overflow" if overflow else "scratch_target_ok"
             out = self.apply(call, *args)
             assert out.rejected == expect, (kind, call, args, out.rejected, expect)
+            Stats.events[f"{call} {expect} rejected"] += 1
+
+        def hits_past_snapshot(self) -> list[tuple[int, int, int]]:
+            """(waiting request, cache entry, n): hybrid hits of whole chunks whose prefix
+            matches (n within the entry and below the prompt's length) but that reach past
+            the entry's snapshots."""
+            s, c = self.s, self.c
+            out = []
+            for r in self.waiting():
+                p = s.prompt.get(r)
+                for b in range(c.K):
+                    if s.owner[b] != core.OWNER_CACHE:
+                        continue
+                    key = s.key[b]
+                    n = common_chunks(key, p, c.C, min(len(key), len(p) - 1))
+                    if n > s.snap_upto[b]:
+                        out.append((r, b, n))
+            return out
+
+        def foreign_tier_calls(self) -> None:
+            """Whatever state a run ends in, a configuration refuses the actions of a tier it
+            does not have: without the hybrid prefix cache every snapshot, without the host
+            tier every spill, and every load event (no lane is loading)."""
+            c, life = self.c, self.life
+            if not (c.HYBRID and c.PREFIX):
+                for l in range(c.B):
+                    assert self.apply("snapshot", l).rejected == "hybrid_prefix_cache"
+            if not c.HOST:
+                for b in range(c.K):
+                    assert self.apply("spill", b, 0).rejected == "host_cache_on"
+                for l in range(c.B):
+                    assert life.load_slot[l] is None  # nothing to load from
+                    assert self.apply(("load_done", "load_fail")[l % 2], l).rejected == (
+                        "load_in_flight")
 
         def teardown(self) -> None:
-            """Drain: end every request (admitting each waiting one as the policy chooses,
-            then finishing or aborting it; an import completes, an export is sent) and every
-            transfer, and check each request ended exactly once."""
+            """Drain as a scheduler runs until idle: end every transfer, copy, load and store
+            (some loads and stores fail), complete imports and exports, run each request to
+            its end (prefill; with pd, some are exported; some decode to the block end; finish
+            into the cache; a quarter are aborted or failed instead) and admit the waiting ones
+            as the policy chooses (every third abandoned instead); then check each request
+            ended exactly once and nothing is left in flight."""
             if not hasattr(self, "life"):
                 return
+            self.foreign_tier_calls()
             life = self.life
             while True:
                 if life.draining:
                     b = min(life.draining)
                     self.apply("transfer_end", life.draining[b], b)
+                elif life.slot_block:
+                    h = min(life.slot_block)
+                    self.apply(("store_done", "store_fail")[h % 2], h)
                 elif any(life.copying):
-                    self.apply("copy_done", life.copying.index(True))
+                    l = life.copying.index(True)
+                    load = ("load_done", "load_fail")[life.lane[l] % 2]
+                    self.apply("copy_done" if life.load_slot[l] is None else load, l)
                 elif life.in_phase("importing"):
                     r = life.in_phase("importing")[0]
                     self.apply("import_done", r, seq(life.prompt[r]), ALPHABET[0])
                 elif life.in_phase("exporting"):
                     self.apply("export_done", life.in_phase("exporting")[0], self.c.PREFIX)
-                elif any(life.decoding(l) for l in range(self.c.B)):
-                    l = next(l for l in range(self.c.B) if life.decoding(l))
-                    self.apply("finish", l, self.c.PREFIX)
                 elif any(r is not None for r in life.lane):
-                    self.apply("abort_running", next(
-                        l for l in range(self.c.B) if life.lane[l] is not None))
+                    l = next(l for l in range(self.c.B) if life.lane[l] is not None)
+                    r = life.lane[l]
+                    if r % 4 == 3:  # a quarter are cancelled: aborted or failed
+                        self.apply(("abort_running", "fail")[r // 4 % 2], l)
+                    elif pd and life.prefilled(l) and r % 2:  # a prefill worker's: sent
+                        self.apply("export", l)
+                    elif life.decoding(l) and r % 3 == 1 and self.decode_by_policy(
+                            tuple(ALPHABET[:1]) * self.c.B).rejected is None:
+                        pass  # a long answer: decoded to the block end (then refused)
+                    elif life.decoding(l):
+                        self.apply("finish", l, self.c.PREFIX)
+                    else:  # the next chunk (a snapshot at a boundary, as the policy takes them)
+                        self.apply("prefill", l, ALPHABET[r % len(ALPHABET)])
+                        if self.policy.snapshot(self.s, l):
+                            self.apply("snapshot", l)
                 elif self.waiting():
                     r = self.waiting()[0]
-                    if not self.admit_by_policy(r):  # only below capacity
+                    # every third is abandoned; the others are admitted, unless the policy
+                    # declines (only below capacity)
+                    if r % 3 == 2 or not self.admit_by_policy(r):
                         self.apply("abort_waiting", r)
                 else:
                     break
             assert all(x in ENDED and life.ends[r] == 1 for r, x in life.status.items())
             assert not any(self.s.busy) and self.quiescent() and not any(self.s.transfer)
+            assert set(life.slot_state) <= {"EMPTY", "STORED"}, life.slot_state
+            assert not any(self.s.lane_snap), self.s.lane_snap  # idle lanes have no snapshots
 
         @invariant()
         def count_step(self) -> None:
@@ -1072,43 +1755,109 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 # --------------------------------------------------------------------------------- tests
 
 
+class Tally(NamedTuple):
+    """What one machine run applied, refused (per guard) and reached (Stats)."""
+
+    pd: bool
+    applied: Counter[str]
+    rejected: Counter[tuple[str, str]]
+    events: Counter[str]
+
+
+def run_machine(config: st.SearchStrategy[Any], pd: bool) -> Tally:
+    Stats.reset()
+    run_state_machine_as_test(make_machine(config=config, pd=pd))
+    return Tally(pd, Counter(Stats.applied), Counter(Stats.rejected), Counter(Stats.events))
+
+
+def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
+    """Not vacuous, over the runs of one configuration family: every action it can take was
+    applied, and no run applied one it cannot (hits need the prefix cache, PD actions pd,
+    snapshot the hybrid tier, the host actions the host tier); some lane reached the block end
+    (decode refused until it finishes); and the situations each feature exists for happened."""
+    actions = set(committed.ACTIONS)
+    cannot = set() if prefix else {"admit_hit", "copy_done"}
+    cannot |= set() if tier == "hybrid" else {"snapshot"}
+    cannot |= set() if tier == "host" else set(HOST_ACTIONS)
+    for run in runs:
+        off = cannot | (set() if run.pd else set(PD_ACTIONS))
+        assert not off & set(run.applied), (run.pd, off & set(run.applied))
+    applied = {a for run in runs for a in run.applied}
+    rejected = {k for run in runs for k, v in run.rejected.items() if v}
+    events = {k for run in runs for k, v in run.events.items() if v}
+    expected = actions - cannot - (set() if any(run.pd for run in runs) else set(PD_ACTIONS))
+    assert expected <= applied, expected - applied
+    assert ("decode", "no_block_overflow") in rejected
+    # Each tier's actions are refused where they do not belong, and at wrong times.
+    want = {("snapshot", "hybrid_prefix_cache")} if tier != "hybrid" else {
+        ("snapshot", "lane_computing"), ("snapshot", "next_boundary"),
+        ("admit_hit", "hybrid_snapshot_at_n")}
+    want |= {("spill", "host_cache_on"), ("load_done", "load_in_flight")} if tier != "host" else {
+        ("spill", "entry_cached"), ("spill", "entry_unpinned"), ("spill", "slot_empty"),
+        ("host_evict", "slot_stored"), ("admit_host_hit", "slot_stored"),
+        ("store_done", "slot_storing"), ("store_fail", "slot_storing"),
+        ("load_done", "load_in_flight"), ("load_fail", "load_in_flight"),
+        ("copy_done", "copy_in_flight")}
+    assert want <= rejected, want - rejected
+    if tier == "hybrid":
+        # a miss is not blocked by an entry that shares its first chunk but has no snapshot
+        assert "miss beside an entry without a snapshot" in events
+    if tier == "host":
+        # the batcher's flow (spill the victim, hit the host copy), a slot is never evicted
+        # while a store writes it or a load reads it, a copy's source is never spilled, and a
+        # cancelled load leaves its slot a host entry
+        host = {"policy spill", "policy host hit", "host_evict of a STORING slot rejected",
+                "host_evict of a LOADING slot rejected", "spill of a pinned entry rejected",
+                "load cancelled"}
+        assert host <= events, host - events
+    for run in runs:
+        if run.pd:
+            check_pd_coverage(run)
+
+
+def check_pd_coverage(run: Tally) -> None:
+    """PD: blocks drained (abort or failure of a transferring lane) and were released by
+    transfer_end; partial or mismatched payloads were refused; late, duplicate and misdirected
+    events were refused by each guard that exists for them."""
+    assert run.events["drain released"] > 0
+    assert run.events["abort_running drains"] > 0 and run.events["fail drains"] > 0
+    assert run.events["prefix import rejected"] > 0
+    assert run.rejected["import_done", "covers_prompt"] > run.events["prefix import rejected"]
+    late = [("import_done", "request_importing"), ("transfer_fail", "request_transferring"),
+            ("export_done", "request_exporting"), ("transfer_end", "block_draining"),
+            ("transfer_end", "transfer_of_request"), ("export", "lane_prefilled")]
+    assert all(run.rejected[k] for k in late), {k: run.rejected[k] for k in late}
+
+
 @pytest.mark.parametrize("pd", [False, True], ids=["colocated", "pd"])
 @pytest.mark.parametrize("prefix,scratch", FEATURES,
                          ids=[f"{'prefix' if p else 'noprefix'}-{s}" for p, s in FEATURES])
 def test_core_machine(prefix: bool, scratch: str, pd: bool) -> None:
-    """Invariants, transition invariants, progress, the lifecycle model, policy refinement
-    and the ghost-off mirror, over B in 1..3, K from the proved minimum to minimum + 2: the
-    colocated workload, and (pd) the same with prefill/decode disaggregation mixed in."""
-    Stats.reset()
-    run_state_machine_as_test(make_machine(config=configs(committed, prefix, scratch), pd=pd))
-    # Not vacuous: every action applied (hits only with the prefix cache; PD actions only
-    # with pd), and some lane reached the block end (decode refused until it finishes).
-    expected = set(committed.ACTIONS) - (set() if prefix else {"admit_hit", "copy_done"})
-    expected -= set() if pd else set(PD_ACTIONS)
-    # the machine's configurations are plain models (HYBRID off): no sliding-state snapshots;
-    # hybrid prefix caching is fuzzed by tests/test_hybrid_prefix.py
-    expected -= {"snapshot"}
-    assert expected <= set(Stats.applied), expected - set(Stats.applied)
-    assert Stats.rejected["decode", "no_block_overflow"] > 0
-    if not pd:
-        assert not set(PD_ACTIONS) & set(Stats.applied)
-        return
-    # PD: blocks drained (abort or failure of a transferring lane) and were released by
-    # transfer_end; partial or mismatched payloads were refused; late, duplicate and
-    # misdirected events were refused by each guard that exists for them.
-    assert Stats.events["drain released"] > 0
-    assert Stats.events["abort_running drains"] > 0 and Stats.events["fail drains"] > 0
-    assert Stats.events["prefix import rejected"] > 0
-    assert Stats.rejected["import_done", "covers_prompt"] > Stats.events["prefix import rejected"]
-    late = [("import_done", "request_importing"), ("transfer_fail", "request_transferring"),
-            ("export_done", "request_exporting"), ("transfer_end", "block_draining"),
-            ("transfer_end", "transfer_of_request"), ("export", "lane_prefilled")]
-    assert all(Stats.rejected[k] for k in late), {k: Stats.rejected[k] for k in late}
+    """Invariants, transition invariants, progress, the lifecycle model (every guard
+    predicted), policy refinement and the ghost-off mirror, over B in 1..3, K from the proved
+    minimum to minimum + 2: the colocated workload, and (pd) the same with prefill/decode
+    disaggregation mixed in."""
+    check_coverage("plain", prefix, run_machine(configs(committed, prefix, scratch), pd))
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_core_machine_tier(tier: str, scratch: str) -> None:
+    """The same checks with a tier of the prefix cache, colocated and then with PD mixed in:
+    hybrid (snapshots of the sliding state at chunk boundaries, taken at the right and wrong
+    times; hits only as deep as the entry's snapshots; misses beside entries without one) and
+    host (entries spilled into 1..2 host slots and loaded back; stores and loads that fail;
+    evictions, spills and hits refused while a slot is busy, spills while a copy reads the
+    entry). The tier's coverage is over both runs."""
+    config = configs(committed, True, scratch, tier=tier)
+    check_coverage(tier, True, run_machine(config, False), run_machine(config, True))
 
 
 def test_core_machine_below_capacity() -> None:
     """One block below the proved minimum the core may get stuck, but stays safe."""
-    config = st.one_of(*(configs(committed, p, s, extra=(-1, -1)) for p, s in FEATURES))
+    config = st.one_of(*(configs(committed, p, s, extra=(-1, -1)) for p, s in FEATURES),
+                       *(configs(committed, True, s, extra=(-1, -1), tier=t)
+                         for t in TIERS for s in ("reserved", "dynamic")))
     run_state_machine_as_test(make_machine(config=config))
 
 
@@ -1135,14 +1884,17 @@ class Mutant(NamedTuple):
     """A planted bug: the spec variant, the features it shows in, the check that must catch
     it (an invariant's name, or `lifecycle:<guard>`: the core did not refuse a step the
     lifecycle model predicts that guard refuses, `lifecycle:accepted`: it refused one the
-    model predicts it accepts; several when either may come first), the
-    rules the search needs (None: every rule) and whether the machine takes PD actions."""
+    model predicts it accepts, `progress:<property>`, `refinement:<action>`: the policy's
+    choice was refused; several when either may come first), the rules the search needs
+    (None: every rule), whether the machine takes PD actions and the tier ("plain",
+    "hybrid", "host")."""
 
     build: Callable[[], Any]
     features: tuple[bool, str]
     expected: str | tuple[str, ...]
     focus: set[str] | None
     pd: bool = False
+    tier: str = "plain"
 
 
 # Each mutant removes or weakens one guard or update. focus keeps only the rules the bug
@@ -1150,6 +1902,8 @@ class Mutant(NamedTuple):
 # machine's.
 HIT_RULES = {"submit", "advance", "admit_arbitrary"}
 PD_FLOW = {"pd_flow"}
+HYBRID_FLOW = {"hybrid_flow"}
+HOST_FLOW = {"host_flow"}
 MUTANTS: dict[str, Mutant] = {
     "admit_hit-dst_not_src": Mutant(
         lambda: MODEL.without_guard("admit_hit", "dst_not_src"),
@@ -1177,9 +1931,12 @@ MUTANTS: dict[str, Mutant] = {
     "submit-prompt_fits": Mutant(
         lambda: MODEL.without_guard("submit", "prompt_fits"),
         (False, "dynamic"), "waiting_prompt_fits", None),
+    # A hit of any n > 0 (not whole chunks) is accepted, and breaks the chunk boundary; the
+    # lifecycle model, which predicts every guard, also notices when a later guard refuses it.
     "admit_hit-n_whole_chunks-weakened": Mutant(
         lambda: _weakened_chunk_guard(),
-        (True, "dynamic"), "prefill_on_chunk_boundary", HIT_RULES),
+        (True, "dynamic"), ("prefill_on_chunk_boundary", "lifecycle:n_whole_chunks"),
+        HIT_RULES),
     # PD. A partial or mismatched payload is imported as if it were the prompt's KV.
     "import_done-covers_prompt": Mutant(
         lambda: MODEL.without_guard("import_done", "covers_prompt"),
@@ -1220,6 +1977,54 @@ MUTANTS: dict[str, Mutant] = {
         lambda: _import_reuses_draining(),
         (False, "dynamic"), "running_transfer_pins_its_block",
         PD_FLOW | {"admit_import", "must_reject"}, pd=True),
+    # Hybrid prefix cache. A hit deeper than the entry's snapshots: the lane resumes with a
+    # sliding state restored from no snapshot at its length.
+    "admit_hit-hybrid_snapshot_at_n": Mutant(
+        lambda: MODEL.without_guard("admit_hit", "hybrid_snapshot_at_n"),
+        (True, "dynamic"), "hybrid_hit_has_snapshot", HYBRID_FLOW, tier="hybrid"),
+    # A snapshot off the next boundary: one skipped (its state was never saved) or taken
+    # where the lane is not (at the admission of a miss, mid-chunk while decoding).
+    "snapshot-next_boundary": Mutant(
+        lambda: MODEL.without_guard("snapshot", "next_boundary"),
+        (True, "reserved"), ("lane_snapshots_are_its_own", "snapshots_on_chunk_boundaries"),
+        HYBRID_FLOW, tier="hybrid"),
+    # hit_ok without its hybrid clause: an entry without a snapshot at the first chunk blocks
+    # a miss though no hit can use it, so a request may never be admitted (the policy's miss
+    # is refused, or the lifecycle model's, or the state is stuck).
+    "admit_miss-no_cache_hit-ignores-snapshots": Mutant(
+        lambda: _miss_ignores_snapshots(),
+        (True, "dynamic"),
+        ("progress:idle_lane_admits", "refinement:admit_miss", "lifecycle:accepted"),
+        HYBRID_FLOW, tier="hybrid"),
+    # Host tier. A hit on a slot without an entry: one a store is writing (the spilling block
+    # loses its store), one a load reads (the other lane's load loses its slot), an empty one.
+    "admit_host_hit-slot_stored": Mutant(
+        lambda: MODEL.without_guard("admit_host_hit", "slot_stored"),
+        (True, "dynamic"),
+        ("host_key_is_content", "spilling_block_has_its_store", "load_reads_a_loading_slot",
+         "loading_slot_has_its_lane", "lifecycle:slot_stored"), HOST_FLOW, tier="host"),
+    # Eviction of a slot a store writes or a load reads.
+    "host_evict-slot_stored": Mutant(
+        lambda: MODEL.without_guard("host_evict", "slot_stored"),
+        (True, "reserved"),
+        ("spilling_block_has_its_store", "load_reads_a_loading_slot", "lifecycle:slot_stored"),
+        HOST_FLOW, tier="host"),
+    # A spill of an entry a device copy reads: it leaves the cache under the copy (or, into a
+    # busy slot, slot_empty refuses it where the lifecycle model expects entry_unpinned).
+    "spill-entry_unpinned": Mutant(
+        lambda: MODEL.without_guard("spill", "entry_unpinned"),
+        (True, "dynamic"), ("copy_source_cached", "lifecycle:entry_unpinned"), HOST_FLOW,
+        tier="host"),
+    # A spill into a slot that holds an entry, a store or a load.
+    "spill-slot_empty": Mutant(
+        lambda: MODEL.without_guard("spill", "slot_empty"),
+        (True, "reserved"),
+        ("spilling_block_has_its_store", "load_reads_a_loading_slot",
+         "loading_slot_has_its_lane", "lifecycle:slot_empty"), HOST_FLOW, tier="host"),
+    # A failed load leaves its slot loading, read by no lane (never evictable again).
+    "load_fail-slot_state": Mutant(
+        lambda: MODEL.without_update("load_fail", "slot_state"),
+        (True, "dynamic"), "loading_slot_has_its_lane", HOST_FLOW, tier="host"),
 }
 
 
@@ -1254,6 +2059,17 @@ def _import_reuses_draining() -> Any:
         & ~spec.pinned(dst))
 
 
+def _miss_ignores_snapshots() -> Any:
+    """admit_miss's no_cache_hit refuses a miss beside any entry sharing the first chunk, with
+    or without a snapshot there (hit_ok without its HYBRID clause; with_guard)."""
+    r = _param("admit_miss", "r")
+    return MODEL.with_guard("admit_miss", "no_cache_hit", lang.implies(spec.PREFIX, lang.forall(
+        spec.Block, lambda b: ~(
+            (spec.slen(spec.prompt(r)) > spec.C) & (spec.owner(b) == spec.Owner.CACHE)
+            & (spec.head(b) == spec.take(spec.prompt(r), spec.C))
+            & (spec.slen(spec.key(b)) >= spec.C)))))
+
+
 def _cancel_frees() -> Any:
     """`cancel` (abort_running, fail) frees the block even while a transfer uses it. The
     mutant API removes guards and updates or replaces a guard, not an update's value, so the
@@ -1270,6 +2086,10 @@ def caught_by(exc: AssertionError) -> list[str]:
     """The checks that reported `exc`, as MUTANTS names them."""
     if isinstance(exc, LifecycleDivergence):
         return [f"lifecycle:{exc.expected or 'accepted'}"]
+    if isinstance(exc, ProgressViolation):
+        return [f"progress:{x}" for x in exc.names]
+    if isinstance(exc, RefinementViolation):
+        return [f"refinement:{exc.action}"]
     assert isinstance(exc, InvariantViolation)
     assert exc.kind != "checker crash", str(exc)  # checkers report, never raise
     return exc.names
@@ -1281,11 +2101,12 @@ def test_machine_catches_mutant(name: str) -> None:
     guard)."""
     m = MUTANTS[name]
     mutant = codegen.load(m.build(), f"atom_core_mutant_{name.replace('-', '_')}")
-    config = configs(mutant, *m.features, lanes=(2, 2))
+    config = configs(mutant, *m.features, lanes=(2, 2), tier=m.tier)
     if name == "admit_hit-n_whole_chunks-weakened":
         config = config.filter(lambda c: c.C == 2)
     machine = make_machine(mutant, config, mirror=False, focus=m.focus, pd=m.pd)
-    with pytest.raises((InvariantViolation, LifecycleDivergence)) as info:
+    with pytest.raises((InvariantViolation, LifecycleDivergence, ProgressViolation,
+                        RefinementViolation)) as info:
         run_state_machine_as_test(machine, settings=_search_settings())
     expected = {m.expected} if isinstance(m.expected, str) else set(m.expected)
     assert expected & set(caught_by(info.value)), (caught_by(info.value), str(info.value))

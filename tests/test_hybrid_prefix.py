@@ -82,12 +82,12 @@ def assert_settled(b: AtomBatcher) -> None:
     s = b.state
     owners = core.describe_state(s)["owner"]
     assert set(owners) <= {"FREE", "CACHE", "SCRATCH"}, owners
-    snaps = b._snaps
-    assert snaps is not None and snaps.lanes == {}
+    snaps = b.describe()["snapshots"]
+    assert snaps is not None and snaps["lanes"] == {}
     for blk in range(s.consts.K):
-        want = (set(range(C, s.snap_upto[blk] + 1, C)) if s.owner[blk] == core.OWNER_CACHE
-                else set())
-        assert set(snaps.entries.get(blk, {})) == want, blk
+        want = (list(range(C, s.snap_upto[blk] + 1, C)) if s.owner[blk] == core.OWNER_CACHE
+                else [])
+        assert snaps["entries"].get(blk, []) == want, blk
 
 
 @pytest.mark.parametrize("window", [16, 64, 100], ids=["W<C", "W=C", "W>C"])

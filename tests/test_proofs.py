@@ -204,6 +204,11 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
                             "resets its slot",
     ("admit_import", "local_holds"): "ghost: an importing lane's slot is the transfer's until "
                                      "import_done writes it",
+    ("admit_host_hit", "local_holds"): "ghost: hybrid models have no host tier (axiom)",
+    ("admit_host_hit", "local_junk"): "ghost: hybrid models have no host tier (axiom)",
+    # A host eviction that does nothing is safe (the entry stays valid); the host tier then
+    # never takes another entry once full, which tests/test_host_cache.py catches.
+    ("host_evict", "slot_state"): "gap: performance only, caught by the host cache tests",
     # Hybrid prefix cache. The junk write is the tripwire for mutants of snapshot's guards (it
     # catches them); with the guards in place the snapshot it marks is sound.
     ("snapshot", "lane_snap_junk"): "ghost: with snapshot's guards, the new snapshot is sound",
@@ -307,11 +312,12 @@ def _first_per_action(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
             if any(p[0] == a.name for p in pairs)]
 
 
-# A full relational run per mutant costs 5-20 s; CI cross-checks a sample (colocated and PD
-# actions, guards and updates), ATOM_CORE_FULL_SWEEP=1 every guard and update.
+# A full relational run per mutant costs 20-100 s (a refutable obligation z3 leaves undecided
+# costs its whole timeout, then the small-sort search); CI cross-checks a guard and an update,
+# ATOM_CORE_FULL_SWEEP=1 every guard and update.
 _FULL = os.environ.get("ATOM_CORE_FULL_SWEEP") == "1"
-_SAMPLE_GUARDS = ("admit_hit", "decode", "import_done", "transfer_end")
-_SAMPLE_UPDATES = ("finish", "admit_import", "transfer_fail")
+_SAMPLE_GUARDS = ("decode",)
+_SAMPLE_UPDATES = ("finish",)
 RESTRICTION_CASES = (
     [("guard", a, g) for a, g in
      (GUARDS if _FULL else [p for p in _first_per_action(GUARDS) if p[0] in _SAMPLE_GUARDS])]

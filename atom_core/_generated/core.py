@@ -20,12 +20,25 @@ OWNER_SCRATCH = 1
 OWNER_LANE = 2
 OWNER_CACHE = 3
 OWNER_DRAINING = 4
+OWNER_SPILLING = 5
 OWNER_NAMES = (
     "FREE",
     "SCRATCH",
     "LANE",
     "CACHE",
     "DRAINING",
+    "SPILLING",
+)
+
+SLOTSTATE_EMPTY = 0
+SLOTSTATE_STORING = 1
+SLOTSTATE_STORED = 2
+SLOTSTATE_LOADING = 3
+SLOTSTATE_NAMES = (
+    "EMPTY",
+    "STORING",
+    "STORED",
+    "LOADING",
 )
 
 PHASE_NONE = 0
@@ -50,8 +63,8 @@ PHASE_NAMES = (
 )
 
 # Index sorts and the config constant that is their size.
-INDEX_SORTS = {"Lane": "B", "Block": "K"}
-ENUMS = {"Owner": OWNER_NAMES, "Phase": PHASE_NAMES}
+INDEX_SORTS = {"Lane": "B", "Block": "K", "Slot": "H"}
+ENUMS = {"Owner": OWNER_NAMES, "SlotState": SLOTSTATE_NAMES, "Phase": PHASE_NAMES}
 
 
 # --------------------------------------------------------------------------- configuration
@@ -67,6 +80,8 @@ class Consts:
     RESERVED: bool
     SCRATCH: int
     HYBRID: bool = False
+    HOST: bool = False
+    H: int = 0
 
 
 # --------------------------------------------------------------------------- state
@@ -121,6 +136,11 @@ class State:
     copying: tuple[bool, ...]
     # copy_src(Lane) -> Block: the cache entry an in-flight copy reads
     copy_src: tuple[int, ...]
+    # copy_host(Lane) -> Bool: the in-flight copy is a load from a host slot (else from a device
+    # entry)
+    copy_host: tuple[bool, ...]
+    # copy_slot(Lane) -> Slot: the host slot an in-flight load reads
+    copy_slot: tuple[int, ...]
     # transfer(Block) -> Bool: a PD transfer (an import writing, an export reading) is using the
     # block
     transfer: tuple[bool, ...]
@@ -130,6 +150,22 @@ class State:
     xfer_live: PMap | None
     # xfer_block(Req) -> Block [ghost]: the block that transfer uses
     xfer_block: PMap | None
+    # slot_state(Slot) -> SlotState
+    slot_state: tuple[int, ...]
+    # slot_key(Slot) -> Seq: the tokens a host entry is indexed by
+    slot_key: tuple[TokSeq, ...]
+    # slot_head(Slot) -> Seq: its first chunk
+    slot_head: tuple[TokSeq, ...]
+    # slot_block(Slot) -> Block: the device block a store reads
+    slot_block: tuple[int, ...]
+    # spill_slot(Block) -> Slot: the slot a spilling block is stored into
+    spill_slot: tuple[int, ...]
+    # load_lane(Slot) -> Lane: the lane a loading slot is read into
+    load_lane: tuple[int, ...]
+    # slot_holds(Slot) -> Seq [ghost]: the tokens whose KV it holds
+    slot_holds: tuple[TokSeq | None, ...] | None
+    # slot_junk(Slot) -> Bool [ghost]: the slot holds nothing valid (a store in flight or failed)
+    slot_junk: tuple[bool, ...] | None
     # phase(Req) -> Phase
     phase: PMap
     # req_lane(Req) -> Lane: the lane of a running request
@@ -160,10 +196,20 @@ STATE_FIELDS = (
     "lane_plen",
     "copying",
     "copy_src",
+    "copy_host",
+    "copy_slot",
     "transfer",
     "transfer_req",
     "xfer_live",
     "xfer_block",
+    "slot_state",
+    "slot_key",
+    "slot_head",
+    "slot_block",
+    "spill_slot",
+    "load_lane",
+    "slot_holds",
+    "slot_junk",
     "phase",
     "req_lane",
     "prompt",
@@ -177,6 +223,8 @@ GHOST_FIELDS = (
     "snap_junk",
     "xfer_live",
     "xfer_block",
+    "slot_holds",
+    "slot_junk",
 )
 
 
@@ -191,7 +239,7 @@ class Step(NamedTuple):
 
 # --------------------------------------------------------------------------- effects
 class Admit(NamedTuple):
-    """Effect `admit` (emitted by admit_miss, admit_hit)."""
+    """Effect `admit` (emitted by admit_miss, admit_hit, admit_host_hit)."""
 
     lane: int
     request: int
@@ -238,6 +286,28 @@ class Release(NamedTuple):
     block: int
 
 
+class Store(NamedTuple):
+    """Effect `store` (emitted by spill)."""
+
+    block: int
+    slot: int
+
+
+class Load(NamedTuple):
+    """Effect `load` (emitted by admit_host_hit)."""
+
+    lane: int
+    slot: int
+    dst: int
+    n: int
+
+
+class Recompute(NamedTuple):
+    """Effect `recompute` (emitted by load_fail)."""
+
+    lane: int
+
+
 class Inbound(NamedTuple):
     """Effect `inbound` (emitted by admit_import)."""
 
@@ -270,6 +340,9 @@ EFFECTS = {
     "prefill": Prefill,
     "decode": Decode,
     "release": Release,
+    "store": Store,
+    "load": Load,
+    "recompute": Recompute,
     "inbound": Inbound,
     "imported": Imported,
     "outbound": Outbound,
@@ -300,8 +373,17 @@ def init(consts: Consts, ghost: bool = True) -> State:
     lane_plen = (0,) * B
     copying = (False,) * B
     copy_src = (0,) * B
+    copy_host = (False,) * B
+    copy_slot = (0,) * B
     transfer = (False,) * K
     transfer_req = (None,) * K
+    H = consts.H
+    slot_state = (SLOTSTATE_EMPTY,) * H
+    slot_key = (empty(),) * H
+    slot_head = (empty(),) * H
+    slot_block = (0,) * H
+    spill_slot = (0,) * K
+    load_lane = (0,) * H
     phase = PMap(default=PHASE_NONE)
     req_lane = PMap()
     prompt = PMap(default=empty())
@@ -314,9 +396,11 @@ def init(consts: Consts, ghost: bool = True) -> State:
         snap_junk = (True,) * K
         xfer_live = PMap(default=False)
         xfer_block = PMap()
+        slot_holds = (None,) * H
+        slot_junk = (True,) * H
     else:
         holds = junk = local_holds = local_junk = lane_snap_junk = snap_junk = xfer_live = None
-        xfer_block = None
+        xfer_block = slot_holds = slot_junk = None
     return State(
         consts,
         ghost,
@@ -340,10 +424,20 @@ def init(consts: Consts, ghost: bool = True) -> State:
         lane_plen,
         copying,
         copy_src,
+        copy_host,
+        copy_slot,
         transfer,
         transfer_req,
         xfer_live,
         xfer_block,
+        slot_state,
+        slot_key,
+        slot_head,
+        slot_block,
+        spill_slot,
+        load_lane,
+        slot_holds,
+        slot_junk,
         phase,
         req_lane,
         prompt,
@@ -402,10 +496,20 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         new_prompt,
@@ -423,12 +527,13 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
         return "request_waiting"
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     _m2 = s.prompt.get(r)
     C = s.consts.C
@@ -464,12 +569,13 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         return Step(s, (), "request_waiting")
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     _m3 = s.prompt.get(r)
     _m2 = slen(_m3)
@@ -560,10 +666,20 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_lane_plen,
         copying,
         copy_src,
+        copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         new_req_lane,
         s.prompt,
@@ -585,12 +701,13 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
         return "request_waiting"
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     _m2 = s.prompt.get(r)
     C = s.consts.C
@@ -650,12 +767,13 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
     if dst == src:
         return "dst_not_src"
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
 
@@ -701,12 +819,13 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     if dst == src:
         return Step(s, (), "dst_not_src")
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_busy = list(busy)
     new_busy[l] = True
@@ -740,6 +859,9 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     new_copying = list(copying)
     new_copying[l] = True
     new_copying = tuple(new_copying)
+    new_copy_host = list(copy_host)
+    new_copy_host[l] = False
+    new_copy_host = tuple(new_copy_host)
     new_copy_src = list(copy_src)
     new_copy_src[l] = src
     new_copy_src = tuple(new_copy_src)
@@ -782,10 +904,20 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         new_lane_plen,
         new_copying,
         new_copy_src,
+        new_copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         new_req_lane,
         s.prompt,
@@ -833,12 +965,13 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     if dst == src:
         return "dst_not_src"
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Admit(l, r, dst), Copy(l, src, dst, n))
 
@@ -847,6 +980,8 @@ def copy_done_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `copy_done`, or None."""
     # copy_in_flight
     if not s.copying[l]:
+        return "copy_in_flight"
+    if s.copy_host[l]:
         return "copy_in_flight"
     return None
 
@@ -858,6 +993,8 @@ def copy_done(s: State, l: int) -> Step:
     copying = s.copying
     # copy_in_flight
     if not copying[l]:
+        return Step(s, (), "copy_in_flight")
+    if s.copy_host[l]:
         return Step(s, (), "copy_in_flight")
     new_copying = list(copying)
     new_copying[l] = False
@@ -903,10 +1040,20 @@ def copy_done(s: State, l: int) -> Step:
         s.lane_plen,
         new_copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         s.phase,
         s.req_lane,
         s.prompt,
@@ -995,10 +1142,20 @@ def snapshot(s: State, l: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         s.phase,
         s.req_lane,
         s.prompt,
@@ -1105,10 +1262,20 @@ def prefill(s: State, l: int, tok: int) -> Step:
         lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1151,6 +1318,7 @@ def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
             return "no_block_overflow"
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # scratch_target_ok
     if not all(_m0):
@@ -1161,7 +1329,7 @@ def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                 return "scratch_target_ok"
             for l in range(B):
-                if copying[l] and copy_src[l] == pad:
+                if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
     return None
 
@@ -1184,6 +1352,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
             return Step(s, (), "no_block_overflow")
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     RESERVED = s.consts.RESERVED
     _m2 = not all(_m0)
@@ -1196,7 +1365,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                 return Step(s, (), "scratch_target_ok")
             for l in range(B):
-                if copying[l] and copy_src[l] == pad:
+                if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return Step(s, (), "scratch_target_ok")
     new_length = tuple([(length[l] + 1 if _m0[l] else length[l]) for l in range(B)])
     lane_seq = s.lane_seq
@@ -1279,10 +1448,20 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         lane_plen,
         copying,
         copy_src,
+        copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         phase,
         s.req_lane,
         s.prompt,
@@ -1310,6 +1489,7 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
             return "no_block_overflow"
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # scratch_target_ok
     if not all(_m0):
@@ -1320,7 +1500,7 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                 return "scratch_target_ok"
             for l in range(B):
-                if copying[l] and copy_src[l] == pad:
+                if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
     table = s.table
     lane_plen = s.lane_plen
@@ -1418,10 +1598,20 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1484,10 +1674,20 @@ def abort_waiting(s: State, r: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1517,9 +1717,18 @@ def abort_running(s: State, l: int) -> Step:
     table = s.table
     new_owner[table[l]] = (OWNER_DRAINING if s.transfer[table[l]] else OWNER_FREE)
     new_owner = tuple(new_owner)
-    new_copying = list(s.copying)
+    copying = s.copying
+    new_copying = list(copying)
     new_copying[l] = False
     new_copying = tuple(new_copying)
+    _m0 = copying[l] and s.copy_host[l]
+    copy_slot = s.copy_slot
+    slot_state = s.slot_state
+    H = s.consts.H
+    new_slot_state = tuple([
+        (SLOTSTATE_STORED if (_m0 and copy_slot[l] == h) else slot_state[h])
+        for h in range(H)
+    ])
     new_lane_snap = list(s.lane_snap)
     new_lane_snap[l] = 0
     new_lane_snap = tuple(new_lane_snap)
@@ -1547,10 +1756,20 @@ def abort_running(s: State, l: int) -> Step:
         s.lane_plen,
         new_copying,
         s.copy_src,
+        s.copy_host,
+        copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1592,9 +1811,18 @@ def fail(s: State, l: int) -> Step:
     table = s.table
     new_owner[table[l]] = (OWNER_DRAINING if s.transfer[table[l]] else OWNER_FREE)
     new_owner = tuple(new_owner)
-    new_copying = list(s.copying)
+    copying = s.copying
+    new_copying = list(copying)
     new_copying[l] = False
     new_copying = tuple(new_copying)
+    _m0 = copying[l] and s.copy_host[l]
+    copy_slot = s.copy_slot
+    slot_state = s.slot_state
+    H = s.consts.H
+    new_slot_state = tuple([
+        (SLOTSTATE_STORED if (_m0 and copy_slot[l] == h) else slot_state[h])
+        for h in range(H)
+    ])
     new_lane_snap = list(s.lane_snap)
     new_lane_snap[l] = 0
     new_lane_snap = tuple(new_lane_snap)
@@ -1631,10 +1859,20 @@ def fail(s: State, l: int) -> Step:
         s.lane_plen,
         new_copying,
         s.copy_src,
+        s.copy_host,
+        copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -1661,10 +1899,11 @@ def discard_guard(s: State, b: int) -> str | None:
     if not (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE or owner[b] == OWNER_SCRATCH):
         return "not_a_lane_block"
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # not_pinned
     for l in range(s.consts.B):
-        if copying[l] and copy_src[l] == b:
+        if copying[l] and not copy_host[l] and copy_src[l] == b:
             return "not_pinned"
     return None
 
@@ -1679,10 +1918,11 @@ def discard(s: State, b: int) -> Step:
     if not (owner[b] == OWNER_FREE or _m0 or owner[b] == OWNER_SCRATCH):
         return Step(s, (), "not_a_lane_block")
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # not_pinned
     for l in range(s.consts.B):
-        if copying[l] and copy_src[l] == b:
+        if copying[l] and not copy_host[l] and copy_src[l] == b:
             return Step(s, (), "not_pinned")
     new_owner = list(owner)
     new_owner[b] = (OWNER_FREE if _m0 else owner[b])
@@ -1716,15 +1956,761 @@ def discard(s: State, b: int) -> Step:
         s.lane_plen,
         copying,
         copy_src,
+        copy_host,
+        s.copy_slot,
         s.transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         s.phase,
         s.req_lane,
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def spill_guard(s: State, b: int, h: int) -> str | None:
+    """The first failing guard conjunct of `spill`, or None."""
+    # host_cache_on
+    if not s.consts.HOST:
+        return "host_cache_on"
+    # entry_cached
+    if s.owner[b] != OWNER_CACHE:
+        return "entry_cached"
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # entry_unpinned
+    for l in range(s.consts.B):
+        if copying[l] and not copy_host[l] and copy_src[l] == b:
+            return "entry_unpinned"
+    # slot_empty
+    if s.slot_state[h] != SLOTSTATE_EMPTY:
+        return "slot_empty"
+    return None
+
+
+def spill(s: State, b: int, h: int) -> Step:
+    """Evict cache entry b to host slot h: the store (device -> host) pins both until it ends."""
+    # host_cache_on
+    if not s.consts.HOST:
+        return Step(s, (), "host_cache_on")
+    owner = s.owner
+    # entry_cached
+    if owner[b] != OWNER_CACHE:
+        return Step(s, (), "entry_cached")
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # entry_unpinned
+    for l in range(s.consts.B):
+        if copying[l] and not copy_host[l] and copy_src[l] == b:
+            return Step(s, (), "entry_unpinned")
+    slot_state = s.slot_state
+    # slot_empty
+    if slot_state[h] != SLOTSTATE_EMPTY:
+        return Step(s, (), "slot_empty")
+    new_owner = list(owner)
+    new_owner[b] = OWNER_SPILLING
+    new_owner = tuple(new_owner)
+    new_spill_slot = list(s.spill_slot)
+    new_spill_slot[b] = h
+    new_spill_slot = tuple(new_spill_slot)
+    new_slot_state = list(slot_state)
+    new_slot_state[h] = SLOTSTATE_STORING
+    new_slot_state = tuple(new_slot_state)
+    new_slot_block = list(s.slot_block)
+    new_slot_block[h] = b
+    new_slot_block = tuple(new_slot_block)
+    new_slot_key = list(s.slot_key)
+    new_slot_key[h] = s.key[b]
+    new_slot_key = tuple(new_slot_key)
+    new_slot_head = list(s.slot_head)
+    new_slot_head[h] = s.head[b]
+    new_slot_head = tuple(new_slot_head)
+    effects = (Store(b, h),)
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        copying,
+        copy_src,
+        copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        new_slot_key,
+        new_slot_head,
+        new_slot_block,
+        new_spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def spill_plan(s: State, b: int, h: int) -> tuple[Any, ...] | str:
+    """The effects `spill` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # host_cache_on
+    if not s.consts.HOST:
+        return "host_cache_on"
+    # entry_cached
+    if s.owner[b] != OWNER_CACHE:
+        return "entry_cached"
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # entry_unpinned
+    for l in range(s.consts.B):
+        if copying[l] and not copy_host[l] and copy_src[l] == b:
+            return "entry_unpinned"
+    # slot_empty
+    if s.slot_state[h] != SLOTSTATE_EMPTY:
+        return "slot_empty"
+    return (Store(b, h),)
+
+
+def store_done_guard(s: State, h: int) -> str | None:
+    """The first failing guard conjunct of `store_done`, or None."""
+    # slot_storing
+    if s.slot_state[h] != SLOTSTATE_STORING:
+        return "slot_storing"
+    return None
+
+
+def store_done(s: State, h: int) -> Step:
+    """The store into h completed: h is a host entry, and its device block is free."""
+    slot_state = s.slot_state
+    # slot_storing
+    if slot_state[h] != SLOTSTATE_STORING:
+        return Step(s, (), "slot_storing")
+    new_slot_state = list(slot_state)
+    new_slot_state[h] = SLOTSTATE_STORED
+    new_slot_state = tuple(new_slot_state)
+    new_owner = list(s.owner)
+    slot_block = s.slot_block
+    new_owner[slot_block[h]] = OWNER_FREE
+    new_owner = tuple(new_owner)
+    if s.ghost:
+        new_slot_holds = list(s.slot_holds)
+        new_slot_holds[h] = s.holds[slot_block[h]]
+        new_slot_holds = tuple(new_slot_holds)
+        new_slot_junk = list(s.slot_junk)
+        new_slot_junk[h] = s.junk[slot_block[h]]
+        new_slot_junk = tuple(new_slot_junk)
+    else:
+        new_slot_holds = new_slot_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        s.copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        slot_block,
+        s.spill_slot,
+        s.load_lane,
+        new_slot_holds,
+        new_slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, (), None)
+
+
+def store_fail_guard(s: State, h: int) -> str | None:
+    """The first failing guard conjunct of `store_fail`, or None."""
+    # slot_storing
+    if s.slot_state[h] != SLOTSTATE_STORING:
+        return "slot_storing"
+    return None
+
+
+def store_fail(s: State, h: int) -> Step:
+    """The store into h failed: the entry is dropped (the device block is free, the slot empty)."""
+    slot_state = s.slot_state
+    # slot_storing
+    if slot_state[h] != SLOTSTATE_STORING:
+        return Step(s, (), "slot_storing")
+    new_slot_state = list(slot_state)
+    new_slot_state[h] = SLOTSTATE_EMPTY
+    new_slot_state = tuple(new_slot_state)
+    new_owner = list(s.owner)
+    new_owner[s.slot_block[h]] = OWNER_FREE
+    new_owner = tuple(new_owner)
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        s.copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, (), None)
+
+
+def host_evict_guard(s: State, h: int) -> str | None:
+    """The first failing guard conjunct of `host_evict`, or None."""
+    # slot_stored
+    if s.slot_state[h] != SLOTSTATE_STORED:
+        return "slot_stored"
+    return None
+
+
+def host_evict(s: State, h: int) -> Step:
+    """Drop host entry h (never one a store writes or a load reads)."""
+    slot_state = s.slot_state
+    # slot_stored
+    if slot_state[h] != SLOTSTATE_STORED:
+        return Step(s, (), "slot_stored")
+    new_slot_state = list(slot_state)
+    new_slot_state[h] = SLOTSTATE_EMPTY
+    new_slot_state = tuple(new_slot_state)
+    new = State(
+        s.consts,
+        s.ghost,
+        s.owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        s.copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, (), None)
+
+
+def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> str | None:
+    """The first failing guard conjunct of `admit_host_hit`, or None."""
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r) != PHASE_WAITING:
+        return "request_waiting"
+    # slot_stored
+    if s.slot_state[h] != SLOTSTATE_STORED:
+        return "slot_stored"
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return "n_whole_chunks"
+    if n % C != 0:
+        return "n_whole_chunks"
+    slot_key = s.slot_key
+    # n_within_entry
+    if n > slen(slot_key[h]):
+        return "n_within_entry"
+    _m0 = s.prompt.get(r)
+    # token_left_to_compute
+    if n >= slen(_m0):
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(slot_key[h], n) != take(_m0, n):
+        return "prefix_matches"
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return None
+
+
+def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
+    """Admit r into idle lane l by loading n tokens of host entry h into a fresh dst."""
+    busy = s.busy
+    # lane_idle
+    if busy[l]:
+        return Step(s, (), "lane_idle")
+    phase = s.phase
+    # request_waiting
+    if phase.get(r) != PHASE_WAITING:
+        return Step(s, (), "request_waiting")
+    slot_state = s.slot_state
+    # slot_stored
+    if slot_state[h] != SLOTSTATE_STORED:
+        return Step(s, (), "slot_stored")
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return Step(s, (), "n_whole_chunks")
+    if n % C != 0:
+        return Step(s, (), "n_whole_chunks")
+    slot_key = s.slot_key
+    # n_within_entry
+    if n > slen(slot_key[h]):
+        return Step(s, (), "n_within_entry")
+    _m1 = s.prompt.get(r)
+    _m0 = slen(_m1)
+    # token_left_to_compute
+    if n >= _m0:
+        return Step(s, (), "token_left_to_compute")
+    # prefix_matches
+    if take(slot_key[h], n) != take(_m1, n):
+        return Step(s, (), "prefix_matches")
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return Step(s, (), "dst_reusable")
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return Step(s, (), "dst_reusable")
+    new_busy = list(busy)
+    new_busy[l] = True
+    new_busy = tuple(new_busy)
+    new_lane_req = list(s.lane_req)
+    new_lane_req[l] = r
+    new_lane_req = tuple(new_lane_req)
+    new_table = list(s.table)
+    new_table[l] = dst
+    new_table = tuple(new_table)
+    new_length = list(s.length)
+    new_length[l] = n
+    new_length = tuple(new_length)
+    new_lane_seq = list(s.lane_seq)
+    new_lane_seq[l] = _m1
+    new_lane_seq = tuple(new_lane_seq)
+    new_lane_plen = list(s.lane_plen)
+    new_lane_plen[l] = _m0
+    new_lane_plen = tuple(new_lane_plen)
+    new_phase = phase.set(r, PHASE_PREFILL)
+    new_req_lane = s.req_lane.set(r, l)
+    new_owner = list(owner)
+    new_owner[dst] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[dst] = l
+    new_owner_lane = tuple(new_owner_lane)
+    new_copying = list(copying)
+    new_copying[l] = True
+    new_copying = tuple(new_copying)
+    new_copy_host = list(copy_host)
+    new_copy_host[l] = True
+    new_copy_host = tuple(new_copy_host)
+    new_copy_slot = list(s.copy_slot)
+    new_copy_slot[l] = h
+    new_copy_slot = tuple(new_copy_slot)
+    new_slot_state = list(slot_state)
+    new_slot_state[h] = SLOTSTATE_LOADING
+    new_slot_state = tuple(new_slot_state)
+    new_load_lane = list(s.load_lane)
+    new_load_lane[h] = l
+    new_load_lane = tuple(new_load_lane)
+    effects = (Admit(l, r, dst), Load(l, h, dst, n))
+    if s.ghost:
+        new_local_holds = list(s.local_holds)
+        new_local_holds[l] = take(_m1, 0)
+        new_local_holds = tuple(new_local_holds)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = False
+        new_local_junk = tuple(new_local_junk)
+        new_lane_snap_junk = list(s.lane_snap_junk)
+        new_lane_snap_junk[l] = False
+        new_lane_snap_junk = tuple(new_lane_snap_junk)
+        new_junk = list(s.junk)
+        new_junk[dst] = True
+        new_junk = tuple(new_junk)
+    else:
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        new_junk,
+        new_local_holds,
+        new_local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        new_lane_snap_junk,
+        s.snap_junk,
+        new_busy,
+        new_lane_req,
+        new_table,
+        new_length,
+        new_lane_seq,
+        new_lane_plen,
+        new_copying,
+        copy_src,
+        new_copy_host,
+        new_copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        new_load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        new_phase,
+        new_req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def admit_host_hit_plan(
+    s: State, l: int, r: int, h: int, dst: int, n: int,
+) -> tuple[Any, ...] | str:
+    """The effects `admit_host_hit` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r) != PHASE_WAITING:
+        return "request_waiting"
+    # slot_stored
+    if s.slot_state[h] != SLOTSTATE_STORED:
+        return "slot_stored"
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return "n_whole_chunks"
+    if n % C != 0:
+        return "n_whole_chunks"
+    slot_key = s.slot_key
+    # n_within_entry
+    if n > slen(slot_key[h]):
+        return "n_within_entry"
+    _m0 = s.prompt.get(r)
+    # token_left_to_compute
+    if n >= slen(_m0):
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(slot_key[h], n) != take(_m0, n):
+        return "prefix_matches"
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Admit(l, r, dst), Load(l, h, dst, n))
+
+
+def load_done_guard(s: State, l: int) -> str | None:
+    """The first failing guard conjunct of `load_done`, or None."""
+    # load_in_flight
+    if not s.copying[l]:
+        return "load_in_flight"
+    if not s.copy_host[l]:
+        return "load_in_flight"
+    return None
+
+
+def load_done(s: State, l: int) -> Step:
+    """The load into lane l's block completed; its slot is a plain host entry again."""
+    copying = s.copying
+    # load_in_flight
+    if not copying[l]:
+        return Step(s, (), "load_in_flight")
+    if not s.copy_host[l]:
+        return Step(s, (), "load_in_flight")
+    new_copying = list(copying)
+    new_copying[l] = False
+    new_copying = tuple(new_copying)
+    new_slot_state = list(s.slot_state)
+    copy_slot = s.copy_slot
+    new_slot_state[copy_slot[l]] = SLOTSTATE_STORED
+    new_slot_state = tuple(new_slot_state)
+    if s.ghost:
+        new_holds = list(s.holds)
+        table = s.table
+        new_holds[table[l]] = take(s.slot_holds[copy_slot[l]], s.length[l])
+        new_holds = tuple(new_holds)
+        new_junk = list(s.junk)
+        new_junk[table[l]] = s.slot_junk[copy_slot[l]]
+        new_junk = tuple(new_junk)
+    else:
+        new_holds = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        s.owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        new_holds,
+        new_junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        new_copying,
+        s.copy_src,
+        s.copy_host,
+        copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, (), None)
+
+
+def load_fail_guard(s: State, l: int) -> str | None:
+    """The first failing guard conjunct of `load_fail`, or None."""
+    # load_in_flight
+    if not s.copying[l]:
+        return "load_in_flight"
+    if not s.copy_host[l]:
+        return "load_in_flight"
+    return None
+
+
+def load_fail(s: State, l: int) -> Step:
+    """The load into lane l's block failed: the request recomputes its prompt from the start
+    (nothing below length 0 is read, so the half-written block is an empty one).
+    """
+    copying = s.copying
+    # load_in_flight
+    if not copying[l]:
+        return Step(s, (), "load_in_flight")
+    if not s.copy_host[l]:
+        return Step(s, (), "load_in_flight")
+    new_copying = list(copying)
+    new_copying[l] = False
+    new_copying = tuple(new_copying)
+    new_length = list(s.length)
+    new_length[l] = 0
+    new_length = tuple(new_length)
+    new_slot_state = list(s.slot_state)
+    new_slot_state[s.copy_slot[l]] = SLOTSTATE_STORED
+    new_slot_state = tuple(new_slot_state)
+    effects = (Recompute(l),)
+    if s.ghost:
+        new_holds = list(s.holds)
+        table = s.table
+        new_holds[table[l]] = take(s.lane_seq[l], 0)
+        new_holds = tuple(new_holds)
+        new_junk = list(s.junk)
+        new_junk[table[l]] = False
+        new_junk = tuple(new_junk)
+    else:
+        new_holds = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        s.owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        new_holds,
+        new_junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.busy,
+        s.lane_req,
+        s.table,
+        new_length,
+        s.lane_seq,
+        s.lane_plen,
+        new_copying,
+        s.copy_src,
+        s.copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def load_fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
+    """The effects `load_fail` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # load_in_flight
+    if not s.copying[l]:
+        return "load_in_flight"
+    if not s.copy_host[l]:
+        return "load_in_flight"
+    return (Recompute(l),)
 
 
 def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
@@ -1737,12 +2723,13 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
         return "request_waiting"
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
 
@@ -1761,12 +2748,13 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         return Step(s, (), "request_waiting")
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_busy = list(busy)
     new_busy[l] = True
@@ -1843,10 +2831,20 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_lane_plen,
         copying,
         copy_src,
+        copy_host,
+        s.copy_slot,
         new_transfer,
         new_transfer_req,
         new_xfer_live,
         new_xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         new_req_lane,
         s.prompt,
@@ -1868,12 +2866,13 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
         return "request_waiting"
     owner = s.owner
     copying = s.copying
+    copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
     for l2 in range(s.consts.B):
-        if copying[l2] and copy_src[l2] == dst:
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Inbound(l, r, dst),)
 
@@ -1951,10 +2950,20 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         new_transfer,
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -2041,10 +3050,20 @@ def export(s: State, l: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         new_transfer,
         new_transfer_req,
         new_xfer_live,
         new_xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -2147,10 +3166,20 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         new_transfer,
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -2238,10 +3267,20 @@ def transfer_fail(s: State, r: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         new_transfer,
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         new_phase,
         s.req_lane,
         s.prompt,
@@ -2321,10 +3360,20 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.lane_plen,
         s.copying,
         s.copy_src,
+        s.copy_host,
+        s.copy_slot,
         new_transfer,
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
         s.phase,
         s.req_lane,
         s.prompt,
@@ -2351,6 +3400,18 @@ ACTIONS = {
     "abort_running": (abort_running, abort_running_guard, ("l",), ("Lane",)),
     "fail": (fail, fail_guard, ("l",), ("Lane",)),
     "discard": (discard, discard_guard, ("b",), ("Block",)),
+    "spill": (spill, spill_guard, ("b", "h"), ("Block", "Slot")),
+    "store_done": (store_done, store_done_guard, ("h",), ("Slot",)),
+    "store_fail": (store_fail, store_fail_guard, ("h",), ("Slot",)),
+    "host_evict": (host_evict, host_evict_guard, ("h",), ("Slot",)),
+    "admit_host_hit": (
+        admit_host_hit,
+        admit_host_hit_guard,
+        ("l", "r", "h", "dst", "n"),
+        ("Lane", "Req", "Slot", "Block", "Int"),
+    ),
+    "load_done": (load_done, load_done_guard, ("l",), ("Lane",)),
+    "load_fail": (load_fail, load_fail_guard, ("l",), ("Lane",)),
     "admit_import": (admit_import, admit_import_guard, ("l", "r", "dst"), ("Lane", "Req", "Block")),
     "import_done": (import_done, import_done_guard, ("r", "p", "tok"), ("Req", "Seq", "Int")),
     "export": (export, export_guard, ("l",), ("Lane",)),
@@ -2406,6 +3467,14 @@ INVARIANTS = (
     "idle_lane_has_no_snapshots",
     "entry_snapshots_are_its_own",
     "hybrid_hit_has_snapshot",
+    "spilling_block_has_its_store",
+    "storing_slot_key_is_content",
+    "storing_slot_reads_a_spilling_block",
+    "host_key_is_content",
+    "host_head_is_first_chunk",
+    "loading_slot_has_its_lane",
+    "load_reads_a_loading_slot",
+    "host_needs_host_cache",
     "transfer_block_held",
     "draining_has_transfer",
     "transfer_names_lane_request",
@@ -2549,9 +3618,11 @@ def check_invariants(s: State) -> list[str]:
     if not all(not copying[l] or _m8[l] for l in range(B)):
         bad.append("copy_only_while_prefilling")
     copy_src = s.copy_src
+    copy_host = s.copy_host
     # copy_source_cached
     if not all(
-        not copying[l] or (owner[copy_src[l]] == OWNER_CACHE and copy_src[l] != table[l])
+        not (copying[l] and not copy_host[l])
+        or (owner[copy_src[l]] == OWNER_CACHE and copy_src[l] != table[l])
         for l in range(B)
     ):
         bad.append("copy_source_cached")
@@ -2563,7 +3634,7 @@ def check_invariants(s: State) -> list[str]:
     length = s.length
     # copy_source_holds_prefix
     if not all(
-        not copying[l]
+        not (copying[l] and not copy_host[l])
         or (
             length[l] <= slen(key[copy_src[l]])
             and take(key[copy_src[l]], length[l]) == take(lane_seq[l], length[l])
@@ -2609,6 +3680,84 @@ def check_invariants(s: State) -> list[str]:
     # hybrid_hit_has_snapshot
     if not all(not (HYBRID and copying[l]) or lane_snap[l] == length[l] for l in range(B)):
         bad.append("hybrid_hit_has_snapshot")
+    spill_slot = s.spill_slot
+    slot_state = s.slot_state
+    slot_block = s.slot_block
+    # spilling_block_has_its_store
+    if not all(
+        owner[b] != OWNER_SPILLING
+        or (slot_state[spill_slot[b]] == SLOTSTATE_STORING and slot_block[spill_slot[b]] == b)
+        for b in range(K)
+    ):
+        bad.append("spilling_block_has_its_store")
+    if s.ghost:
+        H = s.consts.H
+        junk = s.junk
+        holds = s.holds
+        slot_key = s.slot_key
+        # storing_slot_key_is_content
+        if not all(
+            slot_state[h] != SLOTSTATE_STORING
+            or (not junk[slot_block[h]] and holds[slot_block[h]] == slot_key[h])
+            for h in range(H)
+        ):
+            bad.append("storing_slot_key_is_content")
+    H = s.consts.H
+    # storing_slot_reads_a_spilling_block
+    if not all(
+        slot_state[h] != SLOTSTATE_STORING
+        or (owner[slot_block[h]] == OWNER_SPILLING and spill_slot[slot_block[h]] == h)
+        for h in range(H)
+    ):
+        bad.append("storing_slot_reads_a_spilling_block")
+    if s.ghost:
+        slot_junk = s.slot_junk
+        slot_holds = s.slot_holds
+        slot_key = s.slot_key
+        # host_key_is_content
+        if not all(
+            not (slot_state[h] == SLOTSTATE_STORED or slot_state[h] == SLOTSTATE_LOADING)
+            or (not slot_junk[h] and slot_holds[h] == slot_key[h])
+            for h in range(H)
+        ):
+            bad.append("host_key_is_content")
+    slot_head = s.slot_head
+    slot_key = s.slot_key
+    # host_head_is_first_chunk
+    if not all(
+        slot_state[h] == SLOTSTATE_EMPTY or slot_head[h] == take(slot_key[h], C)
+        for h in range(H)
+    ):
+        bad.append("host_head_is_first_chunk")
+    load_lane = s.load_lane
+    copy_slot = s.copy_slot
+    # loading_slot_has_its_lane
+    if not all(
+        slot_state[h] != SLOTSTATE_LOADING
+        or (copying[load_lane[h]] and copy_host[load_lane[h]] and copy_slot[load_lane[h]] == h)
+        for h in range(H)
+    ):
+        bad.append("loading_slot_has_its_lane")
+    # load_reads_a_loading_slot
+    if not all(
+        not (copying[l] and copy_host[l])
+        or (
+            slot_state[copy_slot[l]] == SLOTSTATE_LOADING
+            and load_lane[copy_slot[l]] == l
+            and lane_snap[l] == 0
+            and length[l] <= slen(slot_key[copy_slot[l]])
+            and take(slot_key[copy_slot[l]], length[l]) == take(lane_seq[l], length[l])
+        )
+        for l in range(B)
+    ):
+        bad.append("load_reads_a_loading_slot")
+    HOST = s.consts.HOST
+    # host_needs_host_cache
+    if not (
+        all(slot_state[h] == SLOTSTATE_EMPTY or HOST for h in range(H))
+        and all(owner[b] != OWNER_SPILLING or HOST for b in range(K))
+    ):
+        bad.append("host_needs_host_cache")
     _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
@@ -2705,7 +3854,7 @@ def check_invariants(s: State) -> list[str]:
     return bad
 
 
-TRANSITION_INVARIANTS = ("ended_is_final", "cached_content_untouched")
+TRANSITION_INVARIANTS = ("ended_is_final", "host_content_untouched", "cached_content_untouched")
 
 
 def check_transition(pre: State, post: State) -> list[str]:
@@ -2726,6 +3875,30 @@ def check_transition(pre: State, post: State) -> list[str]:
     ):
         bad.append("ended_is_final")
     if pre.ghost and post.ghost:
+        post_slot_holds = post.slot_holds
+        pre_slot_holds = pre.slot_holds
+        post_slot_key = post.slot_key
+        pre_slot_key = pre.slot_key
+        post_slot_junk = post.slot_junk
+        pre_slot_state = pre.slot_state
+        post_slot_state = post.slot_state
+        # host_content_untouched
+        if not all(
+            not (
+                (pre_slot_state[h] == SLOTSTATE_STORED or pre_slot_state[h] == SLOTSTATE_LOADING)
+                and (
+                    post_slot_state[h] == SLOTSTATE_STORED
+                    or post_slot_state[h] == SLOTSTATE_LOADING
+                )
+            )
+            or (
+                post_slot_holds[h] == pre_slot_holds[h]
+                and post_slot_key[h] == pre_slot_key[h]
+                and not post_slot_junk[h]
+            )
+            for h in range(pre.consts.H)
+        ):
+            bad.append("host_content_untouched")
         post_holds = post.holds
         pre_holds = pre.holds
         post_key = post.key
@@ -2749,6 +3922,8 @@ AXIOMS = (
     "block_holds_a_chunk",
     "lanes_positive",
     "blocks_positive",
+    "host_cache_needs_prefix_cache",
+    "hybrid_without_host_cache",
     "empty_has_no_tokens",
 )
 
@@ -2773,13 +3948,26 @@ def check_axioms(c: Consts) -> list[str]:
     # blocks_positive
     if c.K <= 0:
         bad.append("blocks_positive")
+    HOST = c.HOST
+    # host_cache_needs_prefix_cache
+    if HOST and not c.PREFIX:
+        bad.append("host_cache_needs_prefix_cache")
+    # hybrid_without_host_cache
+    if c.HYBRID and HOST:
+        bad.append("hybrid_without_host_cache")
     # empty_has_no_tokens
     if slen(empty()) != 0:
         bad.append("empty_has_no_tokens")
     return bad
 
 
-PROGRESS = ("idle_lane_admits", "running_request_advances", "idle_lane_imports", "transfers_end")
+PROGRESS = (
+    "idle_lane_admits",
+    "running_request_advances",
+    "idle_lane_imports",
+    "transfers_end",
+    "stores_end",
+)
 
 
 def progress_violations(s: State) -> list[str]:
@@ -2791,8 +3979,12 @@ def progress_violations(s: State) -> list[str]:
     C = s.consts.C
     copying = s.copying
     owner = s.owner
+    H = s.consts.H
+    slot_state = s.slot_state
     _m1 = (
-        all(not copying[l] for l in range(B)) and all(owner[b] != OWNER_DRAINING for b in range(K))
+        all(not copying[l] for l in range(B))
+        and all(owner[b] != OWNER_DRAINING for b in range(K))
+        and all(slot_state[h] != SLOTSTATE_STORING for h in range(H))
     )
     busy = s.busy
     _m0 = tuple([_m1 and not busy[l] for l in range(B)])
@@ -2828,6 +4020,8 @@ def progress_violations(s: State) -> list[str]:
         and not (
             any(prefill_guard(s, l, 0) is None for l in range(B))
             or any(copy_done_guard(s, l) is None for l in range(B))
+            or any(load_done_guard(s, l) is None for l in range(B))
+            or any(store_done_guard(s, h) is None for h in range(H))
             or (any(_m2) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
             or any(_m2[l] and length[l] == S for l in range(B))
             or any(
@@ -2856,6 +4050,14 @@ def progress_violations(s: State) -> list[str]:
         for b in range(K)
     ):
         bad.append("transfers_end")
+    # stores_end
+    if not all(
+        slot_state[h] != SLOTSTATE_STORING
+        or store_done_guard(s, h) is None
+        or store_fail_guard(s, h) is None
+        for h in range(H)
+    ):
+        bad.append("stores_end")
     return bad
 
 
@@ -2891,10 +4093,20 @@ def describe_state(s: State) -> dict[str, Any]:
     out["lane_plen"] = list(s.lane_plen)
     out["copying"] = list(s.copying)
     out["copy_src"] = list(s.copy_src)
+    out["copy_host"] = list(s.copy_host)
+    out["copy_slot"] = list(s.copy_slot)
     out["transfer"] = list(s.transfer)
     out["transfer_req"] = list(s.transfer_req)
     out["xfer_live"] = None if s.xfer_live is None else dict(sorted(s.xfer_live.items()))
     out["xfer_block"] = None if s.xfer_block is None else dict(sorted(s.xfer_block.items()))
+    out["slot_state"] = [_name(SLOTSTATE_NAMES, x) for x in s.slot_state]
+    out["slot_key"] = [_tokens(x) for x in s.slot_key]
+    out["slot_head"] = [_tokens(x) for x in s.slot_head]
+    out["slot_block"] = list(s.slot_block)
+    out["spill_slot"] = list(s.spill_slot)
+    out["load_lane"] = list(s.load_lane)
+    out["slot_holds"] = None if s.slot_holds is None else [_tokens(x) for x in s.slot_holds]
+    out["slot_junk"] = None if s.slot_junk is None else list(s.slot_junk)
     out["phase"] = {k: _name(PHASE_NAMES, v) for k, v in sorted(s.phase.items())}
     out["req_lane"] = dict(sorted(s.req_lane.items()))
     out["prompt"] = {k: _tokens(v) for k, v in sorted(s.prompt.items())}
