@@ -6,6 +6,8 @@ PIP := .venv/bin/pip
 STAMP := .venv/.installed
 # Override on the command line, e.g. `make test HYPOTHESIS_PROFILE=deep`.
 HYPOTHESIS_PROFILE := ci
+# pytest-xdist worker processes for `make test` (`auto`: one per CPU; 0 runs in-process).
+TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
@@ -35,7 +37,7 @@ verify: install
 	.venv/bin/atom-core verify
 
 test: install
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q -n $(TEST_JOBS)
 
 lint: install
 	.venv/bin/ruff check .

@@ -98,12 +98,14 @@ def _steps(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[
 
 
 def induction(model: L.Model, invariants: list[L.Named], u: Universe,
-              assume: list[L.Named], size: str = "") -> Iterator[Check]:
+              assume: list[L.Named], size: str = "", base: bool = True) -> Iterator[Check]:
     """Base and step for each of `invariants`, assuming all of `assume` in the pre-state."""
-    ax = u.axioms()
-    init = u.init_state()
-    for inv in invariants:
-        yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))], size)
+    if base:
+        ax = u.axioms()
+        init = u.init_state()
+        for inv in invariants:
+            yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))],
+                         size)
     for action, facts, _pre, post in _steps(model, u, assume):
         for inv in invariants:
             goal = u.tr(inv.expr, post, {})
@@ -117,15 +119,20 @@ def transitions(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[
             yield _timed(t.name, action.name, "transition", facts + [z3.Not(goal)])
 
 
-def relational(model: L.Model) -> Iterator[Check]:
+def relational(model: L.Model, *, base: bool = True, refine: bool = True) -> Iterator[Check]:
     """Relational invariants and transition invariants, for all sizes. An obligation z3 cannot
     decide over the unbounded sorts is also searched for a counterexample over small finite
     ones (`refute_small`): a model with finitely many lanes, blocks, requests and slots is a
-    model of the unbounded query too, so one found there refutes it for real."""
+    model of the unbounded query too, so one found there refutes it for real.
+
+    `base=False` skips the base cases (they read no action: a mutant of an action has the
+    model's), `refine=False` the small-sort search (for callers to whom `unknown` and a
+    counterexample mean the same: the run fails)."""
     rel = [i for i in model.invariants if i.kind == "relational"]
     u = Universe(model)
-    for c in itertools.chain(induction(model, rel, u, rel), transitions(model, u, rel)):
-        yield refute_small(model, c) if c.status == "unknown" else c
+    for c in itertools.chain(induction(model, rel, u, rel, base=base),
+                             transitions(model, u, rel)):
+        yield refute_small(model, c) if c.status == "unknown" and refine else c
 
 
 # The finite sizes `refute_small` searches: (lanes, blocks, requests, slots).
@@ -155,6 +162,36 @@ def refute_small(model: L.Model, c: Check) -> Check:
     return attrs.evolve(c, seconds=c.seconds + time.perf_counter() - t0)
 
 
+def refute_action_small(model: L.Model, action: str,
+                        timeout_ms: int = TIMEOUT_MS) -> Check | None:
+    """A counterexample to some relational step or transition obligation of `action`, searched
+    over the small finite sorts of `SMALL` with one query per size (the disjunction of the
+    obligations' negations), or None. Finite sorts make every quantifier a finite conjunction,
+    so z3 decides these queries, where over unbounded sorts a refutable obligation may come back
+    `unknown`; and any model found is a real refutation (see `relational`). Used to show
+    mutants fail quickly; finding none proves nothing."""
+    rel = [i for i in model.invariants if i.kind == "relational"]
+    t0 = time.perf_counter()
+    for lanes, blocks, reqs, slots in SMALL:
+        u = Universe(model, {"Lane": lanes, "Block": blocks, "Req": reqs, "Slot": slots},
+                     ctx_name=f"_small_{lanes}_{blocks}")
+        for a, facts, pre, post in _steps(model, u, rel):
+            if a.name != action:
+                continue
+            goals = ([(i.name, "step", u.tr(i.expr, post, {})) for i in rel]
+                     + [(t.name, "transition", u.tr(t.expr, pre, {}, post))
+                        for t in model.transition_invariants])
+            status, zm = solve(facts + [z3.Or(*[z3.Not(g) for _, _, g in goals])], timeout_ms)
+            if status != "counterexample":
+                continue
+            name, kind = next((n, k) for n, k, g in goals
+                              if z3.is_false(zm.eval(g, model_completion=True)))
+            return Check(name, action, kind, status, time.perf_counter() - t0,
+                         detail=f"found with B={lanes}, K={blocks}, {reqs} requests, "
+                                f"{slots} host slots")
+    return None
+
+
 def sizes(max_lanes: int, max_blocks: int) -> Iterator[tuple[int, int]]:
     yield from itertools.product(range(1, max_lanes + 1), range(1, max_blocks + 1))
 
@@ -177,12 +214,13 @@ def bounded_universe(model: L.Model, lanes: int, blocks: int, consts: dict[str, 
 CHUNK, SEQ_LEN = 128, 4096
 
 
-def bounded(model: L.Model, max_lanes: int, max_blocks: int) -> Iterator[Check]:
+def bounded(model: L.Model, max_lanes: int, max_blocks: int, *,
+            base: bool = True) -> Iterator[Check]:
     """Bounded invariants for every size up to the cutoff, assuming every invariant."""
     bnd = [i for i in model.invariants if i.kind == "bounded"]
     for b, k in sizes(max_lanes, max_blocks):
         u = bounded_universe(model, b, k, {"C": CHUNK, "S": SEQ_LEN})
-        yield from induction(model, bnd, u, model.invariants, size=f"B={b},K={k}")
+        yield from induction(model, bnd, u, model.invariants, size=f"B={b},K={k}", base=base)
 
 
 def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> Iterator[

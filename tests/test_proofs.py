@@ -59,9 +59,40 @@ def only(model: L.Model, action: str) -> L.Model:
     `action` these are the only obligations that can change; the others are the unmutated
     model's, proved in `test_unmutated_relational_all_proved`. (Cross-checked against full runs
     in `test_restriction_to_the_mutated_action_is_faithful`.)"""
+    assert_only_action_differs(model, action)
     m = model.copy()
     m.actions = [m.get_action(action)]
     return m
+
+
+def assert_only_action_differs(model: L.Model, action: str) -> None:
+    """What makes `only` sound for a mutant: every other action, every invariant and every
+    axiom is the unmutated model's own object, so its obligations are the very queries
+    `test_unmutated_relational_all_proved` proves."""
+    def pieces(a: L.Action) -> list[int]:
+        return [id(x) for x in (*(e for _, e in a.guards), *a.updates, *a.effects)]
+
+    others = [a.name for a in MODEL.actions if a.name != action]
+    assert [a.name for a in model.actions] == [a.name for a in MODEL.actions]
+    for name in others:
+        assert pieces(model.get_action(name)) == pieces(MODEL.get_action(name)), name
+    for got, want in ((model.invariants, MODEL.invariants), (model.axioms, MODEL.axioms),
+                      (model.transition_invariants, MODEL.transition_invariants)):
+        assert [id(x) for x in got] == [id(x) for x in want]
+
+
+def refuted(model: L.Model, action: str) -> set[tuple[str, str, str]]:
+    """The obligations of `action` a mutant of it does not prove (the rest are the model's)."""
+    return not_proved(checks.relational(only(model, action), base=False))
+
+
+def refutes(model: L.Model, action: str, invariant: str) -> checks.Check:
+    """The obligation of `invariant` at `action`, searched for a counterexample over small
+    finite sorts: decisive and fast where the unbounded query of a refutable obligation often
+    ends `unknown` after its whole timeout (and `verify` then runs this same search)."""
+    kind = "transition" if invariant in TRANSITION else "step"
+    return checks.refute_small(only(model, action),
+                               checks.Check(invariant, action, kind, "unknown", 0.0))
 
 
 # --------------------------------------------------------------------------- (a) the model
@@ -152,13 +183,13 @@ EXTRA = {("guard", "admit_hit", "src_cached"), ("update", "fail", "copying"),
                  id=f"{k[1]}-no-{k[0]}-{k[2]}") for k in PLANTED])
 def test_planted_bug_is_caught_by_the_right_obligation(key):
     kind, action, piece = key
-    bad = not_proved(checks.relational(mutant(kind, action, piece)))
-    assert {(inv, action, "counterexample") for inv in PLANTED[key]} <= bad, bad
-    # nothing else moves: every other action's obligations still prove. Within the mutated
-    # action z3 may answer `unknown` for a refutable obligation (e.g. no_block_in_two_tables
-    # for admit_miss without dst_reusable, under every PD invariant as a hypothesis); verify
-    # fails on `unknown` too, and the named invariants above are refuted outright.
-    assert {a for _, a, _ in bad} == {action}, bad
+    # Nothing else moves: `only` checks that every other action's obligations are the
+    # unmutated model's (proved). Within the mutated action each named obligation has a
+    # counterexample (the mutant may break more: a stronger model is fine).
+    m = mutant(kind, action, piece)
+    for inv in PLANTED[key]:
+        c = refutes(m, action, inv)
+        assert c.status == "counterexample", c
 
 
 def test_bounded_invariant_mutant_needs_the_bounded_proof():
@@ -167,7 +198,7 @@ def test_bounded_invariant_mutant_needs_the_bounded_proof():
     invisible to the relational proof (which has no `%`), caught per size."""
     n, c = _param("admit_hit", "n"), _const("C")
     mut = MODEL.with_guard("admit_hit", "n_whole_chunks", n >= c)
-    assert not_proved(checks.relational(mut)) == set()
+    assert refuted(mut, "admit_hit") == set()
     bad = [cc for cc in checks.bounded(mut, 2, 2) if cc.status != "proved"]
     assert {(cc.invariant, cc.action, cc.status) for cc in bad} == {
         ("prefill_on_chunk_boundary", "admit_hit", "counterexample"),
@@ -236,17 +267,23 @@ def quick_solver(monkeypatch):
 
 
 def caught_relational(model: L.Model, action: str) -> tuple[str, str] | None:
-    """The first relational obligation of `action` that z3 does not prove (stops at the first).
-    A mutant is caught when `verify` fails on it; z3 may answer `unknown` instead of producing
-    a model for a falsifiable query with quantified hypotheses, and verify fails on that too."""
-    for c in checks.relational(only(model, action)):
+    """A relational obligation of `action` that z3 refutes or does not prove. First a
+    counterexample over small finite sorts (decisive and fast); failing that, the first
+    obligation of the unbounded run that is not proved. A mutant is caught when `verify` fails
+    on it; z3 may answer `unknown` instead of producing a model for a falsifiable query with
+    quantified hypotheses, and verify fails on that too."""
+    m = only(model, action)
+    small = checks.refute_action_small(m, action, SWEEP_TIMEOUT_MS)
+    if small is not None:
+        return small.invariant, small.action
+    for c in checks.relational(m, base=False, refine=False):
         if c.status != "proved":
             return c.invariant, c.action
     return None
 
 
 def caught_bounded(model: L.Model, action: str) -> tuple[str, str] | None:
-    for c in checks.bounded(only(model, action), 2, 4):
+    for c in checks.bounded(only(model, action), 2, 4, base=False):
         if c.status == "counterexample":
             return c.invariant, c.action
     return None
@@ -312,9 +349,9 @@ def _first_per_action(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
             if any(p[0] == a.name for p in pairs)]
 
 
-# A full relational run per mutant costs 20-100 s (a refutable obligation z3 leaves undecided
-# costs its whole timeout, then the small-sort search); CI cross-checks a guard and an update,
-# ATOM_CORE_FULL_SWEEP=1 every guard and update.
+# A full relational run per mutant costs 10-15 s even with the short timeout (about 1,200
+# obligations, and each refutable one z3 leaves undecided costs the timeout); CI cross-checks a
+# guard and an update, ATOM_CORE_FULL_SWEEP=1 every guard and update.
 _FULL = os.environ.get("ATOM_CORE_FULL_SWEEP") == "1"
 _SAMPLE_GUARDS = ("decode",)
 _SAMPLE_UPDATES = ("finish",)
@@ -330,11 +367,12 @@ RESTRICTION_CASES = (
 @pytest.mark.parametrize("kind,action,piece", RESTRICTION_CASES,
                          ids=[f"{a}{'.' if k == 'guard' else ':='}{p}"
                               for k, a, p in RESTRICTION_CASES])
-def test_restriction_to_the_mutated_action_is_faithful(kind, action, piece):
+def test_restriction_to_the_mutated_action_is_faithful(kind, action, piece, quick_solver):
     """The full relational run of a mutant refutes only obligations of the mutated action, and
-    refutes one exactly when the restricted run does."""
+    refutes one exactly when the restricted run does. (Both with the sweep's short timeout: an
+    obligation that does not answer counts as not proved, as in `verify`.)"""
     m = mutant(kind, action, piece)
-    full = not_proved(checks.relational(m))
+    full = not_proved(checks.relational(m, refine=False))
     assert {a for _, a, _ in full} <= {action}
     assert bool(full) == (caught_relational(m, action) is not None)
 
@@ -349,7 +387,7 @@ def test_hybrid_prefix_hits_need_a_snapshot_at_their_length():
     copy_done. `hybrid_hit_has_snapshot` states the guard's consequence for the copy in
     flight, so it fails first; without it, the content invariant fails."""
     mut = MODEL.without_guard("admit_hit", "hybrid_snapshot_at_n")
-    bad = not_proved(checks.relational(mut))
+    bad = refuted(mut, "admit_hit")
     assert bad == {("hybrid_hit_has_snapshot", "admit_hit", "counterexample")}, bad
     # The run it allows, on the mutant's generated core: an entry without snapshots is hit, and
     # the lane resumes with a sliding state that is not its prefix's.
@@ -375,8 +413,9 @@ def test_hybrid_prefix_hits_need_a_snapshot_at_their_length():
 def test_hybrid_snapshots_must_not_skip_a_boundary():
     """A snapshot taken past the next chunk boundary would leave a boundary without one that
     the entry claims (snapshots are kept at every boundary up to snap_upto)."""
-    bad = not_proved(checks.relational(MODEL.without_guard("snapshot", "next_boundary")))
-    assert ("lane_snapshots_are_its_own", "snapshot", "counterexample") in bad, bad
+    c = refutes(MODEL.without_guard("snapshot", "next_boundary"), "snapshot",
+                "lane_snapshots_are_its_own")
+    assert c.status == "counterexample", c
 
 
 def test_copy_into_the_source_is_unsafe():
@@ -384,8 +423,7 @@ def test_copy_into_the_source_is_unsafe():
     (copy the entry onto itself), but z3 refutes it: the copy source is no longer a pinned
     cache entry while the copy is in flight."""
     mut = MODEL.without_guard("admit_hit", "dst_not_src")
-    bad = not_proved(checks.relational(mut))
-    assert ("copy_source_cached", "admit_hit", "counterexample") in bad
+    assert refutes(mut, "admit_hit", "copy_source_cached").status == "counterexample"
     assert capacity.min_blocks(mut, PREFIX_RESERVED, 1, 4) == 2
 
 
@@ -394,7 +432,7 @@ def test_optional_hits_need_fewer_blocks():
     semantics: if admit_miss may ignore a hit (and evict the entry), the model stays safe and
     the prefix cache costs no extra block: the no-cache rules apply."""
     mut = MODEL.without_guard("admit_miss", "no_cache_hit")
-    assert not_proved(checks.relational(mut)) == set()
+    assert refuted(mut, "admit_miss") == set()
     for lanes in (1, 2):
         assert capacity.min_blocks(MODEL, PREFIX_RESERVED, lanes, 6) == lanes + 2
         assert capacity.min_blocks(mut, PREFIX_RESERVED, lanes, 6) == lanes + 1
