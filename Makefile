@@ -11,7 +11,7 @@ TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
-.PHONY: install generate check-generated verify test lint bench demo pd-demo simulate simulate-deep
+.PHONY: install generate check-generated verify test lint bench demo pd-demo simulate simulate-deep mutants mutants-source
 
 install: $(STAMP)
 
@@ -64,3 +64,28 @@ simulate: install
 
 simulate-deep: install
 	.venv/bin/atom-core simulate --minutes 10 --seed $(SIMULATE_SEED)
+
+# Mutation testing, never in CI (README "Mutation testing"). `make mutants`: bugs planted in the
+# spec, each through z3, bounded model checking, the core state machine and the simulation,
+# cheapest layer first; fails on a surviving mutant with no explanation (proofs/mutants.py).
+# `make mutants-source`: mutmut over the generated core, the policy and the adapter
+# ([tool.mutmut] in pyproject.toml), limited to the mutant-name globs of MUTMUT_SUBSET (empty:
+# every mutant, more than a day on two cores), then killed/survived per file. Results: mutants/ (gitignored).
+MUTANTS_STAMP := .venv/.mutants-installed
+# The default slice: admission end to end, one function per file (237 mutants): the core's
+# admit_hit guard, the policy's admission choice, the adapter's admission step.
+MUTMUT_SUBSET := "atom_core._generated.core.x_admit_hit_guard__*" \
+	"atom_core.policy.x*admission__*" "atom_core.batcher.x*_admit__*"
+
+$(MUTANTS_STAMP): pyproject.toml
+	$(PIP) install --no-input -e '.[dev,mutants]'
+	touch $(MUTANTS_STAMP)
+
+mutants: install
+	mkdir -p mutants
+	$(PY) -m atom_core.proofs.mutants --jobs 2 --json mutants/spec-mutants.json
+
+# One torch thread per test process: mutmut runs two at a time and times mutants in CPU seconds.
+mutants-source: install $(MUTANTS_STAMP)
+	HYPOTHESIS_PROFILE=ci OMP_NUM_THREADS=1 .venv/bin/mutmut run --max-children 2 $(MUTMUT_SUBSET)
+	$(PY) -m atom_core.proofs.mutants --source-report --json mutants/source-mutants.json
