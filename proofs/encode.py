@@ -70,6 +70,14 @@ class TokenWindow:
 _UNIVERSES = itertools.count()
 
 
+def reset_names() -> None:
+    """Number universes from 0 again. Only together with a fresh z3 context (the old names are
+    then gone): a query's symbol names steer z3's search, so this makes what a test gets from
+    z3 independent of what ran before it in the process."""
+    global _UNIVERSES
+    _UNIVERSES = itertools.count()
+
+
 class Universe:
     def __init__(self, model: L.Model, sizes: dict[str, int] | None = None,
                  consts: dict[str, Any] | None = None, ctx_name: str = "",

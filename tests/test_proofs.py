@@ -14,7 +14,7 @@ import pytest
 import z3
 
 from atom_core._generated import capacity as committed
-from atom_core.proofs import capacity, checks
+from atom_core.proofs import capacity, checks, encode
 from atom_core.proofs.capacity import Features
 from atom_core.seq import seq
 from atom_core.spec import codegen
@@ -38,6 +38,7 @@ def fresh_z3_context():
     decode's lane_seq update; `busy_lane_runs_its_request`/abort_waiting without its guard) hit
     the 10 s timeout. Nothing in the proofs keeps z3 terms across calls, so this is safe."""
     z3.z3._main_ctx = None
+    encode.reset_names()
     yield
 
 

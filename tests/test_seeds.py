@@ -16,7 +16,7 @@ import z3
 
 from atom_core import seq
 from atom_core._generated import core as g
-from atom_core.proofs import bmc, capacity, checks, search
+from atom_core.proofs import bmc, capacity, checks, encode, search
 from atom_core.proofs.capacity import Features
 from atom_core.spec import lang as L
 from atom_core.spec.model import MODEL, PD_ACTIONS
@@ -34,6 +34,7 @@ def fresh_z3_context():
     """A fresh z3 context per test: z3's search depends on the process's earlier declarations
     (see tests/test_proofs.py), and these tests should not depend on test order."""
     z3.z3._main_ctx = None
+    encode.reset_names()
     yield
 
 
@@ -65,15 +66,18 @@ def shortest_with(model: L.Model, u, hard, max_depth: int = 10) -> bmc.Trace | N
 
 
 def assert_seed_shape(steps) -> tuple[int, int]:
-    """Two submits, the first-submitted request admitted (by a miss) into lane 0's non-scratch
-    block and finished into the cache (only the second submit may come later); the second never
-    admitted. Returns (first, second) request ids."""
+    """Two submits; one request (`first`) admitted by a miss into lane 0's non-scratch block and
+    finished into the cache; the other (`second`) never admitted (its submit may come at any
+    point: which of two waiting requests is admitted is z3's choice, and a solver may pick either
+    order). Returns (first, second) request ids."""
     names = [s.action for s in steps]
     assert names.count("submit") == 2
     assert "admit_hit" not in names and "copy_done" not in names
     admits = [s for s in steps if s.action == "admit_miss"]
     assert len(admits) == 1
-    first, second = [s.args["r"] for s in steps if s.action == "submit"]
+    submitted = [s.args["r"] for s in steps if s.action == "submit"]
+    first = admits[0].args["r"]
+    (second,) = [r for r in submitted if r != first]
     assert admits[0].args == {"l": 0, "r": first, "dst": 1 - SCRATCH}
     # the last step other than the second submit caches the run: finish with keep
     last = [s for s in steps if not (s.action == "submit" and s.args["r"] == second)][-1]
@@ -85,6 +89,12 @@ def assert_seed_shape(steps) -> tuple[int, int]:
 
 def prompts(steps) -> list[list[int]]:
     return [list(s.args["p"]) for s in steps if s.action == "submit"]
+
+
+def prompts_of(steps, first: int, second: int) -> tuple[list[int], list[int]]:
+    """The prompts of the admitted request and of the one left waiting."""
+    by_req = {s.args["r"]: list(s.args["p"]) for s in steps if s.action == "submit"}
+    return by_req[first], by_req[second]
 
 
 # --------------------------------------------------------------------------- (a) z3's BMC
@@ -120,7 +130,7 @@ def test_bmc_prefer_same_prompts_at_minimal_depth():
     assert tr.violated == "idle_lane_admits"
     first, second = assert_seed_shape(tr.steps)
     assert len(tr.steps) == 5
-    p1, p2 = prompts(tr.steps)
+    p1, p2 = prompts_of(tr.steps, first, second)
     assert p1 != p2 and p1[:C] == p2[:C] and len(p2) > C
     f = tr.final
     assert f["owner"] == ["SCRATCH", "CACHE"] and f["busy"] == [False]
