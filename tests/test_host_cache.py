@@ -204,3 +204,18 @@ def test_runtime_without_host_transfers_is_refused() -> None:
 
     with pytest.raises(ValueError, match="host_cache_blocks"):
         AtomBatcher(cfg, NoHost())
+
+
+def test_a_spill_does_not_delay_admission() -> None:
+    """When the block an admission takes is a cache entry, the batcher stores the entry to the
+    host and chooses again in the same step: the request does not wait a step for its lane."""
+    b = batcher(config(1, "dynamic"))
+    rng = random.Random(7)
+    for _ in range(2):  # two distinct cached prompts: every device block is a cache entry
+        run_checked(b, [([rng.randrange(V) for _ in range(130)], 1)])
+    assert set(core.describe_state(b.state)["owner"]) == {"CACHE"}
+    rid = b.submit([rng.randrange(V) for _ in range(130)], 1)
+    b.step()
+    b.check_invariants()
+    assert b.stats.host_stores == 1
+    assert rid not in b.waiting  # admitted in the step that spilled
