@@ -139,26 +139,34 @@ def relational(model: L.Model, *, base: bool = True, refine: bool = True) -> Ite
 SMALL = ((1, 2, 2, 1), (2, 2, 2, 1), (2, 3, 3, 1), (2, 3, 3, 2))
 
 
-def refute_small(model: L.Model, c: Check) -> Check:
+def _small_steps(model: L.Model, action: str) -> Iterator[
+        tuple[str, Universe, list[Any], Any, Any]]:
+    """`action`'s step hypotheses in each universe of `SMALL`: (size label, universe, facts,
+    pre-state, post-state), assuming every relational invariant."""
     rel = [i for i in model.invariants if i.kind == "relational"]
-    t0 = time.perf_counter()
     for lanes, blocks, reqs, slots in SMALL:
         u = Universe(model, {"Lane": lanes, "Block": blocks, "Req": reqs, "Slot": slots},
                      ctx_name=f"_small_{lanes}_{blocks}")
-        for action, facts, pre, post in _steps(model, u, rel):
-            if action.name != c.action:
-                continue
-            if c.kind == "step":
-                inv = next(i for i in rel if i.name == c.invariant)
-                goal = u.tr(inv.expr, post, {})
-            else:
-                t = next(t for t in model.transition_invariants if t.name == c.invariant)
-                goal = u.tr(t.expr, pre, {}, post)
-            status, _ = solve(facts + [z3.Not(goal)])
-            if status == "counterexample":
-                return attrs.evolve(c, status=status, seconds=c.seconds + time.perf_counter() - t0,
-                                    detail=f"found with B={lanes}, K={blocks}, {reqs} requests, "
-                                           f"{slots} host slots")
+        size = f"B={lanes}, K={blocks}, {reqs} requests, {slots} host slots"
+        for a, facts, pre, post in _steps(model, u, rel):
+            if a.name == action:
+                yield size, u, facts, pre, post
+
+
+def refute_small(model: L.Model, c: Check) -> Check:
+    rel = [i for i in model.invariants if i.kind == "relational"]
+    t0 = time.perf_counter()
+    for size, u, facts, pre, post in _small_steps(model, c.action):
+        if c.kind == "step":
+            inv = next(i for i in rel if i.name == c.invariant)
+            goal = u.tr(inv.expr, post, {})
+        else:
+            t = next(t for t in model.transition_invariants if t.name == c.invariant)
+            goal = u.tr(t.expr, pre, {}, post)
+        status, _ = solve(facts + [z3.Not(goal)])
+        if status == "counterexample":
+            return attrs.evolve(c, status=status, seconds=c.seconds + time.perf_counter() - t0,
+                                detail=f"found with {size}")
     return attrs.evolve(c, seconds=c.seconds + time.perf_counter() - t0)
 
 
@@ -172,23 +180,17 @@ def refute_action_small(model: L.Model, action: str,
     mutants fail quickly; finding none proves nothing."""
     rel = [i for i in model.invariants if i.kind == "relational"]
     t0 = time.perf_counter()
-    for lanes, blocks, reqs, slots in SMALL:
-        u = Universe(model, {"Lane": lanes, "Block": blocks, "Req": reqs, "Slot": slots},
-                     ctx_name=f"_small_{lanes}_{blocks}")
-        for a, facts, pre, post in _steps(model, u, rel):
-            if a.name != action:
-                continue
-            goals = ([(i.name, "step", u.tr(i.expr, post, {})) for i in rel]
-                     + [(t.name, "transition", u.tr(t.expr, pre, {}, post))
-                        for t in model.transition_invariants])
-            status, zm = solve(facts + [z3.Or(*[z3.Not(g) for _, _, g in goals])], timeout_ms)
-            if status != "counterexample":
-                continue
-            name, kind = next((n, k) for n, k, g in goals
-                              if z3.is_false(zm.eval(g, model_completion=True)))
-            return Check(name, action, kind, status, time.perf_counter() - t0,
-                         detail=f"found with B={lanes}, K={blocks}, {reqs} requests, "
-                                f"{slots} host slots")
+    for size, u, facts, pre, post in _small_steps(model, action):
+        goals = ([(i.name, "step", u.tr(i.expr, post, {})) for i in rel]
+                 + [(t.name, "transition", u.tr(t.expr, pre, {}, post))
+                    for t in model.transition_invariants])
+        status, zm = solve(facts + [z3.Or(*[z3.Not(g) for _, _, g in goals])], timeout_ms)
+        if status != "counterexample":
+            continue
+        name, kind = next((n, k) for n, k, g in goals
+                          if z3.is_false(zm.eval(g, model_completion=True)))
+        return Check(name, action, kind, status, time.perf_counter() - t0,
+                     detail=f"found with {size}")
     return None
 
 

@@ -360,16 +360,22 @@ def wrong_values(model: L.Model, a: L.Action, u: L.Update) -> list[L.Expr]:
     return [t for t in terms(model, a, u.value.sort) if not same(t, u.value) and not same(t, lhs)]
 
 
-def pin_values(model: L.Model) -> Iterator[Mutant]:
+def value_mutants(model: L.Model, prefix: str, family: str,
+                  chosen: Callable[[L.Update], bool]) -> Iterator[Mutant]:
+    """Each `chosen` update given each of its wrong values."""
     for a in model.actions:
         for i, u in enumerate(a.updates):
-            if u.fn.name not in PIN_FNS:
+            if not chosen(u):
                 continue
             for v in wrong_values(model, a, u):
-                yield Mutant(f"wrong-value:{a.name}.{update_name(a, i)}={show(v)}", "pin",
+                yield Mutant(f"{prefix}:{a.name}.{update_name(a, i)}={show(v)}", family,
                              f"{a.name} sets {target(u)} := {show(v)} (not {show(u.value)})",
                              (a.name,), functools.partial(with_value, action=a.name, index=i,
                                                           value=v))
+
+
+def pin_values(model: L.Model) -> Iterator[Mutant]:
+    return value_mutants(model, "wrong-value", "pin", lambda u: u.fn.name in PIN_FNS)
 
 
 def swappable(u: L.Update) -> bool:
@@ -382,15 +388,7 @@ def swappable(u: L.Update) -> bool:
 
 
 def swapped_values(model: L.Model) -> Iterator[Mutant]:
-    for a in model.actions:
-        for i, u in enumerate(a.updates):
-            if not swappable(u):
-                continue
-            for v in wrong_values(model, a, u):
-                yield Mutant(f"swap-value:{a.name}.{update_name(a, i)}={show(v)}", "swap",
-                             f"{a.name} sets {target(u)} := {show(v)} (not {show(u.value)})",
-                             (a.name,), functools.partial(with_value, action=a.name, index=i,
-                                                          value=v))
+    return value_mutants(model, "swap-value", "swap", swappable)
 
 
 def freeing(u: L.Update) -> bool:
