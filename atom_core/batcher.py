@@ -83,6 +83,7 @@ class Stats:
     host_load_failures: int = 0  # loads that failed (the request recomputed its prompt)
     snapshots: int = 0  # hybrid prefix cache: sliding-state snapshots taken
     snapshot_failures: int = 0  # fetches that failed (the lane just has no later snapshots)
+    table_grows: int = 0  # blocks appended to lanes' tables (paged tables: T > 1)
 
 
 @attrs.define
@@ -158,6 +159,12 @@ class AtomBatcher:
         self._next_id = 0
         self._transfers: dict[int, int] = {}  # request -> block of its unfinished transfer
         self._exports: dict[int, int] = {}  # request -> first token, KV not yet taken
+        # each lane's block table in token order, kept from the core's effects (admit, grow,
+        # release): what the runtime's block_tables rows hold
+        self._tables: list[list[int]] = [[] for _ in range(config.lanes)]
+        # the same as the runtime's [B, T] block_tables, each row padded with its tail
+        # (positions past a lane's length are never read, and nothing is written there)
+        self._tab = torch.zeros((config.lanes, config.blocks_per_table), dtype=torch.int16)
         self._trace = trace
         if trace is not None:
             trace.write(json.dumps({"consts": attrs.asdict(config.consts())}) + "\n")
@@ -186,6 +193,11 @@ class AtomBatcher:
                 f"{s - 1} prompt tokens plus the first generated one; shorten the prompt")
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
+        if (remote or export) and len(prompt) >= self.config.block_size:
+            raise ValueError(
+                f"a PD request's prompt must fit one KV block: {len(prompt)} tokens, "
+                f"block_size={self.config.block_size} (a PD transfer moves one block today); "
+                "serve it colocated (remote=False, export=False)")
         rid = self._next_id
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
@@ -356,6 +368,7 @@ class AtomBatcher:
     def step(self) -> list[Event]:
         events: list[Event] = []
         self._admit(events)
+        self._grow()
         lane = self._prefilling_lane()
         if lane is not None:
             self._prefill(lane, events)
@@ -428,7 +441,8 @@ class AtomBatcher:
         s = self.state
         pins = self.policy.pinned(s)
         lanes = [{"lane": ln, "request": s.lane_req[ln] if s.busy[ln] else None,
-                  "length": s.length[ln] if s.busy[ln] else 0} for ln in range(s.consts.B)]
+                  "length": s.length[ln] if s.busy[ln] else 0, "blocks": list(self._tables[ln])}
+                 for ln in range(s.consts.B)]
         owners = []
         for b in range(s.consts.K):
             own = core.OWNER_NAMES[s.owner[b]].lower()
@@ -456,6 +470,16 @@ class AtomBatcher:
             raise CoreRejected(f"{action}({args}) rejected by guard {step.rejected}")
         self.state = step.state
         self.policy.observe(step.effects)
+        for eff in step.effects:
+            if isinstance(eff, (core.Admit, core.Inbound)):
+                self._tables[eff.lane] = [eff.block]
+                self._tab[eff.lane] = eff.block
+            elif isinstance(eff, core.Grow):
+                assert eff.pos == len(self._tables[eff.lane]), (eff, self._tables[eff.lane])
+                self._tables[eff.lane].append(eff.block)
+                self._tab[eff.lane, eff.pos:] = eff.block
+            elif isinstance(eff, core.Release):
+                self._tables[eff.lane] = []
         if self._snaps is not None:
             self._move_snapshots(step.effects)
         if self._trace is not None:
@@ -545,6 +569,18 @@ class AtomBatcher:
                 elif isinstance(eff, core.Load):
                     self._load(eff)
 
+    # --------------------------------------------------------------- paged tables
+    def _grow(self) -> None:
+        """Every lane whose tail block is full gets its next block before the next runtime call
+        (decode is one call over every row, so all of them at once)."""
+        for lane in self.policy.growth(self.state):
+            dst = self.policy.reusable(self.state)
+            if dst is None:  # excluded by the capacity rule Config checks
+                raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is below "
+                                   "the capacity rule (Config checks it; was it bypassed?)")
+            self._apply("grow", l=lane, dst=dst)
+            self.stats.table_grows += 1
+
     # --------------------------------------------------------------- prefill
     def _prefilling_lane(self) -> int | None:
         s = self.state
@@ -562,7 +598,8 @@ class AtomBatcher:
         ids = torch.zeros((1, c), dtype=torch.int64)
         ids[0, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
         pos = torch.arange(eff.start, eff.start + c, dtype=torch.int32).unsqueeze(0)
-        table = torch.tensor([eff.block], dtype=torch.int16)
+        assert self._tables[lane][eff.start // self.config.block_size] == eff.block, eff
+        table = self._tab[lane].clone()
         # hybrid: the lane's own local slot (local_block_tables[lane] == lane)
         local = torch.tensor([lane], dtype=torch.int16) if self._hybrid else None
         try:
@@ -604,7 +641,16 @@ class AtomBatcher:
         ids = torch.tensor([[self.requests[s.lane_req[ln]].tokens[-1] if live else 0]
                             for ln, live in enumerate(eff.live)], dtype=torch.int64)
         pos = torch.tensor(eff.positions, dtype=torch.int32).unsqueeze(1)
-        tables = torch.tensor(eff.rows, dtype=torch.int16).unsqueeze(1)
+        # a decoding row: its lane's table (its write lands in the block the spec names); a
+        # padding row: the padding target at every position, so its write lands there whatever
+        # position the row computes
+        tables = self._tab.clone()
+        for ln, live in enumerate(eff.live):
+            if live:
+                assert self._tables[ln][eff.positions[ln] // self.config.block_size] == \
+                    eff.rows[ln], (self._tables[ln], eff)
+            else:
+                tables[ln] = eff.rows[ln]
         # hybrid: every row its own lane's local slot, at the position the spec gives the row
         local = torch.arange(b, dtype=torch.int16).unsqueeze(1) if self._hybrid else None
         try:

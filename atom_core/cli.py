@@ -72,11 +72,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                      f"{sum(c.seconds for c in cs):.3f}", f"{max(c.seconds for c in cs):.3f}"])
     _table("atom-core verify: invariant x action", ["invariant", "action", "kind", "status",
                                                      "queries", "seconds", "max"], rows)
+    from atom_core.proofs import capacity as proved
+
+    fitted, _wrong = proved.fit(report.rows)
     cap = []
     for r in report.rows:
         mins = ", ".join(f"B={b}: {k}" for b, k in r.minimum.items())
         tight = all(t is not None for t in r.traces.values())
-        cap.append([r.features.name, r.rule, mins, "yes" if tight else "NO"])
+        rule = (f"{proved.RULE_NAMES[r.key]}: {proved.rule_text(*fitted[r.key])}"
+                if r.key in fitted else "no rule fits")
+        cap.append([r.features.name, rule, mins, "yes" if tight else "NO"])
     _table("capacity (proved sufficient; tight = stuck run one block below)",
            ["features", "rule", "minimum kv_blocks", "tight"], cap)
     sb = [[case.name, f"B={case.lanes}, K=1", "on" if case.prefix_cache else "off", case.role,
@@ -125,23 +130,41 @@ def _invalid(args: argparse.Namespace, error: str, out: dict[str, Any]) -> int:
     return 1 if "safe" in out else 2
 
 
+def _tables(args: argparse.Namespace) -> int:
+    """T, the blocks per lane's table (a block size that does not divide max_seq_len is
+    reported by `_artifact_error`)."""
+    block = args.block_size if args.block_size is not None else args.max_seq_len
+    return max(1, args.max_seq_len // block)
+
+
+# check-config searches for the stuck run at the artifact's size; with paged tables the search
+# grows with lanes * T, so above this it reports the rule without a run.
+TRACE_LANE_BLOCKS = 8
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
-    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch)
-    rule = rule_for(args.prefix_cache, args.scratch)
+    t = _tables(args)
+    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t)
+    rule = rule_for(args.prefix_cache, args.scratch, t)
     error = _artifact_error(args, max(need, args.kv_blocks))
     if error is not None:
         return _invalid(args, error, {"safe": False, "lanes": args.lanes,
                                       "kv_blocks": args.kv_blocks})
     out: dict[str, Any] = {"safe": args.kv_blocks >= need, "rule": rule, "trace": [],
                            "lanes": args.lanes, "kv_blocks": args.kv_blocks,
-                           "min_kv_blocks": need, "proved_lanes": capacity.PROVED_LANES}
-    if not out["safe"]:
+                           "min_kv_blocks": need, "proved_lanes": capacity.PROVED_LANES,
+                           "blocks_per_table": t}
+    if not out["safe"] and args.lanes * t > TRACE_LANE_BLOCKS:
+        out["violated"] = None
+        out["note"] = (f"no stuck run shown: the search covers lanes * T <= {TRACE_LANE_BLOCKS} "
+                       f"(here {args.lanes * t}); the rule is proved and shown tight there")
+    elif not out["safe"]:
         _z3_or_exit()
         from atom_core.proofs.search import stuck_run
         from atom_core.spec.model import MODEL
 
         tr = stuck_run(MODEL, args.lanes, args.kv_blocks, args.prefix_cache,
-                       args.scratch == "reserved", host=args.host_cache_blocks > 0)
+                       args.scratch == "reserved", host=args.host_cache_blocks > 0, tables=t)
         if tr is None:  # the rule says unsafe, so this is a bug in the proofs: say so loudly
             print("internal error: no stuck run found below the proved minimum", file=sys.stderr)
             return 3
@@ -159,8 +182,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                 f" (the rule is proved for lanes <= {capacity.PROVED_LANES} by `atom-core verify`)")
         print(f"SAFE: {what} satisfies '{rule}' (needs {need}){note}")
         return 0
+    if "note" in out:
+        print(f"UNSAFE: {what} breaks '{rule}': needs {need}, {need - args.kv_blocks} missing "
+              f"({out['note']})")
+        return 1
     print(f"UNSAFE: {what} breaks '{rule}': needs {need}, "
-          f"{need - args.kv_blocks} missing. A run into a stuck state (chunk 2, max_seq_len 8; "
+          f"{need - args.kv_blocks} missing. A run into a stuck state (chunk 2, block size 8; "
           "the shape is the same at any size):")
     for s in out["trace"]:
         print(describe_step(s))
@@ -174,12 +201,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_min_blocks(args: argparse.Namespace) -> int:
-    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch)
+    t = _tables(args)
+    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t)
     error = _artifact_error(args, need)
     if error is not None:
         return _invalid(args, error, {"lanes": args.lanes})
-    out = {"lanes": args.lanes, "min_kv_blocks": need,
-           "rule": rule_for(args.prefix_cache, args.scratch)}
+    out = {"lanes": args.lanes, "min_kv_blocks": need, "blocks_per_table": t,
+           "rule": rule_for(args.prefix_cache, args.scratch, t)}
     if args.json:
         _emit(out)
     else:
@@ -707,7 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "free block (default)")
         p.add_argument("--max-seq-len", type=_positive, default=4096)
         p.add_argument("--block-size", type=_positive, default=None,
-                       help="KV block size (default: max_seq_len, the eager artifact)")
+                       help="KV block size; max_seq_len / block_size blocks per lane's table "
+                            "(default: max_seq_len, the eager artifact: one block per lane)")
         p.add_argument("--prefill-chunk", type=_positive, default=128)
         p.add_argument("--host-cache-blocks", type=int, default=0,
                        help="host cache slots below the prefix cache (default 0: none)")

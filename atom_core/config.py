@@ -71,10 +71,11 @@ class Config:
             raise ConfigError(
                 f"prefill_chunk={self.prefill_chunk} is not a multiple of 64, which RBLN prefill "
                 "graphs require; compile with a chunk of 64, 128, ...")
-        if self.block_size != self.max_seq_len:
+        if self.max_seq_len % self.block_size:
             raise ConfigError(
-                f"block_size={self.block_size} != max_seq_len={self.max_seq_len}: paged block "
-                "tables are not supported yet; eager artifacts have block_size == max_seq_len")
+                f"max_seq_len={self.max_seq_len} is not a multiple of block_size="
+                f"{self.block_size}: a lane's block table holds max_seq_len / block_size whole "
+                "blocks; compile with a block size that divides max_seq_len")
         if self.scratch_block is not None and not (
                 self.scratch == "reserved" and 0 <= self.scratch_block < self.kv_blocks):
             raise ConfigError(
@@ -87,17 +88,23 @@ class Config:
         if self.kv_blocks == 1 and (self.lanes > 1 or self.prefix_cache
                                     or self.scratch == "reserved"):
             raise ConfigError(single_block_message(self))
-        need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch)
+        need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch,
+                             self.blocks_per_table)
         if self.kv_blocks < need:
             raise ConfigError(capacity_message(self, need))
 
     def consts(self) -> g.Consts:
         """The spec's configuration constants for this artifact."""
         return g.Consts(B=self.lanes, K=self.kv_blocks, C=self.prefill_chunk,
-                        S=self.max_seq_len, PREFIX=self.prefix_cache,
+                        S=self.block_size, T=self.blocks_per_table, PREFIX=self.prefix_cache,
                         RESERVED=self.scratch == "reserved", SCRATCH=self.scratch_id,
                         HYBRID=self.sliding_window is not None,
                         HOST=self.host_cache_blocks > 0, H=self.host_cache_blocks)
+
+    @property
+    def blocks_per_table(self) -> int:
+        """T: the blocks a lane's table holds (1 for eager artifacts)."""
+        return self.max_seq_len // self.block_size
 
     @property
     def scratch_id(self) -> int:
@@ -105,12 +112,19 @@ class Config:
 
     @property
     def rule(self) -> str:
-        return rule_for(self.prefix_cache, self.scratch)
+        return rule_for(self.prefix_cache, self.scratch, self.blocks_per_table)
 
 
 AXIOM_HELP = {
-    "chunk_divides_block": "max_seq_len must be a multiple of prefill_chunk",
-    "block_holds_a_chunk": "prefill_chunk must not exceed max_seq_len",
+    "chunk_divides_block": "block_size (max_seq_len unless given) must be a multiple of "
+                           "prefill_chunk (a chunk never straddles two blocks)",
+    "block_holds_a_chunk": "prefill_chunk must not exceed block_size (max_seq_len unless given)",
+    "hybrid_single_block": (
+        "a hybrid model (sliding_window set) needs block_size == max_seq_len for now: its "
+        "sliding-state snapshots are kept per block, not yet per block table"),
+    "host_single_block": (
+        "host_cache_blocks > 0 needs block_size == max_seq_len for now: the host tier stores "
+        "one block per entry, not yet whole block tables; set host_cache_blocks=0"),
     "host_cache_needs_prefix_cache": (
         "host_cache_blocks > 0 needs prefix_cache=True: the host tier holds prefix-cache entries "
         "evicted from the device; turn the prefix cache on or set host_cache_blocks=0"),
@@ -125,14 +139,29 @@ def features(prefix_cache: bool, scratch: str) -> str:
     return f"{'prefix cache' if prefix_cache else 'no prefix cache'}, {scratch} scratch"
 
 
-def rule_for(prefix_cache: bool, scratch: str) -> str:
-    return capacity.RULES[(prefix_cache, scratch)]
+def rule_for(prefix_cache: bool, scratch: str, blocks_per_table: int = 1) -> str:
+    """The capacity rule by name, in its general form and for this table size T."""
+    key = (prefix_cache, scratch)
+    t = blocks_per_table
+    s, c = capacity.SCRATCH_BLOCKS[key], capacity.COPY_BLOCKS[key]
+    if t == 1:
+        body = "lanes" + (f" + {s + c}" if s + c else "")
+    elif 1 + c <= t:  # the hit's pinned source fits beside a lane's first block
+        body = f"lanes * {t}" + (f" + {s}" if s else "")
+    else:
+        body = f"max(lanes * {t}, (lanes - 1) * {t} + {1 + c})" + (f" + {s}" if s else "")
+    return f"{capacity.RULES[key]}; with T = {t}: kv_blocks >= {body}"
 
 
-def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str) -> int:
+def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str,
+                  blocks_per_table: int = 1) -> int:
+    """The proved capacity rule (see atom_core/_generated/capacity.py): every lane can hold a
+    whole table of T blocks, plus the scratch block, plus, with T = 1, the prefix-cache hit's
+    source block (pinned while the copy runs; with T > 1 it fits in the admitted lane's table,
+    which holds one block at admission)."""
     if scratch not in SCRATCH_MODES:
         raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
-    return lanes + capacity.OFFSETS[(prefix_cache, scratch)]
+    return capacity.min_kv_blocks(lanes, blocks_per_table, (prefix_cache, scratch))
 
 
 def single_block_message(cfg: Config) -> str:
@@ -145,7 +174,7 @@ def single_block_message(cfg: Config) -> str:
                    "prompt with the same prefix to copy from it into a second block there is not")
     if cfg.scratch == "reserved":
         why.append("scratch='reserved': the only block would be the scratch block")
-    need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch)
+    need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table)
     return ("rule 'single-block': kv_blocks=1 serves exactly one lane, with the prefix cache off "
             "and dynamic scratch (block 0 is that lane's block; a single-block PD decode worker "
             "is lanes=1). Here " + "; ".join(why) + " (`atom-core verify` shows the stuck runs). "
@@ -156,19 +185,20 @@ def capacity_message(cfg: Config, need: int) -> str:
     missing = need - cfg.kv_blocks
     fixes = [f"compile the artifact with kv_blocks >= {need}"]
     if cfg.scratch == "reserved":
-        alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, "dynamic")
+        alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, "dynamic", cfg.blocks_per_table)
         if alt <= cfg.kv_blocks:
             fixes.append("use scratch='dynamic' (padding rows write into a free block), "
                          f"which needs {alt}")
     if cfg.prefix_cache:
-        alt = min_kv_blocks(cfg.lanes, False, cfg.scratch)
+        alt = min_kv_blocks(cfg.lanes, False, cfg.scratch, cfg.blocks_per_table)
         if alt <= cfg.kv_blocks:
             fixes.append(f"turn the prefix cache off, which needs {alt}")
     if cfg.lanes > 1:
-        fit = cfg.kv_blocks - capacity.OFFSETS[(cfg.prefix_cache, cfg.scratch)]
+        fit = max((n for n in range(1, cfg.lanes) if min_kv_blocks(
+            n, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table) <= cfg.kv_blocks), default=0)
         if fit >= 1:
             fixes.append(f"serve with lanes <= {fit}")
-    rule = rule_for(cfg.prefix_cache, cfg.scratch)
+    rule = rule_for(cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table)
     return (f"kv_blocks={cfg.kv_blocks} is too few for lanes={cfg.lanes} with "
             f"{features(cfg.prefix_cache, cfg.scratch)}: rule '{rule}' "
             f"needs {need}, {missing} block{'s' if missing > 1 else ''} missing "

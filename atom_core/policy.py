@@ -79,7 +79,9 @@ class Policy:
         def upto(b: int) -> int:
             # a hybrid hit also restores the sliding state: only where the entry has a snapshot
             return s.snap_upto[b] if s.consts.HYBRID else len(s.key[b])
-        entries = [b for b in range(s.consts.K) if s.owner[b] == g.OWNER_CACHE]
+        # an admission copies into the lane's first block: entries that start a sequence
+        entries = [b for b in range(s.consts.K)
+                   if s.owner[b] == g.OWNER_CACHE and s.start[b] == 0]
         return self._longest(s, prompt, entries, s.head, s.key, upto, self.last_use)
 
     def best_host_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
@@ -135,6 +137,13 @@ class Policy:
         if dst is None:
             return None
         return Choice("admit_miss", {"l": lane, "r": r, "dst": dst})
+
+    def growth(self, s: g.State) -> list[int]:
+        """Lanes whose tail block is full and that have more to compute: each needs its next
+        block (`grow`) before the next prefill or decode call. The core's guard decides; only
+        the block it would get is left open."""
+        return [ln for ln in range(s.consts.B)
+                if g.grow_guard(s, ln, 0) in (None, "dst_reusable")]
 
     def spill_slot(self, s: g.State, block: int) -> tuple[int, bool] | None:
         """Where evicted device entry `block` goes in the host tier: (an empty slot, False), else

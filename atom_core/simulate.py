@@ -105,6 +105,7 @@ class SimConfig:
     fallback_local: bool | None = None
     host_cache_blocks: int = 0  # host tier of the serving batcher (PD: the decode worker's)
     prefill_host_cache_blocks: int | None = None
+    blocks_per_table: int = 1  # T: paged block tables when > 1 (colocated only, for now)
 
     @property
     def pd(self) -> bool:
@@ -194,16 +195,28 @@ def _host_choices(prefix_key: str, pd_only: bool) -> Choices:
     def choices(c: dict[str, Any]) -> tuple[Any, ...]:
         if pd_only and c.get("mode") != "pd":
             return ()
+        if (c.get("blocks_per_table") or 1) > 1:  # a fixed paged table: no host tier yet
+            return (0,)
         if c.get(prefix_key) and host_cache_allowed(c.get("sliding_window")):
             return HOST_CHOICES
         return (0,)
     return choices
 
 
+def _table_choices(c: dict[str, Any]) -> tuple[Any, ...]:
+    """T up to a block of one prefill chunk, where Config accepts paged tables (the spec's
+    axioms: not hybrid, no host tier) and the workload fits (PD moves one block)."""
+    if c.get("mode") == "pd" or c.get("sliding_window") is not None \
+            or c.get("host_cache_blocks"):
+        return (1,)
+    most = (c.get("max_seq_len") or 128) // PREFILL_CHUNK
+    return tuple(t for t in (1, 2, 4) if t <= most)
+
+
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("mode", "colocated batcher, or a PD prefill worker feeding a decode worker",
               _always("colocated", "pd")),
-    Dimension("max_seq_len", "tokens per sequence (= block size: eager mode)", _always(128, 256),
+    Dimension("max_seq_len", "tokens per sequence", _always(128, 256),
               weights=(3, 1), open=True),
     Dimension("sliding_window", "hybrid model's window (none: every layer global)",
               _window_choices, weights=(3, 1, 1, 1), open=True),
@@ -227,6 +240,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
               weights=HOST_WEIGHTS, open=True),
     Dimension("prefill_host_cache_blocks", "PD: host cache tier of the prefill worker",
               _host_choices("prefill_prefix_cache", True), weights=HOST_WEIGHTS, open=True),
+    Dimension("blocks_per_table", "blocks per lane's table (T = max_seq_len / block_size; 1: "
+              "eager); paged tables are colocated, plain models without a host tier for now",
+              _table_choices, open=True),
 )
 _DIMS = {d.name: d for d in DIMENSIONS}
 
@@ -310,9 +326,12 @@ def _model(cfg: SimConfig) -> dict[str, Any]:
 
 def _configs(cfg: SimConfig) -> dict[str, Config]:
     """The batcher configurations by side: "local" (colocated) or "decode" and "prefill"."""
+    t = cfg.blocks_per_table or 1
+
     def one(lanes: int, prefix: bool, scratch: str, host: int) -> Config:
-        return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch)
+        return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch, t)
                       + cfg.extra_blocks, max_seq_len=cfg.max_seq_len,
+                      block_size=cfg.max_seq_len // t,
                       prefill_chunk=PREFILL_CHUNK, prefix_cache=prefix, scratch=scratch,
                       sliding_window=cfg.sliding_window, host_cache_blocks=host)
 
@@ -652,13 +671,14 @@ def block_leaks(side: str, b: AtomBatcher) -> list[str]:
     s, out = b.state, []
     transfers = b.transfers()
     draining_for = {blk: r for r, blk in transfers.items()}
+    tables = [ln["blocks"] for ln in b.describe()["lanes"]]
     for blk in range(s.consts.K):
         own = s.owner[blk]
         if own in (core.OWNER_FREE, core.OWNER_CACHE, core.OWNER_SCRATCH):
             continue
         if own == core.OWNER_LANE:
             ln = s.owner_lane[blk]
-            if not (s.busy[ln] and s.table[ln] == blk):
+            if not (s.busy[ln] and blk in tables[ln]):
                 out.append(f"{side}: block {blk} is owned by lane {ln}, which does not hold it")
             elif b.requests[s.lane_req[ln]].ended:
                 out.append(f"{side}: block {blk} is held by lane {ln} for request "

@@ -8,7 +8,9 @@ bookkeeping and events. The stub's own time is measured around each call and sub
 Configuration: B = 8 and B = 32 lanes, every lane decoding (prompts of 100 tokens, generation
 until the KV block is full), K = B + 1 (prefix cache, dynamic scratch), max_seq_len 4096,
 chunk 128, ghost state off (production) and on (verification), vocabularies of 128 (the tiny
-model: bookkeeping only) and 32000 (a real model's argmax, ghost off). A round times `--steps`
+model: bookkeeping only) and 32000 (a real model's argmax, ghost off); and paged tables
+(128-token blocks: T = 32 per lane, K = 32 B, tables grown in decode; vocabulary 128, ghost
+off). A round times `--steps`
 decode steps; the report gives the median and quartiles over `--rounds` rounds, in
 microseconds per step and per lane. The garbage collector is off during a round, and torch runs
 single-threaded (`torch.set_num_threads(1)`): on a shared machine torch's intra-op pool makes
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 from atom_core.batcher import AtomBatcher
-from atom_core.config import Config
+from atom_core.config import Config, min_kv_blocks
 from atom_core.runtime.protocol import smallest_decode_batch
 
 LANES = (8, 32)
@@ -44,6 +46,9 @@ MAX_SEQ, CHUNK, PROMPT = 4096, 128, 100
 ROUNDS, STEPS = 15, 200
 QUICK_ROUNDS, QUICK_STEPS = 3, 20
 MODES = {"ghost_off": False, "ghost_on": True}
+# Paged tables: the same workload with 128-token blocks (T = 32 blocks per lane, K = 32 B):
+# every lane grows its table every 128 tokens, and every decode call takes a [B, T] table.
+PAGED_BLOCK = 128
 
 
 class StubRuntime:
@@ -83,9 +88,11 @@ class StubRuntime:
         pass
 
 
-def decoding_batcher(lanes: int, vocab: int, ghost: bool) -> tuple[AtomBatcher, StubRuntime]:
+def decoding_batcher(lanes: int, vocab: int, ghost: bool,
+                     block: int = MAX_SEQ) -> tuple[AtomBatcher, StubRuntime]:
     """A batcher with every lane decoding (and room for MAX_SEQ - PROMPT decode steps)."""
-    cfg = Config(lanes=lanes, kv_blocks=lanes + 1, max_seq_len=MAX_SEQ, prefill_chunk=CHUNK,
+    cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, True, "dynamic", MAX_SEQ // block),
+                 max_seq_len=MAX_SEQ, block_size=block, prefill_chunk=CHUNK,
                  prefix_cache=True, scratch="dynamic")
     rt = StubRuntime(cfg, vocab)
     b = AtomBatcher(cfg, rt, ghost=ghost)
@@ -98,9 +105,10 @@ def decoding_batcher(lanes: int, vocab: int, ghost: bool) -> tuple[AtomBatcher, 
     return b, rt
 
 
-def decode_rounds(lanes: int, vocab: int, ghost: bool, rounds: int, steps: int) -> list[float]:
+def decode_rounds(lanes: int, vocab: int, ghost: bool, rounds: int, steps: int,
+                  block: int = MAX_SEQ) -> list[float]:
     """Microseconds per decode step (stub time subtracted), one value per round."""
-    b, rt = decoding_batcher(lanes, vocab, ghost)
+    b, rt = decoding_batcher(lanes, vocab, ghost, block)
     for _ in range(min(steps, 20)):  # warm-up
         b.step()
     out = []
@@ -171,6 +179,9 @@ def run(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
                 modes = MODES if vocab == VOCABS[0] else {"ghost_off": False}
                 row = {mode: summarize(decode_rounds(lanes, vocab, ghost, rounds, steps), lanes)
                        for mode, ghost in modes.items()}
+                if vocab == VOCABS[0]:
+                    row["paged_ghost_off"] = summarize(decode_rounds(
+                        lanes, vocab, False, rounds, steps, PAGED_BLOCK), lanes)
                 rows[f"B={lanes},V={vocab}"] = {"lanes": lanes, "vocab": vocab, **row}
             calls = 5 if quick else 30
             argmax[f"B={lanes},V={VOCABS[-1]}"] = {
@@ -183,7 +194,8 @@ def run(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
     return {
         "method": "stub runtime (precomputed logits), its call time subtracted; "
                   f"median of {rounds} rounds of {steps} decode steps, every lane decoding",
-        "config": {"kv_blocks": "lanes + 1", "max_seq_len": MAX_SEQ, "prefill_chunk": CHUNK,
+        "config": {"kv_blocks": "lanes + 1 (paged: 32 * lanes)", "max_seq_len": MAX_SEQ,
+                   "paged_block_size": PAGED_BLOCK, "prefill_chunk": CHUNK,
                    "prefix_cache": True, "scratch": "dynamic", "prompt_tokens": PROMPT},
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "torch_threads_default": default_threads, "torch_threads_timed": 1},
@@ -198,7 +210,7 @@ def print_table(report: dict[str, Any]) -> None:
     cols = ["lanes", "vocab", "mode", "us/step (median)", "Q1-Q3", "us/lane"]
     rows = []
     for r in report["decode_overhead"].values():
-        for mode in MODES:
+        for mode in (*MODES, "paged_ghost_off"):
             if mode not in r:
                 continue
             s = r[mode]

@@ -1,12 +1,13 @@
 """Capacity rules: the fewest KV blocks with which no reachable state is stuck.
 
-For each feature combination and scratch discipline, and each lane count B up to the cutoff:
+For each feature combination and scratch discipline, each table size T (blocks per lane: 1, and
+2 for the plain combinations) and each lane count B up to the cutoff (B * T <= the lane cutoff):
   sufficient  at K = K_min(B) (and every K up to the cutoff above it), the progress properties
               follow from the proved invariants: z3 answers unsat for every stuck state;
   tight       at K_min(B) - 1, a run from the initial state into a stuck state, found by search
               over the generated core and replayed step by step in z3 against the spec.
-The rule is K_min(B) = B + offset with one offset for every B checked; a combination whose
-minimum is not of that form is reported as such rather than fitted.
+The rule is K_min(B) = B * T + offset with one offset for every B and T checked; a combination
+whose minimum is not of that form is reported as such rather than fitted.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class Features:
     scratch: str
     hybrid: bool = False  # sliding-window layers (with the prefix cache: hits need snapshots)
     host: bool = False  # a host cache tier below the prefix cache
+    tables: int = 1  # T: blocks per lane's table
 
     @property
     def name(self) -> str:
         return (f"{'prefix cache' if self.prefix_cache else 'no cache'}, {self.scratch} scratch"
-                + (", hybrid" if self.hybrid else "") + (", host cache" if self.host else ""))
+                + (", hybrid" if self.hybrid else "") + (", host cache" if self.host else "")
+                + (f", T={self.tables}" if self.tables != 1 else ""))
 
     @property
     def key(self) -> tuple[bool, str]:
@@ -45,29 +48,42 @@ class Features:
     def consts(self, lanes: int, blocks: int) -> dict[str, Any]:
         return {"B": lanes, "K": blocks, "C": CHUNK, "S": SEQ_LEN, "PREFIX": self.prefix_cache,
                 "RESERVED": self.scratch == "reserved", "SCRATCH": 0, "HYBRID": self.hybrid,
-                "HOST": self.host}
+                "HOST": self.host, "T": self.tables}
 
     @property
     def plain(self) -> bool:
-        return not (self.hybrid or self.host)
+        """The row the committed table is read from; the others must agree with it."""
+        return not (self.hybrid or self.host) and self.tables == 1
+
+    def max_lanes(self, cutoff: int) -> int:
+        """Lane counts checked: lanes * T up to the cutoff, and at least one lane."""
+        return max(1, cutoff // self.tables)
 
 
 # Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), and
-# the host tier needs the prefix cache, so those are the combinations of their own.
+# the host tier needs the prefix cache, so those are the combinations of their own. Paged tables
+# (T = 2) for the plain ones; hybrid models and the host tier have T = 1 (axioms).
 COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES)
                 + tuple(Features(True, s, hybrid=True) for s in SCRATCH_MODES)
-                + tuple(Features(True, s, host=True) for s in SCRATCH_MODES))
+                + tuple(Features(True, s, host=True) for s in SCRATCH_MODES)
+                + tuple(Features(p, s, tables=2) for p in (False, True) for s in SCRATCH_MODES))
 
 
-def progress_by_features(model: L.Model, lanes: int, blocks: int) -> dict[Features, list[Check]]:
-    """Progress checks at one size for every feature combination (one translation, shared)."""
+# The lane cutoff: `table` and `progress_by_features` check B * T up to it.
+MAX_LANES_ANY = 4
+
+
+def progress_by_features(model: L.Model, lanes: int, blocks: int,
+                         cutoff: int = MAX_LANES_ANY) -> dict[Features, list[Check]]:
+    """Progress checks at one size for every feature combination whose lanes * T is within the
+    cutoff (one translation, shared)."""
     u = bounded_universe(model, lanes, blocks, {"C": CHUNK, "S": SEQ_LEN, "SCRATCH": 0})
-    cases = {f"B={lanes},K={blocks},{f.name}": {"PREFIX": f.prefix_cache,
-                                                 "RESERVED": f.scratch == "reserved",
-                                                 "HYBRID": f.hybrid, "HOST": f.host}
-             for f in COMBINATIONS}
-    out: dict[Features, list[Check]] = {f: [] for f in COMBINATIONS}
-    by_case = dict(zip(cases, COMBINATIONS, strict=True))
+    by_case = {f"B={lanes},K={blocks},{f.name}": f for f in COMBINATIONS
+               if lanes <= f.max_lanes(cutoff)}
+    cases = {case: {"PREFIX": f.prefix_cache, "RESERVED": f.scratch == "reserved",
+                    "HYBRID": f.hybrid, "HOST": f.host, "T": f.tables}
+             for case, f in by_case.items()}
+    out: dict[Features, list[Check]] = {f: [] for f in by_case.values()}
     for case, c in progress(model, u, cases):
         out[by_case[case]].append(attrs.evolve(c, kind="capacity"))
     return out
@@ -81,7 +97,7 @@ def safe(model: L.Model, f: Features, lanes: int, blocks: int) -> tuple[bool, li
 def stuck_trace(model: L.Model, f: Features, lanes: int, blocks: int) -> bmc.Trace | None:
     """A stuck run from the initial state, confirmed by z3 against the spec (see search.py)."""
     return search.stuck_run(model, lanes, blocks, f.prefix_cache, f.scratch == "reserved",
-                            hybrid=f.hybrid, host=f.host)
+                            hybrid=f.hybrid, host=f.host, tables=f.tables)
 
 
 def min_blocks(model: L.Model, f: Features, lanes: int, max_blocks: int) -> int | None:
@@ -94,7 +110,7 @@ def min_blocks(model: L.Model, f: Features, lanes: int, max_blocks: int) -> int 
 @attrs.frozen
 class Row:
     features: Features
-    offset: int | None  # K_min = B + offset, None when no single offset fits
+    offset: int | None  # K_min = B * T + offset, None when no single offset fits
     minimum: dict[int, int | None]  # B -> K_min
     checks: list[Check]
     traces: dict[int, bmc.Trace | None]  # B -> stuck trace at K_min - 1
@@ -103,21 +119,17 @@ class Row:
     def key(self) -> tuple[bool, str]:
         return self.features.key
 
-    @property
-    def rule(self) -> str:
-        name = RULE_NAMES[self.key]
-        return f"{name}: " + ("no linear rule" if self.offset is None else rule_text(self.offset))
 
 
 def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
           traces: bool = True) -> Iterator[Row]:
-    results = {(b, k): progress_by_features(model, b, k)
+    results = {(b, k): progress_by_features(model, b, k, max_lanes)
                for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)}
     for f in COMBINATIONS:
         minimum: dict[int, int | None] = {}
         checks: list[Check] = []
         found: dict[int, bmc.Trace | None] = {}
-        for b in range(1, max_lanes + 1):
+        for b in range(1, f.max_lanes(max_lanes) + 1):
             k_min = None
             for k in range(1, max_blocks + 1):
                 cs = results[(b, k)][f]
@@ -141,7 +153,7 @@ def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
                                     "capacity-tight", status, time.perf_counter() - t0,
                                     f"B={b},K={k_min - 1},{f.name}",
                                     "" if tr else "no stuck run one block below the minimum"))
-        offsets = {k - b for b, k in minimum.items() if k is not None}
+        offsets = {k - b * f.tables for b, k in minimum.items() if k is not None}
         offset = offsets.pop() if len(offsets) == 1 and None not in minimum.values() else None
         yield Row(f, offset, minimum, checks, found)
 
@@ -183,8 +195,40 @@ SINGLE_BLOCK = (
 )
 
 
-def rule_text(offset: int) -> str:
-    return "kv_blocks >= lanes" + (f" + {offset}" if offset else "")
+def need(lanes: int, tables: int, scratch_blocks: int, copy_blocks: int) -> int:
+    """The rule's form: every lane can hold a whole table, or, while an admission copies a hit
+    into its first block, the other lanes' tables, that block and the pinned source (one block
+    beyond a whole table only when T = 1); plus the scratch block."""
+    return max(lanes * tables, (lanes - 1) * tables + 1 + copy_blocks) + scratch_blocks
+
+
+def rule_text(scratch_blocks: int, copy_blocks: int) -> str:
+    core = ("lanes * T" if not copy_blocks
+            else f"max(lanes * T, (lanes - 1) * T + {1 + copy_blocks})")
+    return f"kv_blocks >= {core}" + (f" + {scratch_blocks}" if scratch_blocks else "")
+
+
+def fit(rows: list[Row]) -> tuple[dict[tuple[bool, str], tuple[int, int]], list[str]]:
+    """(scratch blocks, copy blocks) per rule key, read off the T = 1 and T = 2 rows, and every
+    row whose minimum the rule does not give (must be none)."""
+    out: dict[tuple[bool, str], tuple[int, int]] = {}
+    wrong = []
+    for r in rows:
+        if r.features.plain:
+            t2 = next((x for x in rows if x.key == r.key and x.features.tables == 2), None)
+            if r.offset is None or t2 is None or t2.offset is None:
+                wrong.append(f"{r.features.name}: no rule fits {r.minimum}")
+                continue
+            out[r.key] = (t2.offset, r.offset - t2.offset)
+    for r in rows:
+        if r.key not in out:
+            continue
+        sb, cb = out[r.key]
+        for b, k in r.minimum.items():
+            if k != need(b, r.features.tables, sb, cb):
+                wrong.append(f"{r.features.name}: K_min(B={b}) = {k}, the rule says "
+                             f"{need(b, r.features.tables, sb, cb)}")
+    return out, wrong
 
 
 RULE_NAMES = {(False, "reserved"): "reserved-scratch", (False, "dynamic"): "dynamic-scratch",
@@ -194,34 +238,38 @@ RULE_NAMES = {(False, "reserved"): "reserved-scratch", (False, "dynamic"): "dyna
 
 def render(rows: list[Row], max_lanes: int) -> str:
     """The generated capacity table module (`make generate`)."""
+    fitted, wrong = fit(rows)
+    if wrong:
+        raise RuntimeError("no capacity rule fits: " + "; ".join(wrong))
+    keys = [r.key for r in rows if r.features.plain]
     lines = [
         "# GENERATED by `make generate` from the capacity proofs (atom_core.proofs.capacity)."
         " Do not edit.",
-        '"""Fewest KV blocks per feature combination:',
-        "kv_blocks >= lanes + OFFSETS[(prefix_cache, scratch)]. `atom-core verify` proves each",
-        "rule sufficient for every lane count up to PROVED_LANES (z3: no state satisfying the",
-        'invariants is stuck) and tight (a run into a stuck state with one block fewer)."""',
+        '"""Fewest KV blocks per feature combination, T = max_seq_len / block_size (blocks per',
+        "lane's table): kv_blocks >= max(lanes * T, (lanes - 1) * T + 1 + COPY_BLOCKS[key])",
+        "+ SCRATCH_BLOCKS[key], key = (prefix_cache, scratch); with T = 1, lanes + OFFSETS[key].",
+        "`atom-core verify` proves each rule sufficient (z3: no state satisfying the invariants is",
+        "stuck) for every lane count up to PROVED_LANES with T = 1 and lanes * T up to it with",
+        'T = 2, and tight (a run into a stuck state with one block fewer)."""',
         "",
         f"PROVED_LANES = {max_lanes}",
         "",
-        "OFFSETS = {",
+        "SCRATCH_BLOCKS = {",
     ]
-    plain = [r for r in rows if r.features.plain]
-    for r in rows:
-        if r.offset is None:
-            raise RuntimeError(f"no linear capacity rule for {r.features.name}: {r.minimum}")
-        same = next(p for p in plain if p.key == r.key)
-        if r.offset != same.offset:  # one table serves both; a difference needs a key of its own
-            raise RuntimeError(f"{r.features.name} needs offset {r.offset}, "
-                               f"{same.features.name} {same.offset}")
-    rows = plain
-    for r in rows:
-        lines.append(f"    {r.key!r}: {r.offset},")
+    lines += [f"    {k!r}: {fitted[k][0]}," for k in keys]
+    lines += ["}", "", "COPY_BLOCKS = {"]
+    lines += [f"    {k!r}: {fitted[k][1]}," for k in keys]
+    lines += ["}", "", "OFFSETS = {"]
+    lines += [f"    {k!r}: {sum(fitted[k])}," for k in keys]
     lines += ["}", "", "RULE_NAMES = {"]
-    lines += [f"    {r.key!r}: {RULE_NAMES[r.key]!r}," for r in rows]
+    lines += [f"    {k!r}: {RULE_NAMES[k]!r}," for k in keys]
     lines += ["}", "", "RULES = {"]
-    lines += [f"    {r.key!r}: {r.rule!r}," for r in rows]
-    lines += ["}", ""]
+    lines += [f"    {k!r}: (\n        {RULE_NAMES[k] + ': ' + rule_text(*fitted[k])!r}),"
+              for k in keys]
+    lines += ["}", "", "",
+              "def min_kv_blocks(lanes: int, tables: int, key: tuple[bool, str]) -> int:",
+              "    return (max(lanes * tables, (lanes - 1) * tables + 1 + COPY_BLOCKS[key])",
+              "            + SCRATCH_BLOCKS[key])", ""]
     return "\n".join(lines)
 
 

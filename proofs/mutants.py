@@ -464,6 +464,22 @@ def select(pattern: str | None, sample: int | None = None) -> list[Mutant]:
     return ms
 
 
+def patched_table(offsets: dict[tuple[bool, str], int]) -> types.ModuleType:
+    """The committed capacity module with `offsets` as its T = 1 offsets, and its rule for
+    every T moved by the same number of blocks (a capacity mutant is one block short at
+    every table size)."""
+    cap = committed_capacity()
+    table = types.ModuleType(cap.__name__)
+    table.__dict__.update({k: v for k, v in vars(cap).items() if not k.startswith("__")})
+    table.OFFSETS = dict(offsets)
+
+    def min_kv_blocks(lanes: int, tables: int, key: tuple[bool, str]) -> int:
+        return cap.min_kv_blocks(lanes, tables, key) + offsets[key] - cap.OFFSETS[key]
+
+    table.min_kv_blocks = min_kv_blocks
+    return table
+
+
 def offsets_of(m: Mutant) -> dict[tuple[bool, str], int]:
     return m.offsets if m.offsets is not None else dict(committed_capacity().OFFSETS)
 
@@ -780,7 +796,7 @@ def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]
     """The machine draws K from its capacity module and checks progress at or above it: give it
     the mutant's table (a capacity mutant claims one block fewer suffices)."""
     saved = tcm.capacity
-    tcm.capacity = types.SimpleNamespace(OFFSETS=offsets)
+    tcm.capacity = patched_table(offsets)
     try:
         yield
     finally:
@@ -841,10 +857,7 @@ def install_core(core: types.ModuleType, offsets: dict[tuple[bool, str], int] | 
 
     swap = {id(committed): core}
     if offsets is not None:
-        table = types.ModuleType(capacity.__name__)
-        table.__dict__.update({k: v for k, v in vars(capacity).items() if not k.startswith("__")})
-        table.OFFSETS = offsets
-        swap[id(capacity)] = table
+        swap[id(capacity)] = patched_table(offsets)
     sys.modules["atom_core._generated.core"] = core
     pkg.core = core
     if offsets is not None:

@@ -37,23 +37,24 @@ class Report:
 
 
 def table_matches(rows: list[capacity.Row]) -> Check:
-    """The committed capacity table (which Config validates against) is the proved one."""
+    """The committed capacity table (which Config validates against) is the proved one, and
+    its rule gives every row's minimum (hybrid, host tier, T = 2 included)."""
     from atom_core._generated import capacity as committed
 
-    found = {r.key: r.offset for r in rows if r.features.plain}
-    # one table serves plain and hybrid models, with or without a host tier: all need the same
-    differ = [r.features.name for r in rows
-              if not r.features.plain and r.offset != found.get(r.key)]
-    ok = found == committed.OFFSETS and not differ
-    detail = "" if ok else (f"hybrid rows {differ} differ from the plain ones" if differ else
-                            f"committed {committed.OFFSETS} != proved {found}: run `make generate`")
+    found, wrong = capacity.fit(rows)
+    want = {k: (committed.SCRATCH_BLOCKS[k], committed.COPY_BLOCKS[k])
+            for k in committed.SCRATCH_BLOCKS}
+    ok = found == want and not wrong
+    detail = "" if ok else ("; ".join(wrong) if wrong else
+                            f"committed {want} != proved {found}: run `make generate`")
     return Check("capacity-table-matches-proofs", "*", "capacity", "proved" if ok else
                  "counterexample", 0.0, detail=detail)
 
 
 def row_json(r: capacity.Row) -> dict[str, Any]:
     return {"prefix_cache": r.features.prefix_cache, "scratch": r.features.scratch,
-            "hybrid": r.features.hybrid, "host_cache": r.features.host, "rule": r.rule,
+            "hybrid": r.features.hybrid, "host_cache": r.features.host,
+            "blocks_per_table": r.features.tables, "offset": r.offset,
             "min_kv_blocks": {str(b): k for b, k in r.minimum.items()},
             "tight": {str(b): (t is not None) for b, t in r.traces.items()}}
 
@@ -83,7 +84,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
             add(c)
         if row.offset is None:
             add(Check(f"rule:{row.features.name}", "*", "capacity", "counterexample", 0.0,
-                      detail=f"no single rule kv_blocks >= lanes + c fits {row.minimum}"))
+                      detail=f"no single rule kv_blocks >= lanes * T + c fits {row.minimum}"))
     add(table_matches(rows))
     single = []
     for case in capacity.SINGLE_BLOCK:

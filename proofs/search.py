@@ -78,7 +78,7 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
         "Slot": lambda _p: slots,
         "Seq": lambda _p: prompts,
         "Bool": lambda _p: [False, True],
-        "Int": lambda p: list(range(c.C, c.S, c.C)) if p == "n" else [TOKEN],
+        "Int": lambda p: list(range(c.C, c.S + 1, c.C)) if p == "n" else [TOKEN],
     }
     for name, (_fn, guard, params, sorts) in g.ACTIONS.items():
         if name in skip:
@@ -147,7 +147,8 @@ def confirm(model: L.Model, consts: g.Consts, run: list[tuple[str, dict]], viola
             requests: int) -> bool:
     """z3 replays the run on the spec: each step's guard holds and its updates are the spec's,
     and the final state breaks the named progress property."""
-    cs = {"B": consts.B, "K": consts.K, "C": consts.C, "S": consts.S, "PREFIX": consts.PREFIX,
+    cs = {"B": consts.B, "K": consts.K, "C": consts.C, "S": consts.S, "T": consts.T,
+          "PREFIX": consts.PREFIX,
           "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH, "HYBRID": consts.HYBRID,
           "HOST": consts.HOST, "H": max(consts.H, 1)}
     u = bounded_universe(model, consts.B, consts.K, cs, requests=requests, concrete_seqs=True,
@@ -209,7 +210,7 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
     prompt that never hits, take the extra lanes with the extra blocks and stay there. The result
     is replayed through z3 like any other run, so this needs no proof of its own."""
     extra = lanes - consts.B
-    assert extra >= 0 and blocks - consts.K == extra
+    assert extra >= 0 and blocks - consts.K == extra and consts.T == 1
     first = sum(1 for name, _ in run if name == "submit")
     pre: list[tuple[str, dict]] = []
     renum = {r: r + extra for r in range(first)}
@@ -228,15 +229,15 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
 
 def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
               role: str = "colocated", want: str | None = None,
-              hybrid: bool = False, host: bool = False) -> Trace | None:
+              hybrid: bool = False, host: bool = False, tables: int = 1) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
     lifted from the largest searched size."""
     t0 = time.perf_counter()
-    base_b = min(lanes, SEARCH_LANES)
+    base_b = min(lanes, SEARCH_LANES) if tables == 1 else lanes  # (`lift` is for T = 1)
     base_k = blocks - (lanes - base_b)
     if base_k < 1:
         base_b, base_k = lanes, blocks
-    c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, PREFIX=prefix,
+    c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, T=tables, PREFIX=prefix,
                  RESERVED=reserved, SCRATCH=0, HYBRID=hybrid, HOST=host,
                  H=SEARCH_SLOTS if host else 0)
     found = shortest_stuck_run(c, role=role, want=want)

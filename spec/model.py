@@ -1,4 +1,4 @@
-"""The atom-core model: eager mode (one KV block per sequence, T = 1).
+"""The atom-core model: lanes with paged block tables (T blocks of S tokens each).
 
 Read it like a mypyvy file: sorts, constants, state, then actions (named guard conjuncts and
 updates over the pre-state), then invariants, one per line. `atom_core.proofs` checks it with
@@ -59,10 +59,12 @@ Phase = m.sort(enum_sort(
 B = m.const("B", INT)                 # lanes
 K = m.const("K", INT)                 # kv blocks
 C = m.const("C", INT)                 # prefill chunk (tokens)
-S = m.const("S", INT)                 # max_seq_len == block_size in eager mode
+S = m.const("S", INT)                 # block size (tokens per KV block)
 PREFIX = m.const("PREFIX", BOOL)      # prefix cache on
 RESERVED = m.const("RESERVED", BOOL)  # scratch discipline: a reserved block (else dynamic)
 SCRATCH = m.const("SCRATCH", Block)   # the reserved scratch block
+# blocks per lane's table: max_seq_len == T * S. Eager artifacts (and older configurations): 1.
+T = m.const("T", INT, default=1)
 # sliding-window layers beside global ones (Gemma3-style); older configurations: False
 HYBRID = m.const("HYBRID", BOOL, default=False)
 # host cache tier (evicted entries stored to host, hits loaded back); older configurations: off
@@ -74,6 +76,11 @@ m.axiom("chunk_divides_block", S % C == 0)
 m.axiom("block_holds_a_chunk", C <= S)
 m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
+m.axiom("tables_positive", T > 0)
+# Not built yet for tables of several blocks: a host entry and a sliding-state snapshot are
+# kept per block today, and a PD transfer moves one block (docs/design/paged-tables.md).
+m.axiom("hybrid_single_block", implies(HYBRID, T == 1))
+m.axiom("host_single_block", implies(HOST, T == 1))
 m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
 # A host entry would have to carry the sliding-state snapshots too; not built.
 m.axiom("hybrid_without_host_cache", ~(HYBRID & HOST))
@@ -124,8 +131,15 @@ snap_junk = m.fn("snap_junk", [Block], BOOL, init=True, ghost=True,
                  doc="some snapshot of the entry is not its key's state there")
 busy = m.fn("busy", [Lane], BOOL, init=False, doc="the lane serves a request")
 lane_req = m.fn("lane_req", [Lane], Req, doc="the request a busy lane serves")
-table = m.fn("table", [Lane], Block, doc="the lane's block table (T = 1)")
-length = m.fn("length", [Lane], INT, init=0, doc="tokens whose KV the lane's block holds")
+# A lane's table is its blocks in token order; only the last one (the tail) is ever written.
+# A block records where it starts in its sequence (`start`), so the proofs compare token
+# positions without multiplying by S; the runtime's position p -> (table[p // S], p % S) follows
+# from the bounded invariant `tables_are_dense`.
+tail = m.fn("tail", [Lane], Block, doc="the lane's last block: the one its next token's KV goes to")
+nblocks = m.fn("nblocks", [Lane], INT, init=0, doc="blocks in the lane's table (<= T)")
+start = m.fn("start", [Block], INT, init=0,
+             doc="the position of the block's first token in its lane's sequence (or its key)")
+length = m.fn("length", [Lane], INT, init=0, doc="tokens whose KV the lane's blocks hold")
 lane_seq = m.fn("lane_seq", [Lane], Seq, doc="prompt + generated tokens of the lane's request")
 lane_plen = m.fn("lane_plen", [Lane], INT, init=0, doc="prompt length of the lane's request")
 copying = m.fn("copying", [Lane], BOOL, init=False,
@@ -197,9 +211,14 @@ def hit_ok(r, b):
     """Entry b shares at least the prompt's first chunk, and a token is left to compute; for a
     hybrid model it also has the sliding state there (else the hit is not usable, and a miss
     must not wait for it)."""
-    return ((slen(prompt(r)) > C) & (owner(b) == Owner.CACHE)
+    return ((slen(prompt(r)) > C) & (owner(b) == Owner.CACHE) & (start(b) == 0)
             & (head(b) == take(prompt(r), C)) & (slen(key(b)) >= C)
             & implies(HYBRID, snap_upto(b) >= C))
+
+
+def lane_block(b, l):
+    """b is one of lane l's blocks (any position of its table)."""
+    return (owner(b) == Owner.LANE) & (owner_lane(b) == l)
 
 
 def pinned(b):
@@ -227,7 +246,7 @@ def needs_scratch():
 
 def row_block(l, pad):
     """The block decode row l writes: its own for a decoding lane, else the padding target."""
-    return ite(decoding(l), table(l), pad)
+    return ite(decoding(l), tail(l), pad)
 
 
 def row_position(l):
@@ -256,7 +275,9 @@ def occupy(l, r, dst, n, ph=Phase.PREFILL, src=None):
     """The updates every admission shares: lane l takes request r into block dst."""
     assign(busy(l), True)
     assign(lane_req(l), r)
-    assign(table(l), dst)
+    assign(tail(l), dst)
+    assign(nblocks(l), 1)
+    assign(start(dst), 0)
     assign(length(l), n)
     assign(lane_seq(l), prompt(r))
     assign(lane_plen(l), slen(prompt(r)))
@@ -276,9 +297,10 @@ def occupy(l, r, dst, n, ph=Phase.PREFILL, src=None):
 
 
 def release(l, to_cache):
-    """The lane's block goes back to the free pool (or into the cache)."""
+    """The lane's blocks go back to the free pool (or into the cache)."""
     assign(busy(l), False)
-    assign(owner(table(l)), ite(to_cache, Owner.CACHE, Owner.FREE))
+    assign_all(owner, lambda b: ite(lane_block(b, l), ite(to_cache, Owner.CACHE, Owner.FREE),
+                                    owner(b)))
     assign(lane_snap(l), 0)  # the entry keeps them (retire), else they are dropped
 
 
@@ -286,7 +308,8 @@ def cancel(l):
     """The lane's request ends early: an in-flight copy into it stops and unpins its source; a
     block a PD transfer still uses drains until the transfer ends (it is not free before)."""
     assign(busy(l), False)
-    assign(owner(table(l)), ite(transfer(table(l)), Owner.DRAINING, Owner.FREE))
+    assign_all(owner, lambda b: ite(lane_block(b, l),
+                                    ite(transfer(b), Owner.DRAINING, Owner.FREE), owner(b)))
     assign(copying(l), False)
     # (over every slot: with no host tier there is no slot to index)
     assign_all(slot_state, lambda h: ite(copying(l) & copy_host(l) & (copy_slot(l) == h),
@@ -295,8 +318,9 @@ def cancel(l):
 
 
 def retire(l, keep):
-    """Lane l's request is done; its KV becomes a cache entry (keep) or the block is freed."""
-    b = table(l)
+    """Lane l's request is done; its KV becomes cache entries (keep) or the blocks are freed.
+    The full blocks got their keys when they filled (`grow`); the tail gets its own now."""
+    b = tail(l)
     assign(key(b), take(lane_seq(l), length(l)))
     assign(head(b), take(take(lane_seq(l), length(l)), C))
     assign(snap_upto(b), lane_snap(l))  # <= length(l): the key covers every snapshot
@@ -310,7 +334,7 @@ def submit(r: Req, p: Seq):
     """A new request with prompt p enters the waiting queue."""
     require("request_is_new", phase(r) == Phase.NONE)
     require("prompt_not_empty", slen(p) > 0)
-    require("prompt_fits", slen(p) < S)
+    require("prompt_fits", slen(p) < T * S)
     assign(phase(r), Phase.WAITING)
     assign(prompt(r), p)
 
@@ -339,6 +363,8 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
     require("token_left_to_compute", n < slen(prompt(r)))
     require("prefix_matches", take(key(src), n) == take(prompt(r), n))
     require("hybrid_snapshot_at_n", implies(HYBRID, n <= snap_upto(src)))
+    require("src_first_block", start(src) == 0)
+    require("n_within_block", n <= S)
     require("dst_not_src", dst != src)
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, n, src=src)
@@ -356,8 +382,10 @@ def copy_done(l: Lane):
     lane's local slot from its snapshot at the hit's length); the source is unpinned."""
     require("copy_in_flight", copying(l) & ~copy_host(l))
     assign(copying(l), False)
-    assign(holds(table(l)), take(holds(copy_src(l)), length(l)))
-    assign(junk(table(l)), False)
+    assign(holds(tail(l)), take(holds(copy_src(l)), length(l)))
+    # Ghost: the copy moves slot j of the source to slot j of the target, so the target holds
+    # its own tokens only if both blocks sit at the same position of their sequences.
+    assign(junk(tail(l)), start(copy_src(l)) != start(tail(l)))
     # Ghost: the restore reads the snapshot at length(l); it is the lane's own state there only
     # if the lane has one there (and its snapshots are sound).
     assign(local_holds(l), take(lane_seq(l), length(l)))
@@ -383,21 +411,47 @@ def prefill(l: Lane, tok: INT):
     """Compute the next chunk of lane l's prompt; the last chunk samples the first token."""
     require("lane_prefilling", prefilling(l))
     require("no_copy_in_flight", ~copying(l))
+    require("chunk_within_block", next_len(l) <= start(tail(l)) + S)
     done = next_len(l) == lane_plen(l)
     seq_after = ite(done, push(lane_seq(l), tok), lane_seq(l))
     assign(length(l), next_len(l))
     assign(lane_seq(l), seq_after)
-    assign(holds(table(l)), take(seq_after, next_len(l)))  # sampling adds no KV
+    assign(holds(tail(l)), take(seq_after, next_len(l)))  # sampling adds no KV
     assign(local_holds(l), take(seq_after, next_len(l)))
     assign(phase(lane_req(l)), ite(done, Phase.DECODE, Phase.PREFILL))
-    emit("prefill", lane=l, block=table(l), start=length(l), end=next_len(l))
+    emit("prefill", lane=l, block=tail(l), start=length(l), end=next_len(l))
+
+
+@m.action
+def grow(l: Lane, dst: Block):
+    """Lane l's tail is full and it has more to compute: dst becomes its next block. The full
+    block is now immutable, so it gets its content key here (the whole prefix up to its end, as
+    a hash chain would), ready to be cached when the request ends."""
+    require("lane_computing", (prefilling(l) | decoding(l)) & ~copying(l))
+    require("tail_full", length(l) == start(tail(l)) + S)
+    require("table_not_full", nblocks(l) < T)
+    require("dst_reusable", reusable(dst))
+    full = tail(l)
+    assign(key(full), take(lane_seq(l), length(l)))
+    assign(head(full), take(take(lane_seq(l), length(l)), C))
+    assign(snap_upto(full), 0)  # (hybrid models have one block per table)
+    assign(snap_junk(full), False)
+    assign(tail(l), dst)
+    assign(nblocks(l), nblocks(l) + 1)
+    assign(start(dst), length(l))
+    assign(owner(dst), Owner.LANE)
+    assign(owner_lane(dst), l)
+    assign(holds(dst), take(lane_seq(l), length(l)))  # none of its own tokens yet
+    assign(junk(dst), False)
+    emit("grow", lane=l, block=dst, pos=nblocks(l))
 
 
 @m.action
 def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
     """One decode call over every row: decoding lanes append a token, other rows write padding
     into `pad` (the scratch target)."""
-    require("no_block_overflow", forall(Lane, lambda l: implies(decoding(l), length(l) < S)))
+    require("no_block_overflow", forall(Lane, lambda l: implies(
+        decoding(l), length(l) < start(tail(l)) + S)))
     require("scratch_target_ok", implies(needs_scratch(), scratch_ok(pad)))
     assign_all(length, lambda l: ite(decoding(l), length(l) + 1, length(l)))
     assign_all(lane_seq, lambda l: ite(decoding(l), push(lane_seq(l), tok(l)), lane_seq(l)))
@@ -408,7 +462,7 @@ def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
     # Ghost: what each row's write does to the block it lands in. A write by a row that is not
     # the block's owning decoding lane is a scribble.
     assign_all(holds, lambda b: ite(
-        (owner(b) == Owner.LANE) & decoding(owner_lane(b)) & (table(owner_lane(b)) == b),
+        (owner(b) == Owner.LANE) & decoding(owner_lane(b)) & (tail(owner_lane(b)) == b),
         # == take(lane_seq, length + 1): the token sampled now adds no KV yet
         take(push(lane_seq(owner_lane(b)), tok(owner_lane(b))), length(owner_lane(b)) + 1),
         holds(b)))
@@ -429,7 +483,7 @@ def finish(l: Lane, keep: BOOL):
     require("keep_needs_prefix_cache", implies(keep, PREFIX))
     assign(phase(lane_req(l)), Phase.FINISHED)
     retire(l, keep)
-    emit("release", lane=l, block=table(l))
+    emit("release", lane=l, block=tail(l))
 
 
 @m.action
@@ -445,7 +499,7 @@ def abort_running(l: Lane):
     require("lane_busy", busy(l))
     assign(phase(lane_req(l)), Phase.ABORTED)
     cancel(l)
-    emit("release", lane=l, block=table(l))
+    emit("release", lane=l, block=tail(l))
 
 
 @m.action
@@ -453,10 +507,10 @@ def fail(l: Lane):
     """A runtime error attributed to lane l's request: it ends, its block may be half-written."""
     require("lane_busy", busy(l))
     assign(phase(lane_req(l)), Phase.FAILED)
-    assign(junk(table(l)), True)
+    assign(junk(tail(l)), True)
     assign(local_junk(l), True)  # the failed call may have half-written the local slot too
     cancel(l)
-    emit("release", lane=l, block=table(l))
+    emit("release", lane=l, block=tail(l))
 
 
 @m.action
@@ -539,8 +593,8 @@ def load_done(l: Lane):
     """The load into lane l's block completed; its slot is a plain host entry again."""
     require("load_in_flight", copying(l) & copy_host(l))
     assign(copying(l), False)
-    assign(holds(table(l)), take(slot_holds(copy_slot(l)), length(l)))
-    assign(junk(table(l)), slot_junk(copy_slot(l)))
+    assign(holds(tail(l)), take(slot_holds(copy_slot(l)), length(l)))
+    assign(junk(tail(l)), slot_junk(copy_slot(l)))
     assign(slot_state(copy_slot(l)), SlotState.STORED)
 
 
@@ -551,8 +605,8 @@ def load_fail(l: Lane):
     require("load_in_flight", copying(l) & copy_host(l))
     assign(copying(l), False)
     assign(length(l), 0)
-    assign(holds(table(l)), take(lane_seq(l), 0))
-    assign(junk(table(l)), False)
+    assign(holds(tail(l)), take(lane_seq(l), 0))
+    assign(junk(tail(l)), False)
     assign(slot_state(copy_slot(l)), SlotState.STORED)
     emit("recompute", lane=l)
 
@@ -564,6 +618,7 @@ def admit_import(l: Lane, r: Req, dst: Block):
     through the cache: the transfer writes the whole prompt into a fresh block."""
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
+    require("prompt_in_one_block", slen(prompt(r)) < S)
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, 0, Phase.IMPORTING)
     assign(transfer(dst), True)
@@ -583,7 +638,7 @@ def import_done(r: Req, p: Seq, tok: INT):
     require("request_importing", phase(r) == Phase.IMPORTING)
     l = req_lane(r)
     require("covers_prompt", p == prompt_kv(l, tok))
-    b = table(l)
+    b = tail(l)
     assign(transfer(b), False)
     assign(xfer_live(r), False)
     assign(holds(b), p)  # what the transfer wrote
@@ -600,12 +655,13 @@ def export(l: Lane):
     """Lane l has prefilled its prompt (and sampled the first token): its KV is sent to a decode
     worker, pinned until the send ends."""
     require("lane_prefilled", decoding(l) & (length(l) == lane_plen(l)))
+    require("prompt_in_one_block", nblocks(l) == 1)
     assign(phase(lane_req(l)), Phase.EXPORTING)
-    assign(transfer(table(l)), True)
-    assign(transfer_req(table(l)), lane_req(l))
+    assign(transfer(tail(l)), True)
+    assign(transfer_req(tail(l)), lane_req(l))
     assign(xfer_live(lane_req(l)), True)
-    assign(xfer_block(lane_req(l)), table(l))
-    emit("outbound", lane=l, request=lane_req(l), block=table(l), n=length(l))
+    assign(xfer_block(lane_req(l)), tail(l))
+    emit("outbound", lane=l, request=lane_req(l), block=tail(l), n=length(l))
 
 
 @m.action
@@ -615,10 +671,10 @@ def export_done(r: Req, keep: BOOL):
     require("keep_needs_prefix_cache", implies(keep, PREFIX))
     l = req_lane(r)
     assign(phase(r), Phase.FINISHED)
-    assign(transfer(table(l)), False)
+    assign(transfer(tail(l)), False)
     assign(xfer_live(r), False)
     retire(l, keep)
-    emit("release", lane=l, block=table(l))
+    emit("release", lane=l, block=tail(l))
 
 
 # ---------------------------------------------------------------- PD: both sides
@@ -629,11 +685,11 @@ def transfer_fail(r: Req):
     require("request_transferring", one_of(phase(r), Phase.IMPORTING, Phase.EXPORTING))
     l = req_lane(r)
     assign(phase(r), Phase.FAILED)
-    assign(transfer(table(l)), False)
+    assign(transfer(tail(l)), False)
     assign(xfer_live(r), False)
-    assign(junk(table(l)), True)
+    assign(junk(tail(l)), True)
     release(l, False)
-    emit("release", lane=l, block=table(l))
+    emit("release", lane=l, block=tail(l))
 
 
 @m.action
@@ -651,17 +707,25 @@ def transfer_end(r: Req, b: Block):
 # ---------------------------------------------------------------- invariants
 inv = m.invariant
 
-# Ownership: the lane tables and the owner function agree (so no block is in two tables).
-inv("lane_block_owned", forall(Lane, lambda l: implies(
-    busy(l), (owner(table(l)) == Owner.LANE) & (owner_lane(table(l)) == l))))
+# Ownership: the lane tables and the owner function agree (so no block is in two tables). A
+# lane's blocks are its tail and full blocks wholly before it.
+inv("lane_block_owned", forall(Lane, lambda l: implies(busy(l), lane_block(tail(l), l))))
 inv("owned_block_in_table", forall(Block, lambda b: implies(
-    owner(b) == Owner.LANE, busy(owner_lane(b)) & (table(owner_lane(b)) == b))))
+    owner(b) == Owner.LANE, busy(owner_lane(b)) & (
+        (tail(owner_lane(b)) == b) | (start(b) + S <= start(tail(owner_lane(b))))))))
+inv("blocks_do_not_overlap", forall((Block, Block), lambda b, c: implies(
+    (owner(c) == Owner.LANE) & lane_block(b, owner_lane(c)) & (b != c),
+    (start(b) + S <= start(c)) | (start(c) + S <= start(b)))))
+inv("lane_blocks_start_in_table", forall(Block, lambda b: implies(
+    owner(b) == Owner.LANE, start(b) >= 0)))
+inv("table_within_T", forall(Lane, lambda l: implies(
+    busy(l), (nblocks(l) >= 1) & (nblocks(l) <= T))))
 inv("no_block_in_two_tables", forall((Lane, Lane), lambda a, c: implies(
-    busy(a) & busy(c) & (table(a) == table(c)), a == c)))
+    busy(a) & busy(c) & (tail(a) == tail(c)), a == c)))
 inv("scratch_is_reserved_block", forall(Block, lambda b: (owner(b) == Owner.SCRATCH) == (
     RESERVED & (b == SCRATCH))))
 inv("scratch_never_in_table", forall(Lane, lambda l: implies(
-    busy(l), owner(table(l)) != Owner.SCRATCH)))
+    busy(l), owner(tail(l)) != Owner.SCRATCH)))
 inv("cache_needs_prefix_cache", forall(Block, lambda b: implies(owner(b) == Owner.CACHE, PREFIX)))
 
 # Lifecycle: lanes and running requests are in bijection; nothing else holds a lane.
@@ -673,7 +737,13 @@ inv("running_request_has_lane", forall(Req, lambda r: implies(
 # Content (ghost): the KV each block holds is what its owner says it is.
 inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
     busy(l) & ~copying(l) & ~importing(l),
-    ~junk(table(l)) & (holds(table(l)) == take(lane_seq(l), length(l))))))
+    ~junk(tail(l)) & (holds(tail(l)) == take(lane_seq(l), length(l))))))
+# A full block is never written again; it holds its key (the lane's prefix up to its end, taken
+# when it filled), ready to be a cache entry.
+inv("full_block_holds_its_key", forall(Block, lambda b: implies(
+    (owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b),
+    ~junk(b) & (holds(b) == key(b)) & (head(b) == take(key(b), C)) & ~snap_junk(b)
+    & (snap_upto(b) == 0))))
 inv("cache_key_is_content", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
 inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
@@ -683,9 +753,9 @@ inv("unsubmitted_request_has_no_prompt", forall(Req, lambda r: implies(
 
 # Fit: a prompt that could never fit a block is never accepted.
 inv("waiting_prompt_fits", forall(Req, lambda r: implies(
-    phase(r) == Phase.WAITING, (slen(prompt(r)) > 0) & (slen(prompt(r)) < S))))
+    phase(r) == Phase.WAITING, (slen(prompt(r)) > 0) & (slen(prompt(r)) < T * S))))
 inv("lane_prompt_fits", forall(Lane, lambda l: implies(
-    busy(l), (lane_plen(l) > 0) & (lane_plen(l) < S))))
+    busy(l), (lane_plen(l) > 0) & (lane_plen(l) < T * S))))
 
 # Copies: the source of an in-flight copy is a pinned cache entry holding the lane's prefix.
 inv("lane_computes_its_prompt", forall(Lane, lambda l: implies(
@@ -693,8 +763,11 @@ inv("lane_computes_its_prompt", forall(Lane, lambda l: implies(
     & (lane_plen(l) == slen(prompt(lane_req(l)))))))
 inv("copy_only_while_prefilling", forall(Lane, lambda l: implies(copying(l), prefilling(l))))
 inv("copy_source_cached", forall(Lane, lambda l: implies(
-    copying(l) & ~copy_host(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != table(l)))))
-inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(table(l)))))
+    copying(l) & ~copy_host(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != tail(l)))))
+inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(tail(l)))))
+inv("copy_into_first_block", forall(Lane, lambda l: implies(
+    copying(l), (nblocks(l) == 1) & (start(tail(l)) == 0)
+    & implies(~copy_host(l), start(copy_src(l)) == 0))))
 inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
     copying(l) & ~copy_host(l), (length(l) <= slen(key(copy_src(l))))
     & (take(key(copy_src(l)), length(l)) == take(lane_seq(l), length(l))))))
@@ -756,15 +829,18 @@ inv("running_transfer_pins_its_block", forall(Req, lambda r: implies(
     xfer_live(r), transfer(xfer_block(r)) & (transfer_req(xfer_block(r)) == r))))
 inv("pinned_block_transfer_running", forall(Block, lambda b: implies(
     transfer(b), xfer_live(transfer_req(b)) & (xfer_block(transfer_req(b)) == b))))
-inv("moving_lane_has_transfer", forall(Lane, lambda l: implies(moving(l), transfer(table(l)))))
+inv("moving_lane_has_transfer", forall(Lane, lambda l: implies(
+    moving(l), transfer(tail(l)) & (nblocks(l) == 1))))
 inv("import_target_untouched", forall(Lane, lambda l: implies(
-    importing(l), ~junk(table(l)) & ~local_junk(l) & (length(l) == 0) & ~copying(l))))
+    importing(l), ~junk(tail(l)) & ~local_junk(l) & (length(l) == 0) & ~copying(l)
+    & (start(tail(l)) == 0) & (lane_plen(l) < S))))
 inv("export_after_prefill", forall(Lane, lambda l: implies(
     exporting(l), (length(l) == lane_plen(l)) & ~copying(l))))
 
-# Lengths: nothing is written past a block's end; prefill resumes on chunk boundaries.
+# Lengths: nothing is written past the tail's end; prefill resumes on chunk boundaries.
 inv("length_within_block", forall(Lane, lambda l: implies(
-    busy(l), (length(l) >= 0) & (length(l) <= S))))
+    busy(l), (start(tail(l)) >= 0) & (length(l) >= start(tail(l)))
+    & (length(l) <= start(tail(l)) + S))))
 inv("prefill_before_prompt_end", forall(Lane, lambda l: implies(
     prefilling(l), length(l) < lane_plen(l))))
 inv("decode_after_prompt", forall(Lane, lambda l: implies(
@@ -774,9 +850,13 @@ inv("decode_after_prompt", forall(Lane, lambda l: implies(
 # chunk and block sizes (z3 is decidable there; with a symbolic chunk size `%` is nonlinear).
 inv("prefill_on_chunk_boundary", forall(Lane, lambda l: implies(
     prefilling(l), length(l) % C == 0)), bounded=True)
-inv("lane_blocks_equal_busy_lanes",
-    count_of(Block, lambda b: owner(b) == Owner.LANE) == count_of(Lane, lambda l: busy(l)),
-    bounded=True)
+inv("lane_blocks_are_its_table", forall(Lane, lambda l: count_of(
+    Block, lambda b: lane_block(b, l)) == ite(busy(l), nblocks(l), 0)), bounded=True)
+# With `blocks_do_not_overlap` and `lane_blocks_are_its_table`: a lane's nblocks blocks lie in
+# [0, (nblocks - 1) * S] at least S apart, so they start at 0, S, .., (nblocks - 1) * S: what the
+# runtime's table[p // S] assumes.
+inv("tables_are_dense", forall(Lane, lambda l: implies(
+    busy(l), start(tail(l)) == (nblocks(l) - 1) * S)), bounded=True)
 inv("snapshots_on_chunk_boundaries", forall(Lane, lambda l: implies(
     busy(l), lane_snap(l) % C == 0)) & forall(Block, lambda b: implies(
         owner(b) == Owner.CACHE, snap_upto(b) % C == 0)), bounded=True)
@@ -808,14 +888,18 @@ m.progress_property("running_request_advances", implies(
     | exists(Lane, lambda l: enabled(load_done, l=l))
     | exists(Slot, lambda h: enabled(store_done, h=h))
     | (exists(Lane, lambda l: decoding(l)) & enabled(decode))
-    | exists(Lane, lambda l: decoding(l) & (length(l) == S))
+    | exists(Lane, lambda l: enabled(grow, l=l))
+    | exists(Lane, lambda l: decoding(l) & (length(l) == start(tail(l)) + S)
+             & (nblocks(l) == T))
     | exists(Lane, lambda l: moving(l) & enabled(transfer_fail, r=lane_req(l)))
     | exists(Block, lambda b: enabled(transfer_end, r=transfer_req(b), b=b))),
     doc="some running request can always compute its next token, or must finish, or a PD "
         "transfer it waits for is still in flight")
 m.progress_property("idle_lane_imports", forall((Lane, Req), lambda l, r: implies(
-    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING), enabled(admit_import, l=l, r=r))),
-    doc="an idle lane can always take a request whose KV comes from a prefill worker")
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & (slen(prompt(r)) < S),
+    enabled(admit_import, l=l, r=r))),
+    doc="an idle lane can always take a request whose KV comes from a prefill worker (a prompt "
+        "that fits one block: PD moves one block per request today)")
 m.progress_property("transfers_end", forall(Block, lambda b: implies(
     transfer(b), enabled(transfer_end, r=transfer_req(b), b=b)
     | enabled(transfer_fail, r=transfer_req(b)))),

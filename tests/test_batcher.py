@@ -271,14 +271,14 @@ def test_abort_running_request_frees_its_block(when, scratch):
         assert b.state.phase.get(r0) == core.PHASE_PREFILL  # one of its four chunks done
         assert b.state.length[b.state.req_lane.get(r0)] == C
     lane = b.state.req_lane.get(r0)
-    blk = b.state.table[lane]
+    blk = b.state.tail[lane]
     assert b.describe()["blocks"][blk] == f"lane:{lane}"
     got = list(b.requests[r0].tokens)
     assert b.abort(r0) is True
     b.check_invariants()
     d = b.describe()
     assert d["blocks"][blk] == "free"  # partial KV is dropped, never cached
-    assert d["lanes"][lane] == {"lane": lane, "request": None, "length": 0}
+    assert d["lanes"][lane] == {"lane": lane, "request": None, "length": 0, "blocks": []}
     assert b.state.phase.get(r0) == core.PHASE_ABORTED
     drive(b)
     assert b.requests[r0].tokens == got and b.requests[r0].error == "aborted"
@@ -338,7 +338,7 @@ def test_describe_is_json_and_consistent():
         assert d["blocks"][b.config.scratch_id] == "scratch"
         busy = [ln for ln in d["lanes"] if ln["request"] is not None]
         for ln in busy:
-            blk = b.state.table[ln["lane"]]
+            blk = b.state.tail[ln["lane"]]
             assert d["blocks"][blk] == f"lane:{ln['lane']}"
             assert not b.requests[ln["request"]].ended
             assert 0 <= ln["length"] <= S
@@ -393,7 +393,7 @@ def test_trace_replays_ok_in_process_and_by_cli(tmp_path, capsys):
     b, text = traced_run()
     lines = text.splitlines()
     assert json.loads(lines[0]) == {"consts": {"B": 2, "K": 3, "C": C, "S": S, "PREFIX": True,
-                                               "RESERVED": False, "SCRATCH": 2,
+                                               "RESERVED": False, "SCRATCH": 2, "T": 1,
                                                "HYBRID": False, "HOST": False, "H": 0}}
     v = replay(lines)
     assert v.ok, (v.line, v.error)

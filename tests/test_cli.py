@@ -34,7 +34,36 @@ def test_min_blocks_json(capsys):
     assert code == 0
     assert out["lanes"] == 4 and out["min_kv_blocks"] == 6
     assert "prefix-cache-reserved-scratch" in out["rule"]
-    assert "lanes + 2" in out["rule"]
+    assert "with T = 1: kv_blocks >= lanes + 2" in out["rule"]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_min_blocks_paged(capsys, prefix):
+    """--block-size below --max-seq-len: T = 4 blocks per lane's table."""
+    argv = ["min-blocks", "--lanes", "3", "--max-seq-len", "4096", "--block-size", "1024",
+            "--scratch", "reserved"] + (["--prefix-cache"] if prefix else [])
+    code, out = run_json(capsys, *argv)
+    assert code == 0 and out["blocks_per_table"] == 4
+    assert out["min_kv_blocks"] == 3 * 4 + 1  # a hit's pinned source fits: no extra block
+    assert "with T = 4: kv_blocks >= lanes * 4 + 1" in out["rule"]
+
+
+def test_check_config_paged_unsafe_shows_a_stuck_run(capsys):
+    argv = ["check-config", "--lanes", "1", "--kv-blocks", "1", "--max-seq-len", "256",
+            "--block-size", "128", "--prefill-chunk", "64"]
+    code, out = run_json(capsys, *argv)
+    assert code == 1 and not out["safe"] and out["min_kv_blocks"] == 2
+    assert out["violated"] == "running_request_advances"
+    # the lane filled its first block and there is no block for its second
+    assert any(s["action"] == "decode" for s in out["trace"])
+    code, text = run(capsys, *argv)
+    assert code == 1 and "UNSAFE" in text and "with T = 2" in text
+
+
+def test_check_config_rejects_a_block_size_that_does_not_divide(capsys):
+    code, out = run_json(capsys, "check-config", "--lanes", "1", "--kv-blocks", "4",
+                         "--max-seq-len", "256", "--block-size", "96", "--prefill-chunk", "64")
+    assert code == 1 and "not a multiple of block_size=96" in out["error"]
 
 
 @pytest.mark.parametrize("prefix", [False, True])
@@ -135,8 +164,9 @@ def check_verify_json(out: dict) -> None:
 
 
 def test_verify_json_small_cutoff(capsys):
-    """At K <= 2 the prefix-cache/reserved-scratch minimum (3 blocks for one lane) is beyond the
-    cutoff: verify reports exactly that, and the committed table cannot be confirmed."""
+    """At K <= 2 the prefix-cache/reserved-scratch minimum (3 blocks for one lane), and with
+    T = 2 every reserved-scratch minimum, is beyond the cutoff: verify reports exactly those,
+    and the committed table cannot be confirmed."""
     code, out = run_json(capsys, "verify", "--max-lanes", "1", "--max-blocks", "2")
     check_verify_json(out)
     assert code == 1 and out["ok"] is False
@@ -144,6 +174,9 @@ def test_verify_json_small_cutoff(capsys):
     assert bad == {"rule:prefix cache, reserved scratch",
                    "rule:prefix cache, reserved scratch, hybrid",
                    "rule:prefix cache, reserved scratch, host cache",
+                   # a table of two blocks plus the scratch block
+                   "rule:no cache, reserved scratch, T=2",
+                   "rule:prefix cache, reserved scratch, T=2",
                    "capacity-table-matches-proofs"}
     kinds = {c["kind"] for c in out["checks"]}
     assert {"base", "step", "transition", "capacity"} <= kinds
@@ -178,8 +211,10 @@ def test_check_config_accepts_a_host_tier(capsys):
 @pytest.mark.parametrize("argv,why", [
     (("--host-cache-blocks", "4"), "host_cache_needs_prefix_cache"),
     (("--prefix-cache", "--host-cache-blocks", "-1"), "host_cache_blocks must be an integer"),
-    (("--block-size", "256", "--max-seq-len", "1024"), "paged block tables are not supported"),
-    (("--max-seq-len", "1000"), "max_seq_len must be a multiple of prefill_chunk"),
+    (("--prefix-cache", "--host-cache-blocks", "2", "--block-size", "256",
+      "--max-seq-len", "1024"), "host_single_block"),
+    (("--block-size", "384", "--max-seq-len", "1024"), "not a multiple of block_size=384"),
+    (("--max-seq-len", "1000"), "must be a multiple of prefill_chunk"),
 ])
 def test_check_config_and_min_blocks_say_what_is_invalid(capsys, argv, why):
     code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "8", *argv)

@@ -85,27 +85,58 @@ def test_prefill_chunk_must_be_a_multiple_of_64(chunk):
 
 
 @pytest.mark.parametrize("chunk,seq_len", [(128, 4000), (192, 4096), (256, 4160)])
-def test_max_seq_len_must_be_a_multiple_of_prefill_chunk(chunk, seq_len):
+def test_block_size_must_be_a_multiple_of_prefill_chunk(chunk, seq_len):
     with pytest.raises(ConfigError) as e:
         Config(lanes=1, kv_blocks=4, prefill_chunk=chunk, max_seq_len=seq_len)
     msg = str(e.value)
     assert "chunk_divides_block" in msg
-    assert "max_seq_len must be a multiple of prefill_chunk" in msg
+    assert "must be a multiple of prefill_chunk" in msg
 
 
 def test_chunk_larger_than_block():
     with pytest.raises(ConfigError) as e:
         Config(lanes=1, kv_blocks=4, prefill_chunk=128, max_seq_len=64)
-    assert "prefill_chunk must not exceed max_seq_len" in str(e.value)
+    assert "prefill_chunk must not exceed block_size" in str(e.value)
 
 
-@pytest.mark.parametrize("block_size", [64, 2048, 8192])
-def test_block_size_must_equal_max_seq_len(block_size):
+@pytest.mark.parametrize("block_size", [96, 3000, 8192])
+def test_block_size_must_divide_max_seq_len(block_size):
     with pytest.raises(ConfigError) as e:
-        Config(lanes=1, kv_blocks=4, block_size=block_size)
+        Config(lanes=1, kv_blocks=4, block_size=block_size, prefill_chunk=64)
     msg = str(e.value)
-    assert f"block_size={block_size} != max_seq_len=4096" in msg
-    assert "paged" in msg
+    assert f"max_seq_len=4096 is not a multiple of block_size={block_size}" in msg
+
+
+@pytest.mark.parametrize("lanes,block_size,prefix,scratch,want", [
+    (1, 1024, False, "dynamic", 4),   # one whole table of T = 4
+    (2, 2048, True, "reserved", 5),   # 2 tables of 2, scratch; the hit's source fits meanwhile
+    (3, 512, True, "dynamic", 24),    # 3 tables of 8
+    (2, 2048, False, "reserved", 5),
+])
+def test_paged_tables_need_a_whole_table_per_lane(lanes, block_size, prefix, scratch, want):
+    """T = max_seq_len / block_size blocks per lane, plus the scratch block; with T > 1 a
+    prefix hit's pinned source needs no block of its own (the admitted lane holds one block of
+    its table while the copy runs)."""
+    t = 4096 // block_size
+    need = min_kv_blocks(lanes, prefix, scratch, t)
+    assert need == want
+    cfg = Config(lanes=lanes, kv_blocks=need, block_size=block_size, prefix_cache=prefix,
+                 scratch=scratch)
+    assert cfg.blocks_per_table == t and cfg.consts().T == t and cfg.consts().S == block_size
+    with pytest.raises(ConfigError) as e:
+        Config(lanes=lanes, kv_blocks=need - 1, block_size=block_size, prefix_cache=prefix,
+               scratch=scratch)
+    assert f"needs {need}, 1 block missing" in str(e.value)
+
+
+@pytest.mark.parametrize("kw,axiom", [
+    ({"sliding_window": 512}, "hybrid_single_block"),
+    ({"prefix_cache": True, "host_cache_blocks": 2}, "host_single_block")])
+def test_paged_tables_not_yet_with_hybrid_or_host(kw, axiom):
+    with pytest.raises(ConfigError) as e:
+        Config(lanes=1, kv_blocks=16, block_size=1024, **kw)
+    msg = str(e.value)
+    assert axiom in msg and "block_size == max_seq_len" in msg
 
 
 @pytest.mark.parametrize("kw", [

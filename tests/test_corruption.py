@@ -153,7 +153,7 @@ def test_lane_blocks_hold_only_their_own_requests_kv(scratch):
         for ln in range(s.consts.B):
             if s.busy[ln] and s.length[ln]:
                 snaps.append((s.lane_req[ln], s.length[ln],
-                              b.runtime.read_block(s.table[ln])[:, :, :, :s.length[ln]].clone()))
+                              b.runtime.read_block(s.tail[ln])[:, :, :, :s.length[ln]].clone()))
     assert b.stats.prefix_hit_tokens > 0
     assert len({rid for rid, _, _ in snaps}) == len(prompts)
     for rid, n, kv in snaps:

@@ -107,7 +107,7 @@ def assert_no_block_leaked(b: AtomBatcher) -> None:
     for blk, own in enumerate(d["owner"]):
         if own == "LANE":
             ln = d["owner_lane"][blk]
-            assert d["busy"][ln] and d["table"][ln] == blk, (blk, d)
+            assert d["busy"][ln] and d["tail"][ln] == blk, (blk, d)
         elif own == "DRAINING":
             rids = [r for r, x in xfers.items() if x == blk]
             assert len(rids) == 1, (blk, xfers)
@@ -118,7 +118,7 @@ def assert_no_block_leaked(b: AtomBatcher) -> None:
         phase = d["phase"][rid]
         if phase in ("IMPORTING", "EXPORTING"):
             ln = d["req_lane"][rid]
-            assert d["owner"][blk] == "LANE" and d["table"][ln] == blk, (rid, blk, d)
+            assert d["owner"][blk] == "LANE" and d["tail"][ln] == blk, (rid, blk, d)
         else:
             assert phase in ("ABORTED", "FAILED") and d["owner"][blk] == "DRAINING", (rid, d)
 
@@ -526,7 +526,7 @@ def test_abort_during_import_drains_until_the_transfer_ends(end: str) -> None:
     new = d.submit(_toks(30), 4)
     events = checked_step(d)
     lane = d.state.req_lane.get(new)
-    assert lane == 0 and d.state.table[lane] != block
+    assert lane == 0 and d.state.tail[lane] != block
     assert d.state.phase.get(new) == core.PHASE_DECODE  # admitted and prefilled in that step
     assert [e.kind for e in events] == ["token"]
     assert owners(d)[block] == "DRAINING"

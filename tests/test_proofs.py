@@ -132,8 +132,8 @@ def test_unmutated_bounded_small_sizes_all_proved():
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("f", capacity.COMBINATIONS, ids=lambda f: f.name)
 def test_capacity_table_matches_z3_at_small_sizes(f, lanes):
-    """The committed offsets: progress proved at the minimum, a z3 counterexample one below."""
-    need = lanes + committed.OFFSETS[(f.prefix_cache, f.scratch)]
+    """The committed rule: progress proved at the minimum, a z3 counterexample one below."""
+    need = committed.min_kv_blocks(lanes, f.tables, (f.prefix_cache, f.scratch))
     ok, cs = capacity.safe(MODEL, f, lanes, need)
     assert ok, cs
     assert {c.invariant for c in cs} == {p.name for p in MODEL.progress}
@@ -440,7 +440,7 @@ def test_optional_hits_need_fewer_blocks():
         assert capacity.min_blocks(MODEL, PREFIX_DYNAMIC, lanes, 6) == lanes + 1
         assert capacity.min_blocks(mut, PREFIX_DYNAMIC, lanes, 6) == lanes
     offsets = {(r.features.prefix_cache, r.features.scratch): r.offset
-               for r in capacity.table(mut, 2, 4, traces=False)}
+               for r in capacity.table(mut, 2, 4, traces=False) if r.features.plain}
     assert offsets == {(False, "reserved"): 1, (False, "dynamic"): 0,
                        (True, "reserved"): 1, (True, "dynamic"): 0}
     assert committed.OFFSETS[(True, "reserved")] == 2
@@ -448,6 +448,11 @@ def test_optional_hits_need_fewer_blocks():
 
 
 def test_capacity_table_of_the_model_is_the_committed_one():
-    rows = list(capacity.table(MODEL, 2, 4, traces=False))
-    offsets = {(r.features.prefix_cache, r.features.scratch): r.offset for r in rows}
+    rows = list(capacity.table(MODEL, 2, 5, traces=False))
+    offsets = {(r.features.prefix_cache, r.features.scratch): r.offset
+               for r in rows if r.features.plain}
     assert offsets == committed.OFFSETS
+    fitted, wrong = capacity.fit(rows)
+    assert wrong == []
+    assert fitted == {k: (committed.SCRATCH_BLOCKS[k], committed.COPY_BLOCKS[k])
+                      for k in committed.OFFSETS}

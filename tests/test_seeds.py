@@ -22,7 +22,8 @@ from atom_core.spec import lang as L
 from atom_core.spec.model import MODEL, PD_ACTIONS
 
 C, S = 2, 6  # small chunk and block sizes keep BMC cheap; the shape is the same at any size
-SEEDS = {"B": 1, "K": 2, "C": C, "S": S, "PREFIX": True, "RESERVED": True, "SCRATCH": 0}
+SEEDS = {"B": 1, "K": 2, "C": C, "S": S, "T": 1, "PREFIX": True, "RESERVED": True,
+         "SCRATCH": 0}
 SCRATCH = 0
 # The seeds' incident is colocated serving; with PD a decode worker reaches the same stuck state
 # by importing the first request instead of prefilling it (test_pd_single_block.py).

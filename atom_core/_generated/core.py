@@ -79,6 +79,7 @@ class Consts:
     PREFIX: bool
     RESERVED: bool
     SCRATCH: int
+    T: int = 1
     HYBRID: bool = False
     HOST: bool = False
     H: int = 0
@@ -124,9 +125,14 @@ class State:
     busy: tuple[bool, ...]
     # lane_req(Lane) -> Req: the request a busy lane serves
     lane_req: tuple[int | None, ...]
-    # table(Lane) -> Block: the lane's block table (T = 1)
-    table: tuple[int, ...]
-    # length(Lane) -> Int: tokens whose KV the lane's block holds
+    # tail(Lane) -> Block: the lane's last block: the one its next token's KV goes to
+    tail: tuple[int, ...]
+    # nblocks(Lane) -> Int: blocks in the lane's table (<= T)
+    nblocks: tuple[int, ...]
+    # start(Block) -> Int: the position of the block's first token in its lane's sequence (or its
+    # key)
+    start: tuple[int, ...]
+    # length(Lane) -> Int: tokens whose KV the lane's blocks hold
     length: tuple[int, ...]
     # lane_seq(Lane) -> Seq: prompt + generated tokens of the lane's request
     lane_seq: tuple[TokSeq | None, ...]
@@ -190,7 +196,9 @@ STATE_FIELDS = (
     "snap_junk",
     "busy",
     "lane_req",
-    "table",
+    "tail",
+    "nblocks",
+    "start",
     "length",
     "lane_seq",
     "lane_plen",
@@ -271,6 +279,14 @@ class Prefill(NamedTuple):
     end: int
 
 
+class Grow(NamedTuple):
+    """Effect `grow` (emitted by grow)."""
+
+    lane: int
+    block: int
+    pos: int
+
+
 class Decode(NamedTuple):
     """Effect `decode` (emitted by decode)."""
 
@@ -338,6 +354,7 @@ EFFECTS = {
     "copy": Copy,
     "snapshot": Snapshot,
     "prefill": Prefill,
+    "grow": Grow,
     "decode": Decode,
     "release": Release,
     "store": Store,
@@ -367,7 +384,9 @@ def init(consts: Consts, ghost: bool = True) -> State:
     snap_upto = (0,) * K
     busy = (False,) * B
     lane_req = (None,) * B
-    table = (0,) * B
+    tail = (0,) * B
+    nblocks = (0,) * B
+    start = (0,) * K
     length = (0,) * B
     lane_seq = (None,) * B
     lane_plen = (0,) * B
@@ -418,7 +437,9 @@ def init(consts: Consts, ghost: bool = True) -> State:
         snap_junk,
         busy,
         lane_req,
-        table,
+        tail,
+        nblocks,
+        start,
         length,
         lane_seq,
         lane_plen,
@@ -454,7 +475,7 @@ def submit_guard(s: State, r: int, p: TokSeq) -> str | None:
     if slen(p) <= 0:
         return "prompt_not_empty"
     # prompt_fits
-    if slen(p) >= s.consts.S:
+    if slen(p) >= s.consts.T * s.consts.S:
         return "prompt_fits"
     return None
 
@@ -469,7 +490,7 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
     if slen(p) <= 0:
         return Step(s, (), "prompt_not_empty")
     # prompt_fits
-    if slen(p) >= s.consts.S:
+    if slen(p) >= s.consts.T * s.consts.S:
         return Step(s, (), "prompt_fits")
     new_phase = phase.set(r, PHASE_WAITING)
     new_prompt = s.prompt.set(r, p)
@@ -490,7 +511,9 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -538,6 +561,7 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     _m2 = s.prompt.get(r)
     C = s.consts.C
     _m0 = slen(_m2) > C
+    start = s.start
     head = s.head
     _m1 = take(_m2, C)
     key = s.key
@@ -549,6 +573,7 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
             if (
                 _m0
                 and owner[b] == OWNER_CACHE
+                and start[b] == 0
                 and head[b] == _m1
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
@@ -581,6 +606,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     _m2 = slen(_m3)
     C = s.consts.C
     _m0 = _m2 > C
+    start = s.start
     head = s.head
     _m1 = take(_m3, C)
     key = s.key
@@ -592,6 +618,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
             if (
                 _m0
                 and owner[b] == OWNER_CACHE
+                and start[b] == 0
                 and head[b] == _m1
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
@@ -603,9 +630,15 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     new_lane_req = list(s.lane_req)
     new_lane_req[l] = r
     new_lane_req = tuple(new_lane_req)
-    new_table = list(s.table)
-    new_table[l] = dst
-    new_table = tuple(new_table)
+    new_tail = list(s.tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(s.nblocks)
+    new_nblocks[l] = 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[dst] = 0
+    new_start = tuple(new_start)
     new_length = list(s.length)
     new_length[l] = 0
     new_length = tuple(new_length)
@@ -660,7 +693,9 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         s.snap_junk,
         new_busy,
         new_lane_req,
-        new_table,
+        new_tail,
+        new_nblocks,
+        new_start,
         new_length,
         new_lane_seq,
         new_lane_plen,
@@ -712,6 +747,7 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     _m2 = s.prompt.get(r)
     C = s.consts.C
     _m0 = slen(_m2) > C
+    start = s.start
     head = s.head
     _m1 = take(_m2, C)
     key = s.key
@@ -723,6 +759,7 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
             if (
                 _m0
                 and owner[b] == OWNER_CACHE
+                and start[b] == 0
                 and head[b] == _m1
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
@@ -763,6 +800,12 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
     # hybrid_snapshot_at_n
     if s.consts.HYBRID and n > s.snap_upto[src]:
         return "hybrid_snapshot_at_n"
+    # src_first_block
+    if s.start[src] != 0:
+        return "src_first_block"
+    # n_within_block
+    if n > s.consts.S:
+        return "n_within_block"
     # dst_not_src
     if dst == src:
         return "dst_not_src"
@@ -815,6 +858,13 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     # hybrid_snapshot_at_n
     if s.consts.HYBRID and not _m2:
         return Step(s, (), "hybrid_snapshot_at_n")
+    start = s.start
+    # src_first_block
+    if start[src] != 0:
+        return Step(s, (), "src_first_block")
+    # n_within_block
+    if n > s.consts.S:
+        return Step(s, (), "n_within_block")
     # dst_not_src
     if dst == src:
         return Step(s, (), "dst_not_src")
@@ -833,9 +883,15 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     new_lane_req = list(s.lane_req)
     new_lane_req[l] = r
     new_lane_req = tuple(new_lane_req)
-    new_table = list(s.table)
-    new_table[l] = dst
-    new_table = tuple(new_table)
+    new_tail = list(s.tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(s.nblocks)
+    new_nblocks[l] = 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[dst] = 0
+    new_start = tuple(new_start)
     new_length = list(s.length)
     new_length[l] = n
     new_length = tuple(new_length)
@@ -898,7 +954,9 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         s.snap_junk,
         new_busy,
         new_lane_req,
-        new_table,
+        new_tail,
+        new_nblocks,
+        new_start,
         new_length,
         new_lane_seq,
         new_lane_plen,
@@ -961,6 +1019,12 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     # hybrid_snapshot_at_n
     if s.consts.HYBRID and n > s.snap_upto[src]:
         return "hybrid_snapshot_at_n"
+    # src_first_block
+    if s.start[src] != 0:
+        return "src_first_block"
+    # n_within_block
+    if n > s.consts.S:
+        return "n_within_block"
     # dst_not_src
     if dst == src:
         return "dst_not_src"
@@ -1002,12 +1066,14 @@ def copy_done(s: State, l: int) -> Step:
     if s.ghost:
         holds = s.holds
         new_holds = list(holds)
-        table = s.table
+        tail = s.tail
+        copy_src = s.copy_src
         length = s.length
-        new_holds[table[l]] = take(holds[s.copy_src[l]], length[l])
+        new_holds[tail[l]] = take(holds[copy_src[l]], length[l])
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
-        new_junk[table[l]] = False
+        start = s.start
+        new_junk[tail[l]] = start[copy_src[l]] != start[tail[l]]
         new_junk = tuple(new_junk)
         new_local_holds = list(s.local_holds)
         new_local_holds[l] = take(s.lane_seq[l], length[l])
@@ -1034,7 +1100,9 @@ def copy_done(s: State, l: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -1136,7 +1204,9 @@ def snapshot(s: State, l: int) -> Step:
         s.snap_junk,
         busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         length,
         s.lane_seq,
         s.lane_plen,
@@ -1198,6 +1268,11 @@ def prefill_guard(s: State, l: int, tok: int) -> str | None:
     # no_copy_in_flight
     if s.copying[l]:
         return "no_copy_in_flight"
+    _m0 = s.length[l] + s.consts.C
+    lane_plen = s.lane_plen
+    # chunk_within_block
+    if (_m0 if _m0 < lane_plen[l] else lane_plen[l]) > s.start[s.tail[l]] + s.consts.S:
+        return "chunk_within_block"
     return None
 
 
@@ -1214,10 +1289,14 @@ def prefill(s: State, l: int, tok: int) -> Step:
     if s.copying[l]:
         return Step(s, (), "no_copy_in_flight")
     length = s.length
-    new_length = list(length)
     _m1 = length[l] + s.consts.C
     lane_plen = s.lane_plen
     _m0 = (_m1 if _m1 < lane_plen[l] else lane_plen[l])
+    tail = s.tail
+    # chunk_within_block
+    if _m0 > s.start[tail[l]] + s.consts.S:
+        return Step(s, (), "chunk_within_block")
+    new_length = list(length)
     new_length[l] = _m0
     new_length = tuple(new_length)
     lane_seq = s.lane_seq
@@ -1227,12 +1306,11 @@ def prefill(s: State, l: int, tok: int) -> Step:
     new_lane_seq[l] = _m2
     new_lane_seq = tuple(new_lane_seq)
     new_phase = phase.set(lane_req[l], (PHASE_DECODE if _m3 else PHASE_PREFILL))
-    table = s.table
-    effects = (Prefill(l, table[l], length[l], _m0),)
+    effects = (Prefill(l, tail[l], length[l], _m0),)
     if s.ghost:
         new_holds = list(s.holds)
         _m4 = take(_m2, _m0)
-        new_holds[table[l]] = _m4
+        new_holds[tail[l]] = _m4
         new_holds = tuple(new_holds)
         new_local_holds = list(s.local_holds)
         new_local_holds[l] = _m4
@@ -1256,7 +1334,9 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.snap_junk,
         s.busy,
         lane_req,
-        table,
+        tail,
+        s.nblocks,
+        s.start,
         new_length,
         new_lane_seq,
         lane_plen,
@@ -1298,15 +1378,199 @@ def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
     if s.copying[l]:
         return "no_copy_in_flight"
     length = s.length
-    _m0 = length[l] + s.consts.C
+    _m1 = length[l] + s.consts.C
     lane_plen = s.lane_plen
-    return (Prefill(l, s.table[l], length[l], (_m0 if _m0 < lane_plen[l] else lane_plen[l])),)
+    _m0 = (_m1 if _m1 < lane_plen[l] else lane_plen[l])
+    tail = s.tail
+    # chunk_within_block
+    if _m0 > s.start[tail[l]] + s.consts.S:
+        return "chunk_within_block"
+    return (Prefill(l, tail[l], length[l], _m0),)
+
+
+def grow_guard(s: State, l: int, dst: int) -> str | None:
+    """The first failing guard conjunct of `grow`, or None."""
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    copying = s.copying
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return "lane_computing"
+    if copying[l]:
+        return "lane_computing"
+    # tail_full
+    if s.length[l] != s.start[s.tail[l]] + s.consts.S:
+        return "tail_full"
+    # table_not_full
+    if s.nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return None
+
+
+def grow(s: State, l: int, dst: int) -> Step:
+    """Lane l's tail is full and it has more to compute: dst becomes its next block. The full
+    block is now immutable, so it gets its content key here (the whole prefix up to its end, as
+    a hash chain would), ready to be cached when the request ends.
+    """
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    copying = s.copying
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return Step(s, (), "lane_computing")
+    if copying[l]:
+        return Step(s, (), "lane_computing")
+    length = s.length
+    tail = s.tail
+    start = s.start
+    # tail_full
+    if length[l] != start[tail[l]] + s.consts.S:
+        return Step(s, (), "tail_full")
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return Step(s, (), "table_not_full")
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return Step(s, (), "dst_reusable")
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return Step(s, (), "dst_reusable")
+    new_key = list(s.key)
+    _m1 = take(s.lane_seq[l], length[l])
+    new_key[tail[l]] = _m1
+    new_key = tuple(new_key)
+    new_head = list(s.head)
+    new_head[tail[l]] = take(_m1, s.consts.C)
+    new_head = tuple(new_head)
+    new_snap_upto = list(s.snap_upto)
+    new_snap_upto[tail[l]] = 0
+    new_snap_upto = tuple(new_snap_upto)
+    new_tail = list(tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(nblocks)
+    new_nblocks[l] = nblocks[l] + 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[dst] = length[l]
+    new_start = tuple(new_start)
+    new_owner = list(owner)
+    new_owner[dst] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[dst] = l
+    new_owner_lane = tuple(new_owner_lane)
+    effects = (Grow(l, dst, nblocks[l]),)
+    if s.ghost:
+        new_snap_junk = list(s.snap_junk)
+        new_snap_junk[tail[l]] = False
+        new_snap_junk = tuple(new_snap_junk)
+        new_holds = list(s.holds)
+        new_holds[dst] = _m1
+        new_holds = tuple(new_holds)
+        new_junk = list(s.junk)
+        new_junk[dst] = False
+        new_junk = tuple(new_junk)
+    else:
+        new_snap_junk = new_holds = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        new_key,
+        new_head,
+        new_holds,
+        new_junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
+        busy,
+        s.lane_req,
+        new_tail,
+        new_nblocks,
+        new_start,
+        length,
+        s.lane_seq,
+        s.lane_plen,
+        copying,
+        copy_src,
+        copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
+    """The effects `grow` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    copying = s.copying
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return "lane_computing"
+    if copying[l]:
+        return "lane_computing"
+    # tail_full
+    if s.length[l] != s.start[s.tail[l]] + s.consts.S:
+        return "tail_full"
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Grow(l, dst, nblocks[l]),)
 
 
 def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
     """The first failing guard conjunct of `decode`, or None."""
     B = s.consts.B
     length = s.length
+    tail = s.tail
+    start = s.start
     S = s.consts.S
     busy = s.busy
     lane_req = s.lane_req
@@ -1314,7 +1578,7 @@ def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
     _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
-        if _m0[l] and length[l] >= S:
+        if _m0[l] and length[l] >= start[tail[l]] + S:
             return "no_block_overflow"
     owner = s.owner
     copying = s.copying
@@ -1340,6 +1604,8 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     """
     B = s.consts.B
     length = s.length
+    tail = s.tail
+    start = s.start
     S = s.consts.S
     busy = s.busy
     lane_req = s.lane_req
@@ -1348,7 +1614,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     _m0 = tuple([busy[l] and _m1[l] == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
-        if _m0[l] and length[l] >= S:
+        if _m0[l] and length[l] >= start[tail[l]] + S:
             return Step(s, (), "no_block_overflow")
     owner = s.owner
     copying = s.copying
@@ -1376,8 +1642,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         (OWNER_FREE if (_m3 and b == pad and owner[b] == OWNER_CACHE) else owner[b])
         for b in range(K)
     ])
-    table = s.table
-    _m4 = tuple([(table[l] if _m0[l] else pad) for l in range(B)])
+    _m4 = tuple([(tail[l] if _m0[l] else pad) for l in range(B)])
     lane_plen = s.lane_plen
     effects = (
         Decode(
@@ -1403,7 +1668,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
                     owner[b] == OWNER_LANE
                     and busy[owner_lane[b]]
                     and phase.get(lane_req[owner_lane[b]]) == PHASE_DECODE
-                    and table[owner_lane[b]] == b
+                    and tail[owner_lane[b]] == b
                 )
                 else holds[b]
             )
@@ -1442,7 +1707,9 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.snap_junk,
         busy,
         lane_req,
-        table,
+        tail,
+        s.nblocks,
+        start,
         new_length,
         new_lane_seq,
         lane_plen,
@@ -1477,6 +1744,8 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     """
     B = s.consts.B
     length = s.length
+    tail = s.tail
+    start = s.start
     S = s.consts.S
     busy = s.busy
     lane_req = s.lane_req
@@ -1485,7 +1754,7 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     _m0 = tuple([busy[l] and _m1[l] == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
-        if _m0[l] and length[l] >= S:
+        if _m0[l] and length[l] >= start[tail[l]] + S:
             return "no_block_overflow"
     owner = s.owner
     copying = s.copying
@@ -1502,11 +1771,10 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
             for l in range(B):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
-    table = s.table
     lane_plen = s.lane_plen
     return (
         Decode(
-            tuple([(table[l] if _m0[l] else pad) for l in range(B)]),
+            tuple([(tail[l] if _m0[l] else pad) for l in range(B)]),
             tuple([
                 (
                     (lane_plen[l] if (busy[l] and _m1[l] == PHASE_IMPORTING) else length[l])
@@ -1548,30 +1816,35 @@ def finish(s: State, l: int, keep: bool) -> Step:
         return Step(s, (), "keep_needs_prefix_cache")
     new_phase = phase.set(lane_req[l], PHASE_FINISHED)
     new_key = list(s.key)
-    table = s.table
+    tail = s.tail
     _m0 = take(s.lane_seq[l], s.length[l])
-    new_key[table[l]] = _m0
+    new_key[tail[l]] = _m0
     new_key = tuple(new_key)
     new_head = list(s.head)
-    new_head[table[l]] = take(_m0, s.consts.C)
+    new_head[tail[l]] = take(_m0, s.consts.C)
     new_head = tuple(new_head)
     new_snap_upto = list(s.snap_upto)
     lane_snap = s.lane_snap
-    new_snap_upto[table[l]] = lane_snap[l]
+    new_snap_upto[tail[l]] = lane_snap[l]
     new_snap_upto = tuple(new_snap_upto)
     new_busy = list(busy)
     new_busy[l] = False
     new_busy = tuple(new_busy)
-    new_owner = list(s.owner)
-    new_owner[table[l]] = (OWNER_CACHE if keep else OWNER_FREE)
-    new_owner = tuple(new_owner)
+    _m1 = (OWNER_CACHE if keep else OWNER_FREE)
+    owner = s.owner
+    owner_lane = s.owner_lane
+    K = s.consts.K
+    new_owner = tuple([
+        (_m1 if (owner[b] == OWNER_LANE and owner_lane[b] == l) else owner[b])
+        for b in range(K)
+    ])
     new_lane_snap = list(lane_snap)
     new_lane_snap[l] = 0
     new_lane_snap = tuple(new_lane_snap)
-    effects = (Release(l, table[l]),)
+    effects = (Release(l, tail[l]),)
     if s.ghost:
         new_snap_junk = list(s.snap_junk)
-        new_snap_junk[table[l]] = s.lane_snap_junk[l]
+        new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
     else:
         new_snap_junk = None
@@ -1579,7 +1852,7 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.consts,
         s.ghost,
         new_owner,
-        s.owner_lane,
+        owner_lane,
         new_key,
         new_head,
         s.holds,
@@ -1592,7 +1865,9 @@ def finish(s: State, l: int, keep: bool) -> Step:
         new_snap_junk,
         new_busy,
         lane_req,
-        table,
+        tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -1633,7 +1908,7 @@ def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
         return "keep_needs_prefix_cache"
-    return (Release(l, s.table[l]),)
+    return (Release(l, s.tail[l]),)
 
 
 def abort_waiting_guard(s: State, r: int) -> str | None:
@@ -1668,7 +1943,9 @@ def abort_waiting(s: State, r: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -1713,10 +1990,18 @@ def abort_running(s: State, l: int) -> Step:
     new_busy = list(busy)
     new_busy[l] = False
     new_busy = tuple(new_busy)
-    new_owner = list(s.owner)
-    table = s.table
-    new_owner[table[l]] = (OWNER_DRAINING if s.transfer[table[l]] else OWNER_FREE)
-    new_owner = tuple(new_owner)
+    transfer = s.transfer
+    owner = s.owner
+    owner_lane = s.owner_lane
+    K = s.consts.K
+    new_owner = tuple([
+        (
+            (OWNER_DRAINING if transfer[b] else OWNER_FREE)
+            if (owner[b] == OWNER_LANE and owner_lane[b] == l)
+            else owner[b]
+        )
+        for b in range(K)
+    ])
     copying = s.copying
     new_copying = list(copying)
     new_copying[l] = False
@@ -1732,12 +2017,12 @@ def abort_running(s: State, l: int) -> Step:
     new_lane_snap = list(s.lane_snap)
     new_lane_snap[l] = 0
     new_lane_snap = tuple(new_lane_snap)
-    effects = (Release(l, table[l]),)
+    effects = (Release(l, s.tail[l]),)
     new = State(
         s.consts,
         s.ghost,
         new_owner,
-        s.owner_lane,
+        owner_lane,
         s.key,
         s.head,
         s.holds,
@@ -1750,7 +2035,9 @@ def abort_running(s: State, l: int) -> Step:
         s.snap_junk,
         new_busy,
         s.lane_req,
-        table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -1758,7 +2045,7 @@ def abort_running(s: State, l: int) -> Step:
         s.copy_src,
         s.copy_host,
         copy_slot,
-        s.transfer,
+        transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
@@ -1786,7 +2073,7 @@ def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
     # lane_busy
     if not s.busy[l]:
         return "lane_busy"
-    return (Release(l, s.table[l]),)
+    return (Release(l, s.tail[l]),)
 
 
 def fail_guard(s: State, l: int) -> str | None:
@@ -1807,10 +2094,18 @@ def fail(s: State, l: int) -> Step:
     new_busy = list(busy)
     new_busy[l] = False
     new_busy = tuple(new_busy)
-    new_owner = list(s.owner)
-    table = s.table
-    new_owner[table[l]] = (OWNER_DRAINING if s.transfer[table[l]] else OWNER_FREE)
-    new_owner = tuple(new_owner)
+    transfer = s.transfer
+    owner = s.owner
+    owner_lane = s.owner_lane
+    K = s.consts.K
+    new_owner = tuple([
+        (
+            (OWNER_DRAINING if transfer[b] else OWNER_FREE)
+            if (owner[b] == OWNER_LANE and owner_lane[b] == l)
+            else owner[b]
+        )
+        for b in range(K)
+    ])
     copying = s.copying
     new_copying = list(copying)
     new_copying[l] = False
@@ -1826,10 +2121,11 @@ def fail(s: State, l: int) -> Step:
     new_lane_snap = list(s.lane_snap)
     new_lane_snap[l] = 0
     new_lane_snap = tuple(new_lane_snap)
-    effects = (Release(l, table[l]),)
+    tail = s.tail
+    effects = (Release(l, tail[l]),)
     if s.ghost:
         new_junk = list(s.junk)
-        new_junk[table[l]] = True
+        new_junk[tail[l]] = True
         new_junk = tuple(new_junk)
         new_local_junk = list(s.local_junk)
         new_local_junk[l] = True
@@ -1840,7 +2136,7 @@ def fail(s: State, l: int) -> Step:
         s.consts,
         s.ghost,
         new_owner,
-        s.owner_lane,
+        owner_lane,
         s.key,
         s.head,
         s.holds,
@@ -1853,7 +2149,9 @@ def fail(s: State, l: int) -> Step:
         s.snap_junk,
         new_busy,
         s.lane_req,
-        table,
+        tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -1861,7 +2159,7 @@ def fail(s: State, l: int) -> Step:
         s.copy_src,
         s.copy_host,
         copy_slot,
-        s.transfer,
+        transfer,
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
@@ -1889,7 +2187,7 @@ def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     # lane_busy
     if not s.busy[l]:
         return "lane_busy"
-    return (Release(l, s.table[l]),)
+    return (Release(l, s.tail[l]),)
 
 
 def discard_guard(s: State, b: int) -> str | None:
@@ -1950,7 +2248,9 @@ def discard(s: State, b: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -2054,7 +2354,9 @@ def spill(s: State, b: int, h: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -2153,7 +2455,9 @@ def store_done(s: State, h: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -2217,7 +2521,9 @@ def store_fail(s: State, h: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -2278,7 +2584,9 @@ def host_evict(s: State, h: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -2394,9 +2702,15 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
     new_lane_req = list(s.lane_req)
     new_lane_req[l] = r
     new_lane_req = tuple(new_lane_req)
-    new_table = list(s.table)
-    new_table[l] = dst
-    new_table = tuple(new_table)
+    new_tail = list(s.tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(s.nblocks)
+    new_nblocks[l] = 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(s.start)
+    new_start[dst] = 0
+    new_start = tuple(new_start)
     new_length = list(s.length)
     new_length[l] = n
     new_length = tuple(new_length)
@@ -2462,7 +2776,9 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
         s.snap_junk,
         new_busy,
         new_lane_req,
-        new_table,
+        new_tail,
+        new_nblocks,
+        new_start,
         new_length,
         new_lane_seq,
         new_lane_plen,
@@ -2563,11 +2879,11 @@ def load_done(s: State, l: int) -> Step:
     new_slot_state = tuple(new_slot_state)
     if s.ghost:
         new_holds = list(s.holds)
-        table = s.table
-        new_holds[table[l]] = take(s.slot_holds[copy_slot[l]], s.length[l])
+        tail = s.tail
+        new_holds[tail[l]] = take(s.slot_holds[copy_slot[l]], s.length[l])
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
-        new_junk[table[l]] = s.slot_junk[copy_slot[l]]
+        new_junk[tail[l]] = s.slot_junk[copy_slot[l]]
         new_junk = tuple(new_junk)
     else:
         new_holds = new_junk = None
@@ -2588,7 +2904,9 @@ def load_done(s: State, l: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -2647,11 +2965,11 @@ def load_fail(s: State, l: int) -> Step:
     effects = (Recompute(l),)
     if s.ghost:
         new_holds = list(s.holds)
-        table = s.table
-        new_holds[table[l]] = take(s.lane_seq[l], 0)
+        tail = s.tail
+        new_holds[tail[l]] = take(s.lane_seq[l], 0)
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
-        new_junk[table[l]] = False
+        new_junk[tail[l]] = False
         new_junk = tuple(new_junk)
     else:
         new_holds = new_junk = None
@@ -2672,7 +2990,9 @@ def load_fail(s: State, l: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         new_length,
         s.lane_seq,
         s.lane_plen,
@@ -2721,6 +3041,9 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
     # request_waiting
     if s.phase.get(r) != PHASE_WAITING:
         return "request_waiting"
+    # prompt_in_one_block
+    if slen(s.prompt.get(r)) >= s.consts.S:
+        return "prompt_in_one_block"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -2746,6 +3069,11 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     # request_waiting
     if phase.get(r) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
+    _m1 = s.prompt.get(r)
+    _m0 = slen(_m1)
+    # prompt_in_one_block
+    if _m0 >= s.consts.S:
+        return Step(s, (), "prompt_in_one_block")
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -2762,18 +3090,23 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     new_lane_req = list(s.lane_req)
     new_lane_req[l] = r
     new_lane_req = tuple(new_lane_req)
-    new_table = list(s.table)
-    new_table[l] = dst
-    new_table = tuple(new_table)
+    new_tail = list(s.tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(s.nblocks)
+    new_nblocks[l] = 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(s.start)
+    new_start[dst] = 0
+    new_start = tuple(new_start)
     new_length = list(s.length)
     new_length[l] = 0
     new_length = tuple(new_length)
     new_lane_seq = list(s.lane_seq)
-    _m0 = s.prompt.get(r)
-    new_lane_seq[l] = _m0
+    new_lane_seq[l] = _m1
     new_lane_seq = tuple(new_lane_seq)
     new_lane_plen = list(s.lane_plen)
-    new_lane_plen[l] = slen(_m0)
+    new_lane_plen[l] = _m0
     new_lane_plen = tuple(new_lane_plen)
     new_phase = phase.set(r, PHASE_IMPORTING)
     new_req_lane = s.req_lane.set(r, l)
@@ -2792,7 +3125,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     effects = (Inbound(l, r, dst),)
     if s.ghost:
         new_local_holds = list(s.local_holds)
-        new_local_holds[l] = take(_m0, 0)
+        new_local_holds[l] = take(_m1, 0)
         new_local_holds = tuple(new_local_holds)
         new_local_junk = list(s.local_junk)
         new_local_junk[l] = False
@@ -2825,7 +3158,9 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         s.snap_junk,
         new_busy,
         new_lane_req,
-        new_table,
+        new_tail,
+        new_nblocks,
+        new_start,
         new_length,
         new_lane_seq,
         new_lane_plen,
@@ -2864,6 +3199,9 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
     # request_waiting
     if s.phase.get(r) != PHASE_WAITING:
         return "request_waiting"
+    # prompt_in_one_block
+    if slen(s.prompt.get(r)) >= s.consts.S:
+        return "prompt_in_one_block"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -2906,7 +3244,7 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
     if p != take(_m0, _m1):
         return Step(s, (), "covers_prompt")
     new_transfer = list(s.transfer)
-    _m3 = s.table[_m2]
+    _m3 = s.tail[_m2]
     new_transfer[_m3] = False
     new_transfer = tuple(new_transfer)
     new_length = list(s.length)
@@ -2944,7 +3282,9 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         new_length,
         new_lane_seq,
         s.lane_plen,
@@ -2984,7 +3324,7 @@ def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] |
     # covers_prompt
     if p != take(push(s.lane_seq[_m0], tok), s.lane_plen[_m0]):
         return "covers_prompt"
-    return (Imported(_m0, r, s.table[_m0]),)
+    return (Imported(_m0, r, s.tail[_m0]),)
 
 
 def export_guard(s: State, l: int) -> str | None:
@@ -2996,6 +3336,9 @@ def export_guard(s: State, l: int) -> str | None:
         return "lane_prefilled"
     if s.length[l] != s.lane_plen[l]:
         return "lane_prefilled"
+    # prompt_in_one_block
+    if s.nblocks[l] != 1:
+        return "prompt_in_one_block"
     return None
 
 
@@ -3013,18 +3356,21 @@ def export(s: State, l: int) -> Step:
         return Step(s, (), "lane_prefilled")
     if length[l] != s.lane_plen[l]:
         return Step(s, (), "lane_prefilled")
+    # prompt_in_one_block
+    if s.nblocks[l] != 1:
+        return Step(s, (), "prompt_in_one_block")
     new_phase = phase.set(lane_req[l], PHASE_EXPORTING)
     new_transfer = list(s.transfer)
-    table = s.table
-    new_transfer[table[l]] = True
+    tail = s.tail
+    new_transfer[tail[l]] = True
     new_transfer = tuple(new_transfer)
     new_transfer_req = list(s.transfer_req)
-    new_transfer_req[table[l]] = lane_req[l]
+    new_transfer_req[tail[l]] = lane_req[l]
     new_transfer_req = tuple(new_transfer_req)
-    effects = (Outbound(l, lane_req[l], table[l], length[l]),)
+    effects = (Outbound(l, lane_req[l], tail[l], length[l]),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(lane_req[l], True)
-        new_xfer_block = s.xfer_block.set(lane_req[l], table[l])
+        new_xfer_block = s.xfer_block.set(lane_req[l], tail[l])
     else:
         new_xfer_live = new_xfer_block = None
     new = State(
@@ -3044,7 +3390,9 @@ def export(s: State, l: int) -> Step:
         s.snap_junk,
         s.busy,
         lane_req,
-        table,
+        tail,
+        s.nblocks,
+        s.start,
         length,
         s.lane_seq,
         s.lane_plen,
@@ -3086,7 +3434,10 @@ def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
         return "lane_prefilled"
     if length[l] != s.lane_plen[l]:
         return "lane_prefilled"
-    return (Outbound(l, lane_req[l], s.table[l], length[l]),)
+    # prompt_in_one_block
+    if s.nblocks[l] != 1:
+        return "prompt_in_one_block"
+    return (Outbound(l, lane_req[l], s.tail[l], length[l]),)
 
 
 def export_done_guard(s: State, r: int, keep: bool) -> str | None:
@@ -3112,7 +3463,7 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     new_phase = phase.set(r, PHASE_FINISHED)
     new_transfer = list(s.transfer)
     _m1 = s.req_lane.get(r)
-    _m0 = s.table[_m1]
+    _m0 = s.tail[_m1]
     new_transfer[_m0] = False
     new_transfer = tuple(new_transfer)
     new_key = list(s.key)
@@ -3129,9 +3480,14 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     new_busy = list(s.busy)
     new_busy[_m1] = False
     new_busy = tuple(new_busy)
-    new_owner = list(s.owner)
-    new_owner[_m0] = (OWNER_CACHE if keep else OWNER_FREE)
-    new_owner = tuple(new_owner)
+    _m3 = (OWNER_CACHE if keep else OWNER_FREE)
+    owner = s.owner
+    owner_lane = s.owner_lane
+    K = s.consts.K
+    new_owner = tuple([
+        (_m3 if (owner[b] == OWNER_LANE and owner_lane[b] == _m1) else owner[b])
+        for b in range(K)
+    ])
     new_lane_snap = list(lane_snap)
     new_lane_snap[_m1] = 0
     new_lane_snap = tuple(new_lane_snap)
@@ -3147,7 +3503,7 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         s.consts,
         s.ghost,
         new_owner,
-        s.owner_lane,
+        owner_lane,
         new_key,
         new_head,
         s.holds,
@@ -3160,7 +3516,9 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         new_snap_junk,
         new_busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -3200,7 +3558,7 @@ def export_done_plan(s: State, r: int, keep: bool) -> tuple[Any, ...] | str:
     if keep and not s.consts.PREFIX:
         return "keep_needs_prefix_cache"
     _m0 = s.req_lane.get(r)
-    return (Release(_m0, s.table[_m0]),)
+    return (Release(_m0, s.tail[_m0]),)
 
 
 def transfer_fail_guard(s: State, r: int) -> str | None:
@@ -3224,15 +3582,20 @@ def transfer_fail(s: State, r: int) -> Step:
     new_phase = phase.set(r, PHASE_FAILED)
     new_transfer = list(s.transfer)
     _m2 = s.req_lane.get(r)
-    _m1 = s.table[_m2]
+    _m1 = s.tail[_m2]
     new_transfer[_m1] = False
     new_transfer = tuple(new_transfer)
     new_busy = list(s.busy)
     new_busy[_m2] = False
     new_busy = tuple(new_busy)
-    new_owner = list(s.owner)
-    new_owner[_m1] = OWNER_FREE
-    new_owner = tuple(new_owner)
+    _m3 = OWNER_FREE
+    owner = s.owner
+    owner_lane = s.owner_lane
+    K = s.consts.K
+    new_owner = tuple([
+        (_m3 if (owner[b] == OWNER_LANE and owner_lane[b] == _m2) else owner[b])
+        for b in range(K)
+    ])
     new_lane_snap = list(s.lane_snap)
     new_lane_snap[_m2] = 0
     new_lane_snap = tuple(new_lane_snap)
@@ -3248,7 +3611,7 @@ def transfer_fail(s: State, r: int) -> Step:
         s.consts,
         s.ghost,
         new_owner,
-        s.owner_lane,
+        owner_lane,
         s.key,
         s.head,
         s.holds,
@@ -3261,7 +3624,9 @@ def transfer_fail(s: State, r: int) -> Step:
         s.snap_junk,
         new_busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -3299,7 +3664,7 @@ def transfer_fail_plan(s: State, r: int) -> tuple[Any, ...] | str:
     if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
         return "request_transferring"
     _m1 = s.req_lane.get(r)
-    return (Release(_m1, s.table[_m1]),)
+    return (Release(_m1, s.tail[_m1]),)
 
 
 def transfer_end_guard(s: State, r: int, b: int) -> str | None:
@@ -3354,7 +3719,9 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.table,
+        s.tail,
+        s.nblocks,
+        s.start,
         s.length,
         s.lane_seq,
         s.lane_plen,
@@ -3394,6 +3761,7 @@ ACTIONS = {
     "copy_done": (copy_done, copy_done_guard, ("l",), ("Lane",)),
     "snapshot": (snapshot, snapshot_guard, ("l",), ("Lane",)),
     "prefill": (prefill, prefill_guard, ("l", "tok"), ("Lane", "Int")),
+    "grow": (grow, grow_guard, ("l", "dst"), ("Lane", "Block")),
     "decode": (decode, decode_guard, ("pad", "tok"), ("Block", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
     "abort_waiting": (abort_waiting, abort_waiting_guard, ("r",), ("Req",)),
@@ -3445,6 +3813,9 @@ def _req_ids(*states: State) -> list[int]:
 INVARIANTS = (
     "lane_block_owned",
     "owned_block_in_table",
+    "blocks_do_not_overlap",
+    "lane_blocks_start_in_table",
+    "table_within_T",
     "no_block_in_two_tables",
     "scratch_is_reserved_block",
     "scratch_never_in_table",
@@ -3452,6 +3823,7 @@ INVARIANTS = (
     "busy_lane_runs_its_request",
     "running_request_has_lane",
     "lane_holds_its_tokens",
+    "full_block_holds_its_key",
     "cache_key_is_content",
     "cache_head_is_first_chunk",
     "unsubmitted_request_has_no_prompt",
@@ -3461,6 +3833,7 @@ INVARIANTS = (
     "copy_only_while_prefilling",
     "copy_source_cached",
     "copy_target_not_ready",
+    "copy_into_first_block",
     "copy_source_holds_prefix",
     "lane_local_state_is_its_own",
     "lane_snapshots_are_its_own",
@@ -3487,7 +3860,8 @@ INVARIANTS = (
     "prefill_before_prompt_end",
     "decode_after_prompt",
     "prefill_on_chunk_boundary",
-    "lane_blocks_equal_busy_lanes",
+    "lane_blocks_are_its_table",
+    "tables_are_dense",
     "snapshots_on_chunk_boundaries",
     "one_scratch_block_when_reserved",
 )
@@ -3497,26 +3871,54 @@ def check_invariants(s: State) -> list[str]:
     """The names of the invariants `s` violates (ghost ones only when `s.ghost`)."""
     bad = []
     B = s.consts.B
-    table = s.table
+    tail = s.tail
     owner = s.owner
     owner_lane = s.owner_lane
     busy = s.busy
     # lane_block_owned
     if not all(
-        not busy[l] or (owner[table[l]] == OWNER_LANE and owner_lane[table[l]] == l)
+        not busy[l] or (owner[tail[l]] == OWNER_LANE and owner_lane[tail[l]] == l)
         for l in range(B)
     ):
         bad.append("lane_block_owned")
     K = s.consts.K
+    start = s.start
+    S = s.consts.S
     # owned_block_in_table
     if not all(
-        owner[b] != OWNER_LANE or (busy[owner_lane[b]] and table[owner_lane[b]] == b)
+        owner[b] != OWNER_LANE
+        or (
+            busy[owner_lane[b]]
+            and (tail[owner_lane[b]] == b or start[b] + S <= start[tail[owner_lane[b]]])
+        )
         for b in range(K)
     ):
         bad.append("owned_block_in_table")
+    # blocks_do_not_overlap
+    if not all(
+        not (
+            owner[c] == OWNER_LANE
+            and owner[b] == OWNER_LANE
+            and owner_lane[b] == owner_lane[c]
+            and b != c
+        )
+        or start[b] + S <= start[c]
+        or start[c] + S <= start[b]
+        for b in range(K)
+        for c in range(K)
+    ):
+        bad.append("blocks_do_not_overlap")
+    # lane_blocks_start_in_table
+    if not all(owner[b] != OWNER_LANE or start[b] >= 0 for b in range(K)):
+        bad.append("lane_blocks_start_in_table")
+    nblocks = s.nblocks
+    T = s.consts.T
+    # table_within_T
+    if not all(not busy[l] or (nblocks[l] >= 1 and nblocks[l] <= T) for l in range(B)):
+        bad.append("table_within_T")
     # no_block_in_two_tables
     if not all(
-        not (busy[a] and busy[c] and table[a] == table[c]) or a == c
+        not (busy[a] and busy[c] and tail[a] == tail[c]) or a == c
         for a in range(B)
         for c in range(B)
     ):
@@ -3527,7 +3929,7 @@ def check_invariants(s: State) -> list[str]:
     if not all((owner[b] == OWNER_SCRATCH) == (RESERVED and b == SCRATCH) for b in range(K)):
         bad.append("scratch_is_reserved_block")
     # scratch_never_in_table
-    if not all(not busy[l] or owner[table[l]] != OWNER_SCRATCH for l in range(B)):
+    if not all(not busy[l] or owner[tail[l]] != OWNER_SCRATCH for l in range(B)):
         bad.append("scratch_never_in_table")
     PREFIX = s.consts.PREFIX
     # cache_needs_prefix_cache
@@ -3571,11 +3973,28 @@ def check_invariants(s: State) -> list[str]:
         # lane_holds_its_tokens
         if not all(
             not (busy[l] and not copying[l] and _m5[l])
-            or (not junk[table[l]] and holds[table[l]] == take(lane_seq[l], length[l]))
+            or (not junk[tail[l]] and holds[tail[l]] == take(lane_seq[l], length[l]))
             for l in range(B)
         ):
             bad.append("lane_holds_its_tokens")
         key = s.key
+        head = s.head
+        C = s.consts.C
+        snap_junk = s.snap_junk
+        snap_upto = s.snap_upto
+        # full_block_holds_its_key
+        if not all(
+            not (owner[b] == OWNER_LANE and tail[owner_lane[b]] != b)
+            or (
+                not junk[b]
+                and holds[b] == key[b]
+                and head[b] == take(key[b], C)
+                and not snap_junk[b]
+                and snap_upto[b] == 0
+            )
+            for b in range(K)
+        ):
+            bad.append("full_block_holds_its_key")
         # cache_key_is_content
         if not all(
             owner[b] != OWNER_CACHE or (not junk[b] and holds[b] == key[b])
@@ -3592,16 +4011,15 @@ def check_invariants(s: State) -> list[str]:
     # unsubmitted_request_has_no_prompt
     if not all(phase.get(r) != PHASE_NONE or prompt.get(r) == empty() for r in req_ids):
         bad.append("unsubmitted_request_has_no_prompt")
-    S = s.consts.S
     # waiting_prompt_fits
     if not all(
-        phase.get(r) != PHASE_WAITING or (slen(prompt.get(r)) > 0 and slen(prompt.get(r)) < S)
+        phase.get(r) != PHASE_WAITING or (slen(prompt.get(r)) > 0 and slen(prompt.get(r)) < T * S)
         for r in req_ids
     ):
         bad.append("waiting_prompt_fits")
     lane_plen = s.lane_plen
     # lane_prompt_fits
-    if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] < S) for l in range(B)):
+    if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] < T * S) for l in range(B)):
         bad.append("lane_prompt_fits")
     lane_seq = s.lane_seq
     _m7 = tuple([prompt.get(lane_req[l]) for l in range(B)])
@@ -3622,15 +4040,22 @@ def check_invariants(s: State) -> list[str]:
     # copy_source_cached
     if not all(
         not (copying[l] and not copy_host[l])
-        or (owner[copy_src[l]] == OWNER_CACHE and copy_src[l] != table[l])
+        or (owner[copy_src[l]] == OWNER_CACHE and copy_src[l] != tail[l])
         for l in range(B)
     ):
         bad.append("copy_source_cached")
     if s.ghost:
         junk = s.junk
         # copy_target_not_ready
-        if not all(not copying[l] or junk[table[l]] for l in range(B)):
+        if not all(not copying[l] or junk[tail[l]] for l in range(B)):
             bad.append("copy_target_not_ready")
+    # copy_into_first_block
+    if not all(
+        not copying[l]
+        or (nblocks[l] == 1 and start[tail[l]] == 0 and (copy_host[l] or start[copy_src[l]] == 0))
+        for l in range(B)
+    ):
+        bad.append("copy_into_first_block")
     length = s.length
     # copy_source_holds_prefix
     if not all(
@@ -3811,7 +4236,10 @@ def check_invariants(s: State) -> list[str]:
             bad.append("pinned_block_transfer_running")
     _m11 = tuple([busy[l] and _m3[l] for l in range(B)])
     # moving_lane_has_transfer
-    if not all(not (_m6[l] or _m11[l]) or transfer[table[l]] for l in range(B)):
+    if not all(
+        not (_m6[l] or _m11[l]) or (transfer[tail[l]] and nblocks[l] == 1)
+        for l in range(B)
+    ):
         bad.append("moving_lane_has_transfer")
     if s.ghost:
         junk = s.junk
@@ -3819,7 +4247,14 @@ def check_invariants(s: State) -> list[str]:
         # import_target_untouched
         if not all(
             not _m6[l]
-            or (not junk[table[l]] and not local_junk[l] and length[l] == 0 and not copying[l])
+            or (
+                not junk[tail[l]]
+                and not local_junk[l]
+                and length[l] == 0
+                and not copying[l]
+                and start[tail[l]] == 0
+                and lane_plen[l] < S
+            )
             for l in range(B)
         ):
             bad.append("import_target_untouched")
@@ -3827,7 +4262,11 @@ def check_invariants(s: State) -> list[str]:
     if not all(not _m11[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
         bad.append("export_after_prefill")
     # length_within_block
-    if not all(not busy[l] or (length[l] >= 0 and length[l] <= S) for l in range(B)):
+    if not all(
+        not busy[l]
+        or (start[tail[l]] >= 0 and start[tail[l]] <= length[l] and length[l] <= start[tail[l]] + S)
+        for l in range(B)
+    ):
         bad.append("length_within_block")
     # prefill_before_prompt_end
     if not all(not _m8[l] or length[l] < lane_plen[l] for l in range(B)):
@@ -3838,9 +4277,19 @@ def check_invariants(s: State) -> list[str]:
     # prefill_on_chunk_boundary
     if not all(not _m8[l] or length[l] % C == 0 for l in range(B)):
         bad.append("prefill_on_chunk_boundary")
-    # lane_blocks_equal_busy_lanes
-    if sum(1 for b in range(K) if owner[b] == OWNER_LANE) != sum(1 for l in range(B) if busy[l]):
-        bad.append("lane_blocks_equal_busy_lanes")
+    # lane_blocks_are_its_table
+    if not all(
+        sum(1 for b in range(K) if owner[b] == OWNER_LANE and owner_lane[b] == l) == (
+            nblocks[l]
+            if busy[l]
+            else 0
+        )
+        for l in range(B)
+    ):
+        bad.append("lane_blocks_are_its_table")
+    # tables_are_dense
+    if not all(not busy[l] or start[tail[l]] == (nblocks[l] - 1) * S for l in range(B)):
+        bad.append("tables_are_dense")
     snap_upto = s.snap_upto
     # snapshots_on_chunk_boundaries
     if not (
@@ -3922,6 +4371,9 @@ AXIOMS = (
     "block_holds_a_chunk",
     "lanes_positive",
     "blocks_positive",
+    "tables_positive",
+    "hybrid_single_block",
+    "host_single_block",
     "host_cache_needs_prefix_cache",
     "hybrid_without_host_cache",
     "empty_has_no_tokens",
@@ -3948,12 +4400,23 @@ def check_axioms(c: Consts) -> list[str]:
     # blocks_positive
     if c.K <= 0:
         bad.append("blocks_positive")
+    T = c.T
+    # tables_positive
+    if T <= 0:
+        bad.append("tables_positive")
+    HYBRID = c.HYBRID
+    # hybrid_single_block
+    if HYBRID and T != 1:
+        bad.append("hybrid_single_block")
     HOST = c.HOST
+    # host_single_block
+    if HOST and T != 1:
+        bad.append("host_single_block")
     # host_cache_needs_prefix_cache
     if HOST and not c.PREFIX:
         bad.append("host_cache_needs_prefix_cache")
     # hybrid_without_host_cache
-    if c.HYBRID and HOST:
+    if HYBRID and HOST:
         bad.append("hybrid_without_host_cache")
     # empty_has_no_tokens
     if slen(empty()) != 0:
@@ -4006,7 +4469,11 @@ def progress_violations(s: State) -> list[str]:
     _m3 = tuple([phase.get(lane_req[l]) for l in range(B)])
     _m2 = tuple([busy[l] and _m3[l] == PHASE_DECODE for l in range(B)])
     length = s.length
+    tail = s.tail
+    start = s.start
     S = s.consts.S
+    nblocks = s.nblocks
+    T = s.consts.T
     transfer_req = s.transfer_req
     # running_request_advances
     if (
@@ -4023,7 +4490,8 @@ def progress_violations(s: State) -> list[str]:
             or any(load_done_guard(s, l) is None for l in range(B))
             or any(store_done_guard(s, h) is None for h in range(H))
             or (any(_m2) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
-            or any(_m2[l] and length[l] == S for l in range(B))
+            or any(any(grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
+            or any(_m2[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B))
             or any(
                 ((busy[l] and _m3[l] == PHASE_IMPORTING) or (busy[l] and _m3[l] == PHASE_EXPORTING))
                 and transfer_fail_guard(s, lane_req[l]) is None
@@ -4033,9 +4501,10 @@ def progress_violations(s: State) -> list[str]:
         )
     ):
         bad.append("running_request_advances")
+    prompt = s.prompt
     # idle_lane_imports
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING)
+        not (_m0[l] and phase.get(r) == PHASE_WAITING and slen(prompt.get(r)) < S)
         or any(admit_import_guard(s, l, r, dst) is None for dst in range(K))
         for l in range(B)
         for r in req_ids
@@ -4087,7 +4556,9 @@ def describe_state(s: State) -> dict[str, Any]:
     out["snap_junk"] = None if s.snap_junk is None else list(s.snap_junk)
     out["busy"] = list(s.busy)
     out["lane_req"] = list(s.lane_req)
-    out["table"] = list(s.table)
+    out["tail"] = list(s.tail)
+    out["nblocks"] = list(s.nblocks)
+    out["start"] = list(s.start)
     out["length"] = list(s.length)
     out["lane_seq"] = [_tokens(x) for x in s.lane_seq]
     out["lane_plen"] = list(s.lane_plen)
