@@ -575,7 +575,11 @@ class AtomBatcher:
         (decode is one call over every row, so all of them at once)."""
         for lane in self.policy.growth(self.state):
             dst = self.policy.reusable(self.state)
-            if dst is None:  # excluded by the capacity rule Config checks
+            if dst is None:
+                if self._transfers or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING)
+                                          for o in self.state.owner):
+                    return  # a block frees when a transfer or store ends: wait, as admission does
+                # with nothing in flight, the capacity rule Config checks excludes this
                 raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is below "
                                    "the capacity rule (Config checks it; was it bypassed?)")
             self._apply("grow", l=lane, dst=dst)

@@ -72,7 +72,11 @@ class Policy:
         pins = self.pinned(s)
         cached = [b for b in range(s.consts.K)
                   if owner[b] == g.OWNER_CACHE and b != exclude and b not in pins]
-        return min(cached, key=lambda b: self.last_use.get(b, 0)) if cached else None
+        # entries past a table's first block first: a hit copies into a first block from an
+        # entry that starts a sequence, so no hit can use the others (a `Release` names only
+        # the tail, so their use times say nothing)
+        return min(cached, key=lambda b: (s.start[b] == 0, self.last_use.get(b, 0))) \
+            if cached else None
 
     def best_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
         """(src, n) of the longest device hit (most recently used among equals), or None."""

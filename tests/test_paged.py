@@ -216,3 +216,24 @@ def test_pd_request_over_one_block_is_rejected_at_submit():
     assert b.requests == {} and not b.busy()
     rid = b.submit(POOL[6], 4, remote=True)  # within one block: fine
     assert b.requests[rid].remote
+
+
+def test_growth_waits_for_a_draining_block():
+    """One lane, T = 2, K = 2: a PD import aborted mid-transfer leaves its block draining, so a
+    local request that fills its first block finds no block for its second. It waits (as an
+    admission would) until the transfer's end frees the block, then finishes exactly."""
+    b = make(1, 2, False, "dynamic")
+    r0 = b.submit(POOL[6], 4, remote=True)
+    b.step()
+    assert b.state.phase.get(r0) == core.PHASE_IMPORTING
+    assert b.abort(r0)
+    r1 = b.submit(POOL[2], 12)  # 120 tokens: decode crosses the block end after 8 tokens
+    for _ in range(40):
+        b.step()
+        b.check_invariants()
+    assert b.requests[r1].tokens and not b.requests[r1].ended  # stalled at the block end
+    assert b.state.length[b.state.req_lane.get(r1)] == 128
+    b.transfer_ended(r0, "transfer cancelled")  # the drained block is freed
+    drive(b)
+    assert b.requests[r1].error is None and b.requests[r1].tokens == expected(b, r1)
+    assert b.stats.table_grows == 1
