@@ -2044,9 +2044,12 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         # a prompt past one block: not sent (PD moves one block), served here
                         assert self.apply("export", l).rejected == "prompt_in_one_block"
                         self.apply("finish", l, self.c.PREFIX)
-                    elif life.decoding(l) and r % 3 == 1 and self.decode_by_policy(
+                    elif life.decoding(l) and (r % 3 == 1 or self.c.T > 1 and not Stats.events[
+                            "decode refused at a full table"]) and self.decode_by_policy(
                             tuple(ALPHABET[:1]) * self.c.B).rejected is None:
-                        pass  # a long answer: decoded to the table end (then refused)
+                        # a long answer: decoded to the table end (then refused); with paged
+                        # tables at least once per run, so a full table is always reached
+                        pass
                     elif life.table_end(l) and r % 3 == 1:  # no next block there
                         dst = self.policy.reusable(self.s)
                         assert self.apply("grow", l, 0 if dst is None else dst
