@@ -84,9 +84,10 @@ def solve(facts: list[Any], timeout_ms: int = TIMEOUT_MS) -> tuple[str, Any]:
     return "unknown", reason
 
 
-def _timed(inv: str, action: str, kind: str, facts: list[Any], size: str = "") -> Check:
+def _timed(inv: str, action: str, kind: str, facts: list[Any], size: str = "",
+           timeout_ms: int = TIMEOUT_MS) -> Check:
     t0 = time.perf_counter()
-    status, extra = solve(facts)
+    status, extra = solve(facts, timeout_ms)
     detail = "" if status != "unknown" else str(extra)
     return Check(inv, action, kind, status, time.perf_counter() - t0, size, detail)
 
@@ -105,18 +106,19 @@ def _steps(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[
 
 
 def induction(model: L.Model, invariants: list[L.Named], u: Universe,
-              assume: list[L.Named], size: str = "", base: bool = True) -> Iterator[Check]:
+              assume: list[L.Named], size: str = "", base: bool = True,
+              timeout_ms: int = TIMEOUT_MS) -> Iterator[Check]:
     """Base and step for each of `invariants`, assuming all of `assume` in the pre-state."""
     if base:
         ax = u.axioms()
         init = u.init_state()
         for inv in invariants:
             yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))],
-                         size)
+                         size, timeout_ms)
     for action, facts, _pre, post in _steps(model, u, assume):
         for inv in invariants:
             goal = u.tr(inv.expr, post, {})
-            yield _timed(inv.name, action.name, "step", facts + [z3.Not(goal)], size)
+            yield _timed(inv.name, action.name, "step", facts + [z3.Not(goal)], size, timeout_ms)
 
 
 def transitions(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[Check]:
@@ -221,6 +223,9 @@ def bounded_universe(model: L.Model, lanes: int, blocks: int, consts: dict[str, 
 # The concrete chunk and block sizes of the bounded universes: the typical eager artifact.
 # Nothing in the model depends on their values beyond the axioms, so any would do.
 CHUNK, SEQ_LEN = 128, 4096
+# Bounded queries are decidable (finite sorts, no quantifiers), so a hard one only needs time:
+# at B = 4, K = 8 a few take 10-20 s on a loaded machine (paged tables' per-lane counts).
+BOUNDED_TIMEOUT_MS = 60_000
 
 
 def bounded(model: L.Model, max_lanes: int, max_blocks: int, *,
@@ -229,7 +234,8 @@ def bounded(model: L.Model, max_lanes: int, max_blocks: int, *,
     bnd = [i for i in model.invariants if i.kind == "bounded"]
     for b, k in sizes(max_lanes, max_blocks):
         u = bounded_universe(model, b, k, {"C": CHUNK, "S": SEQ_LEN})
-        yield from induction(model, bnd, u, model.invariants, size=f"B={b},K={k}", base=base)
+        yield from induction(model, bnd, u, model.invariants, size=f"B={b},K={k}", base=base,
+                             timeout_ms=BOUNDED_TIMEOUT_MS)
 
 
 def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> Iterator[
