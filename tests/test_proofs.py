@@ -263,8 +263,8 @@ SWEEP_TIMEOUT_MS = 2_000
 @pytest.fixture
 def quick_solver(monkeypatch):
     solve = checks.solve
-    monkeypatch.setattr(checks, "solve", lambda facts, timeout_ms=checks.TIMEOUT_MS: solve(
-        facts, min(timeout_ms, SWEEP_TIMEOUT_MS)))
+    monkeypatch.setattr(checks, "solve", lambda facts, timeout_ms=checks.TIMEOUT_MS,
+                        bounded=False: solve(facts, min(timeout_ms, SWEEP_TIMEOUT_MS), bounded))
 
 
 def caught_relational(model: L.Model, action: str) -> tuple[str, str] | None:
