@@ -118,20 +118,20 @@ def _steps(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[
 
 def induction(model: L.Model, invariants: list[L.Named], u: Universe,
               assume: list[L.Named], size: str = "", base: bool = True,
-              timeout_ms: int = TIMEOUT_MS, bounded: bool = False) -> Iterator[Check]:
-    """Base and step for each of `invariants`, assuming all of `assume` in the pre-state.
-    `bounded`: `u` has finite sorts only (see `solve`)."""
+              timeout_ms: int = TIMEOUT_MS) -> Iterator[Check]:
+    """Base and step for each of `invariants`, assuming all of `assume` in the pre-state (in a
+    bounded universe the queries are quantifier-free: see `solve`)."""
     if base:
         ax = u.axioms()
         init = u.init_state()
         for inv in invariants:
             yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))],
-                         size, timeout_ms, bounded)
+                         size, timeout_ms, u.bounded)
     for action, facts, _pre, post in _steps(model, u, assume):
         for inv in invariants:
             goal = u.tr(inv.expr, post, {})
             yield _timed(inv.name, action.name, "step", facts + [z3.Not(goal)], size, timeout_ms,
-                         bounded)
+                         u.bounded)
 
 
 def transitions(model: L.Model, u: Universe, assume: list[L.Named]) -> Iterator[Check]:
@@ -248,7 +248,7 @@ def bounded(model: L.Model, max_lanes: int, max_blocks: int, *,
     for b, k in sizes(max_lanes, max_blocks):
         u = bounded_universe(model, b, k, {"C": CHUNK, "S": SEQ_LEN})
         yield from induction(model, bnd, u, model.invariants, size=f"B={b},K={k}", base=base,
-                             timeout_ms=BOUNDED_TIMEOUT_MS, bounded=True)
+                             timeout_ms=BOUNDED_TIMEOUT_MS)
 
 
 def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> Iterator[
