@@ -39,7 +39,8 @@ from atom_core.snapshots import SnapshotStore
 
 @attrs.frozen
 class Event:
-    # "token" | "finished" | "error"; PD: "import" (a lane waits for this request's KV: ask a
+    # "token" | "finished" | "error" | "preempted" (back in the waiting queue, its tokens so far
+    # kept: it resumes where it stopped); PD: "import" (a lane waits for this request's KV: ask a
     # prefill worker for it) | "export" (this request's KV is ready: `take_export`)
     kind: str
     request_id: int
@@ -84,6 +85,8 @@ class Stats:
     snapshots: int = 0  # hybrid prefix cache: sliding-state snapshots taken
     snapshot_failures: int = 0  # fetches that failed (the lane just has no later snapshots)
     table_grows: int = 0  # blocks appended to lanes' tables (paged tables: T > 1)
+    preemptions: int = 0  # requests sent back to the waiting queue to free their blocks
+    recomputed_tokens: int = 0  # tokens whose KV a preemption dropped (computed again)
 
 
 @attrs.define
@@ -193,6 +196,10 @@ class AtomBatcher:
                 f"{s - 1} prompt tokens plus the first generated one; shorten the prompt")
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
+        if (remote or export) and self.config.preemption:
+            raise ValueError("PD requests (remote or export) are not served with preemption=True "
+                             "yet: a preempted imported request would have to be prefilled "
+                             "here; use a Config with preemption=False for PD workers")
         if (remote or export) and len(prompt) >= self.config.block_size:
             raise ValueError(
                 f"a PD request's prompt must fit one KV block: {len(prompt)} tokens, "
@@ -367,8 +374,11 @@ class AtomBatcher:
 
     def step(self) -> list[Event]:
         events: list[Event] = []
+        # running lanes get their next blocks before an admission can take them, and an
+        # admission whose hit fills its first block grows before the next call
+        self._grow(events)
         self._admit(events)
-        self._grow()
+        self._grow(events)
         lane = self._prefilling_lane()
         if lane is not None:
             self._prefill(lane, events)
@@ -478,7 +488,7 @@ class AtomBatcher:
                 assert eff.pos == len(self._tables[eff.lane]), (eff, self._tables[eff.lane])
                 self._tables[eff.lane].append(eff.block)
                 self._tab[eff.lane, eff.pos:] = eff.block
-            elif isinstance(eff, core.Release):
+            elif isinstance(eff, (core.Release, core.Preempt)):
                 self._tables[eff.lane] = []
         if self._snaps is not None:
             self._move_snapshots(step.effects)
@@ -570,20 +580,39 @@ class AtomBatcher:
                     self._load(eff)
 
     # --------------------------------------------------------------- paged tables
-    def _grow(self) -> None:
+    def _grow(self, events: list[Event]) -> None:
         """Every lane whose tail block is full gets its next block before the next runtime call
-        (decode is one call over every row, so all of them at once)."""
-        for lane in self.policy.growth(self.state):
+        (decode is one call over every row, so all of them at once), the oldest lane first."""
+        while lanes := self.policy.growth(self.state):
             dst = self.policy.reusable(self.state)
             if dst is None:
                 if self._transfers or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING)
                                           for o in self.state.owner):
                     return  # a block frees when a transfer or store ends: wait, as admission does
+                if self._preempt(events):
+                    continue
                 # with nothing in flight, the capacity rule Config checks excludes this
-                raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is below "
-                                   "the capacity rule (Config checks it; was it bypassed?)")
-            self._apply("grow", l=lane, dst=dst)
+                raise RuntimeError(f"no block for lane {lanes[0]}'s next block: kv_blocks is "
+                                   "below the capacity rule (Config checks it; was it bypassed?)")
+            self._apply("grow", l=lanes[0], dst=dst)
             self.stats.table_grows += 1
+
+    def _preempt(self, events: list[Event]) -> bool:
+        """Free a lane's blocks for a lane that waits for one (`Policy.victim`); its request
+        goes to the front of the waiting queue and, when admitted again, prefills its prompt
+        and the tokens it has so far, so its next token is the one it would have decoded."""
+        if not self.config.preemption:
+            return False
+        lane = self.policy.victim(self.state)
+        if lane is None:
+            return False
+        rid, lost = self.state.lane_req[lane], self.state.length[lane]
+        self._apply("preempt", l=lane)
+        self.waiting.appendleft(rid)
+        self.stats.preemptions += 1
+        self.stats.recomputed_tokens += lost
+        events.append(Event("preempted", rid))
+        return True
 
     # --------------------------------------------------------------- prefill
     def _prefilling_lane(self) -> int | None:
@@ -596,7 +625,8 @@ class AtomBatcher:
     def _prefill(self, lane: int, events: list[Event]) -> None:
         (eff,) = core.prefill_plan(self.state, lane, None)
         rid = self.state.lane_req[lane]
-        prompt = self.requests[rid].prompt
+        req = self.requests[rid]
+        prompt = req.prompt + req.tokens  # after a preemption: its tokens so far too
         c = self.config.prefill_chunk
         chunk = prompt[eff.start:eff.end]
         ids = torch.zeros((1, c), dtype=torch.int64)
@@ -631,7 +661,10 @@ class AtomBatcher:
         pad = self.policy.pad(s)
         plan = core.decode_plan(s, pad, None)
         if isinstance(plan, str):
-            return  # no lane decodes, or no padding target yet (a prefill will come first)
+            # no lane decodes, or no padding target yet: a prefill comes first, or (with
+            # preemption, every block held by lanes) a lane makes room
+            self._preempt(events)
+            return
         (eff,) = plan
         if (self.config.host_cache_blocks and not all(eff.live) and self._is_cache_entry(pad)
                 and self._spill(pad)):

@@ -75,12 +75,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from atom_core.proofs import capacity as proved
 
     fitted, _wrong = proved.fit(report.rows)
+    pfitted, _pwrong = proved.fit_preempt(report.rows)
     cap = []
     for r in report.rows:
         mins = ", ".join(f"B={b}: {k}" for b, k in r.minimum.items())
         tight = all(t is not None for t in r.traces.values())
-        rule = (f"{proved.RULE_NAMES[r.key]}: {proved.rule_text(*fitted[r.key])}"
-                if r.key in fitted else "no rule fits")
+        if r.features.preempt:
+            rule = (f"{r.features.rule_name}: {proved.preempt_rule_text(*pfitted[r.key])}"
+                    if r.key in pfitted else "no rule fits")
+        else:
+            rule = (f"{proved.RULE_NAMES[r.key]}: {proved.rule_text(*fitted[r.key])}"
+                    if r.key in fitted else "no rule fits")
         cap.append([r.features.name, rule, mins, "yes" if tight else "NO"])
     _table("capacity (proved sufficient; tight = stuck run one block below)",
            ["features", "rule", "minimum kv_blocks", "tight"], cap)
@@ -116,7 +121,8 @@ def _artifact_error(args: argparse.Namespace, kv_blocks: int) -> str | None:
         Config(lanes=args.lanes, kv_blocks=kv_blocks, max_seq_len=args.max_seq_len,
                block_size=args.block_size if args.block_size is not None else args.max_seq_len,
                prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
-               scratch=args.scratch, host_cache_blocks=args.host_cache_blocks)
+               scratch=args.scratch, host_cache_blocks=args.host_cache_blocks,
+               preemption=args.preemption)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -144,8 +150,8 @@ TRACE_LANE_BLOCKS = 8
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     t = _tables(args)
-    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t)
-    rule = rule_for(args.prefix_cache, args.scratch, t)
+    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
+    rule = rule_for(args.prefix_cache, args.scratch, t, args.preemption)
     error = _artifact_error(args, max(need, args.kv_blocks))
     if error is not None:
         return _invalid(args, error, {"safe": False, "lanes": args.lanes,
@@ -164,7 +170,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         from atom_core.spec.model import MODEL
 
         tr = stuck_run(MODEL, args.lanes, args.kv_blocks, args.prefix_cache,
-                       args.scratch == "reserved", host=args.host_cache_blocks > 0, tables=t)
+                       args.scratch == "reserved", host=args.host_cache_blocks > 0, tables=t,
+                       preempt=args.preemption)
         if tr is None:  # the rule says unsafe, so this is a bug in the proofs: say so loudly
             print("internal error: no stuck run found below the proved minimum", file=sys.stderr)
             return 3
@@ -176,7 +183,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return 0 if out["safe"] else 1
     what = f"lanes={args.lanes}, kv_blocks={args.kv_blocks}, " + features(
         args.prefix_cache, args.scratch) + (
-        f", host cache of {args.host_cache_blocks} blocks" if args.host_cache_blocks else "")
+        f", host cache of {args.host_cache_blocks} blocks" if args.host_cache_blocks else "") + (
+        ", preemption" if args.preemption else "")
     if out["safe"]:
         note = ("" if args.lanes <= capacity.PROVED_LANES else
                 f" (the rule is proved for lanes <= {capacity.PROVED_LANES} by `atom-core verify`)")
@@ -202,12 +210,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_min_blocks(args: argparse.Namespace) -> int:
     t = _tables(args)
-    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t)
+    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
     error = _artifact_error(args, need)
     if error is not None:
         return _invalid(args, error, {"lanes": args.lanes})
     out = {"lanes": args.lanes, "min_kv_blocks": need, "blocks_per_table": t,
-           "rule": rule_for(args.prefix_cache, args.scratch, t)}
+           "rule": rule_for(args.prefix_cache, args.scratch, t, args.preemption)}
     if args.json:
         _emit(out)
     else:
@@ -740,6 +748,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--prefill-chunk", type=_positive, default=128)
         p.add_argument("--host-cache-blocks", type=int, default=0,
                        help="host cache slots below the prefix cache (default 0: none)")
+        p.add_argument("--preemption", action="store_true",
+                       help="a lane waiting for a block preempts the most recently admitted one "
+                            "(needs --block-size below --max-seq-len): one lane's whole table "
+                            "and a block suffice")
         p.add_argument("--json", action="store_true", help="one JSON object on stdout")
         p.set_defaults(fn=fn)
 

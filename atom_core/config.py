@@ -48,10 +48,15 @@ class Config:
     # Host cache tier: evicted prefix-cache entries are stored into this many host slots (one
     # block's KV each) and loaded back on a hit; 0: off.
     host_cache_blocks: int = 0
+    # Preemption: a lane that needs a block when none is free pushes the most recently admitted
+    # lane's request back to the waiting queue (recomputed later). Lets kv_blocks go down to
+    # one lane's whole table plus a block, instead of every lane's.
+    preemption: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.prefix_cache, bool):
-            raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        for flag in ("prefix_cache", "preemption"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.scratch_block is not None and (
                 isinstance(self.scratch_block, bool) or not isinstance(self.scratch_block, int)):
             raise ConfigError(f"scratch_block must be a block id (int) or None, got "
@@ -89,7 +94,7 @@ class Config:
                                     or self.scratch == "reserved"):
             raise ConfigError(single_block_message(self))
         need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch,
-                             self.blocks_per_table)
+                             self.blocks_per_table, self.preemption)
         if self.kv_blocks < need:
             raise ConfigError(capacity_message(self, need))
 
@@ -99,7 +104,8 @@ class Config:
                         S=self.block_size, T=self.blocks_per_table, PREFIX=self.prefix_cache,
                         RESERVED=self.scratch == "reserved", SCRATCH=self.scratch_id,
                         HYBRID=self.sliding_window is not None,
-                        HOST=self.host_cache_blocks > 0, H=self.host_cache_blocks)
+                        HOST=self.host_cache_blocks > 0, H=self.host_cache_blocks,
+                        PREEMPT=self.preemption)
 
     @property
     def blocks_per_table(self) -> int:
@@ -112,10 +118,16 @@ class Config:
 
     @property
     def rule(self) -> str:
-        return rule_for(self.prefix_cache, self.scratch, self.blocks_per_table)
+        return rule_for(self.prefix_cache, self.scratch, self.blocks_per_table, self.preemption)
 
 
 AXIOM_HELP = {
+    "preemption_with_tables": (
+        "preemption=True needs paged tables (block_size below max_seq_len): with one block per "
+        "table no lane ever needs another block, so there is nothing to preempt for"),
+    "preemption_plain": (
+        "preemption=True is proved for models without sliding_window and without a host tier "
+        "for now; set preemption=False (and size kv_blocks for every lane's whole table)"),
     "chunk_divides_block": "block_size (max_seq_len unless given) must be a multiple of "
                            "prefill_chunk (a chunk never straddles two blocks)",
     "block_holds_a_chunk": "prefill_chunk must not exceed block_size (max_seq_len unless given)",
@@ -139,10 +151,16 @@ def features(prefix_cache: bool, scratch: str) -> str:
     return f"{'prefix cache' if prefix_cache else 'no prefix cache'}, {scratch} scratch"
 
 
-def rule_for(prefix_cache: bool, scratch: str, blocks_per_table: int = 1) -> str:
+def rule_for(prefix_cache: bool, scratch: str, blocks_per_table: int = 1,
+             preemption: bool = False) -> str:
     """The capacity rule by name, in its general form and for this table size T."""
     key = (prefix_cache, scratch)
     t = blocks_per_table
+    if preemption:
+        lone, shared = capacity.PREEMPT_BLOCKS[key]
+        body = (f"{t + lone}" if lone == shared
+                else f"{t + lone} with one lane, {t + shared} with more")
+        return f"{capacity.PREEMPT_RULES[key]}; with T = {t}: kv_blocks >= {body}"
     s, c = capacity.SCRATCH_BLOCKS[key], capacity.COPY_BLOCKS[key]
     if t == 1:
         body = "lanes" + (f" + {s + c}" if s + c else "")
@@ -154,14 +172,15 @@ def rule_for(prefix_cache: bool, scratch: str, blocks_per_table: int = 1) -> str
 
 
 def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str,
-                  blocks_per_table: int = 1) -> int:
+                  blocks_per_table: int = 1, preemption: bool = False) -> int:
     """The proved capacity rule (see atom_core/_generated/capacity.py): every lane can hold a
     whole table of T blocks, plus the scratch block, plus, with T = 1, the prefix-cache hit's
     source block (pinned while the copy runs; with T > 1 it fits in the admitted lane's table,
-    which holds one block at admission)."""
+    which holds one block at admission). With preemption: one lane's whole table, plus a
+    scratch or padding block."""
     if scratch not in SCRATCH_MODES:
         raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
-    return capacity.min_kv_blocks(lanes, blocks_per_table, (prefix_cache, scratch))
+    return capacity.min_kv_blocks(lanes, blocks_per_table, (prefix_cache, scratch), preemption)
 
 
 def single_block_message(cfg: Config) -> str:
@@ -174,7 +193,8 @@ def single_block_message(cfg: Config) -> str:
                    "prompt with the same prefix to copy from it into a second block there is not")
     if cfg.scratch == "reserved":
         why.append("scratch='reserved': the only block would be the scratch block")
-    need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table)
+    need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table,
+                         cfg.preemption)
     return ("rule 'single-block': kv_blocks=1 serves exactly one lane, with the prefix cache off "
             "and dynamic scratch (block 0 is that lane's block; a single-block PD decode worker "
             "is lanes=1). Here " + "; ".join(why) + " (`atom-core verify` shows the stuck runs). "
@@ -185,20 +205,29 @@ def capacity_message(cfg: Config, need: int) -> str:
     missing = need - cfg.kv_blocks
     fixes = [f"compile the artifact with kv_blocks >= {need}"]
     if cfg.scratch == "reserved":
-        alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, "dynamic", cfg.blocks_per_table)
+        alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, "dynamic", cfg.blocks_per_table,
+                            cfg.preemption)
         if alt <= cfg.kv_blocks:
             fixes.append("use scratch='dynamic' (padding rows write into a free block), "
                          f"which needs {alt}")
     if cfg.prefix_cache:
-        alt = min_kv_blocks(cfg.lanes, False, cfg.scratch, cfg.blocks_per_table)
+        alt = min_kv_blocks(cfg.lanes, False, cfg.scratch, cfg.blocks_per_table,
+                            cfg.preemption)
         if alt <= cfg.kv_blocks:
             fixes.append(f"turn the prefix cache off, which needs {alt}")
     if cfg.lanes > 1:
         fit = max((n for n in range(1, cfg.lanes) if min_kv_blocks(
-            n, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table) <= cfg.kv_blocks), default=0)
+            n, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, cfg.preemption)
+            <= cfg.kv_blocks), default=0)
         if fit >= 1:
             fixes.append(f"serve with lanes <= {fit}")
-    rule = rule_for(cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table)
+    rule = rule_for(cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, cfg.preemption)
+    if not cfg.preemption and cfg.blocks_per_table > 1 and cfg.sliding_window is None \
+            and not cfg.host_cache_blocks:
+        alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, True)
+        if alt <= cfg.kv_blocks:
+            fixes.append("turn preemption on (a lane waiting for a block preempts the most "
+                         f"recently admitted one), which needs {alt}")
     return (f"kv_blocks={cfg.kv_blocks} is too few for lanes={cfg.lanes} with "
             f"{features(cfg.prefix_cache, cfg.scratch)}: rule '{rule}' "
             f"needs {need}, {missing} block{'s' if missing > 1 else ''} missing "

@@ -34,12 +34,16 @@ class Policy:
         self.clock = 0
         self.last_use: dict[int, int] = {}  # block -> time its cache entry was made or hit
         self.slot_use: dict[int, int] = {}  # host slot -> time its entry was stored or hit
+        self.admitted: dict[int, int] = {}  # lane -> time its request was admitted
 
     # bookkeeping -------------------------------------------------------------------
     def observe(self, effects: Iterable[Any]) -> None:
         """Keep LRU order from the effects of applied transitions."""
         for e in effects:
-            if isinstance(e, g.Copy):
+            if isinstance(e, g.Admit):
+                self.clock += 1
+                self.admitted[e.lane] = self.clock
+            elif isinstance(e, g.Copy):
                 self._touch(e.src)
             elif isinstance(e, g.Release):
                 self._touch(e.block)
@@ -123,6 +127,8 @@ class Policy:
             return None if dst is None else Choice("admit_import",
                                                    {"l": lane, "r": r, "dst": dst})
         prompt = s.prompt.get(r)
+        if s.consts.PREEMPT and any(s.busy) and self._room(s) < self._blocks_for(s, prompt):
+            return None
         hit = self.best_hit(s, prompt) if s.consts.PREFIX else None
         host = self.best_host_hit(s, prompt) if s.consts.HOST else None
         if host is not None and (hit is None or host[1] > hit[1]):
@@ -142,12 +148,35 @@ class Policy:
             return None
         return Choice("admit_miss", {"l": lane, "r": r, "dst": dst})
 
+    @staticmethod
+    def _blocks_for(s: g.State, prompt: TokSeq) -> int:
+        """With preemption, a request is admitted beside running ones only when its whole
+        prompt fits in the blocks left (and, with dynamic scratch, a padding block besides):
+        else its prefill would preempt it again as soon as it needs a block, and the lanes it
+        displaced, which cannot run while a prefill takes every step, would never finish."""
+        blocks = -(-len(prompt) // s.consts.S)
+        return blocks + (0 if s.consts.RESERVED else 1)
+
+    def _room(self, s: g.State) -> int:
+        pins = self.pinned(s)
+        return sum(1 for b in range(s.consts.K) if b not in pins
+                   and s.owner[b] in (g.OWNER_FREE, g.OWNER_CACHE))
+
     def growth(self, s: g.State) -> list[int]:
         """Lanes whose tail block is full and that have more to compute: each needs its next
         block (`grow`) before the next prefill or decode call. The core's guard decides; only
         the block it would get is left open."""
-        return [ln for ln in range(s.consts.B)
-                if g.grow_guard(s, ln, 0) in (None, "dst_reusable")]
+        lanes = [ln for ln in range(s.consts.B)
+                 if g.grow_guard(s, ln, 0) in (None, "dst_reusable")]
+        return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
+
+    def victim(self, s: g.State) -> int | None:
+        """The lane to preempt when a lane waits for a block and none is reusable: the most
+        recently admitted one the core allows (possibly the waiting lane itself), as vLLM does.
+        The oldest lane is preempted only when it is the only choice, and a lane running alone
+        never is (proved: `lone_lane_is_never_preempted`), so the oldest lane finishes."""
+        lanes = sorted(range(s.consts.B), key=lambda ln: -self.admitted.get(ln, 0))
+        return next((ln for ln in lanes if g.preempt_guard(s, ln) is None), None)
 
     def spill_slot(self, s: g.State, block: int) -> tuple[int, bool] | None:
         """Where evicted device entry `block` goes in the host tier: (an empty slot, False), else

@@ -106,6 +106,7 @@ class SimConfig:
     host_cache_blocks: int = 0  # host tier of the serving batcher (PD: the decode worker's)
     prefill_host_cache_blocks: int | None = None
     blocks_per_table: int = 1  # T: paged block tables when > 1 (colocated only, for now)
+    preemption: bool | None = None  # paged tables: kv_blocks at the preemption rule
 
     @property
     def pd(self) -> bool:
@@ -213,6 +214,15 @@ def _table_choices(c: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(t for t in (1, 2, 4) if t <= most)
 
 
+def _preempt_choices(c: dict[str, Any]) -> tuple[Any, ...]:
+    """Preemption where Config accepts it: paged tables, plain models, no host tier; and
+    colocated (the batcher refuses PD requests with it)."""
+    if (c.get("blocks_per_table") or 1) == 1 or c.get("mode") == "pd" \
+            or c.get("sliding_window") is not None or c.get("host_cache_blocks"):
+        return ()
+    return (False, True)
+
+
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("mode", "colocated batcher, or a PD prefill worker feeding a decode worker",
               _always("colocated", "pd")),
@@ -243,6 +253,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("blocks_per_table", "blocks per lane's table (T = max_seq_len / block_size; 1: "
               "eager); paged tables are colocated, plain models without a host tier for now",
               _table_choices, open=True),
+    Dimension("preemption", "paged tables: a lane waiting for a block preempts the youngest, "
+              "with kv_blocks at the (much lower) preemption rule", _preempt_choices),
 )
 _DIMS = {d.name: d for d in DIMENSIONS}
 
@@ -329,11 +341,13 @@ def _configs(cfg: SimConfig) -> dict[str, Config]:
     t = cfg.blocks_per_table or 1
 
     def one(lanes: int, prefix: bool, scratch: str, host: int) -> Config:
-        return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch, t)
+        pre = bool(cfg.preemption)
+        return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch, t, pre)
                       + cfg.extra_blocks, max_seq_len=cfg.max_seq_len,
                       block_size=cfg.max_seq_len // t,
                       prefill_chunk=PREFILL_CHUNK, prefix_cache=prefix, scratch=scratch,
-                      sliding_window=cfg.sliding_window, host_cache_blocks=host)
+                      sliding_window=cfg.sliding_window, host_cache_blocks=host,
+                      preemption=pre)
 
     serving = one(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.host_cache_blocks)
     if not cfg.pd:

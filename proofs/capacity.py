@@ -32,12 +32,14 @@ class Features:
     hybrid: bool = False  # sliding-window layers (with the prefix cache: hits need snapshots)
     host: bool = False  # a host cache tier below the prefix cache
     tables: int = 1  # T: blocks per lane's table
+    preempt: bool = False  # a lane waiting for a block may preempt another
 
     @property
     def name(self) -> str:
         return (f"{'prefix cache' if self.prefix_cache else 'no cache'}, {self.scratch} scratch"
                 + (", hybrid" if self.hybrid else "") + (", host cache" if self.host else "")
-                + (f", T={self.tables}" if self.tables != 1 else ""))
+                + (f", T={self.tables}" if self.tables != 1 else "")
+                + (", preemption" if self.preempt else ""))
 
     @property
     def key(self) -> tuple[bool, str]:
@@ -48,25 +50,33 @@ class Features:
     def consts(self, lanes: int, blocks: int) -> dict[str, Any]:
         return {"B": lanes, "K": blocks, "C": CHUNK, "S": SEQ_LEN, "PREFIX": self.prefix_cache,
                 "RESERVED": self.scratch == "reserved", "SCRATCH": 0, "HYBRID": self.hybrid,
-                "HOST": self.host, "T": self.tables}
+                "HOST": self.host, "T": self.tables, "PREEMPT": self.preempt}
 
     @property
     def plain(self) -> bool:
         """The row the committed table is read from; the others must agree with it."""
-        return not (self.hybrid or self.host) and self.tables == 1
+        return not (self.hybrid or self.host or self.preempt) and self.tables == 1
+
+    @property
+    def rule_name(self) -> str:
+        return RULE_NAMES[self.key] + ("-preemption" if self.preempt else "")
 
     def max_lanes(self, cutoff: int) -> int:
-        """Lane counts checked: lanes * T up to the cutoff, and at least one lane."""
-        return max(1, cutoff // self.tables)
+        """Lane counts checked: lanes * T up to the cutoff, and at least one lane; with
+        preemption every lane count up to it (the rule does not grow with lanes * T)."""
+        return cutoff if self.preempt else max(1, cutoff // self.tables)
 
 
 # Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), and
 # the host tier needs the prefix cache, so those are the combinations of their own. Paged tables
-# (T = 2) for the plain ones; hybrid models and the host tier have T = 1 (axioms).
+# (T = 2) for the plain ones; hybrid models and the host tier have T = 1 (axioms). Preemption
+# (T > 1, axiom) for the plain ones at T = 2 and 3.
 COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES)
                 + tuple(Features(True, s, hybrid=True) for s in SCRATCH_MODES)
                 + tuple(Features(True, s, host=True) for s in SCRATCH_MODES)
-                + tuple(Features(p, s, tables=2) for p in (False, True) for s in SCRATCH_MODES))
+                + tuple(Features(p, s, tables=2) for p in (False, True) for s in SCRATCH_MODES)
+                + tuple(Features(p, s, tables=t, preempt=True)
+                        for t in (2, 3) for p in (False, True) for s in SCRATCH_MODES))
 
 
 # The lane cutoff: `table` and `progress_by_features` check B * T up to it.
@@ -81,7 +91,7 @@ def progress_by_features(model: L.Model, lanes: int, blocks: int,
     by_case = {f"B={lanes},K={blocks},{f.name}": f for f in COMBINATIONS
                if lanes <= f.max_lanes(cutoff)}
     cases = {case: {"PREFIX": f.prefix_cache, "RESERVED": f.scratch == "reserved",
-                    "HYBRID": f.hybrid, "HOST": f.host, "T": f.tables}
+                    "HYBRID": f.hybrid, "HOST": f.host, "T": f.tables, "PREEMPT": f.preempt}
              for case, f in by_case.items()}
     out: dict[Features, list[Check]] = {f: [] for f in by_case.values()}
     for case, c in progress(model, u, cases):
@@ -95,9 +105,13 @@ def safe(model: L.Model, f: Features, lanes: int, blocks: int) -> tuple[bool, li
 
 
 def stuck_trace(model: L.Model, f: Features, lanes: int, blocks: int) -> bmc.Trace | None:
-    """A stuck run from the initial state, confirmed by z3 against the spec (see search.py)."""
+    """A stuck run from the initial state, confirmed by z3 against the spec (see search.py).
+    With preemption one request suffices (one table and a block short, a lane running alone
+    already needs preempting) and keeps the search small: with more, every interleaving of
+    preemptions and readmissions is a new state."""
     return search.stuck_run(model, lanes, blocks, f.prefix_cache, f.scratch == "reserved",
-                            hybrid=f.hybrid, host=f.host, tables=f.tables)
+                            hybrid=f.hybrid, host=f.host, tables=f.tables, preempt=f.preempt,
+                            requests=1 if f.preempt else None)
 
 
 def min_blocks(model: L.Model, f: Features, lanes: int, max_blocks: int) -> int | None:
@@ -126,6 +140,8 @@ def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
     results = {(b, k): progress_by_features(model, b, k, max_lanes)
                for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)}
     for f in COMBINATIONS:
+        if f.preempt and f.tables + 1 > max_blocks:
+            continue  # (a block cutoff below one table and a block checks nothing there)
         minimum: dict[int, int | None] = {}
         checks: list[Check] = []
         found: dict[int, bmc.Trace | None] = {}
@@ -149,7 +165,7 @@ def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
                 tr = stuck_trace(model, f, b, k_min - 1)
                 found[b] = tr
                 status = "proved" if tr is not None else "counterexample"
-                checks.append(Check(f"tight:{RULE_NAMES[f.key]}", "*",
+                checks.append(Check(f"tight:{f.rule_name}", "*",
                                     "capacity-tight", status, time.perf_counter() - t0,
                                     f"B={b},K={k_min - 1},{f.name}",
                                     "" if tr else "no stuck run one block below the minimum"))
@@ -202,20 +218,63 @@ def need(lanes: int, tables: int, scratch_blocks: int, copy_blocks: int) -> int:
     return max(lanes * tables, (lanes - 1) * tables + 1 + copy_blocks) + scratch_blocks
 
 
+def need_preempt(lanes: int, tables: int, lone: int, shared: int) -> int:
+    """With preemption: one lane's whole table, plus `lone` blocks when it is the only lane and
+    `shared` beside others (a padding target for their rows: the lane's own decode cannot wait
+    for a block that only preempting it would free)."""
+    return tables + (lone if lanes == 1 else shared)
+
+
+def preempt_rule_text(lone: int, shared: int | None) -> str:
+    def plus(n: int) -> str:
+        return f"T + {n}" if n else "T"
+    if shared is None:  # (a one-lane cutoff)
+        return f"kv_blocks >= {plus(lone)} with one lane"
+    if lone == shared:
+        return f"kv_blocks >= {plus(lone)}"
+    return f"kv_blocks >= {plus(shared)} ({plus(lone)} with one lane)"
+
+
 def rule_text(scratch_blocks: int, copy_blocks: int) -> str:
     core = ("lanes * T" if not copy_blocks
             else f"max(lanes * T, (lanes - 1) * T + {1 + copy_blocks})")
     return f"kv_blocks >= {core}" + (f" + {scratch_blocks}" if scratch_blocks else "")
 
 
-def fit(rows: list[Row]) -> tuple[dict[tuple[bool, str], tuple[int, int]], list[str]]:
-    """(scratch blocks, copy blocks) per rule key, read off the T = 1 and T = 2 rows, and every
-    row whose minimum the rule does not give (must be none)."""
+def fit_preempt(rows: list[Row]) -> tuple[dict[tuple[bool, str], tuple[int, Any]], list[str]]:
+    """(lone, shared) per rule key for the preemption rows, read off the largest T's rows at
+    one and two lanes, and every row whose minimum the rule does not give (must be none)."""
     out: dict[tuple[bool, str], tuple[int, int]] = {}
     wrong = []
+    pre = [r for r in rows if r.features.preempt]
+    for r in sorted(pre, key=lambda x: x.features.tables):
+        lone, shared = r.minimum.get(1), r.minimum.get(2)
+        if lone is None or (shared is None and 2 in r.minimum):
+            wrong.append(f"{r.features.name}: no rule fits {r.minimum}")
+            continue
+        # (a cutoff of one lane says nothing about two: shared stays open, None)
+        out[r.key] = (lone - r.features.tables,
+                      None if shared is None else shared - r.features.tables)
+    for r in pre:
+        if r.key not in out:
+            continue
+        for b, k in r.minimum.items():
+            if k != need_preempt(b, r.features.tables, *out[r.key]):
+                wrong.append(f"{r.features.name}: K_min(B={b}) = {k}, the rule says "
+                             f"{need_preempt(b, r.features.tables, *out[r.key])}")
+    return out, wrong
+
+
+def fit(rows: list[Row]) -> tuple[dict[tuple[bool, str], tuple[int, int]], list[str]]:
+    """(scratch blocks, copy blocks) per rule key, read off the T = 1 and T = 2 rows, and every
+    row whose minimum the rule does not give (must be none). Preemption rows: `fit_preempt`."""
+    out: dict[tuple[bool, str], tuple[int, int]] = {}
+    wrong = []
+    rows = [r for r in rows if not r.features.preempt]
     for r in rows:
         if r.features.plain:
-            t2 = next((x for x in rows if x.key == r.key and x.features.tables == 2), None)
+            t2 = next((x for x in rows if x.key == r.key and x.features.tables == 2
+                       and not x.features.preempt), None)
             if r.offset is None or t2 is None or t2.offset is None:
                 wrong.append(f"{r.features.name}: no rule fits {r.minimum}")
                 continue
@@ -239,6 +298,8 @@ RULE_NAMES = {(False, "reserved"): "reserved-scratch", (False, "dynamic"): "dyna
 def render(rows: list[Row], max_lanes: int) -> str:
     """The generated capacity table module (`make generate`)."""
     fitted, wrong = fit(rows)
+    pfitted, pwrong = fit_preempt(rows)
+    wrong += pwrong
     if wrong:
         raise RuntimeError("no capacity rule fits: " + "; ".join(wrong))
     keys = [r.key for r in rows if r.features.plain]
@@ -250,7 +311,9 @@ def render(rows: list[Row], max_lanes: int) -> str:
         "+ SCRATCH_BLOCKS[key], key = (prefix_cache, scratch); with T = 1, lanes + OFFSETS[key].",
         "`atom-core verify` proves each rule sufficient (z3: no state satisfying the invariants is",
         "stuck) for every lane count up to PROVED_LANES with T = 1 and lanes * T up to it with",
-        'T = 2, and tight (a run into a stuck state with one block fewer)."""',
+        "T = 2, and tight (a run into a stuck state with one block fewer). With preemption:",
+        "kv_blocks >= T + PREEMPT_BLOCKS[key][0] for one lane, T + PREEMPT_BLOCKS[key][1] for",
+        'more."""',
         "",
         f"PROVED_LANES = {max_lanes}",
         "",
@@ -261,13 +324,22 @@ def render(rows: list[Row], max_lanes: int) -> str:
     lines += [f"    {k!r}: {fitted[k][1]}," for k in keys]
     lines += ["}", "", "OFFSETS = {"]
     lines += [f"    {k!r}: {sum(fitted[k])}," for k in keys]
+    lines += ["}", "", "PREEMPT_BLOCKS = {"]
+    lines += [f"    {k!r}: {pfitted[k]}," for k in keys]
     lines += ["}", "", "RULE_NAMES = {"]
     lines += [f"    {k!r}: {RULE_NAMES[k]!r}," for k in keys]
     lines += ["}", "", "RULES = {"]
     lines += [f"    {k!r}: (\n        {RULE_NAMES[k] + ': ' + rule_text(*fitted[k])!r}),"
               for k in keys]
+    lines += ["}", "", "PREEMPT_RULES = {"]
+    lines += [f"    {k!r}: (\n        "
+              f"{RULE_NAMES[k] + '-preemption: ' + preempt_rule_text(*pfitted[k])!r}),"
+              for k in keys]
     lines += ["}", "", "",
-              "def min_kv_blocks(lanes: int, tables: int, key: tuple[bool, str]) -> int:",
+              "def min_kv_blocks(lanes: int, tables: int, key: tuple[bool, str],",
+              "                  preempt: bool = False) -> int:",
+              "    if preempt:",
+              "        return tables + PREEMPT_BLOCKS[key][0 if lanes == 1 else 1]",
               "    return (max(lanes * tables, (lanes - 1) * tables + 1 + COPY_BLOCKS[key])",
               "            + SCRATCH_BLOCKS[key])", ""]
     return "\n".join(lines)

@@ -168,7 +168,7 @@ def _small_steps(model: L.Model, action: str) -> Iterator[
     rel = [i for i in model.invariants if i.kind == "relational"]
     for lanes, blocks, reqs, slots in SMALL:
         u = Universe(model, {"Lane": lanes, "Block": blocks, "Req": reqs, "Slot": slots},
-                     ctx_name=f"_small_{lanes}_{blocks}")
+                     ctx_name=f"_small_{lanes}_{blocks}", laws=True)
         size = f"B={lanes}, K={blocks}, {reqs} requests, {slots} host slots"
         for a, facts, pre, post in _steps(model, u, rel):
             if a.name == action:
@@ -270,6 +270,9 @@ def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> I
             status = ("proved" if r == z3.unsat else "counterexample" if r == z3.sat
                       else "unknown")
             detail = solver.reason_unknown() if status == "unknown" else ""
+            if status == "unknown":  # the incremental solver gave up: the bounded attempts
+                status, extra = solve([*ax, *hyps, *assume, goal], TIMEOUT_MS, bounded=True)
+                detail = str(extra) if status == "unknown" else ""
             yield case, Check(name, "*", "progress", status, time.perf_counter() - t0,
                               f"{case}", detail)
 

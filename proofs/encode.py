@@ -81,7 +81,7 @@ def reset_names() -> None:
 class Universe:
     def __init__(self, model: L.Model, sizes: dict[str, int] | None = None,
                  consts: dict[str, Any] | None = None, ctx_name: str = "",
-                 concrete_seqs: bool = False) -> None:
+                 concrete_seqs: bool = False, laws: bool | None = None) -> None:
         """`sizes` maps index/ident sort names to a size (bounded); None = unbounded.
         `consts` fixes config constants to Python values (others stay symbolic).
         `concrete_seqs` gives the value sort Seq z3's sequence theory (take = prefix, push =
@@ -89,6 +89,10 @@ class Universe:
         proofs leave it uninterpreted, so they hold for any implementation of those ops."""
         self.model = model
         self.bounded = sizes is not None
+        # the laws of the value operations (quantified): unbounded proofs; bounded induction
+        # stays quantifier-free; a finite universe searched for a refutation needs them, or its
+        # "counterexample" may break a law (see `axioms`)
+        self.laws = (not self.bounded and not concrete_seqs) if laws is None else laws
         self.sizes = sizes or {}
         # Every symbol of a universe is its own: z3's global context never shares a declaration
         # between two universes (a sort, function or constant declared twice is the same one).
@@ -334,7 +338,10 @@ class Universe:
         return z3.Const(name, self.zsort(p.sort))
 
     def axioms(self) -> list[Any]:
-        return [self.tr(a.expr, {}, {}) for a in self.model.axioms]
+        """The config axioms, and in the unbounded universe the laws of the value operations
+        (bounded queries stay quantifier-free; concrete sequences implement the laws)."""
+        laws = self.model.laws if self.laws else []
+        return [self.tr(a.expr, {}, {}) for a in [*self.model.axioms, *laws]]
 
 
 def _vars_in(exprs: list[L.Expr]) -> set[L.Var]:

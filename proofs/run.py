@@ -42,11 +42,18 @@ def table_matches(rows: list[capacity.Row]) -> Check:
     from atom_core._generated import capacity as committed
 
     found, wrong = capacity.fit(rows)
+    pfound, pwrong = capacity.fit_preempt(rows)
+    wrong += pwrong
     want = {k: (committed.SCRATCH_BLOCKS[k], committed.COPY_BLOCKS[k])
             for k in committed.SCRATCH_BLOCKS}
-    ok = found == want and not wrong
+    pwant = {k: tuple(v) for k, v in getattr(committed, "PREEMPT_BLOCKS", {}).items()}
+    # (a one-lane cutoff leaves the preemption rule's second term open: None matches any)
+    pok = pfound.keys() == pwant.keys() and all(
+        x is None or x == y for k in pfound for x, y in zip(pfound[k], pwant[k], strict=True))
+    ok = found == want and pok and not wrong
     detail = "" if ok else ("; ".join(wrong) if wrong else
-                            f"committed {want} != proved {found}: run `make generate`")
+                            f"committed {want}, {pwant} != proved {found}, {pfound}: run "
+                            "`make generate`")
     return Check("capacity-table-matches-proofs", "*", "capacity", "proved" if ok else
                  "counterexample", 0.0, detail=detail)
 
@@ -54,7 +61,8 @@ def table_matches(rows: list[capacity.Row]) -> Check:
 def row_json(r: capacity.Row) -> dict[str, Any]:
     return {"prefix_cache": r.features.prefix_cache, "scratch": r.features.scratch,
             "hybrid": r.features.hybrid, "host_cache": r.features.host,
-            "blocks_per_table": r.features.tables, "offset": r.offset,
+            "blocks_per_table": r.features.tables, "preemption": r.features.preempt,
+            "offset": r.offset,
             "min_kv_blocks": {str(b): k for b, k in r.minimum.items()},
             "tight": {str(b): (t is not None) for b, t in r.traces.items()}}
 
@@ -82,7 +90,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         rows.append(row)
         for c in row.checks:
             add(c)
-        if row.offset is None:
+        if row.offset is None and not row.features.preempt:  # (preemption: fit_preempt)
             add(Check(f"rule:{row.features.name}", "*", "capacity", "counterexample", 0.0,
                       detail=f"no single rule kv_blocks >= lanes * T + c fits {row.minimum}"))
     add(table_matches(rows))

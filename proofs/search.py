@@ -150,7 +150,7 @@ def confirm(model: L.Model, consts: g.Consts, run: list[tuple[str, dict]], viola
     cs = {"B": consts.B, "K": consts.K, "C": consts.C, "S": consts.S, "T": consts.T,
           "PREFIX": consts.PREFIX,
           "RESERVED": consts.RESERVED, "SCRATCH": consts.SCRATCH, "HYBRID": consts.HYBRID,
-          "HOST": consts.HOST, "H": max(consts.H, 1)}
+          "HOST": consts.HOST, "H": max(consts.H, 1), "PREEMPT": consts.PREEMPT}
     u = bounded_universe(model, consts.B, consts.K, cs, requests=requests, concrete_seqs=True,
                          slots=max(consts.H, 1))
     env = u.init_state("c0")
@@ -229,24 +229,27 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
 
 def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
               role: str = "colocated", want: str | None = None,
-              hybrid: bool = False, host: bool = False, tables: int = 1) -> Trace | None:
+              hybrid: bool = False, host: bool = False, tables: int = 1,
+              preempt: bool = False, requests: int | None = None) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
-    lifted from the largest searched size."""
+    lifted from the largest searched size. `requests`: how many requests the runs submit
+    (default one per lane and one more)."""
     t0 = time.perf_counter()
-    base_b = min(lanes, SEARCH_LANES) if tables == 1 else lanes  # (`lift` is for T = 1)
+    # (`lift` is for T = 1, and parks requests in extra lanes, which preemption would free)
+    base_b = min(lanes, SEARCH_LANES) if tables == 1 and not preempt else lanes
     base_k = blocks - (lanes - base_b)
     if base_k < 1:
         base_b, base_k = lanes, blocks
     c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, T=tables, PREFIX=prefix,
                  RESERVED=reserved, SCRATCH=0, HYBRID=hybrid, HOST=host,
-                 H=SEARCH_SLOTS if host else 0)
-    found = shortest_stuck_run(c, role=role, want=want)
+                 H=SEARCH_SLOTS if host else 0, PREEMPT=preempt)
+    found = shortest_stuck_run(c, requests=requests, role=role, want=want)
     if found is None:
         return None
     run, violated = found
     if base_b != lanes:
         c, run = lift(c, run, lanes, blocks)
-    reqs = lanes + 1
+    reqs = requests if requests is not None else lanes + 1
     final = _replay(c, run)
     if (final is None or violated not in g.progress_violations(final)
             or not confirm(model, c, run, violated, reqs)):

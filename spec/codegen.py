@@ -801,6 +801,10 @@ class Body:
             if t is Implies:
                 parts = [self.expr(x, env) for x in self._flatten(And, [e.hyp])]
                 return self._chain("and", parts + [self.neg(e.concl, env)])
+            if t is Enabled:
+                text, prec = self._p_Enabled(e, env)
+                if prec == CMP:  # one guard call: `... is None` reads `... is not None`
+                    return [*text[:-1], " is not None"], CMP
         return ["not ", self._at(e, env, NOT)], NOT
 
     def _eq_bool(self, e: Eq, env: dict[int, str], negate: bool) -> tuple[Any, int] | None:

@@ -461,6 +461,7 @@ class Model:
         self.state: list[StateFn] = []
         self.actions: list[Action] = []
         self.axioms: list[Named] = []
+        self.laws: list[Named] = []  # of the value operations (see `law`)
         self.invariants: list[Named] = []  # kind: relational | bounded
         self.transition_invariants: list[Named] = []
         self.progress: list[Named] = []
@@ -492,6 +493,13 @@ class Model:
 
     def axiom(self, name: str, expr: Expr, doc: str = "") -> None:
         self.axioms.append(Named(name, lift(expr, BOOL), "axiom", doc))
+
+    def law(self, name: str, expr: Expr, doc: str = "") -> None:
+        """A fact about the value operations (a sequence's length after `push`), quantified over
+        values: assumed by the unbounded proofs only. Bounded queries stay quantifier-free
+        (they assume the invariants proved with it instead), and the generated core implements
+        the operations (`atom_core.seq`, tested against every law)."""
+        self.laws.append(Named(name, lift(expr, BOOL), "law", doc))
 
     def invariant(self, name: str, expr: Expr, bounded: bool = False, doc: str = "") -> None:
         """bounded: proved per size (counting, arithmetic) rather than for all sizes."""
@@ -537,6 +545,7 @@ class Model:
                                              list(self.ops), list(self.state))
         m.actions = [a.copy() for a in self.actions]
         m.axioms, m.invariants = list(self.axioms), list(self.invariants)
+        m.laws = list(self.laws)
         m.transition_invariants, m.progress = (list(self.transition_invariants),
                                                list(self.progress))
         return m

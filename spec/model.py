@@ -70,6 +70,9 @@ HYBRID = m.const("HYBRID", BOOL, default=False)
 # host cache tier (evicted entries stored to host, hits loaded back); older configurations: off
 HOST = m.const("HOST", BOOL, default=False)
 H = m.const("H", INT, default=0)      # host cache slots
+# preemption: a lane that needs a block when none is reusable may push another lane's request
+# back to the waiting queue (its blocks freed). Off: every lane owns room for a whole table.
+PREEMPT = m.const("PREEMPT", BOOL, default=False)
 
 m.axiom("chunk_positive", C > 0)
 m.axiom("chunk_divides_block", S % C == 0)
@@ -82,6 +85,11 @@ m.axiom("tables_positive", T > 0)
 m.axiom("hybrid_single_block", implies(HYBRID, T == 1))
 m.axiom("host_single_block", implies(HOST, T == 1))
 m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
+# Preemption is proved for plain models: a preempted hybrid lane would also drop its snapshots,
+# and a host-tier load in flight is not a lane that can be preempted (not built).
+m.axiom("preemption_plain", implies(PREEMPT, ~HYBRID & ~HOST))
+# With one block per table no lane ever grows: preemption would only save a padding block.
+m.axiom("preemption_with_tables", implies(PREEMPT, T > 1))
 # A host entry would have to carry the sliding-state snapshots too; not built.
 m.axiom("hybrid_without_host_cache", ~(HYBRID & HOST))
 
@@ -91,6 +99,7 @@ take = m.op("take", [Seq, INT], Seq, doc="the first n tokens")
 push = m.op("push", [Seq, INT], Seq, doc="append one token")
 slen = m.op("slen", [Seq], INT, doc="number of tokens")
 m.axiom("empty_has_no_tokens", slen(empty()) == 0)
+m.law("push_adds_a_token", forall((Seq, INT), lambda q, t: slen(push(q, t)) == slen(q) + 1))
 
 # ---------------------------------------------------------------- state: blocks
 owner = m.fn("owner", [Block], Owner,
@@ -214,6 +223,20 @@ def hit_ok(r, b):
     return ((slen(prompt(r)) > C) & (owner(b) == Owner.CACHE) & (start(b) == 0)
             & (head(b) == take(prompt(r), C)) & (slen(key(b)) >= C)
             & implies(HYBRID, snap_upto(b) >= C))
+
+
+def computing(l):
+    """Lane l computes on the device (prefill or decode) with no copy in flight."""
+    return (prefilling(l) | decoding(l)) & ~copying(l)
+
+
+def tail_full(l):
+    return length(l) == start(tail(l)) + S
+
+
+def needs_block(l):
+    """Lane l cannot compute another token before its table grows."""
+    return computing(l) & tail_full(l) & (nblocks(l) < T)
 
 
 def lane_block(b, l):
@@ -397,7 +420,7 @@ def snapshot(l: Lane):
     """Hybrid prefix cache: the host saves lane l's local slot (its sliding state) at the next
     chunk boundary, so that a later hit of that length can restore it."""
     require("hybrid_prefix_cache", HYBRID & PREFIX)
-    require("lane_computing", (prefilling(l) | decoding(l)) & ~copying(l))
+    require("lane_computing", computing(l))
     require("next_boundary", length(l) == lane_snap(l) + C)
     assign(lane_snap(l), length(l))
     # Ghost: the new snapshot holds whatever the slot holds, and a skipped boundary has none.
@@ -427,8 +450,8 @@ def grow(l: Lane, dst: Block):
     """Lane l's tail is full and it has more to compute: dst becomes its next block. The full
     block is now immutable, so it gets its content key here (the whole prefix up to its end, as
     a hash chain would), ready to be cached when the request ends."""
-    require("lane_computing", (prefilling(l) | decoding(l)) & ~copying(l))
-    require("tail_full", length(l) == start(tail(l)) + S)
+    require("lane_computing", computing(l))
+    require("tail_full", tail_full(l))
     require("table_not_full", nblocks(l) < T)
     require("dst_reusable", reusable(dst))
     full = tail(l)
@@ -444,6 +467,31 @@ def grow(l: Lane, dst: Block):
     assign(holds(dst), take(lane_seq(l), length(l)))  # none of its own tokens yet
     assign(junk(dst), False)
     emit("grow", lane=l, block=dst, pos=nblocks(l))
+
+
+@m.action
+def preempt(l: Lane):
+    """Lane l's request goes back to the waiting queue to make room: some lane waits for a block
+    (to grow, or a decode call for its padding target) and none is reusable. Its blocks are
+    freed, never cached: their content is exactly what the restart recomputes. Its prompt
+    becomes everything it has (prompt and sampled tokens), so the restart's prefill samples its
+    next token."""
+    require("preemption_on", PREEMPT)
+    require("lane_computing", computing(l))
+    require("a_lane_waits_for_a_block", exists(Lane, lambda n: needs_block(n))
+            | (~RESERVED & needs_scratch() & exists(Lane, lambda n: decoding(n))))
+    require("no_block_reusable", forall(Block, lambda b: ~reusable(b)))
+    # (<=, not <: a lane one token short of its table's end holds T * S tokens with the one it
+    # sampled; its restart prefills them all, samples, and finishes at the table's end. Were it
+    # never preemptable, lanes filling every block could leave a decode call no padding target.)
+    require("requeue_fits", slen(lane_seq(l)) <= T * S)
+    r = lane_req(l)
+    assign(phase(r), Phase.WAITING)
+    assign(prompt(r), lane_seq(l))
+    assign(busy(l), False)
+    assign_all(owner, lambda b: ite(lane_block(b, l), Owner.FREE, owner(b)))
+    assign(lane_snap(l), 0)  # partial work is never cached: its snapshots are dropped
+    emit("preempt", lane=l, request=r)
 
 
 @m.action
@@ -753,9 +801,14 @@ inv("unsubmitted_request_has_no_prompt", forall(Req, lambda r: implies(
 
 # Fit: a prompt that could never fit a block is never accepted.
 inv("waiting_prompt_fits", forall(Req, lambda r: implies(
-    phase(r) == Phase.WAITING, (slen(prompt(r)) > 0) & (slen(prompt(r)) < T * S))))
+    phase(r) == Phase.WAITING, (slen(prompt(r)) > 0) & (slen(prompt(r)) <= T * S))))
 inv("lane_prompt_fits", forall(Lane, lambda l: implies(
-    busy(l), (lane_plen(l) > 0) & (lane_plen(l) < T * S))))
+    busy(l), (lane_plen(l) > 0) & (lane_plen(l) <= T * S))))
+# A lane's sequence is its prompt until the prefill samples, then one token past its KV: what a
+# preempted request's new prompt is made of.
+inv("lane_seq_length", forall(Lane, lambda l: implies(
+    busy(l), slen(lane_seq(l)) == ite(prefilling(l) | importing(l), lane_plen(l),
+                                      length(l) + 1))))
 
 # Copies: the source of an in-flight copy is a pinned cache entry holding the lane's prefix.
 inv("lane_computes_its_prompt", forall(Lane, lambda l: implies(
@@ -877,8 +930,15 @@ m.transition_invariant("cached_content_untouched", forall(Block, lambda b: impli
     (holds.post(b) == holds(b)) & (key.post(b) == key(b)) & ~junk.post(b))))
 
 # ---------------------------------------------------------------- progress
+def admission_room():
+    """Without preemption every lane has room for a whole table, so an idle lane can always
+    admit; with it, only one lane is sure to (a request admitted beside others may be
+    preempted, and waits until a block is free)."""
+    return ~PREEMPT | forall(Lane, lambda l: ~busy(l))
+
+
 m.progress_property("idle_lane_admits", forall((Lane, Req), lambda l, r: implies(
-    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING),
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & admission_room(),
     enabled(admit_miss, l=l, r=r) | enabled(admit_hit, l=l, r=r, n=C))),
     doc="an idle lane and a waiting request can always be admitted (evicting if needed)")
 m.progress_property("running_request_advances", implies(
@@ -892,11 +952,21 @@ m.progress_property("running_request_advances", implies(
     | exists(Lane, lambda l: decoding(l) & (length(l) == start(tail(l)) + S)
              & (nblocks(l) == T))
     | exists(Lane, lambda l: moving(l) & enabled(transfer_fail, r=lane_req(l)))
-    | exists(Block, lambda b: enabled(transfer_end, r=transfer_req(b), b=b))),
+    | exists(Block, lambda b: enabled(transfer_end, r=transfer_req(b), b=b))
+    | exists(Lane, lambda l: enabled(preempt, l=l))),
     doc="some running request can always compute its next token, or must finish, or a PD "
-        "transfer it waits for is still in flight")
+        "transfer it waits for is still in flight, or a lane can be preempted to make room")
+# Preemption makes progress only if it is not the lane that needs the block that must go: a
+# lane running alone gets every block it needs, for its table and as the decode call's padding
+# target (so a policy that never preempts the oldest lane while another can go lets the oldest
+# lane finish, and then the next).
+m.progress_property("lone_lane_is_never_preempted", forall(Lane, lambda l: implies(
+    quiescent() & forall(Lane, lambda n: implies(n != l, ~busy(n))),
+    ~enabled(preempt, l=l))),
+    doc="a lane running alone never has to be preempted: it can finish at max_seq_len")
 m.progress_property("idle_lane_imports", forall((Lane, Req), lambda l, r: implies(
-    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & (slen(prompt(r)) < S),
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & (slen(prompt(r)) < S)
+    & admission_room(),
     enabled(admit_import, l=l, r=r))),
     doc="an idle lane can always take a request whose KV comes from a prefill worker (a prompt "
         "that fits one block: PD moves one block per request today)")

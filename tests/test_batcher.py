@@ -394,7 +394,8 @@ def test_trace_replays_ok_in_process_and_by_cli(tmp_path, capsys):
     lines = text.splitlines()
     assert json.loads(lines[0]) == {"consts": {"B": 2, "K": 3, "C": C, "S": S, "PREFIX": True,
                                                "RESERVED": False, "SCRATCH": 2, "T": 1,
-                                               "HYBRID": False, "HOST": False, "H": 0}}
+                                               "HYBRID": False, "HOST": False, "H": 0,
+                                               "PREEMPT": False}}
     v = replay(lines)
     assert v.ok, (v.line, v.error)
     assert v.steps == len(lines) - 1

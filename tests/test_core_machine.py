@@ -154,32 +154,51 @@ class MirrorDivergence(AssertionError):
                          f"on={on!r} off={off!r}")
 
 
-def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1) -> int:
+def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
+               preempt: bool = False) -> int:
     """The proved capacity rule (`config.min_kv_blocks`, T = tables): every lane can hold a
-    whole table, plus the features' blocks (scratch, a prefix hit's source)."""
-    return min_kv_blocks(lanes, prefix, scratch, tables)
+    whole table, plus the features' blocks (scratch, a prefix hit's source); with preemption,
+    one lane's whole table plus a scratch or padding block."""
+    return min_kv_blocks(lanes, prefix, scratch, tables, preemption=preempt)
 
 
 @st.composite
 def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, int] = (0, 2),
             lanes: tuple[int, int] = (1, 3), tier: str = "plain",
-            tables: tuple[int, int] = (1, 3)) -> Any:
+            tables: tuple[int, int] = (1, 3), preempt: bool | None = False) -> Any:
     """Small configurations: T blocks per lane table from tables[0] to tables[1] (tier
     "plain" only: the hybrid and host tiers have T = 1, axioms hybrid_single_block and
     host_single_block), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid"
     turns on HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the
-    block size S is small (2..8), so that tables fill within a run."""
+    block size S is small (2..8), so that tables fill within a run.
+    preempt: PREEMPT on (plain tier, T >= 2: axioms preemption_plain, preemption_with_tables),
+    K from the preemption rule's minimum + extra[0] up to below the rule without it (or to the
+    minimum + extra[1]), so that lanes often wait for a block and preempt; None: the same
+    K, with PREEMPT off (below capacity: for a mutant that preempts without PREEMPT)."""
     assert tier == "plain" or (tier in TIERS and prefix), (tier, prefix)
+    assert preempt is False or tier == "plain", (preempt, tier)
+    if preempt is not False:
+        tables = (max(2, tables[0]), max(2, tables[1]))
     t = draw(st.integers(*tables)) if tier == "plain" else 1
     b = draw(st.integers(*lanes))
-    lo = min_blocks(b, prefix, scratch, t)
-    k = draw(st.integers(max(1, lo + extra[0]), max(1, lo + extra[1])))
+    lo = min_blocks(b, prefix, scratch, t, preempt is not False)
+    hi = lo + extra[1]
+    if preempt is not False and extra[1] >= 0:  # up to just below the rule without preemption
+        hi = max(hi, min_blocks(b, prefix, scratch, t) - 1)
+    k = draw(st.integers(max(1, lo + extra[0]), max(1, hi)))
+    if preempt is not False and extra[0] >= 0:
+        # often K = m * B (+ the reserved scratch block): B lanes of m < T blocks each hold
+        # every block (a storm: `storm` prompts of m blocks reach their boundaries at once)
+        even = [x for m in range(1, t) if lo <= (x := m * b + (scratch == "reserved")) <= hi]
+        if even and draw(st.booleans()):
+            k = draw(st.sampled_from(even))
     c = draw(st.sampled_from((1, 2)))
     sizes = range(6, 13) if t == 1 else range(2, 9)
     s = draw(st.sampled_from([x for x in sizes if x % c == 0]))
     h = draw(st.integers(1, 2)) if tier == "host" else 0
     return core.Consts(B=b, K=k, C=c, S=s, T=t, PREFIX=prefix, RESERVED=scratch == "reserved",
-                       SCRATCH=k - 1, HYBRID=tier == "hybrid", HOST=tier == "host", H=h)
+                       SCRATCH=k - 1, HYBRID=tier == "hybrid", HOST=tier == "host", H=h,
+                       PREEMPT=preempt is True)
 
 
 @functools.cache
@@ -274,6 +293,9 @@ class Life:
         self.slot_key: list[tuple[int, ...]] = [()] * c.H
         self.slot_block: dict[int, int] = {}  # storing slot -> the spilling block it reads
         self.slot_lane: dict[int, int] = {}  # loading slot -> the lane it is read into
+        self.admitted = [0] * c.B  # when each lane's request was admitted (a clock)
+        self.clock = 0
+        self.preempted: set[int] = set()  # requests preempted at least once
 
     # queries -------------------------------------------------------------------------
     @property
@@ -356,6 +378,18 @@ class Life:
     def needs_scratch(self) -> bool:
         return not all(self.decoding(l) for l in range(self.c.B))
 
+    def waits_for_block(self) -> bool:
+        """Some lane needs its next block, or (dynamic scratch) a decode call needs a padding
+        target: what preemption may make room for."""
+        c = self.c
+        return any(map(self.needs_block, range(c.B))) or (
+            not c.RESERVED and self.needs_scratch() and any(map(self.decoding, range(c.B))))
+
+    def oldest(self) -> int | None:
+        """The busy lane admitted first."""
+        busy = [l for l in range(self.c.B) if self.lane[l] is not None]
+        return min(busy, key=self.admitted.__getitem__) if busy else None
+
     # prediction ----------------------------------------------------------------------
     def predict(self, name: str, args: tuple[Any, ...]) -> str | None:
         """The guard the core must report, or None (it must apply the step)."""
@@ -429,6 +463,14 @@ class Life:
                 self.decoding(l) and self.tail_full(l) for l in range(c.B))),
                 ("scratch_target_ok", lambda: not self.needs_scratch() or (
                     self.owner[pad] == "SCRATCH" if c.RESERVED else self.reusable(pad))))
+        if name == "preempt":
+            l = args[0]
+            return _first(("preemption_on", lambda: c.PREEMPT),
+                          ("lane_computing", lambda: self.computing(l)),
+                          ("a_lane_waits_for_a_block", self.waits_for_block),
+                          ("no_block_reusable", lambda: not any(map(self.reusable,
+                                                                    range(c.K)))),
+                          ("requeue_fits", lambda: len(self.seq[l]) <= c.T * c.S))
         if name == "finish":
             l, keep = args
             if not self.decoding(l):
@@ -550,6 +592,8 @@ class Life:
             self._set_free(dst)  # a cache entry there is evicted
             self.owner[dst], self.tables[l], self.start[dst] = "LANE", [dst], 0
             self.lane[l] = r
+            self.clock += 1
+            self.admitted[l] = self.clock
             self.status[r] = "importing" if name == "admit_import" else "prefill"
             self.length[l], self.seq[l] = n, self.prompt[r]
         elif name == "copy_done":
@@ -615,6 +659,8 @@ class Life:
             how = {"finish": "finished", "abort_running": "aborted", "fail": "failed"}[name]
             if name == "finish":
                 assert self.status[r] == "decode"
+                if r in self.preempted:
+                    Stats.events["preempted request finished"] += 1
             moving = self.status[r] in MOVING
             self._end(r, how)
             if moving:
@@ -623,6 +669,19 @@ class Life:
             if moving:  # the transfer still uses the block: it drains
                 self.draining[b], self.owner[b] = r, "DRAINING"
             assert kinds == ["Release"] and effects[0] == (l, b), effects
+        elif name == "preempt":
+            l = args[0]
+            r = self.lane[l]
+            assert r is not None and self.computing(l) and self.copy_src[l] is None
+            assert kinds == ["Preempt"] and effects[0] == (l, r), effects
+            # back to waiting, its prompt everything it has (the restart recomputes it and
+            # samples its next token); its blocks are freed, never cached
+            self.status[r], self.prompt[r] = "waiting", self.seq[l]
+            self.preempted.add(r)
+            for x in self.tables[l]:
+                assert self.owner[x] == "LANE" and x not in self.entries, (x, self.owner)
+                self._set_free(x)
+            self.lane[l], self.snap[l], self.tables[l] = None, 0, []
         elif name == "abort_waiting":
             self._end(args[0], "aborted")
             assert kinds == []
@@ -739,6 +798,9 @@ class Life:
 
 # The rules that take PD actions (make_machine(pd=False) drops them).
 PD_RULES = {"admit_import", "pd_flow", "late_pd_event"}
+# The rules that preempt with drawn parameters or storm (make_machine(preempt=False) drops
+# them: a machine without them draws its steps as before they existed).
+PREEMPT_MACHINE_RULES = {"preempt", "storm"}
 
 
 def _to_committed(e: Any) -> Any:
@@ -750,7 +812,8 @@ def _to_committed(e: Any) -> Any:
 
 def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = None, *,
                  mirror: bool = True, mirror_core: Any = None, check_progress: bool = True,
-                 focus: set[str] | None = None, pd: bool = True) -> type[RuleBasedStateMachine]:
+                 focus: set[str] | None = None, pd: bool = True,
+                 preempt: bool = False) -> type[RuleBasedStateMachine]:
     """A state machine over `core` (ghost on), configurations drawn from `config`.
 
     mirror: apply each step to a ghost-off state too (of `mirror_core`, default `core`) and
@@ -759,7 +822,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
     least the proved minimum. focus: keep only these rules (a focused search with the same
     rules and checks). pd: take the PD actions too (colocated serving never does): the PD
     rules (PD_RULES), and PD steps among `advance`'s moves. The tiers' rules (`hybrid_flow`,
-    `host_flow`) only run in configurations with that tier.
+    `host_flow`) only run in configurations with that tier. preempt: take the preemption rules
+    (PREEMPT_MACHINE_RULES: drawn preemptions, `storm` with PREEMPT only); whatever it is, the
+    policy's preemptions are taken in configurations with PREEMPT.
     """
     config = config if config is not None else st.one_of(
         *(configs(core, p, s) for p, s in FEATURES))
@@ -777,11 +842,16 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             self.life = Life(c)
             self.next_id = 0
             scratch = "reserved" if c.RESERVED else "dynamic"
-            self.at_capacity = c.K >= min_blocks(c.B, c.PREFIX, scratch, c.T)
+            self.at_capacity = c.K >= min_blocks(c.B, c.PREFIX, scratch, c.T, c.PREEMPT)
             assert core.check_axioms(c) == []
             assert core.check_invariants(self.s) == []
 
         # helpers ---------------------------------------------------------------
+        def admission_room(self) -> bool:
+            """The spec's `admission_room`: an idle lane can always admit (at capacity), with
+            preemption only when no lane is busy (the others may hold every block)."""
+            return not self.c.PREEMPT or not any(self.s.busy)
+
         def quiescent(self) -> bool:
             """The spec's `quiescent`: no copy or load in flight, no block draining and no
             store to the host tier in flight."""
@@ -919,7 +989,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if choice is None:
                 Stats.policy_idle += 1
                 idle = [l for l in range(self.c.B) if not self.s.busy[l]]
-                if idle and self.quiescent() and self.at_capacity:
+                if idle and self.quiescent() and self.at_capacity and self.admission_room():
                     raise RefinementViolation("admission", f"refuses a quiescent admission "
                                               f"of {r}", core, self.s)
                 return False
@@ -972,7 +1042,12 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 raise RefinementViolation(action, f"chose {args}, refused by {why}", core,
                                           self.s)
 
-        def decode_by_policy(self, toks: tuple[int, ...]) -> Any:
+        def decode_by_policy(self, toks: tuple[int, ...], data: Any = None,
+                             preempt: bool = True) -> Any:
+            """A decode call with the policy's padding target. With preemption (and
+            `preempt`), as the adapter does: when there is no padding target (every block
+            held), the policy's victim is preempted (`preempt_by_policy`) and the call is made
+            again, while some lane decodes."""
             pad = self.policy.pad(self.s)
             if core.decode_guard(self.s, pad, toks) == "scratch_target_ok":
                 # Refinement the other way: the policy found no target, so none exists
@@ -981,29 +1056,100 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 if ok:
                     raise RefinementViolation("decode", f"missed the scratch targets {ok}",
                                               core, self.s)
-            return self.apply("decode", pad, toks)
+            out = self.apply("decode", pad, toks)
+            if (out.rejected == "scratch_target_ok" and preempt and self.c.PREEMPT
+                    and self.preempt_by_policy(data, "padding target") is not None
+                    and any(map(self.life.decoding, range(self.c.B)))):
+                return self.decode_by_policy(toks, data, preempt)
+            return out
 
-        def grow_by_policy(self, data: Any = None) -> bool:
+        def preempt_by_policy(self, data: Any = None, why: str = "") -> int | None:
+            """Preempt the policy's victim (`Policy.victim`), as the adapter does when a lane
+            waits for a block (`why`) and none is reusable; None if the policy finds none.
+            Refinement: the victim passes the guard, the policy finds one whenever the spec
+            accepts any, and with several busy lanes the oldest-admitted one is the victim only
+            when no other lane may be. With data, often a call that must be refused first
+            (`refuse_preempt`)."""
+            life, c = self.life, self.c
+            victim = self.policy.victim(self.s)
+            ok = [l for l in range(c.B) if core.preempt_guard(self.s, l) is None]
+            if victim is None:
+                if ok:
+                    raise RefinementViolation("preempt", f"no victim, the spec accepts {ok}",
+                                              core, self.s)
+                return None
+            self.refine("preempt", {"l": victim})
+            busy = [l for l in range(c.B) if life.lane[l] is not None]
+            if len(busy) > 1 and victim == life.oldest():
+                if ok != [victim]:
+                    raise RefinementViolation("preempt", f"preempts the oldest lane {victim} "
+                                              f"(the spec accepts {ok})", core, self.s)
+                Stats.events["oldest lane preempted: the only choice"] += 1
+            if data is None or num(data, 0, 2, "refused first (0)") == 0:
+                self.refuse_preempt(data)
+            if len(busy) == c.B > 1 and all(life.computing(l) and life.tail_full(l)
+                                            for l in busy):
+                Stats.events["preempt storm: every lane at a block boundary"] += 1
+            Stats.events[f"preempt for a {why}"] += 1
+            if life.needs_block(victim):
+                Stats.events["victim is a lane that waits"] += 1
+            assert self.apply("preempt", victim).rejected is None
+            return victim
+
+        def refuse_preempt(self, data: Any) -> None:
+            """Before the policy's preemption: preempting an idle or copying lane, or one whose
+            sequence would not fit a prompt, must be refused (without data: the first lane
+            whose sequence would not fit, if any)."""
+            life, c = self.life, self.c
+            calls = [(l, "requeue_fits") for l in range(c.B)
+                     if life.computing(l) and len(life.seq[l]) > c.T * c.S]
+            if data is None:
+                if calls:
+                    assert self.apply("preempt", calls[0][0]).rejected == "requeue_fits"
+                return
+            calls += [(l, "lane_computing") for l in range(c.B) if not life.computing(l)]
+            if calls:
+                l, expect = pick(data, calls, "refused preempt")
+                assert self.apply("preempt", l).rejected == expect, (l, expect)
+
+        def grow_by_policy(self, data: Any = None, preempt: bool = True) -> bool:
             """As the adapter does before each prefill or decode call: every lane the policy
-            says needs its next block (`Policy.growth`) gets the block `Policy.reusable`
-            picks. Refinement: the policy's lanes are exactly those the lifecycle model says
-            need a block, its block is one the spec accepts, and it finds one whenever the
-            spec would accept any. With data, often a call that must be refused first
-            (`refuse_full_tail`). False if some lane gets none (a copy pins the only
-            candidate, a block drains, or K is below the capacity rule)."""
+            says needs its next block (`Policy.growth`, the oldest first) gets the block
+            `Policy.reusable` picks; with preemption (and `preempt`), when there is none, the
+            policy's victims are preempted (`preempt_by_policy`) until there is one or the lane
+            itself is gone. Refinement: the policy's lanes are exactly those the lifecycle
+            model says need a block (in admission order), its block is one the spec accepts,
+            and it finds one whenever the spec would accept any. With data, often a call that
+            must be refused first (`refuse_full_tail`). False if some lane gets none (a copy
+            pins the only candidate, a block drains, or K is below the capacity rule)."""
             life, c = self.life, self.c
             lanes = self.policy.growth(self.s)
-            need = [l for l in range(c.B) if life.needs_block(l)]
-            if lanes != need:
+            need = sorted((l for l in range(c.B) if life.needs_block(l)),
+                          key=life.admitted.__getitem__)
+            if sorted(lanes) != sorted(need) or (c.PREEMPT and lanes != need):
                 raise RefinementViolation("grow", f"grows lanes {lanes}, the lifecycle model "
-                                          f"says {need}", core, self.s)
+                                          f"says {need} (oldest first)", core, self.s)
             for l in lanes:
+                if not life.needs_block(l):
+                    continue  # preempted to make room for an older lane
                 if data is not None and num(data, 0, 2, "refused first (0)") == 0:
                     self.refuse_full_tail(data, l)
                 dst = self.policy.reusable(self.s)
+                while (dst is None and preempt and c.PREEMPT
+                       and self.preempt_by_policy(data, "next block") is not None
+                       and life.needs_block(l)):
+                    dst = self.policy.reusable(self.s)
+                if not life.needs_block(l):
+                    continue  # it was the victim itself
+                if c.PREEMPT and dst is not None and (data is None or num(
+                        data, 0, 3, "preempt refused first (0)") == 0):
+                    # never while a block is free (the lane waiting for it, the first one
+                    # every other guard accepts)
+                    assert self.apply("preempt", l).rejected == "no_block_reusable"
                 if dst is None:
                     ok = [b for b in range(c.K) if core.grow_guard(self.s, l, b) is None]
-                    if ok or (self.quiescent() and self.at_capacity):
+                    if ok or (self.quiescent() and self.at_capacity
+                              and (preempt or not c.PREEMPT)):
                         raise RefinementViolation("grow", f"no block for lane {l} (the spec "
                                                   f"accepts {ok})", core, self.s)
                     Stats.events["grow waits for a block"] += 1
@@ -1048,7 +1194,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             waits for a block; often after a grow, refused at the table end); False if there
             is none (the refusal was the padding target)."""
             life = self.life
-            full = [l for l in decoding if life.tail_full(l)]
+            full = [l for l in decoding if life.decoding(l) and life.tail_full(l)]
             if not full:
                 return False
             if life.table_end(full[0]) and num(data, 0, 2, "grow first (0)") == 0:
@@ -1145,6 +1291,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     l = pick(data, prefilling, "lane")
                     if not self.grow_by_policy(data) and life.needs_block(l):
                         return  # no block until a copy lands or a drain ends
+                    if not life.prefilling(l):
+                        continue  # preempted to make room for an older lane
                     self.apply("prefill", l, data.draw(tokens, label="tok"))
                     # hybrid: a snapshot at each boundary of the prompt, as the policy takes
                     # them (a failed fetch skips one: that lane then has no later snapshot)
@@ -1157,7 +1305,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     self.host_step(data, feed=False)
                 elif move == "decode":
                     self.grow_by_policy(data)
-                    if self.decode_by_policy(self.decode_tokens(data)).rejected is not None:
+                    if not any(map(life.decoding, range(c.B))):
+                        continue  # every decoding lane was preempted to make room
+                    if self.decode_by_policy(self.decode_tokens(data),
+                                             data).rejected is not None:
                         if not self.finish_full(data, decoding):
                             return  # no scratch target until a prefill or copy completes
                 elif move == "pd":
@@ -1338,6 +1489,113 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         @rule(data=st.data(), keep=st.booleans())
         def finish(self, data: Any, keep: bool) -> None:
             self.apply("finish", self.lanes(data, self.life.decoding), keep)
+
+        # rules: preemption ------------------------------------------------------------
+        @rule(data=st.data())
+        def preempt(self, data: Any) -> None:
+            """preempt with a drawn lane (often a computing one, one that waits for a block,
+            one whose sequence would not fit a prompt, or an idle or copying one): applied, or
+            refused by the guard the lifecycle model names (without PREEMPT: preemption_on)."""
+            life, c = self.life, self.c
+            pred = pick(data, (life.computing, life.needs_block,
+                               lambda l: life.computing(l) and len(life.seq[l]) > c.T * c.S,
+                               lambda l: not life.computing(l)), "lane: computing, ...")
+            self.apply("preempt", self.lanes(data, pred))
+
+        @precondition(lambda self: self.c.PREEMPT)
+        @rule(data=st.data(), k=st.integers(1, 8))
+        def storm(self, data: Any, k: int) -> None:
+            """A preempt storm: a request whose prompt ends on a block boundary (1..T-1 whole
+            blocks, or one token short of one; often the same length for every lane) for each
+            idle lane, admitted as the policy chooses, then scheduler steps (`schedule_step`)
+            for their prefill and k more: lanes reach their block boundaries together, with few
+            blocks left (K near the preemption rule's minimum), and the policy preempts to make
+            room;
+            the run's end drains them (`run_to_completion`). Often every other request is
+            aborted first, and when the B lanes can share the K blocks (but the reserved
+            scratch block) evenly, m < T blocks each, every prompt is m blocks long: every lane
+            reaches its boundary at once, no block left."""
+            c, life = self.c, self.life
+            if coin(data, "from idle"):  # (the client gives up on everything else)
+                for l in range(c.B):
+                    if life.lane[l] is not None:
+                        assert self.apply("abort_running", l).rejected is None
+                for r in self.waiting():
+                    assert self.apply("abort_waiting", r).rejected is None
+            n = num(data, 1, c.T - 1, "blocks") * c.S - num(data, 0, 1, "short (1)")
+            same = coin(data, "the same length")
+            m, rest = divmod(c.K - c.RESERVED, c.B)
+            if (same and not rest and 1 <= m < c.T and c.B > 1
+                    and all(r is None for r in life.lane)):
+                n = m * c.S
+            for _ in range(self.s.busy.count(False)):
+                if not same:
+                    n = num(data, 1, c.T - 1, "blocks") * c.S - num(data, 0, 1, "short (1)")
+                p = seq(data.draw(_token_lists(n, n), label="prompt"))
+                assert self.apply("submit", self.next_id, p).rejected is None
+                self.next_id += 1
+                if not self.admit_by_policy(self.next_id - 1):
+                    break
+            for _ in range(n // c.C + k):  # (the prompts' prefill, then k more steps)
+                if not self.schedule_step(data):
+                    return
+
+        def schedule_step(self, data: Any = None) -> bool:
+            """One scheduler step with preemption, as the adapter takes it: copies land; the
+            lanes that need a block grow (the oldest first; preempting when there is none);
+            the oldest waiting request is admitted if the policy finds room; lanes grow again;
+            each prefilling lane prefills a chunk; lanes at their table end finish (with data,
+            sometimes lanes after a few tokens); then a decode call (preempting for a padding
+            target). False if there is nothing to do."""
+            life, c = self.life, self.c
+            if any(life.copying):  # (no host tier with preemption: a device copy)
+                self.apply("copy_done", life.copying.index(True))
+                return True
+            if not self.waiting() and all(r is None for r in life.lane):
+                return False
+            self.grow_by_policy(data)
+            if self.waiting() and None in life.lane:
+                self.admit_by_policy(self.waiting()[0])
+                if any(life.copying):
+                    return True
+            self.grow_by_policy(data)
+            for l in range(c.B):
+                if life.prefilling(l) and not life.copying[l] and not life.needs_block(l):
+                    self.apply("prefill", l, ALPHABET[l % len(ALPHABET)])
+            for l in range(c.B):  # a lane finishes at its table end, or (odd requests) a
+                r = life.lane[l]  # block's worth of tokens past its prompt
+                if (life.table_end(l) and life.waits_for_block()
+                        and not any(map(life.reusable, range(c.K)))):
+                    # its sequence would not fit a prompt: not a victim (it finishes instead)
+                    assert self.apply("preempt", l).rejected == "requeue_fits"
+                if life.table_end(l) or (life.decoding(l) and r % 2 and life.length[l] >= len(
+                        life.prompt[r]) + c.S):
+                    self.apply("finish", l, c.PREFIX and r % 4 < 2)
+            self.grow_by_policy(data)
+            if any(map(life.decoding, range(c.B))):
+                toks = (tuple(data.draw(_token_lists(c.B, c.B), label="tokens"))
+                        if data is not None else (ALPHABET[0],) * c.B)
+                self.decode_by_policy(toks, data)
+            return True
+
+        def run_to_completion(self) -> None:
+            """With preemption, at capacity: the scheduler (`schedule_step`) runs every waiting
+            and running request to its end: each one finishes (preempted ones too, admitted
+            again), none is abandoned, and it does not hang (a bound on the steps: the oldest
+            lane always advances)."""
+            life, c = self.life, self.c
+            todo = life.in_phase("waiting", "prefill", "decode")
+            bound = 4 * (len(todo) + 1) * (c.T * c.S + 2) * c.B
+            for _ in range(bound):
+                if not self.schedule_step():
+                    break
+            else:
+                raise AssertionError(f"the scheduler did not drain {todo} in {bound} steps: "
+                                     f"{core.describe_state(self.s)}")
+            assert all(life.status[r] == "finished" for r in todo), {
+                r: life.status[r] for r in todo}
+            if any(r in life.preempted for r in todo):
+                Stats.events["preempted requests drained"] += 1
 
         @rule(data=st.data())
         def abort(self, data: Any) -> None:
@@ -1639,7 +1897,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if move == "import":
                 dst = self.policy.reusable(s)
                 if dst is None:  # refinement: only while a copy runs or a block drains
-                    assert not (self.quiescent() and self.at_capacity), "no block to import to"
+                    assert not (self.quiescent() and self.at_capacity
+                                and self.admission_room()), "no block to import to"
                     return False
                 l, w = self.policy.idle_lane(s), self.waiting()
                 short = [r for r in w if len(life.prompt[r]) < c.S]
@@ -1973,7 +2232,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         def foreign_tier_calls(self) -> None:
             """Whatever state a run ends in, a configuration refuses the actions of a tier it
             does not have: without the hybrid prefix cache every snapshot, without the host
-            tier every spill, and every load event (no lane is loading)."""
+            tier every spill, and every load event (no lane is loading), without PREEMPT every
+            preemption."""
             c, life = self.c, self.life
             if not (c.HYBRID and c.PREFIX):
                 for l in range(c.B):
@@ -1985,6 +2245,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     assert life.load_slot[l] is None  # nothing to load from
                     assert self.apply(("load_done", "load_fail")[l % 2], l).rejected == (
                         "load_in_flight")
+            if not c.PREEMPT:
+                for l in range(c.B):
+                    assert self.apply("preempt", l).rejected == "preemption_on"
 
         def teardown(self) -> None:
             """Drain as a scheduler runs until idle: end every transfer, copy, load and store
@@ -1993,11 +2256,15 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             into the cache; a quarter are aborted or failed instead) and admit the waiting ones
             as the policy chooses (every third abandoned instead); paged tables with the prefix
             cache: then a miss beside a cached later block (`miss_beside_later_block`), drained
-            too; then check each request ended exactly once and nothing is left in flight."""
+            too; then check each request ended exactly once and nothing is left in flight.
+            With preemption, at capacity, first every request runs to its end as the scheduler
+            runs it, preempting (`run_to_completion`): none is abandoned."""
             if not hasattr(self, "life"):
                 return
             self.foreign_tier_calls()
             life = self.life
+            if self.c.PREEMPT and self.at_capacity:
+                self.run_to_completion()
             self.drain()
             if self.c.T > 1 and self.c.PREFIX and self.miss_beside_later_block():
                 self.drain()
@@ -2007,7 +2274,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             assert not any(self.s.lane_snap), self.s.lane_snap  # idle lanes have no snapshots
 
         def drain(self) -> None:
-            """teardown's scheduler loop, until every request has ended."""
+            """teardown's scheduler loop, until every request has ended. It never preempts
+            (with preemption, `run_to_completion` ran first; below capacity a preempted lane
+            could be admitted and preempted forever): a lane with no block is cancelled."""
             life = self.life
             while True:
                 if life.draining:
@@ -2022,6 +2291,15 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     self.apply("copy_done" if life.load_slot[l] is None else load, l)
                 elif life.in_phase("importing"):
                     r = life.in_phase("importing")[0]
+                    # a payload one token short first: refused (covers_prompt), nothing changes
+                    short = life.prompt[r][:-1]
+                    assert self.apply("import_done", r, seq(short), ALPHABET[0]).rejected \
+                        == "covers_prompt"
+                    Stats.events["prefix import rejected"] += 1
+                    longer = life.prompt[r] + (ALPHABET[0],)  # the first token's KV too
+                    assert self.apply("import_done", r, seq(longer), ALPHABET[0]).rejected \
+                        == "covers_prompt"
+                    Stats.events["longer import rejected"] += 1
                     self.apply("import_done", r, seq(life.prompt[r]), ALPHABET[0])
                 elif life.in_phase("exporting"):
                     self.apply("export_done", life.in_phase("exporting")[0], self.c.PREFIX)
@@ -2035,7 +2313,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         if life.prefilling(l):
                             assert self.apply("prefill", l, 1).rejected == "chunk_within_block"
                         assert self.apply("grow", l, life.tail(l)).rejected == "dst_reusable"
-                    grown = self.grow_by_policy() or not life.needs_block(l)
+                    grown = self.grow_by_policy(preempt=False) or not life.needs_block(l)
                     if r % 4 == 3 or not grown:  # a quarter are cancelled: aborted or failed
                         self.apply(("abort_running", "fail")[r // 4 % 2], l)
                     elif pd and life.prefilled(l) and r % 2 and len(life.tables[l]) == 1:
@@ -2046,7 +2324,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         self.apply("finish", l, self.c.PREFIX)
                     elif life.decoding(l) and (r % 3 == 1 or self.c.T > 1 and not Stats.events[
                             "decode refused at a full table"]) and self.decode_by_policy(
-                            tuple(ALPHABET[:1]) * self.c.B).rejected is None:
+                            tuple(ALPHABET[:1]) * self.c.B, preempt=False).rejected is None:
                         # a long answer: decoded to the table end (then refused); with paged
                         # tables at least once per run, so a full table is always reached
                         pass
@@ -2076,10 +2354,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
     CoreMachine.__name__ = CoreMachine.__qualname__ = f"CoreMachine_{core.__name__}"
     rules = {k for k, v in vars(CoreMachine).items() if hasattr(v, "hypothesis_stateful_rule")}
-    assert PD_RULES <= rules, PD_RULES - rules
-    if focus is None and pd:
+    assert PD_RULES | PREEMPT_MACHINE_RULES <= rules, PD_RULES - rules
+    if focus is None and pd and preempt:
         return CoreMachine
     focus = (rules if focus is None else focus) - (set() if pd else PD_RULES)
+    focus -= set() if preempt else PREEMPT_MACHINE_RULES
     assert focus <= rules, focus - rules
     # A rule attribute shadowed by None is no rule (hypothesis collects marked members).
     return type(f"Focused{CoreMachine.__name__}", (CoreMachine,),
@@ -2096,20 +2375,23 @@ class Tally(NamedTuple):
     applied: Counter[str]
     rejected: Counter[tuple[str, str]]
     events: Counter[str]
+    preempt: bool = False  # the configurations have PREEMPT
 
 
-def run_machine(config: st.SearchStrategy[Any], pd: bool) -> Tally:
+def run_machine(config: st.SearchStrategy[Any], pd: bool, preempt: bool = False) -> Tally:
     Stats.reset()
-    run_state_machine_as_test(make_machine(config=config, pd=pd))
-    return Tally(pd, Counter(Stats.applied), Counter(Stats.rejected), Counter(Stats.events))
+    run_state_machine_as_test(make_machine(config=config, pd=pd, preempt=preempt))
+    return Tally(pd, Counter(Stats.applied), Counter(Stats.rejected), Counter(Stats.events),
+                 preempt)
 
 
 def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     """Not vacuous, over the runs of one configuration family: every action it can take was
     applied, and no run applied one it cannot (hits need the prefix cache, PD actions pd,
     snapshot the hybrid tier, the host actions the host tier, grow a table of several blocks:
-    the plain tier); some lane reached the block end (decode refused until it finishes), and
-    with paged tables the table end; and the situations each feature exists for happened."""
+    the plain tier, preempt PREEMPT); some lane reached the block end (decode refused until it
+    finishes), and with paged tables the table end; and the situations each feature exists for
+    happened."""
     actions = set(committed.ACTIONS)
     cannot = set() if prefix else {"admit_hit", "copy_done"}
     cannot |= set() if tier == "hybrid" else {"snapshot"}
@@ -2117,11 +2399,13 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     cannot |= set() if tier == "plain" else {"grow"}  # T = 1
     for run in runs:
         off = cannot | (set() if run.pd else set(PD_ACTIONS))
-        assert not off & set(run.applied), (run.pd, off & set(run.applied))
+        off |= set() if run.preempt else {"preempt"}
+        assert not off & set(run.applied), (run.pd, run.preempt, off & set(run.applied))
     applied = {a for run in runs for a in run.applied}
     rejected = {k for run in runs for k, v in run.rejected.items() if v}
     events = {k for run in runs for k, v in run.events.items() if v}
     expected = actions - cannot - (set() if any(run.pd for run in runs) else set(PD_ACTIONS))
+    expected -= set() if any(run.preempt for run in runs) else {"preempt"}
     assert expected <= applied, expected - applied
     assert ("decode", "no_block_overflow") in rejected
     # Each tier's actions are refused where they do not belong, and at wrong times.
@@ -2149,6 +2433,22 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
         paged |= {"table of several blocks cached", "hit on a full first block",
                   "miss beside a later block's entry"} if prefix else set()
         assert paged <= events, paged - events
+    if any(run.preempt for run in runs):
+        # preempt refused by its guards (but preemption_on); preemptions for a lane's
+        # next block (in a storm: every lane at a block boundary, no block left) and for a
+        # decode call's padding target (dynamic scratch: B >= 2 lanes share K = T + 1);
+        # preempted requests admitted again and finished, and drained at the end of a run
+        # (requeue_fits needs a lane at its table end while another waits
+        # for a block: reached in most runs, not all; its mutant, preempt-requeue_fits, shows
+        # the machine gets there)
+        want |= {("preempt", g) for g in ("lane_computing", "a_lane_waits_for_a_block",
+                                          "no_block_reusable")}
+        preempted = {"preempt for a next block", "preempt storm: every lane at a block boundary",
+                     "preempted request finished", "preempted requests drained",
+                     "victim is a lane that waits"}
+        assert preempted <= events, preempted - events
+    if not all(run.preempt for run in runs):
+        want |= {("preempt", "preemption_on")}
     assert want <= rejected, want - rejected
     if tier == "hybrid":
         # a miss is not blocked by an entry that shares its first chunk but has no snapshot
@@ -2191,6 +2491,19 @@ def test_core_machine(prefix: bool, scratch: str, pd: bool) -> None:
     check_coverage("plain", prefix, run_machine(configs(committed, prefix, scratch), pd))
 
 
+@pytest.mark.parametrize("prefix,scratch", FEATURES,
+                         ids=[f"{'prefix' if p else 'noprefix'}-{s}" for p, s in FEATURES])
+def test_core_machine_preempt(prefix: bool, scratch: str) -> None:
+    """The same checks with PREEMPT (T in 2..3, K from the preemption rule's minimum, T + 1
+    with several lanes, to below every lane's whole table): preemptions as the adapter takes
+    them (the policy's victim when a lane waits for a block and none is reusable; refinement:
+    never the oldest lane while another may go) and with drawn lanes (every guard predicted),
+    preempt storms (`storm`), and runs that end with every request finished
+    (`run_to_completion`). Colocated: the batcher serves no PD request with preemption."""
+    config = configs(committed, prefix, scratch, preempt=True)
+    check_coverage("plain", prefix, run_machine(config, False, preempt=True))
+
+
 @pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
 @pytest.mark.parametrize("tier", TIERS)
 def test_core_machine_tier(tier: str, scratch: str) -> None:
@@ -2204,12 +2517,37 @@ def test_core_machine_tier(tier: str, scratch: str) -> None:
     check_coverage(tier, True, run_machine(config, False), run_machine(config, True))
 
 
+def test_preempt_when_tables_fill_every_block() -> None:
+    """B = 3, T = 2, S = 2, dynamic scratch, K = 4 (above the rule's T + 1 = 3): two lanes fill
+    whole tables, one token short of their end, lane 2 idle. The decode call needs a padding
+    target and there is none. Found by this machine when `requeue_fits` refused a sequence of
+    T * S tokens (neither lane could go: stuck, at a K above a safe one); a restart of T * S
+    tokens prefills them all and finishes at the table's end, so a lane may go."""
+    c = committed.Consts(B=3, K=4, C=1, S=2, T=2, PREFIX=False, RESERVED=False, SCRATCH=3,
+                         HYBRID=False, HOST=False, H=0, PREEMPT=True)
+    assert c.K >= min_blocks(c.B, False, "dynamic", c.T, preempt=True)
+    s = committed.init(c, True)
+    steps = []
+    for r in (0, 1):
+        steps += [("submit", r, seq([1, 2, 3])), ("admit_miss", r, r, r), ("prefill", r, 1),
+                  ("prefill", r, 1), ("grow", r, r + 2), ("prefill", r, 1)]
+    for name, *args in steps:
+        out = committed.ACTIONS[name][0](s, *args)
+        assert out.rejected is None, (name, args, out.rejected)
+        s = out.state
+    assert committed.decode_guard(s, 3, (0, 0, 0)) is not None  # no padding target
+    assert committed.preempt_guard(s, 1) is None
+    assert committed.progress_violations(s) == []
+
+
 def test_core_machine_below_capacity() -> None:
     """One block below the proved minimum the core may get stuck, but stays safe."""
     config = st.one_of(*(configs(committed, p, s, extra=(-1, -1)) for p, s in FEATURES),
                        *(configs(committed, True, s, extra=(-1, -1), tier=t)
-                         for t in TIERS for s in ("reserved", "dynamic")))
-    run_state_machine_as_test(make_machine(config=config))
+                         for t in TIERS for s in ("reserved", "dynamic")),
+                       *(configs(committed, p, s, extra=(-1, -1), preempt=True)
+                         for p, s in FEATURES))
+    run_state_machine_as_test(make_machine(config=config, preempt=True))
 
 
 def test_mirror_catches_a_ghost_off_divergence() -> None:
@@ -2241,7 +2579,8 @@ class Mutant(NamedTuple):
     model predicts it accepts, `progress:<property>`, `refinement:<action>`: the policy's
     choice was refused; several when either may come first), the rules the search needs
     (None: every rule), whether the machine takes PD actions, the tier ("plain",
-    "hybrid", "host") and the range of T (blocks per lane table; plain tier only)."""
+    "hybrid", "host"), the range of T (blocks per lane table; plain tier only) and PREEMPT
+    (`configs`' preempt: None is PREEMPT off with K as low as with it)."""
 
     build: Callable[[], Any]
     features: tuple[bool, str]
@@ -2250,6 +2589,7 @@ class Mutant(NamedTuple):
     pd: bool = False
     tier: str = "plain"
     tables: tuple[int, int] = (1, 1)
+    preempt: bool | None = False
 
 
 # Each mutant removes or weakens one guard or update. focus keeps only the rules the bug
@@ -2260,6 +2600,7 @@ PD_FLOW = {"pd_flow"}
 HYBRID_FLOW = {"hybrid_flow"}
 HOST_FLOW = {"host_flow"}
 GROW_RULES = {"submit", "advance", "grow"}
+PREEMPT_RULES = {"submit", "advance", "storm", "preempt"}
 MUTANTS: dict[str, Mutant] = {
     # A hit copying into its own source (or, when the source is pinned by another lane's copy,
     # dst_reusable refuses it where the lifecycle model expects dst_not_src).
@@ -2434,6 +2775,57 @@ MUTANTS: dict[str, Mutant] = {
         lambda: _finish_frees_tail_only(),
         (True, "dynamic"), ("owned_block_in_table", "lane_blocks_are_its_table"), GROW_RULES,
         tables=(2, 3)),
+    # Preemption. Without PREEMPT (K as low as with it): a lane is preempted all the same (the
+    # state stays consistent: only the lifecycle model notices).
+    "preempt-preemption_on": Mutant(
+        lambda: MODEL.without_guard("preempt", "preemption_on"),
+        (False, "dynamic"), "lifecycle:preemption_on", PREEMPT_RULES, tables=(2, 3),
+        preempt=None),
+    # An idle lane is preempted (its last request, ended, is waiting again; or none) or a
+    # copying one (its copy lands in a free block); or, where some other guard refuses, the
+    # lifecycle model notices.
+    "preempt-lane_computing": Mutant(
+        lambda: MODEL.without_guard("preempt", "lane_computing"),
+        (True, "reserved"),
+        ("ended_is_final", "copy_only_while_prefilling", "copy_target_not_ready",
+         "unsubmitted_request_has_no_prompt", "waiting_prompt_fits",
+         "lifecycle:lane_computing"), PREEMPT_RULES, tables=(2, 3), preempt=True),
+    # A preemption while a block is free (or no lane waits for one): safe, but work is thrown
+    # away; a lane running alone may be preempted (lone_lane_is_never_preempted).
+    "preempt-no_block_reusable": Mutant(
+        lambda: MODEL.without_guard("preempt", "no_block_reusable"),
+        (False, "dynamic"),
+        ("lifecycle:no_block_reusable", "progress:lone_lane_is_never_preempted"),
+        PREEMPT_RULES, tables=(2, 3), preempt=True),
+    "preempt-a_lane_waits_for_a_block": Mutant(
+        lambda: MODEL.without_guard("preempt", "a_lane_waits_for_a_block"),
+        (True, "dynamic"),
+        ("lifecycle:a_lane_waits_for_a_block", "progress:lone_lane_is_never_preempted"),
+        PREEMPT_RULES, tables=(2, 3), preempt=True),
+    # A lane at its table end (its sequence T * S + 1 tokens) is preempted: its new prompt
+    # cannot fit.
+    "preempt-requeue_fits": Mutant(
+        lambda: MODEL.without_guard("preempt", "requeue_fits"),
+        (False, "reserved"), ("waiting_prompt_fits", "lifecycle:requeue_fits",
+                              "refinement:preempt"), PREEMPT_RULES,
+        tables=(2, 3), preempt=True),
+    # The preempted lane's blocks stay its own (lost to every later admission and growth).
+    "preempt-owner": Mutant(
+        lambda: MODEL.without_update("preempt", "owner"),
+        (False, "dynamic"), ("owned_block_in_table", "lane_blocks_are_its_table"),
+        PREEMPT_RULES - {"preempt"}, tables=(2, 3), preempt=True),
+    # The preempted lane's blocks become cache entries: its tail has no key (its content is a
+    # partial block), and without the prefix cache there is no cache at all.
+    "preempt-caches": Mutant(
+        lambda: _preempt_caches(),
+        (True, "dynamic"),
+        ("cache_key_is_content", "cache_head_is_first_chunk", "cache_needs_prefix_cache"),
+        PREEMPT_RULES - {"preempt"}, tables=(2, 3), preempt=True),
+    # The request stays running, with no lane.
+    "preempt-phase": Mutant(
+        lambda: MODEL.without_update("preempt", "phase"),
+        (False, "reserved"), ("running_request_has_lane", "busy_lane_runs_its_request"),
+        PREEMPT_RULES - {"preempt"}, tables=(2, 3), preempt=True),
 }
 
 
@@ -2506,6 +2898,18 @@ def _finish_frees_tail_only() -> Any:
     return m
 
 
+def _preempt_caches() -> Any:
+    """`preempt` makes its lane's blocks cache entries instead of freeing them: its owner update
+    over every block b is replaced on a copy of the model (see _cancel_frees)."""
+    m = MODEL.copy()
+    a = m.get_action("preempt")
+    l = _param("preempt", "l")
+    a.updates = [lang.Update(u.fn, u.args, lang.ite(
+        spec.lane_block(u.args[0], l), spec.Owner.CACHE, spec.owner(u.args[0])), u.whole)
+        if u.fn.name == "owner" else u for u in a.updates]
+    return m
+
+
 def caught_by(exc: AssertionError) -> list[str]:
     """The checks that reported `exc`, as MUTANTS names them."""
     if isinstance(exc, LifecycleDivergence):
@@ -2525,10 +2929,12 @@ def test_machine_catches_mutant(name: str) -> None:
     guard)."""
     m = MUTANTS[name]
     mutant = codegen.load(m.build(), f"atom_core_mutant_{name.replace('-', '_')}")
-    config = configs(mutant, *m.features, lanes=(2, 2), tier=m.tier, tables=m.tables)
+    config = configs(mutant, *m.features, lanes=(2, 2), tier=m.tier, tables=m.tables,
+                     preempt=m.preempt)
     if name == "admit_hit-n_whole_chunks-weakened":
         config = config.filter(lambda c: c.C == 2)
-    machine = make_machine(mutant, config, mirror=False, focus=m.focus, pd=m.pd)
+    machine = make_machine(mutant, config, mirror=False, focus=m.focus, pd=m.pd,
+                           preempt=m.preempt is not False)
     with pytest.raises((InvariantViolation, LifecycleDivergence, ProgressViolation,
                         RefinementViolation)) as info:
         run_state_machine_as_test(machine, settings=_search_settings())

@@ -133,7 +133,7 @@ def test_unmutated_bounded_small_sizes_all_proved():
 @pytest.mark.parametrize("f", capacity.COMBINATIONS, ids=lambda f: f.name)
 def test_capacity_table_matches_z3_at_small_sizes(f, lanes):
     """The committed rule: progress proved at the minimum, a z3 counterexample one below."""
-    need = committed.min_kv_blocks(lanes, f.tables, (f.prefix_cache, f.scratch))
+    need = committed.min_kv_blocks(lanes, f.tables, (f.prefix_cache, f.scratch), f.preempt)
     ok, cs = capacity.safe(MODEL, f, lanes, need)
     assert ok, cs
     assert {c.invariant for c in cs} == {p.name for p in MODEL.progress}
@@ -292,18 +292,24 @@ def caught_bounded(model: L.Model, action: str) -> tuple[str, str] | None:
 
 def caught_capacity(model: L.Model) -> tuple[str, str] | None:
     """The mutant's progress is proved one block below the committed minimum (so the committed
-    table is not tight for it and `verify`'s table check fails). A dropped guard only enables
-    more transitions, so this is the only way it can move capacity."""
+    table is not tight for it and `verify`'s table check fails), or, for a progress property
+    that says an action is *not* enabled (`lone_lane_is_never_preempted`), not proved at the
+    minimum. A dropped guard only enables more transitions, so these are the ways it can move
+    capacity."""
     for lanes in (1, 2):
-        below: dict[int, list[Features]] = {}
+        at: dict[int, list[tuple[Features, bool]]] = {}
         for f in capacity.COMBINATIONS:
-            k = lanes + committed.OFFSETS[(f.prefix_cache, f.scratch)] - 1
-            if k >= 1:
-                below.setdefault(k, []).append(f)
-        for k, fs in below.items():
+            if lanes > f.max_lanes(capacity.MAX_LANES_ANY):
+                continue
+            k = committed.min_kv_blocks(lanes, f.tables, f.key, f.preempt)
+            if k > 1:
+                at.setdefault(k - 1, []).append((f, True))
+            at.setdefault(k, []).append((f, False))
+        for k, fs in at.items():
             by_f = capacity.progress_by_features(model, lanes, k)
-            for f in fs:
-                if all(c.status == "proved" for c in by_f[f]):
+            for f, below in fs:
+                proved = all(c.status == "proved" for c in by_f[f])
+                if proved == below:
                     return f"capacity B={lanes},K={k},{f.name}", "*"
     return None
 

@@ -27,3 +27,12 @@ def test_first_lines_are_the_two_commands():
     block = README.split("```")[1]
     assert [ln.split("#")[0].strip() for ln in block.strip().splitlines()] == [
         "make verify", "make test"]
+
+
+def test_preemption_rule_matches_the_proofs():
+    """The README's preemption sentence: K >= T + 1 beside other lanes (every feature key),
+    T for one lane with dynamic scratch, T + 1 for one lane with reserved scratch."""
+    assert "`K >= T + 1` (`T` for one lane with dynamic\nscratch)" in README
+    for (_prefix, scratch), (lone, shared) in capacity.PREEMPT_BLOCKS.items():
+        assert shared == 1
+        assert lone == (0 if scratch == "dynamic" else 1)

@@ -54,10 +54,18 @@ COMBOS = {
     # paged block tables at the proved minimum: lanes grow their tables under faults
     "colocated-paged-prefix": dict(mode="colocated", sliding_window=None, prefix_cache=True,
                                    scratch="reserved", lanes=2, extra_blocks=0, max_seq_len=256,
-                                   blocks_per_table=4),
+                                   blocks_per_table=4, preemption=False),
     "colocated-paged-dynamic": dict(mode="colocated", sliding_window=None, prefix_cache=False,
                                     scratch="dynamic", lanes=3, extra_blocks=0,
-                                    max_seq_len=128, blocks_per_table=2),
+                                    max_seq_len=128, blocks_per_table=2, preemption=False),
+    # preemption at its proved minimum (one table and a block): lanes are preempted and
+    # resume under faults
+    "colocated-preempt-prefix": dict(mode="colocated", sliding_window=None, prefix_cache=True,
+                                     scratch="reserved", lanes=3, extra_blocks=0,
+                                     max_seq_len=256, blocks_per_table=4, preemption=True),
+    "colocated-preempt-dynamic": dict(mode="colocated", sliding_window=None, prefix_cache=False,
+                                      scratch="dynamic", lanes=3, extra_blocks=0,
+                                      max_seq_len=128, blocks_per_table=2, preemption=True),
 }
 SEEDS = {"colocated-host": 6, "pd-host": 6}  # seeds whose host stores and loads also fail
 HOST_STATS = ("host_stores", "host_store_failures", "host_hit_tokens", "host_load_failures")
@@ -84,7 +92,7 @@ def test_every_feature_combination_passes(combo_reports: dict[str, simulate.Repo
     assert rep.faults_injected > 0 and rep.failing_prefix is None
     # the features were exercised, not just configured
     got = total(rep, "prefix_hit_tokens", "snapshots", "imported_tokens", "decode_steps",
-                "host_stores", "table_grows")
+                "host_stores", "table_grows", "preemptions")
     cached = rep.config.get("prefix_cache") or rep.config.get("prefill_prefix_cache")
     assert (got["prefix_hit_tokens"] > 0) == bool(cached)
     if cached and rep.config.get("sliding_window"):
@@ -94,6 +102,7 @@ def test_every_feature_combination_passes(combo_reports: dict[str, simulate.Repo
     host = rep.config.get("host_cache_blocks") or rep.config.get("prefill_host_cache_blocks")
     assert (got["host_stores"] > 0) == bool(host)
     assert (got["table_grows"] > 0) == (rep.config.get("blocks_per_table", 1) > 1)
+    assert (got["preemptions"] > 0) == bool(rep.config.get("preemption"))
 
 
 def test_host_tier_seeds_store_hit_and_fail(combo_reports: dict[str, simulate.Report]) -> None:

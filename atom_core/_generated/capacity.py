@@ -4,7 +4,9 @@ lane's table): kv_blocks >= max(lanes * T, (lanes - 1) * T + 1 + COPY_BLOCKS[key
 + SCRATCH_BLOCKS[key], key = (prefix_cache, scratch); with T = 1, lanes + OFFSETS[key].
 `atom-core verify` proves each rule sufficient (z3: no state satisfying the invariants is
 stuck) for every lane count up to PROVED_LANES with T = 1 and lanes * T up to it with
-T = 2, and tight (a run into a stuck state with one block fewer)."""
+T = 2, and tight (a run into a stuck state with one block fewer). With preemption:
+kv_blocks >= T + PREEMPT_BLOCKS[key][0] for one lane, T + PREEMPT_BLOCKS[key][1] for
+more."""
 
 PROVED_LANES = 4
 
@@ -29,6 +31,13 @@ OFFSETS = {
     (True, 'dynamic'): 1,
 }
 
+PREEMPT_BLOCKS = {
+    (False, 'reserved'): (1, 1),
+    (False, 'dynamic'): (0, 1),
+    (True, 'reserved'): (1, 1),
+    (True, 'dynamic'): (0, 1),
+}
+
 RULE_NAMES = {
     (False, 'reserved'): 'reserved-scratch',
     (False, 'dynamic'): 'dynamic-scratch',
@@ -47,7 +56,21 @@ RULES = {
         'prefix-cache-dynamic-scratch: kv_blocks >= max(lanes * T, (lanes - 1) * T + 2)'),
 }
 
+PREEMPT_RULES = {
+    (False, 'reserved'): (
+        'reserved-scratch-preemption: kv_blocks >= T + 1'),
+    (False, 'dynamic'): (
+        'dynamic-scratch-preemption: kv_blocks >= T + 1 (T with one lane)'),
+    (True, 'reserved'): (
+        'prefix-cache-reserved-scratch-preemption: kv_blocks >= T + 1'),
+    (True, 'dynamic'): (
+        'prefix-cache-dynamic-scratch-preemption: kv_blocks >= T + 1 (T with one lane)'),
+}
 
-def min_kv_blocks(lanes: int, tables: int, key: tuple[bool, str]) -> int:
+
+def min_kv_blocks(lanes: int, tables: int, key: tuple[bool, str],
+                  preempt: bool = False) -> int:
+    if preempt:
+        return tables + PREEMPT_BLOCKS[key][0 if lanes == 1 else 1]
     return (max(lanes * tables, (lanes - 1) * tables + 1 + COPY_BLOCKS[key])
             + SCRATCH_BLOCKS[key])

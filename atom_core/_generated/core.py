@@ -83,6 +83,7 @@ class Consts:
     HYBRID: bool = False
     HOST: bool = False
     H: int = 0
+    PREEMPT: bool = False
 
 
 # --------------------------------------------------------------------------- state
@@ -287,6 +288,13 @@ class Grow(NamedTuple):
     pos: int
 
 
+class Preempt(NamedTuple):
+    """Effect `preempt` (emitted by preempt)."""
+
+    lane: int
+    request: int
+
+
 class Decode(NamedTuple):
     """Effect `decode` (emitted by decode)."""
 
@@ -355,6 +363,7 @@ EFFECTS = {
     "snapshot": Snapshot,
     "prefill": Prefill,
     "grow": Grow,
+    "preempt": Preempt,
     "decode": Decode,
     "release": Release,
     "store": Store,
@@ -1563,6 +1572,230 @@ def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]),)
+
+
+def preempt_guard(s: State, l: int) -> str | None:
+    """The first failing guard conjunct of `preempt`, or None."""
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return "preemption_on"
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    _m0 = phase.get(lane_req[l])
+    copying = s.copying
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return "lane_computing"
+    if copying[l]:
+        return "lane_computing"
+    B = s.consts.B
+    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    nblocks = s.nblocks
+    T = s.consts.T
+    # a_lane_waits_for_a_block
+    if not (
+        any(
+            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+            and not copying[n]
+            and length[n] == start[tail[n]] + S
+            and nblocks[n] < T
+            for n in range(B)
+        )
+        or (not s.consts.RESERVED and not all(_m2) and any(_m2))
+    ):
+        return "a_lane_waits_for_a_block"
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # no_block_reusable
+    for b in range(s.consts.K):
+        if (
+            (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE)
+            and not any(copying[l2] and not copy_host[l2] and copy_src[l2] == b for l2 in range(B))
+        ):
+            return "no_block_reusable"
+    # requeue_fits
+    if slen(s.lane_seq[l]) > T * S:
+        return "requeue_fits"
+    return None
+
+
+def preempt(s: State, l: int) -> Step:
+    """Lane l's request goes back to the waiting queue to make room: some lane waits for a block
+    (to grow, or a decode call for its padding target) and none is reusable. Its blocks are
+    freed, never cached: their content is exactly what the restart recomputes. Its prompt
+    becomes everything it has (prompt and sampled tokens), so the restart's prefill samples its
+    next token.
+    """
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return Step(s, (), "preemption_on")
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    _m0 = phase.get(lane_req[l])
+    copying = s.copying
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return Step(s, (), "lane_computing")
+    if copying[l]:
+        return Step(s, (), "lane_computing")
+    B = s.consts.B
+    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    nblocks = s.nblocks
+    T = s.consts.T
+    # a_lane_waits_for_a_block
+    if not (
+        any(
+            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+            and not copying[n]
+            and length[n] == start[tail[n]] + S
+            and nblocks[n] < T
+            for n in range(B)
+        )
+        or (not s.consts.RESERVED and not all(_m2) and any(_m2))
+    ):
+        return Step(s, (), "a_lane_waits_for_a_block")
+    K = s.consts.K
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # no_block_reusable
+    for b in range(K):
+        if (
+            (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE)
+            and not any(copying[l2] and not copy_host[l2] and copy_src[l2] == b for l2 in range(B))
+        ):
+            return Step(s, (), "no_block_reusable")
+    lane_seq = s.lane_seq
+    # requeue_fits
+    if slen(lane_seq[l]) > T * S:
+        return Step(s, (), "requeue_fits")
+    new_phase = phase.set(lane_req[l], PHASE_WAITING)
+    new_prompt = s.prompt.set(lane_req[l], lane_seq[l])
+    new_busy = list(busy)
+    new_busy[l] = False
+    new_busy = tuple(new_busy)
+    owner_lane = s.owner_lane
+    new_owner = tuple([
+        (OWNER_FREE if (owner[b] == OWNER_LANE and owner_lane[b] == l) else owner[b])
+        for b in range(K)
+    ])
+    new_lane_snap = list(s.lane_snap)
+    new_lane_snap[l] = 0
+    new_lane_snap = tuple(new_lane_snap)
+    effects = (Preempt(l, lane_req[l]),)
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        new_lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        new_busy,
+        lane_req,
+        tail,
+        nblocks,
+        start,
+        length,
+        lane_seq,
+        s.lane_plen,
+        copying,
+        copy_src,
+        copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        new_phase,
+        s.req_lane,
+        new_prompt,
+    )
+    return Step(new, effects, None)
+
+
+def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
+    """The effects `preempt` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return "preemption_on"
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    _m0 = phase.get(lane_req[l])
+    copying = s.copying
+    # lane_computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return "lane_computing"
+    if copying[l]:
+        return "lane_computing"
+    B = s.consts.B
+    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    nblocks = s.nblocks
+    T = s.consts.T
+    # a_lane_waits_for_a_block
+    if not (
+        any(
+            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+            and not copying[n]
+            and length[n] == start[tail[n]] + S
+            and nblocks[n] < T
+            for n in range(B)
+        )
+        or (not s.consts.RESERVED and not all(_m2) and any(_m2))
+    ):
+        return "a_lane_waits_for_a_block"
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # no_block_reusable
+    for b in range(s.consts.K):
+        if (
+            (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE)
+            and not any(copying[l2] and not copy_host[l2] and copy_src[l2] == b for l2 in range(B))
+        ):
+            return "no_block_reusable"
+    # requeue_fits
+    if slen(s.lane_seq[l]) > T * S:
+        return "requeue_fits"
+    return (Preempt(l, lane_req[l]),)
 
 
 def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
@@ -3762,6 +3995,7 @@ ACTIONS = {
     "snapshot": (snapshot, snapshot_guard, ("l",), ("Lane",)),
     "prefill": (prefill, prefill_guard, ("l", "tok"), ("Lane", "Int")),
     "grow": (grow, grow_guard, ("l", "dst"), ("Lane", "Block")),
+    "preempt": (preempt, preempt_guard, ("l",), ("Lane",)),
     "decode": (decode, decode_guard, ("pad", "tok"), ("Block", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
     "abort_waiting": (abort_waiting, abort_waiting_guard, ("r",), ("Req",)),
@@ -3829,6 +4063,7 @@ INVARIANTS = (
     "unsubmitted_request_has_no_prompt",
     "waiting_prompt_fits",
     "lane_prompt_fits",
+    "lane_seq_length",
     "lane_computes_its_prompt",
     "copy_only_while_prefilling",
     "copy_source_cached",
@@ -4013,21 +4248,29 @@ def check_invariants(s: State) -> list[str]:
         bad.append("unsubmitted_request_has_no_prompt")
     # waiting_prompt_fits
     if not all(
-        phase.get(r) != PHASE_WAITING or (slen(prompt.get(r)) > 0 and slen(prompt.get(r)) < T * S)
+        phase.get(r) != PHASE_WAITING or (slen(prompt.get(r)) > 0 and slen(prompt.get(r)) <= T * S)
         for r in req_ids
     ):
         bad.append("waiting_prompt_fits")
     lane_plen = s.lane_plen
     # lane_prompt_fits
-    if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] < T * S) for l in range(B)):
+    if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] <= T * S) for l in range(B)):
         bad.append("lane_prompt_fits")
     lane_seq = s.lane_seq
-    _m7 = tuple([prompt.get(lane_req[l]) for l in range(B)])
     _m8 = tuple([busy[l] and _m0[l] for l in range(B)])
     _m6 = tuple([busy[l] and _m2[l] for l in range(B)])
+    _m7 = tuple([_m8[l] or _m6[l] for l in range(B)])
+    length = s.length
+    # lane_seq_length
+    if not all(
+        not busy[l] or slen(lane_seq[l]) == (lane_plen[l] if _m7[l] else length[l] + 1)
+        for l in range(B)
+    ):
+        bad.append("lane_seq_length")
+    _m9 = tuple([prompt.get(lane_req[l]) for l in range(B)])
     # lane_computes_its_prompt
     if not all(
-        not (_m8[l] or _m6[l]) or (lane_seq[l] == _m7[l] and lane_plen[l] == slen(_m7[l]))
+        not _m7[l] or (lane_seq[l] == _m9[l] and lane_plen[l] == slen(_m9[l]))
         for l in range(B)
     ):
         bad.append("lane_computes_its_prompt")
@@ -4056,7 +4299,6 @@ def check_invariants(s: State) -> list[str]:
         for l in range(B)
     ):
         bad.append("copy_into_first_block")
-    length = s.length
     # copy_source_holds_prefix
     if not all(
         not (copying[l] and not copy_host[l])
@@ -4183,7 +4425,7 @@ def check_invariants(s: State) -> list[str]:
         and all(owner[b] != OWNER_SPILLING or HOST for b in range(K))
     ):
         bad.append("host_needs_host_cache")
-    _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    _m10 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
     if not all(
@@ -4192,21 +4434,21 @@ def check_invariants(s: State) -> list[str]:
         or (
             owner[b] == OWNER_LANE
             and (
-                (busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING)
-                or (busy[owner_lane[b]] and _m9[b] == PHASE_EXPORTING)
+                (busy[owner_lane[b]] and _m10[b] == PHASE_IMPORTING)
+                or (busy[owner_lane[b]] and _m10[b] == PHASE_EXPORTING)
             )
         )
         for b in range(K)
     ):
         bad.append("transfer_block_held")
     transfer_req = s.transfer_req
-    _m10 = tuple([phase.get(transfer_req[b]) for b in range(K)])
+    _m11 = tuple([phase.get(transfer_req[b]) for b in range(K)])
     # draining_has_transfer
     if not all(
         owner[b] != OWNER_DRAINING
         or (
             transfer[b]
-            and (_m10[b] == PHASE_FINISHED or _m10[b] == PHASE_ABORTED or _m10[b] == PHASE_FAILED)
+            and (_m11[b] == PHASE_FINISHED or _m11[b] == PHASE_ABORTED or _m11[b] == PHASE_FAILED)
         )
         for b in range(K)
     ):
@@ -4234,10 +4476,10 @@ def check_invariants(s: State) -> list[str]:
             for b in range(K)
         ):
             bad.append("pinned_block_transfer_running")
-    _m11 = tuple([busy[l] and _m3[l] for l in range(B)])
+    _m12 = tuple([busy[l] and _m3[l] for l in range(B)])
     # moving_lane_has_transfer
     if not all(
-        not (_m6[l] or _m11[l]) or (transfer[tail[l]] and nblocks[l] == 1)
+        not (_m6[l] or _m12[l]) or (transfer[tail[l]] and nblocks[l] == 1)
         for l in range(B)
     ):
         bad.append("moving_lane_has_transfer")
@@ -4259,7 +4501,7 @@ def check_invariants(s: State) -> list[str]:
         ):
             bad.append("import_target_untouched")
     # export_after_prefill
-    if not all(not _m11[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
+    if not all(not _m12[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
         bad.append("export_after_prefill")
     # length_within_block
     if not all(
@@ -4375,6 +4617,8 @@ AXIOMS = (
     "hybrid_single_block",
     "host_single_block",
     "host_cache_needs_prefix_cache",
+    "preemption_plain",
+    "preemption_with_tables",
     "hybrid_without_host_cache",
     "empty_has_no_tokens",
 )
@@ -4415,6 +4659,13 @@ def check_axioms(c: Consts) -> list[str]:
     # host_cache_needs_prefix_cache
     if HOST and not c.PREFIX:
         bad.append("host_cache_needs_prefix_cache")
+    PREEMPT = c.PREEMPT
+    # preemption_plain
+    if PREEMPT and not (not HYBRID and not HOST):
+        bad.append("preemption_plain")
+    # preemption_with_tables
+    if PREEMPT and T <= 1:
+        bad.append("preemption_with_tables")
     # hybrid_without_host_cache
     if HYBRID and HOST:
         bad.append("hybrid_without_host_cache")
@@ -4427,6 +4678,7 @@ def check_axioms(c: Consts) -> list[str]:
 PROGRESS = (
     "idle_lane_admits",
     "running_request_advances",
+    "lone_lane_is_never_preempted",
     "idle_lane_imports",
     "transfers_end",
     "stores_end",
@@ -4444,17 +4696,18 @@ def progress_violations(s: State) -> list[str]:
     owner = s.owner
     H = s.consts.H
     slot_state = s.slot_state
-    _m1 = (
+    _m2 = (
         all(not copying[l] for l in range(B))
         and all(owner[b] != OWNER_DRAINING for b in range(K))
         and all(slot_state[h] != SLOTSTATE_STORING for h in range(H))
     )
     busy = s.busy
-    _m0 = tuple([_m1 and not busy[l] for l in range(B)])
+    _m0 = tuple([_m2 and not busy[l] for l in range(B)])
     phase = s.phase
+    _m1 = not s.consts.PREEMPT or all(not busy[l] for l in range(B))
     # idle_lane_admits
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING)
+        not (_m0[l] and phase.get(r) == PHASE_WAITING and _m1)
         or any(admit_miss_guard(s, l, r, dst) is None for dst in range(K))
         or any(
             admit_hit_guard(s, l, r, src, dst, C) is None
@@ -4466,8 +4719,8 @@ def progress_violations(s: State) -> list[str]:
     ):
         bad.append("idle_lane_admits")
     lane_req = s.lane_req
-    _m3 = tuple([phase.get(lane_req[l]) for l in range(B)])
-    _m2 = tuple([busy[l] and _m3[l] == PHASE_DECODE for l in range(B)])
+    _m4 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m3 = tuple([busy[l] and _m4[l] == PHASE_DECODE for l in range(B)])
     length = s.length
     tail = s.tail
     start = s.start
@@ -4489,22 +4742,30 @@ def progress_violations(s: State) -> list[str]:
             or any(copy_done_guard(s, l) is None for l in range(B))
             or any(load_done_guard(s, l) is None for l in range(B))
             or any(store_done_guard(s, h) is None for h in range(H))
-            or (any(_m2) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
+            or (any(_m3) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
             or any(any(grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
-            or any(_m2[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B))
+            or any(_m3[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B))
             or any(
-                ((busy[l] and _m3[l] == PHASE_IMPORTING) or (busy[l] and _m3[l] == PHASE_EXPORTING))
+                ((busy[l] and _m4[l] == PHASE_IMPORTING) or (busy[l] and _m4[l] == PHASE_EXPORTING))
                 and transfer_fail_guard(s, lane_req[l]) is None
                 for l in range(B)
             )
             or any(transfer_end_guard(s, transfer_req[b], b) is None for b in range(K))
+            or any(preempt_guard(s, l) is None for l in range(B))
         )
     ):
         bad.append("running_request_advances")
+    # lone_lane_is_never_preempted
+    if not all(
+        not (_m2 and all(n == l or not busy[n] for n in range(B)))
+        or preempt_guard(s, l) is not None
+        for l in range(B)
+    ):
+        bad.append("lone_lane_is_never_preempted")
     prompt = s.prompt
     # idle_lane_imports
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING and slen(prompt.get(r)) < S)
+        not (_m0[l] and phase.get(r) == PHASE_WAITING and slen(prompt.get(r)) < S and _m1)
         or any(admit_import_guard(s, l, r, dst) is None for dst in range(K))
         for l in range(B)
         for r in req_ids
