@@ -168,7 +168,7 @@ def _small_steps(model: L.Model, action: str) -> Iterator[
     rel = [i for i in model.invariants if i.kind == "relational"]
     for lanes, blocks, reqs, slots in SMALL:
         u = Universe(model, {"Lane": lanes, "Block": blocks, "Req": reqs, "Slot": slots},
-                     ctx_name=f"_small_{lanes}_{blocks}", laws=True)
+                     ctx_name=f"_small_{lanes}_{blocks}")
         size = f"B={lanes}, K={blocks}, {reqs} requests, {slots} host slots"
         for a, facts, pre, post in _steps(model, u, rel):
             if a.name == action:
@@ -185,7 +185,8 @@ def refute_small(model: L.Model, c: Check) -> Check:
         else:
             t = next(t for t in model.transition_invariants if t.name == c.invariant)
             goal = u.tr(t.expr, pre, {}, post)
-        status, _ = solve(facts + [z3.Not(goal)])
+        query = facts + [z3.Not(goal)]
+        status, _ = solve(query + u.law_instances(query))
         if status == "counterexample":
             return attrs.evolve(c, status=status, seconds=c.seconds + time.perf_counter() - t0,
                                 detail=f"found with {size}")
@@ -206,7 +207,8 @@ def refute_action_small(model: L.Model, action: str,
         goals = ([(i.name, "step", u.tr(i.expr, post, {})) for i in rel]
                  + [(t.name, "transition", u.tr(t.expr, pre, {}, post))
                     for t in model.transition_invariants])
-        status, zm = solve(facts + [z3.Or(*[z3.Not(g) for _, _, g in goals])], timeout_ms)
+        query = facts + [z3.Or(*[z3.Not(g) for _, _, g in goals])]
+        status, zm = solve(query + u.law_instances(query), timeout_ms)
         if status != "counterexample":
             continue
         name, kind = next((n, k) for n, k, g in goals

@@ -14,7 +14,7 @@ if-then-else over the updated points), so an induction query has no quantified f
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import z3
@@ -81,7 +81,7 @@ def reset_names() -> None:
 class Universe:
     def __init__(self, model: L.Model, sizes: dict[str, int] | None = None,
                  consts: dict[str, Any] | None = None, ctx_name: str = "",
-                 concrete_seqs: bool = False, laws: bool | None = None) -> None:
+                 concrete_seqs: bool = False) -> None:
         """`sizes` maps index/ident sort names to a size (bounded); None = unbounded.
         `consts` fixes config constants to Python values (others stay symbolic).
         `concrete_seqs` gives the value sort Seq z3's sequence theory (take = prefix, push =
@@ -89,10 +89,10 @@ class Universe:
         proofs leave it uninterpreted, so they hold for any implementation of those ops."""
         self.model = model
         self.bounded = sizes is not None
-        # the laws of the value operations (quantified): unbounded proofs; bounded induction
-        # stays quantifier-free; a finite universe searched for a refutation needs them, or its
-        # "counterexample" may break a law (see `axioms`)
-        self.laws = (not self.bounded and not concrete_seqs) if laws is None else laws
+        # the laws of the value operations, quantified: unbounded proofs only. Bounded induction
+        # stays quantifier-free (no invariant it proves reads a law); a finite universe searched
+        # for a refutation instantiates them on its ground terms instead (`law_instances`).
+        self.laws = not self.bounded and not concrete_seqs
         self.sizes = sizes or {}
         # Every symbol of a universe is its own: z3's global context never shares a declaration
         # between two universes (a sort, function or constant declared twice is the same one).
@@ -343,6 +343,33 @@ class Universe:
         laws = self.model.laws if self.laws else []
         return [self.tr(a.expr, {}, {}) for a in [*self.model.axioms, *laws]]
 
+    def law_instances(self, facts: list[Any]) -> list[Any]:
+        """Each law instantiated on every ground application of its trigger in `facts`: the
+        one operation application in the law's body that mentions all of its variables
+        (`slen(push(q, t)) == slen(q) + 1` on each `push(a, b)`). Quantifier-free, so a
+        finite-universe query stays decidable, and a model of `facts + law_instances(facts)`
+        can be completed to one of the laws (each trigger term is covered, and the others
+        are unconstrained)."""
+        out: list[Any] = []
+        for law in self.model.laws:
+            e, vs = law.expr, []
+            while isinstance(e, L.Quant) and e.kind == "forall":
+                vs.append(e.var)
+                e = e.body
+            xs = [z3.FreshConst(self.zsort(v.sort), v.name) for v in vs]
+            body = self.tr(e, {}, dict(zip(vs, xs)))
+            triggers = {t.decl() for t in _apps(body)
+                        if all(z3.eq(a, x) for a, x in zip(t.children(), xs))
+                        and t.num_args() == len(xs)}
+            if len(triggers) != 1:
+                raise ValueError(f"law {law.name}: no single operation application mentions "
+                                 "all its variables, so it cannot be instantiated on ground terms")
+            (trig,) = triggers
+            for g in _apps(*facts):
+                if g.decl() == trig:
+                    out.append(z3.substitute(body, *zip(xs, g.children())))
+        return out
+
 
 def _vars_in(exprs: list[L.Expr]) -> set[L.Var]:
     out: set[L.Var] = set()
@@ -372,3 +399,17 @@ def _vars_in(exprs: list[L.Expr]) -> set[L.Var]:
         elif isinstance(e, L.Enabled):
             stack.extend(e.bindings.values())
     return out
+
+
+def _apps(*roots: Any) -> Iterator[Any]:
+    """Every distinct ground application subterm of the z3 terms `roots` (shared ones once)."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        t = stack.pop()
+        # a quantifier's body holds bound variables, not ground terms
+        if not z3.is_app(t) or t.get_id() in seen:
+            continue
+        seen.add(t.get_id())
+        yield t
+        stack.extend(t.children())
