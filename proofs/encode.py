@@ -357,17 +357,17 @@ class Universe:
                 vs.append(e.var)
                 e = e.body
             xs = [z3.FreshConst(self.zsort(v.sort), v.name) for v in vs]
-            body = self.tr(e, {}, dict(zip(vs, xs)))
+            body = self.tr(e, {}, dict(zip(vs, xs, strict=True)))
             triggers = {t.decl() for t in _apps(body)
-                        if all(z3.eq(a, x) for a, x in zip(t.children(), xs))
-                        and t.num_args() == len(xs)}
+                        if t.num_args() == len(xs)
+                        and all(z3.eq(a, x) for a, x in zip(t.children(), xs, strict=True))}
             if len(triggers) != 1:
                 raise ValueError(f"law {law.name}: no single operation application mentions "
                                  "all its variables, so it cannot be instantiated on ground terms")
             (trig,) = triggers
             for g in _apps(*facts):
                 if g.decl() == trig:
-                    out.append(z3.substitute(body, *zip(xs, g.children())))
+                    out.append(z3.substitute(body, *zip(xs, g.children(), strict=True)))
         return out
 
 
