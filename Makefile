@@ -47,6 +47,7 @@ bench: install
 	$(PY) -m bench.batcher
 	$(PY) -m bench.stateful
 	$(PY) -m bench.prefix
+	$(PY) -m bench.preempt
 
 demo: install
 	.venv/bin/atom-core demo

@@ -68,3 +68,24 @@ def test_prefix_bench_reports_tokens_saved(capsys) -> None:
         assert on["prefill_tokens"] + on["prefix_hit_tokens"] == report["prompt_tokens"]
         assert row["saved"] == on["prefix_hit_tokens"] > 0
     assert report["models"]["hybrid W=16"]["cache_on"]["snapshots"] > 0
+
+
+def test_preempt_bench_reports_recomputation(capsys) -> None:
+    """A small run of `bench.preempt`: at the preemption minimum the lanes preempt and recompute,
+    every run generates the workload's tokens (the bench itself fails if preemption changes
+    one), and at the rule without preemption nothing is preempted."""
+    from bench import preempt
+
+    assert preempt.main(["--requests", "4", "--lanes", "2", "--rounds", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["budgets"]
+    assert [r["kv_blocks"] for r in rows][0] == report["rule_with_preemption"]
+    assert rows[-1]["kv_blocks"] == report["rule_without_preemption"]
+    low, high = rows[0]["with_preemption"], rows[-1]["with_preemption"]
+    assert low["preemptions"] > 0 and low["recomputed_tokens"] > 0
+    assert low["prefill_tokens"] > report["prompt_tokens"]
+    assert high["preemptions"] == 0 and high["prefill_tokens"] == report["prompt_tokens"]
+    for r in rows:
+        runs = [r["with_preemption"], r["without_preemption"]]
+        assert all(x["generated_tokens"] == report["max_new_tokens"] for x in runs if x)
+        assert all(_positive(x["tokens_per_s"]) for x in runs if x)

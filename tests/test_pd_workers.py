@@ -496,7 +496,6 @@ def prefill_proc() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]
 
 
 def test_gloo_two_processes_equal_the_oracle(prefill_proc: Any) -> None:
-    t0 = time.monotonic()
     proc, port = prefill_proc([*GLOO_CFG, "--prefix-cache", "--json"])  # key from the env
     cfg = config(2)
     rt = TorchReferenceRuntime.tiny(cfg)
@@ -515,7 +514,6 @@ def test_gloo_two_processes_equal_the_oracle(prefill_proc: Any) -> None:
     assert proc.returncode == 0, err
     stats = json.loads(out.strip().splitlines()[-1])
     assert stats["exports"] == 8 and stats["ended_by"] == "shutdown"
-    assert time.monotonic() - t0 < 15.0
 
 
 SLOW_PREFILL = f"""
@@ -545,7 +543,8 @@ PrefillWorker(cfg, Slow(TorchReferenceRuntime.tiny(cfg)), t, key={KEY!r}).serve(
 
 
 def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
-    t0 = time.monotonic()
+    # (no wall-clock bound on the whole test: a shared machine makes one flaky; the loss must
+    # be seen within run_until_done's timeout, far below the transport's own 20 s)
     proc, port = prefill_proc(script=SLOW_PREFILL)
     cfg = config(2)
     rt = TorchReferenceRuntime.tiny(cfg)
@@ -574,7 +573,6 @@ def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
         extra = dw.submit(ps[1], 3)  # still serving: local prefill
         assert dw.run_until_done(timeout=10.0)[extra].tokens == oracle.generate(ps[1], 3)
         assert_clean(dw)
-    assert time.monotonic() - t0 < 15.0
 
 
 # --------------------------------------------------------------------------- CLI
