@@ -562,28 +562,43 @@ class AtomBatcher:
                     self._transfers[eff.request] = eff.block
                     events.append(Event("import", eff.request))
                 elif isinstance(eff, core.Copy):
-                    try:
-                        self.runtime.copy_kv_cache(eff.src, eff.dst, eff.n)
-                    except Exception as exc:  # noqa: BLE001 - any runtime failure fails this one
-                        self._end(eff.lane, events, f"copy_kv_cache failed: {exc!r}")
-                        continue
-                    if self._snaps is not None:  # the hit's sliding state (spec: copy_done)
-                        try:
-                            self.runtime.update_local_cache(
-                                self._snaps.restore_source(eff.src, eff.n), eff.lane)
-                        except Exception as exc:  # noqa: BLE001 - fails this request only
-                            self._end(eff.lane, events, f"update_local_cache failed: {exc!r}")
-                            continue
-                    self._apply("copy_done", l=eff.lane)
-                    self.stats.prefix_hit_tokens += eff.n
+                    self._copy(eff, events)
                 elif isinstance(eff, core.Load):
                     self._load(eff)
+
+    def _copy(self, eff: Any, events: list[Event]) -> None:
+        """Run a prefix hit's copy (an admission's, or a `grow_hit`'s into a later block) and
+        end it (`copy_done`); a failed copy fails its request only."""
+        try:
+            self.runtime.copy_kv_cache(eff.src, eff.dst, eff.n)
+        except Exception as exc:  # noqa: BLE001 - any runtime failure fails this one
+            self._end(eff.lane, events, f"copy_kv_cache failed: {exc!r}")
+            return
+        if self._snaps is not None:  # the hit's sliding state (spec: copy_done)
+            try:
+                self.runtime.update_local_cache(
+                    self._snaps.restore_source(eff.src, eff.n), eff.lane)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                self._end(eff.lane, events, f"update_local_cache failed: {exc!r}")
+                return
+        self._apply("copy_done", l=eff.lane)
+        self.stats.prefix_hit_tokens += eff.n
 
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:
         """Every lane whose tail block is full gets its next block before the next runtime call
-        (decode is one call over every row, so all of them at once), the oldest lane first."""
+        (decode is one call over every row, so all of them at once), the oldest lane first. A
+        prefilling lane whose next block's worth of prompt is cached copies it (`grow_hit`)."""
         while lanes := self.policy.growth(self.state):
+            hit = self.policy.next_hit(self.state, lanes[0])
+            if hit is not None and (dst := self.policy.reusable(self.state, exclude=hit[0])) \
+                    is not None:
+                step = self._apply("grow_hit", l=lanes[0], src=hit[0], dst=dst, n=hit[1])
+                self.stats.table_grows += 1
+                for eff in step.effects:
+                    if isinstance(eff, core.Copy):
+                        self._copy(eff, events)
+                continue
             dst = self.policy.reusable(self.state)
             if dst is None:
                 if self._transfers or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from atom_core._generated import core as g
-from atom_core.seq import TokSeq, take
+from atom_core.seq import TokSeq, prefix_eq, take
 
 
 class Choice(NamedTuple):
@@ -21,10 +21,10 @@ class Choice(NamedTuple):
     args: dict[str, Any]
 
 
-def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int) -> int:
-    """The longest n <= limit, a multiple of chunk, with a[:n] == b[:n]."""
+def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int, at: int = 0) -> int:
+    """The longest n <= limit, a multiple of chunk, with a[at:at + n] == b[at:at + n]."""
     n = 0
-    while n + chunk <= limit and a[n:n + chunk] == b[n:n + chunk]:
+    while n + chunk <= limit and a[at + n:at + n + chunk] == b[at + n:at + n + chunk]:
         n += chunk
     return n
 
@@ -76,9 +76,10 @@ class Policy:
         pins = self.pinned(s)
         cached = [b for b in range(s.consts.K)
                   if owner[b] == g.OWNER_CACHE and b != exclude and b not in pins]
-        # entries past a table's first block first: a hit copies into a first block from an
-        # entry that starts a sequence, so no hit can use the others (a `Release` names only
-        # the tail, so their use times say nothing)
+        # entries past a table's first block first: an admission hits only entries that start a
+        # sequence, and a later block is hit (`grow_hit`) only by a lane that got that far, so
+        # evicting the chain's end first keeps the most reachable entries (a `Release` names
+        # only the tail, so use times order blocks of one position, not a chain's blocks)
         return min(cached, key=lambda b: (s.start[b] == 0, self.last_use.get(b, 0))) \
             if cached else None
 
@@ -91,6 +92,31 @@ class Policy:
         entries = [b for b in range(s.consts.K)
                    if s.owner[b] == g.OWNER_CACHE and s.start[b] == 0]
         return self._longest(s, prompt, entries, s.head, s.key, upto, self.last_use)
+
+    def next_hit(self, s: g.State, lane: int) -> tuple[int, int] | None:
+        """(src, n) of the longest cached continuation of a prefilling lane whose tail block is
+        full (`grow_hit`): an entry that starts where the lane's next block does and whose key
+        agrees with the lane's prompt up to there and n tokens on (most recently used among
+        equals), or None."""
+        if not s.consts.PREFIX:
+            return None
+        c, at, seq_ = s.consts.C, s.length[lane], s.lane_seq[lane]
+        # whole chunks, within one block, and at least one prompt token left to compute
+        limit = min(s.consts.S, (s.lane_plen[lane] - 1) // c * c - at)
+        if limit < c:
+            return None
+        best: tuple[int, int] | None = None
+        for b in range(s.consts.K):
+            if s.owner[b] != g.OWNER_CACHE or s.start[b] != at:
+                continue
+            k = s.key[b]
+            if len(k) < at + c or not prefix_eq(k, seq_, at):
+                continue
+            n = common_chunks(k, seq_, c, min(limit, (len(k) - at) // c * c), at)
+            use = self.last_use.get(b, 0)
+            if n and (best is None or (n, use) > (best[1], self.last_use.get(best[0], 0))):
+                best = (b, n)
+        return best
 
     def best_host_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
         """(slot, n) of the longest host-tier hit, or None."""

@@ -445,15 +445,10 @@ def prefill(l: Lane, tok: INT):
     emit("prefill", lane=l, block=tail(l), start=length(l), end=next_len(l))
 
 
-@m.action
-def grow(l: Lane, dst: Block):
-    """Lane l's tail is full and it has more to compute: dst becomes its next block. The full
-    block is now immutable, so it gets its content key here (the whole prefix up to its end, as
-    a hash chain would), ready to be cached when the request ends."""
-    require("lane_computing", computing(l))
-    require("tail_full", tail_full(l))
-    require("table_not_full", nblocks(l) < T)
-    require("dst_reusable", reusable(dst))
+def extend(l, dst):
+    """The updates `grow` and `grow_hit` share: lane l's full tail is now immutable, so it gets
+    its content key (the whole prefix up to its end, as a hash chain would), ready to be cached
+    when the request ends; dst becomes the lane's next block."""
     full = tail(l)
     assign(key(full), take(lane_seq(l), length(l)))
     assign(head(full), take(take(lane_seq(l), length(l)), C))
@@ -464,9 +459,48 @@ def grow(l: Lane, dst: Block):
     assign(start(dst), length(l))
     assign(owner(dst), Owner.LANE)
     assign(owner_lane(dst), l)
+    emit("grow", lane=l, block=dst, pos=nblocks(l))
+
+
+@m.action
+def grow(l: Lane, dst: Block):
+    """Lane l's tail is full and it has more to compute: dst becomes its next block."""
+    require("lane_computing", computing(l))
+    require("tail_full", tail_full(l))
+    require("table_not_full", nblocks(l) < T)
+    require("dst_reusable", reusable(dst))
+    extend(l, dst)
     assign(holds(dst), take(lane_seq(l), length(l)))  # none of its own tokens yet
     assign(junk(dst), False)
-    emit("grow", lane=l, block=dst, pos=nblocks(l))
+
+
+@m.action
+def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
+    """A prefix hit that spans several blocks, one block at a time: lane l's tail is full in the
+    middle of its prompt, and the cache entry src, at the same position of a sequence with the
+    same prefix, holds n more of its tokens; dst becomes the lane's next block with those n
+    tokens copied from src (`copy_done` ends the copy). Each block is copied, not shared: one
+    rule for every runtime, and a block is never in two tables (docs/design/paged-tables.md)."""
+    require("lane_prefilling", prefilling(l))
+    require("no_copy_in_flight", ~copying(l))
+    require("tail_full", tail_full(l))
+    require("table_not_full", nblocks(l) < T)
+    require("src_cached", owner(src) == Owner.CACHE)
+    require("src_at_the_boundary", start(src) == length(l))
+    require("n_whole_chunks", (n > 0) & (n % C == 0))
+    require("n_within_block", n <= S)
+    require("n_within_entry", length(l) + n <= slen(key(src)))
+    require("token_left_to_compute", length(l) + n < lane_plen(l))
+    require("prefix_matches", take(key(src), length(l) + n) == take(lane_seq(l), length(l) + n))
+    require("dst_not_src", dst != src)
+    require("dst_reusable", reusable(dst))
+    extend(l, dst)
+    assign(length(l), length(l) + n)
+    assign(junk(dst), True)  # nothing valid in it until the copy lands
+    assign(copying(l), True)
+    assign(copy_host(l), False)
+    assign(copy_src(l), src)
+    emit("copy", lane=l, src=src, dst=dst, n=n)
 
 
 @m.action
@@ -818,9 +852,11 @@ inv("copy_only_while_prefilling", forall(Lane, lambda l: implies(copying(l), pre
 inv("copy_source_cached", forall(Lane, lambda l: implies(
     copying(l) & ~copy_host(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != tail(l)))))
 inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(tail(l)))))
-inv("copy_into_first_block", forall(Lane, lambda l: implies(
-    copying(l), (nblocks(l) == 1) & (start(tail(l)) == 0)
-    & implies(~copy_host(l), start(copy_src(l)) == 0))))
+# A copy lands where it was read: slot j of the source at slot j of the tail, both at the same
+# position of their sequences (a load from the host tier goes into a first block).
+inv("copy_at_its_position", forall(Lane, lambda l: implies(
+    copying(l), ite(copy_host(l), (nblocks(l) == 1) & (start(tail(l)) == 0),
+                    start(copy_src(l)) == start(tail(l))))))
 inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
     copying(l) & ~copy_host(l), (length(l) <= slen(key(copy_src(l))))
     & (take(key(copy_src(l)), length(l)) == take(lane_seq(l), length(l))))))

@@ -155,18 +155,22 @@ def test_a_table_that_fills_finishes_at_max_seq_len(t):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_prefix_hit_copies_the_first_block(t):
-    """A hit copies into the admitted lane's first block (the rest of the prompt is computed): a
-    second request with the same 160-token prompt hits the whole chunks of the first block."""
+def test_prefix_hit_spans_blocks(t):
+    """A second request with the same 160-token prompt hits every whole chunk below its last
+    token, 128 tokens: the admission copies the first block's (one block at T = 2, half of it
+    at T = 4), and at T = 4 the lane's next block copies the rest from the entry at that
+    position (`grow_hit`); only the last 32 tokens are computed."""
     b = make(1, t, True, "dynamic")
     first = b.submit(POOL[0], 4)
     drive(b)
     second = b.submit(POOL[0], 4)
+    copies = b.runtime.calls["copy"]
     drive(b)
     assert_exact(b)
     assert b.requests[first].tokens == b.requests[second].tokens
-    assert b.stats.prefix_hit_tokens == S // t  # one whole block of whole chunks
-    assert b.stats.prefill_tokens == 2 * len(POOL[0]) - S // t
+    assert b.stats.prefix_hit_tokens == 128
+    assert b.runtime.calls["copy"] - copies == 128 // (S // t)  # one copy per block
+    assert b.stats.prefill_tokens == 2 * len(POOL[0]) - 128
 
 
 def test_full_blocks_become_cache_entries_keyed_by_their_prefix():

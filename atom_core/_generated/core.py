@@ -256,7 +256,7 @@ class Admit(NamedTuple):
 
 
 class Copy(NamedTuple):
-    """Effect `copy` (emitted by admit_hit)."""
+    """Effect `copy` (emitted by admit_hit, grow_hit)."""
 
     lane: int
     src: int
@@ -281,7 +281,7 @@ class Prefill(NamedTuple):
 
 
 class Grow(NamedTuple):
-    """Effect `grow` (emitted by grow)."""
+    """Effect `grow` (emitted by grow, grow_hit)."""
 
     lane: int
     block: int
@@ -1426,10 +1426,7 @@ def grow_guard(s: State, l: int, dst: int) -> str | None:
 
 
 def grow(s: State, l: int, dst: int) -> Step:
-    """Lane l's tail is full and it has more to compute: dst becomes its next block. The full
-    block is now immutable, so it gets its content key here (the whole prefix up to its end, as
-    a hash chain would), ready to be cached when the request ends.
-    """
+    """Lane l's tail is full and it has more to compute: dst becomes its next block."""
     busy = s.busy
     _m0 = s.phase.get(s.lane_req[l])
     copying = s.copying
@@ -1572,6 +1569,290 @@ def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]),)
+
+
+def grow_hit_guard(s: State, l: int, src: int, dst: int, n: int) -> str | None:
+    """The first failing guard conjunct of `grow_hit`, or None."""
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[s.tail[l]] + S:
+        return "tail_full"
+    # table_not_full
+    if s.nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return "src_cached"
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return "src_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    # dst_not_src
+    if dst == src:
+        return "dst_not_src"
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return None
+
+
+def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
+    """A prefix hit that spans several blocks, one block at a time: lane l's tail is full in the
+    middle of its prompt, and the cache entry src, at the same position of a sequence with the
+    same prefix, holds n more of its tokens; dst becomes the lane's next block with those n
+    tokens copied from src (`copy_done` ends the copy). Each block is copied, not shared: one
+    rule for every runtime, and a block is never in two tables (docs/design/paged-tables.md).
+    """
+    # lane_prefilling
+    if not s.busy[l]:
+        return Step(s, (), "lane_prefilling")
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return Step(s, (), "lane_prefilling")
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return Step(s, (), "no_copy_in_flight")
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[tail[l]] + S:
+        return Step(s, (), "tail_full")
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return Step(s, (), "table_not_full")
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return Step(s, (), "src_cached")
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return Step(s, (), "src_at_the_boundary")
+    C = s.consts.C
+    # n_whole_chunks
+    if n <= 0:
+        return Step(s, (), "n_whole_chunks")
+    if n % C != 0:
+        return Step(s, (), "n_whole_chunks")
+    # n_within_block
+    if n > S:
+        return Step(s, (), "n_within_block")
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return Step(s, (), "n_within_entry")
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return Step(s, (), "token_left_to_compute")
+    lane_seq = s.lane_seq
+    # prefix_matches
+    if take(key[src], _m0) != take(lane_seq[l], _m0):
+        return Step(s, (), "prefix_matches")
+    # dst_not_src
+    if dst == src:
+        return Step(s, (), "dst_not_src")
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return Step(s, (), "dst_reusable")
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return Step(s, (), "dst_reusable")
+    new_key = list(key)
+    _m1 = take(lane_seq[l], length[l])
+    new_key[tail[l]] = _m1
+    new_key = tuple(new_key)
+    new_head = list(s.head)
+    new_head[tail[l]] = take(_m1, C)
+    new_head = tuple(new_head)
+    new_snap_upto = list(s.snap_upto)
+    new_snap_upto[tail[l]] = 0
+    new_snap_upto = tuple(new_snap_upto)
+    new_tail = list(tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(nblocks)
+    new_nblocks[l] = nblocks[l] + 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[dst] = length[l]
+    new_start = tuple(new_start)
+    new_owner = list(owner)
+    new_owner[dst] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[dst] = l
+    new_owner_lane = tuple(new_owner_lane)
+    new_length = list(length)
+    new_length[l] = _m0
+    new_length = tuple(new_length)
+    new_copying = list(copying)
+    new_copying[l] = True
+    new_copying = tuple(new_copying)
+    new_copy_host = list(copy_host)
+    new_copy_host[l] = False
+    new_copy_host = tuple(new_copy_host)
+    new_copy_src = list(copy_src)
+    new_copy_src[l] = src
+    new_copy_src = tuple(new_copy_src)
+    effects = (Grow(l, dst, nblocks[l]), Copy(l, src, dst, n))
+    if s.ghost:
+        new_snap_junk = list(s.snap_junk)
+        new_snap_junk[tail[l]] = False
+        new_snap_junk = tuple(new_snap_junk)
+        new_junk = list(s.junk)
+        new_junk[dst] = True
+        new_junk = tuple(new_junk)
+    else:
+        new_snap_junk = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        new_key,
+        new_head,
+        s.holds,
+        new_junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
+        s.busy,
+        s.lane_req,
+        new_tail,
+        new_nblocks,
+        new_start,
+        new_length,
+        lane_seq,
+        s.lane_plen,
+        new_copying,
+        new_copy_src,
+        new_copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def grow_hit_plan(s: State, l: int, src: int, dst: int, n: int) -> tuple[Any, ...] | str:
+    """The effects `grow_hit` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[s.tail[l]] + S:
+        return "tail_full"
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return "src_cached"
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return "src_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    # dst_not_src
+    if dst == src:
+        return "dst_not_src"
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Grow(l, dst, nblocks[l]), Copy(l, src, dst, n))
 
 
 def preempt_guard(s: State, l: int) -> str | None:
@@ -3995,6 +4276,12 @@ ACTIONS = {
     "snapshot": (snapshot, snapshot_guard, ("l",), ("Lane",)),
     "prefill": (prefill, prefill_guard, ("l", "tok"), ("Lane", "Int")),
     "grow": (grow, grow_guard, ("l", "dst"), ("Lane", "Block")),
+    "grow_hit": (
+        grow_hit,
+        grow_hit_guard,
+        ("l", "src", "dst", "n"),
+        ("Lane", "Block", "Block", "Int"),
+    ),
     "preempt": (preempt, preempt_guard, ("l",), ("Lane",)),
     "decode": (decode, decode_guard, ("pad", "tok"), ("Block", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
@@ -4068,7 +4355,7 @@ INVARIANTS = (
     "copy_only_while_prefilling",
     "copy_source_cached",
     "copy_target_not_ready",
-    "copy_into_first_block",
+    "copy_at_its_position",
     "copy_source_holds_prefix",
     "lane_local_state_is_its_own",
     "lane_snapshots_are_its_own",
@@ -4292,13 +4579,17 @@ def check_invariants(s: State) -> list[str]:
         # copy_target_not_ready
         if not all(not copying[l] or junk[tail[l]] for l in range(B)):
             bad.append("copy_target_not_ready")
-    # copy_into_first_block
+    # copy_at_its_position
     if not all(
         not copying[l]
-        or (nblocks[l] == 1 and start[tail[l]] == 0 and (copy_host[l] or start[copy_src[l]] == 0))
+        or (
+            (nblocks[l] == 1 and start[tail[l]] == 0)
+            if copy_host[l]
+            else start[copy_src[l]] == start[tail[l]]
+        )
         for l in range(B)
     ):
-        bad.append("copy_into_first_block")
+        bad.append("copy_at_its_position")
     # copy_source_holds_prefix
     if not all(
         not (copying[l] and not copy_host[l])
