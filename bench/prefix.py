@@ -2,7 +2,8 @@
 
 Prefix cache: requests sharing a system prompt (several whole chunks and a bit), each with its
 own suffix, plus some unrelated prompts, on the tiny torch reference runtime. For a plain model
-and a hybrid one (sliding window W, where a hit also restores a sliding-state snapshot), it
+(one block per sequence, and paged tables of 128-token blocks, where a hit spans several
+blocks) and a hybrid one (sliding window W, where a hit also restores a sliding-state snapshot), it
 reports the prompt tokens computed by prefill with and without the prefix cache, the tokens
 hits copied instead, the snapshots taken and their host memory, and the wall time (model
 included; a shared machine is noisy, so the token counts are the figures to read).
@@ -25,6 +26,9 @@ from atom_core.config import Config, min_kv_blocks
 from atom_core.runtime import TorchReferenceRuntime
 
 SEQ, CHUNK, VOCAB = 1024, 64, 128
+# Paged tables (T = 8 by default): a hit on the shared system prompt spans several blocks, each
+# copied from the entry at its position (`grow_hit`)
+PAGED_BLOCK = 128
 
 
 def workload(requests: int, system: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -50,9 +54,10 @@ def many_systems(requests: int, systems: int, seed: int = 1) -> list[tuple[list[
 
 
 def run(work: list[tuple[list[int], int]], lanes: int, prefix: bool,
-        window: int | None, host: int = 0, extra: int = 2) -> dict[str, Any]:
-    cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, "dynamic") + extra,
-                 max_seq_len=SEQ, prefill_chunk=CHUNK, prefix_cache=prefix,
+        window: int | None, host: int = 0, extra: int = 2, block: int = SEQ) -> dict[str, Any]:
+    t = SEQ // block
+    cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, "dynamic", t) + extra * t,
+                 max_seq_len=SEQ, block_size=block, prefill_chunk=CHUNK, prefix_cache=prefix,
                  sliding_window=window, host_cache_blocks=host)
     model: dict[str, Any] = {"layers": 3}
     if window is not None:
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system", type=int, default=300, help="shared system prompt tokens")
     ap.add_argument("--lanes", type=int, default=4)
     ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--block", type=int, default=PAGED_BLOCK,
+                    help="block size of the paged-tables run (a divisor of 1024)")
     ap.add_argument("--systems", type=int, default=8,
                     help="host tier: distinct system prompts (more than the device cache holds)")
     ap.add_argument("--host-blocks", type=int, default=8, help="host tier: slots")
@@ -88,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     work = workload(args.requests, args.system)
     total = sum(len(p) for p, _ in work)
     rows = {}
-    for name, window in (("plain", None), (f"hybrid W={args.window}", args.window)):
-        off = run(work, args.lanes, False, window)
-        on = run(work, args.lanes, True, window)
+    for name, window, block in (("plain", None, SEQ),
+                                (f"plain, blocks of {args.block}", None, args.block),
+                                (f"hybrid W={args.window}", args.window, SEQ)):
+        off = run(work, args.lanes, False, window, block=block)
+        on = run(work, args.lanes, True, window, block=block)
         rows[name] = {"cache_off": off, "cache_on": on,
                       "saved": off["prefill_tokens"] - on["prefill_tokens"],
                       "saved_fraction": round(1 - on["prefill_tokens"] / off["prefill_tokens"],
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           f"chunk {CHUNK}")
     for name, r in rows.items():
         on, off = r["cache_on"], r["cache_off"]
-        print(f"  {name:14} prefill tokens {off['prefill_tokens']:6} -> "
+        print(f"  {name:20} prefill tokens {off['prefill_tokens']:6} -> "
               f"{on['prefill_tokens']:6} ({r['saved_fraction']:.0%} saved; hits copied "
               f"{on['prefix_hit_tokens']}; snapshots {on['snapshots']} x "
               f"{on['snapshot_bytes_each']} B); wall {off['wall_s']} s -> {on['wall_s']} s")

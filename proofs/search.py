@@ -91,15 +91,35 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
                 doms.append([submitted] if submitted < requests else [])
             else:
                 doms.append(domains[srt](p))
-        for combo in itertools.product(*doms):
-            if guard(s, *combo) is None:
+        # Odometer over the argument domains. A guard that refuses some arguments refuses (or an
+        # earlier guard does) every call that agrees with them on the parameters it reads
+        # (GUARD_READS), so the odometer advances at the last of those, skipping the rest.
+        last = {gn: max((params.index(p) for p in ps), default=-1)
+                for gn, ps in getattr(g, "GUARD_READS", {}).get(name, {}).items()}
+        if not all(doms):
+            continue
+        pos = [0] * len(doms)
+        while True:
+            combo = [d[i] for d, i in zip(doms, pos, strict=True)]
+            why = guard(s, *combo)
+            if why is None:
                 yield name, dict(zip(params, combo, strict=True))
+            level = last.get(why, len(doms) - 1) if why is not None else len(doms) - 1
+            while level >= 0:
+                pos[level + 1:] = [0] * (len(doms) - level - 1)
+                pos[level] += 1
+                if pos[level] < len(doms[level]):
+                    break
+                level -= 1
+            if level < 0:
+                break
 
 
 # Which actions a run may take: colocated serving, a PD decode worker (every request imported),
 # or anything the spec allows (a decode worker that also prefills locally, e.g. as a fallback).
 ROLES = {"colocated": PD_ACTIONS,
-         "decode": ("admit_miss", "admit_hit", "copy_done", "prefill", "export", "export_done"),
+         "decode": ("admit_miss", "admit_hit", "grow_hit", "copy_done", "prefill", "export",
+                    "export_done"),
          "any": ()}
 # A decode worker admits only by import: whether a local admission could proceed is moot.
 IGNORED = {"colocated": (), "decode": ("idle_lane_admits",), "any": ()}

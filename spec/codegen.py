@@ -287,6 +287,10 @@ def _walk(e: Expr) -> Iterator[Expr]:
         stack.extend(reversed(_children(x)))
 
 
+def _reads_param(e: Expr, p: Var) -> bool:
+    return any(x is p or (type(x) is App and x.fn is p) for x in _walk(e))
+
+
 def _reads_ghost(e: Expr) -> bool:
     return any(type(x) is App and isinstance(x.fn, StateFn) and x.fn.ghost for x in _walk(e))
 
@@ -1031,7 +1035,8 @@ class Generator:
     def _validate(self) -> None:
         m = self.model
         for imp in ("attrs", "Any", "NamedTuple", "PMap", "TokSeq", "State", "Step", "Consts",
-                    "init", "ACTIONS", "EFFECTS", "STATE_FIELDS", "GHOST_FIELDS", "INDEX_SORTS",
+                    "init", "ACTIONS", "GUARD_READS", "EFFECTS", "STATE_FIELDS", "GHOST_FIELDS",
+                    "INDEX_SORTS",
                     "ENUMS", "INVARIANTS", "TRANSITION_INVARIANTS", "AXIOMS", "PROGRESS",
                     "check_invariants", "check_transition", "check_axioms",
                     "progress_violations", "describe_state", "_name", "_tokens"):
@@ -1436,6 +1441,15 @@ class Generator:
             items.append([f'"{a.name}": ', _tuple([a.name, f"{a.name}_guard", pn, ps])])
         parts.append("# name -> (action, guard, parameter names, parameter sorts)\n")
         parts.append(render(["ACTIONS = ", _dict(items)]))
+        parts.append("\n")
+        reads = []
+        for a in self.model.actions:
+            per = [[f'"{name}": ', _tuple([f'"{p.name}"' for p in a.params
+                                          if _reads_param(e, p)])] for name, e in a.guards]
+            reads.append([f'"{a.name}": ', _dict(per)])
+        parts.append("# name -> guard name -> the parameters it reads (a search that finds a\n"
+                     "# guard refusing some arguments skips every call that agrees on those)\n")
+        parts.append(render(["GUARD_READS = ", _dict(reads)]))
         parts.append("\n")
         return "".join(parts)
 

@@ -59,9 +59,12 @@ def test_prefix_bench_reports_tokens_saved(capsys) -> None:
     from bench import prefix
 
     assert prefix.main(["--requests", "6", "--system", "140", "--lanes", "2", "--window", "16",
-                        "--json"]) == 0
+                        "--block", "64", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["models"]) == {"plain", "hybrid W=16"}
+    assert set(report["models"]) == {"plain", "plain, blocks of 64", "hybrid W=16"}
+    # the 128-token hits span two 64-token blocks and save what one-block sequences save
+    paged, plain = report["models"]["plain, blocks of 64"], report["models"]["plain"]
+    assert paged["cache_on"]["prefix_hit_tokens"] == plain["cache_on"]["prefix_hit_tokens"] > 0
     for row in report["models"].values():
         off, on = row["cache_off"], row["cache_on"]
         assert off["prefill_tokens"] == report["prompt_tokens"]
