@@ -238,3 +238,43 @@ def test_lifting_adds_two_steps_per_lane_and_is_shortest(f):
     assert len(lifted.steps) == len(run2) + 2 == len(run3)
     assert [s.action for s in lifted.steps[:2]] == ["submit", "admit_miss"]
     assert lifted.steps[1].args["l"] == 2  # the extra lane is taken first and stays busy
+
+
+# --------------------------------------------------------------------------- search moves
+@pytest.mark.parametrize("consts", [
+    dict(B=2, K=3, PREFIX=True, RESERVED=True),
+    dict(B=2, K=4, PREFIX=True, RESERVED=False, T=2, S=4),
+    dict(B=2, K=3, PREFIX=False, RESERVED=False, T=2, S=4, PREEMPT=True),
+], ids=["one-block", "paged-prefix", "paged-preempt"])
+def test_search_moves_skip_only_refused_calls(consts, monkeypatch):
+    """The search skips the calls a refusing guard decides from the parameters it reads
+    (GUARD_READS): over the first few hundred states of a breadth-first search, it yields exactly
+    the moves of trying every call. A guard reading a parameter GUARD_READS misses would make
+    some state's lists differ (planted below)."""
+    from collections import deque
+
+    c = g.Consts(**{"C": search.TRACE_CHUNK, "S": search.TRACE_SEQ_LEN, "SCRATCH": 0,
+                    **consts})
+    prompts = search.menu(c.C)
+
+    def every(s: g.State, reads: dict) -> list:
+        monkeypatch.setattr(g, "GUARD_READS", reads)
+        return list(search.moves(s, c.B + 1, prompts))
+
+    real = g.GUARD_READS
+    # planted: admit_miss's dst_reusable said to read only the lane (it reads dst)
+    wrong = {**real, "admit_miss": {**real["admit_miss"], "dst_reusable": ("l",)}}
+    frontier, seen, states, differ = deque([g.init(c, ghost=False)]), set(), 0, 0
+    while frontier and states < 300:
+        s = frontier.popleft()
+        states += 1
+        brute = every(s, {})
+        assert every(s, real) == brute
+        differ += every(s, wrong) != brute
+        for name, args in brute:
+            nxt = g.ACTIONS[name][0](s, **args).state
+            k = search.state_key(nxt)
+            if k not in seen:
+                seen.add(k)
+                frontier.append(nxt)
+    assert states == 300 and differ > 0
