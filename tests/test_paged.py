@@ -173,6 +173,56 @@ def test_prefix_hit_spans_blocks(t):
     assert b.stats.prefill_tokens == 2 * len(POOL[0]) - 128
 
 
+def test_hit_reaches_a_later_block_after_computing_the_first():
+    """Hits are per block: an entry's key is the whole prefix up to its end, so a lane that
+    computed its first block can still copy its second. At T = 4 (blocks of 64) POOL[0] is
+    cached as three blocks; its first-block entry is dropped (`discard`); the same prompt again
+    computes its first 64 tokens and copies the next 64 from the second-block entry."""
+    b = make(1, 4, True, "dynamic", extra=2)
+    first = b.submit(POOL[0], 4)
+    drive(b)
+    entries = {b.state.start[x]: x for x in range(b.config.kv_blocks)
+               if b.state.owner[x] == core.OWNER_CACHE}
+    assert set(entries) >= {0, 64}, entries
+    b._apply("discard", b=entries[0])
+    again = b.submit(POOL[0], 4)
+    hits, computed = b.stats.prefix_hit_tokens, b.stats.prefill_tokens
+    drive(b)
+    assert_exact(b)
+    assert b.requests[again].tokens == b.requests[first].tokens
+    assert b.stats.prefix_hit_tokens - hits == 64  # the second block only
+    assert b.stats.prefill_tokens - computed == len(POOL[0]) - 64
+
+
+def test_failed_copy_into_a_later_block_fails_that_request_only():
+    """The runtime fails the copy into a lane's second block (a `grow_hit`): that request fails
+    with the runtime's message, the lane and both its blocks are released (nothing leaks, the
+    entry it read is still cached), and the next request with the same prompt is token-exact."""
+    b = make(1, 4, True, "dynamic", extra=2)
+    b.submit(POOL[0], 4)
+    drive(b)
+    copy, calls = b.runtime.copy_kv_cache, []
+
+    def flaky(src: int, dst: int, n: int) -> None:
+        calls.append(src)
+        if len(calls) == 2:  # the admission's copy works, the next block's does not
+            raise RuntimeError("DMA error")
+        copy(src, dst, n)
+
+    b.runtime.copy_kv_cache = flaky
+    bad = b.submit(POOL[0], 4)
+    log: list[Event] = []
+    drive(b, log)
+    assert "copy_kv_cache failed" in (b.requests[bad].error or "")
+    assert ("error", bad) in [(e.kind, e.request_id) for e in log]
+    at_rest(b)
+    assert b.state.owner[calls[1]] == core.OWNER_CACHE
+    ok = b.submit(POOL[0], 4)
+    drive(b)
+    assert b.requests[ok].error is None and b.requests[ok].tokens == expected(b, ok)
+    at_rest(b)
+
+
 def test_full_blocks_become_cache_entries_keyed_by_their_prefix():
     """When a request finishes, each block of its table is cached under the prefix up to its
     end: the first block's entry serves a later prompt that shares only that block."""
