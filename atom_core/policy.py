@@ -76,12 +76,24 @@ class Policy:
         pins = self.pinned(s)
         cached = [b for b in range(s.consts.K)
                   if owner[b] == g.OWNER_CACHE and b != exclude and b not in pins]
-        # entries past a table's first block first: an admission hits only entries that start a
-        # sequence, and a later block is hit (`grow_hit`) only by a lane that got that far, so
-        # evicting the chain's end first keeps the most reachable entries (a `Release` names
-        # only the tail, so use times order blocks of one position, not a chain's blocks)
-        return min(cached, key=lambda b: (s.start[b] == 0, self.last_use.get(b, 0))) \
-            if cached else None
+        # Entries a prefilling lane will copy next (`grow_hit`) last, then entries past a
+        # table's first block: an admission hits only entries that start a sequence, and a
+        # later block is hit only by a lane that got that far. (A `Release` names only the tail,
+        # so use times order blocks of one position, not a chain's blocks.)
+        if not cached:
+            return None
+        ahead = self._ahead(s, cached)
+        return min(cached, key=lambda b: (b in ahead, s.start[b] == 0, self.last_use.get(b, 0)))
+
+    @staticmethod
+    def _ahead(s: g.State, cached: list[int]) -> set[int]:
+        """The cached entries past some prefilling lane's length whose key agrees with its prompt
+        through their first chunk: the blocks its next `grow_hit`s would copy."""
+        lanes = [ln for ln in range(s.consts.B) if s.busy[ln]
+                 and s.phase.get(s.lane_req[ln]) == g.PHASE_PREFILL]
+        c = s.consts.C
+        return {b for b in cached for ln in lanes if s.start[b] >= s.length[ln]
+                and prefix_eq(s.key[b], s.lane_seq[ln], s.start[b] + c)}
 
     def best_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
         """(src, n) of the longest device hit (most recently used among equals), or None."""

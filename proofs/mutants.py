@@ -795,12 +795,20 @@ def machine_settings(examples: int) -> Any:
 def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]) -> Iterator[None]:
     """The machine draws K from its capacity module and checks progress at or above it: give it
     the mutant's table (a capacity mutant claims one block fewer suffices)."""
-    saved = tcm.capacity
-    tcm.capacity = patched_table(offsets)
+    saved = tcm.min_blocks
+    table = patched_table(offsets)
+
+    def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
+                   preempt: bool = False) -> int:
+        if preempt:  # (the catalogue's capacity mutants move the rules without preemption)
+            return saved(lanes, prefix, scratch, tables, preempt)
+        return table.min_kv_blocks(lanes, tables, (prefix, scratch))
+
+    tcm.min_blocks = min_blocks
     try:
         yield
     finally:
-        tcm.capacity = saved
+        tcm.min_blocks = saved
 
 
 def run_machine(mutant_id: str, examples: int) -> str | None:

@@ -4,7 +4,9 @@ The machine drives `atom_core._generated.core` (ghost state on) through every ac
 choices from the policy and with arbitrary drawn parameters, over small configurations that
 exercise chunked prefill, prefix hits, padding rows, paged block tables (T = 1..3 blocks per
 lane: `grow` gives a lane whose tail block is full its next block, as the adapter does before
-each prefill or decode call) and the table end. After every step it
+each prefill or decode call, and `grow_hit` copies it from the cache entry at that position
+when the prompt goes on as the entry's key does: a hit past the first block) and the table
+end. After every step it
 checks the spec's invariants, transition invariants and (when quiescent: no copy or load in
 flight, no block draining, no store in flight) progress, and compares the core against a
 plain-Python model kept here (`Life`): the request lifecycle, each lane's block table, every
@@ -27,10 +29,11 @@ The prefix cache's tiers (`TIERS`, one per configuration):
 
 It also checks:
 * refinement: every choice `Policy` makes (admissions, host hits, spills and the host
-  evictions they need, the lanes that grow and their next blocks) is accepted by the core's
-  guard; the policy never declines an admission in a quiescent state with an idle lane (at or
-  above capacity), grows exactly the lanes whose tail is full and that have room in their
-  table, and never misses a scratch target or a next block the spec would accept;
+  evictions they need, the lanes that grow, their next blocks and the hits that fill them) is
+  accepted by the core's guard; the policy never declines an admission in a quiescent state
+  with an idle lane (at or above capacity), grows exactly the lanes whose tail is full and
+  that have room in their table, and never misses a scratch target, a next block or a longer
+  hit past the first block the spec would accept;
 * ghost erasure: a ghost-off core fed the same steps has the same non-ghost fields;
 * teeth: the same machine over mutant cores (`codegen.load(MODEL.without_guard(...))`)
   finds the expected invariant violation (or lifecycle divergence, progress failure, policy
@@ -262,7 +265,8 @@ class Life:
     (prefill side: its KV is being sent), and a transferring lane that is aborted or fails
     leaves its block draining until the transfer ends (`draining`, block -> request).
     Tables: each busy lane's blocks in token order (`tables`; the last one, its tail, is the
-    only one written; a full tail gets the next block by `grow`, up to T blocks).
+    only one written; a full tail gets the next block by `grow`, up to T blocks, or by
+    `grow_hit`, which copies its first tokens from the cache entry at that position).
     Blocks: each block's owner (`owner`, the spec's Owner names), the position of its first
     token in its sequence (`start`, for lane blocks and cache entries), the cache entries' keys
     and snapshot boundaries (`entries`, block -> (key, snap_upto)), the entry an in-flight copy
@@ -457,6 +461,27 @@ class Life:
                           ("tail_full", lambda: self.tail_full(l)),
                           ("table_not_full", lambda: len(self.tables[l]) < c.T),
                           ("dst_reusable", lambda: self.reusable(dst)))
+        if name == "grow_hit":
+            l, src, dst, n = args
+            key = self.entries.get(src, ((), 0))[0]
+            end = self.length[l] + n
+            return _first(("lane_prefilling", lambda: self.prefilling(l)),
+                          ("no_copy_in_flight", lambda: not self.copying[l]),
+                          ("tail_full", lambda: self.tail_full(l)),
+                          ("table_not_full", lambda: len(self.tables[l]) < c.T),
+                          ("src_cached", lambda: src in self.entries),
+                          # the entry holds the tokens at the next block's own positions
+                          ("src_at_the_boundary", lambda: self.start[src] == self.length[l]),
+                          ("n_whole_chunks", lambda: n > 0 and n % c.C == 0),
+                          ("n_within_block", lambda: n <= c.S),
+                          ("n_within_entry", lambda: end <= len(key)),
+                          ("token_left_to_compute",
+                           lambda: end < len(self.prompt[self.lane[l]])),
+                          # the whole prefix, not only the copied tokens: the KV of a token
+                          # depends on every token before it
+                          ("prefix_matches", lambda: key[:end] == self.seq[l][:end]),
+                          ("dst_not_src", lambda: dst != src),
+                          ("dst_reusable", lambda: self.reusable(dst)))
         if name == "decode":
             pad = args[0]
             return _first(("no_block_overflow", lambda: not any(
@@ -632,6 +657,25 @@ class Life:
             self._set_free(dst)  # a cache entry there is evicted
             self.owner[dst], self.start[dst] = "LANE", self.length[l]
             self.tables[l].append(dst)
+        elif name == "grow_hit":
+            # like grow (the full tail gets its key: `compare` checks it), and the lane's next
+            # n tokens are copied from src, at the same positions of its sequence
+            l, src, dst, n = args
+            assert self.prefilling(l) and self.needs_block(l), (args, self.tables[l])
+            assert src in self.entries and self.start[src] == self.length[l], (args, self.start)
+            assert self.reusable(dst) and dst != src, (args, self.owner)
+            assert kinds == ["Grow", "Copy"] and effects[0] == (l, dst, len(self.tables[l])) \
+                and effects[1] == (l, src, dst, n), effects
+            if len(self.tables[l]) >= 2:  # a third block (or later) copied
+                Stats.events["hit past the second block"] += 1
+            if dst in self.entries:
+                Stats.events["hit past the first block evicts an entry"] += 1
+            Stats.events["hit past the first block"] += 1
+            self._set_free(dst)  # a cache entry there is evicted
+            self.owner[dst], self.start[dst] = "LANE", self.length[l]
+            self.tables[l].append(dst)
+            self.length[l] += n
+            self.copy_src[l] = src
         elif name == "decode":
             pad, toks = args
             live = tuple(self.decoding(l) for l in range(c.B))
@@ -952,8 +996,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             (device or host) with a new tail, so deep prefix hits happen. host: a prompt
             that shares at least a chunk with a host entry, when there is one. Hybrid: often
             the next turn of a cached conversation (its whole key, generated tokens too), which
-            matches further than the snapshots (taken over the prompt) reach. short: a prompt
-            that fits one block (what a PD transfer moves), else up to T * S - 1 tokens."""
+            matches further than the snapshots (taken over the prompt) reach. Paged tables:
+            often the next turn of a conversation cached past its first block (the whole key
+            of a later block's entry: the prefix up to its end), so that a hit goes on past
+            the first block (`grow_hit`). short: a prompt that fits one block (what a PD
+            transfer moves), else up to T * S - 1 tokens."""
             s, c = self.s, self.c
             m = c.S - 1 if short else c.T * c.S - 1
             stored = sorted({tuple(s.slot_key[h]) for h in range(c.H)
@@ -967,10 +1014,17 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                                                if s.owner[b] == core.OWNER_CACHE})
                 earlier = sorted({tuple(p) for p in self.life.prompt.values()})
                 how = num(data, 0, 2, "fresh, extend a cache key, extend an earlier prompt")
-                base = pick(data, cached, "cache key") if how == 1 and cached else (
-                    pick(data, earlier, "earlier prompt") if how and earlier else None)
+                # (a uniform draw among the keys rarely picks one past a first block, and a
+                # uniform cut rarely keeps more than its first block)
+                later = sorted({tuple(s.key[b]) for b in range(c.K) if s.start[b] > 0
+                                and s.owner[b] == core.OWNER_CACHE}) if how == 1 else []
+                if later and coin(data, "a later block's key"):
+                    base = pick(data, later, "later block's key")
+                else:
+                    base = pick(data, cached, "cache key") if how == 1 and cached else (
+                        pick(data, earlier, "earlier prompt") if how and earlier else None)
                 if base:
-                    whole = how == 1 and c.HYBRID and coin(data, "next turn")
+                    whole = how == 1 and (c.HYBRID or c.T > 1) and coin(data, "next turn")
                     k = len(base) if whole else num(data, 1, len(base), "keep")
                     tail = data.draw(_token_lists(0, m), label="tail")
                     p = seq((base[:k] + tuple(tail))[:m])
@@ -1114,14 +1168,18 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         def grow_by_policy(self, data: Any = None, preempt: bool = True) -> bool:
             """As the adapter does before each prefill or decode call: every lane the policy
-            says needs its next block (`Policy.growth`, the oldest first) gets the block
-            `Policy.reusable` picks; with preemption (and `preempt`), when there is none, the
-            policy's victims are preempted (`preempt_by_policy`) until there is one or the lane
-            itself is gone. Refinement: the policy's lanes are exactly those the lifecycle
-            model says need a block (in admission order), its block is one the spec accepts,
-            and it finds one whenever the spec would accept any. With data, often a call that
-            must be refused first (`refuse_full_tail`). False if some lane gets none (a copy
-            pins the only candidate, a block drains, or K is below the capacity rule)."""
+            says needs its next block (`Policy.growth`, the oldest first) gets it: copied from
+            a cache entry when `Policy.next_hit` finds one and a block besides it
+            (`grow_hit_by_policy`), else the block `Policy.reusable` picks (`grow`); with
+            preemption (and `preempt`), when there is none, the policy's victims are preempted
+            (`preempt_by_policy`) until there is one or the lane itself is gone. A lane whose
+            hit filled its next block (its copy landed) needs another one: it grows again, as
+            the adapter's loop takes the oldest lane first. Refinement: the policy's lanes are
+            exactly those the lifecycle model says need a block (in admission order), its
+            block and hit are ones the spec accepts, and it finds a block whenever the spec
+            would accept any, and the longest hit. With data, often a call that must be
+            refused first (`refuse_full_tail`). False if some lane gets none (a copy pins the
+            only candidate, a block drains, or K is below the capacity rule)."""
             life, c = self.life, self.c
             lanes = self.policy.growth(self.s)
             need = sorted((l for l in range(c.B) if life.needs_block(l)),
@@ -1130,33 +1188,73 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 raise RefinementViolation("grow", f"grows lanes {lanes}, the lifecycle model "
                                           f"says {need} (oldest first)", core, self.s)
             for l in lanes:
-                if not life.needs_block(l):
-                    continue  # preempted to make room for an older lane
-                if data is not None and num(data, 0, 2, "refused first (0)") == 0:
-                    self.refuse_full_tail(data, l)
-                dst = self.policy.reusable(self.s)
-                while (dst is None and preempt and c.PREEMPT
-                       and self.preempt_by_policy(data, "next block") is not None
-                       and life.needs_block(l)):
+                # (not a lane preempted to make room for an older lane; a lane whose copy is
+                # in flight grows once it lands)
+                while life.needs_block(l):
+                    if data is not None and num(data, 0, 2, "refused first (0)") == 0:
+                        self.refuse_full_tail(data, l)
+                    if self.grow_hit_by_policy(data, l):
+                        continue
                     dst = self.policy.reusable(self.s)
-                if not life.needs_block(l):
-                    continue  # it was the victim itself
-                if c.PREEMPT and dst is not None and (data is None or num(
-                        data, 0, 3, "preempt refused first (0)") == 0):
-                    # never while a block is free (the lane waiting for it, the first one
-                    # every other guard accepts)
-                    assert self.apply("preempt", l).rejected == "no_block_reusable"
-                if dst is None:
-                    ok = [b for b in range(c.K) if core.grow_guard(self.s, l, b) is None]
-                    if ok or (self.quiescent() and self.at_capacity
-                              and (preempt or not c.PREEMPT)):
-                        raise RefinementViolation("grow", f"no block for lane {l} (the spec "
-                                                  f"accepts {ok})", core, self.s)
-                    Stats.events["grow waits for a block"] += 1
-                    return False
-                self.refine("grow", {"l": l, "dst": dst})
-                assert self.apply("grow", l, dst).rejected is None
+                    while (dst is None and preempt and c.PREEMPT
+                           and self.preempt_by_policy(data, "next block") is not None
+                           and life.needs_block(l)):
+                        dst = self.policy.reusable(self.s)
+                    if not life.needs_block(l):
+                        continue  # it was the victim itself
+                    if c.PREEMPT and dst is not None and (data is None or num(
+                            data, 0, 3, "preempt refused first (0)") == 0):
+                        # never while a block is free (the lane waiting for it, the first one
+                        # every other guard accepts)
+                        assert self.apply("preempt", l).rejected == "no_block_reusable"
+                    if dst is None:
+                        ok = [b for b in range(c.K) if core.grow_guard(self.s, l, b) is None]
+                        if ok or (self.quiescent() and self.at_capacity
+                                  and (preempt or not c.PREEMPT)):
+                            raise RefinementViolation("grow", f"no block for lane {l} (the "
+                                                      f"spec accepts {ok})", core, self.s)
+                        Stats.events["grow waits for a block"] += 1
+                        return False
+                    self.refine("grow", {"l": l, "dst": dst})
+                    assert self.apply("grow", l, dst).rejected is None
             return True
+
+        def grow_hit_by_policy(self, data: Any, l: int) -> bool:
+            """Lane l needs its next block: when `Policy.next_hit` finds a cached continuation
+            of its prompt and `Policy.reusable` a block besides its source, the block is
+            copied from it (`grow_hit`), as the adapter does; the copy lands at once (the
+            adapter's way: without data, or most draws) or stays in flight. Refinement: the
+            hit passes the guard, and it is the longest the spec accepts (`longest_hits`: a
+            hit is worth a block of prefill compute). False if the lane is to take a plain
+            block: no hit, or no block but the hit's source (the adapter then grows into
+            whatever `reusable` picks, evicting the source)."""
+            hit = self.policy.next_hit(self.s, l)
+            longest = self.longest_hits(l)
+            if (hit is None) != (not longest) or hit is not None and hit not in longest:
+                raise RefinementViolation("grow_hit", f"lane {l}'s next hit is {hit}, the "
+                                          f"longest the spec accepts {longest}", core, self.s)
+            if hit is None:
+                return False
+            src, n = hit
+            dst = self.policy.reusable(self.s, exclude=src)
+            if dst is None:
+                Stats.events["hit given up: no block but its source"] += 1
+                return False
+            self.refine("grow_hit", {"l": l, "src": src, "dst": dst, "n": n})
+            assert self.apply("grow_hit", l, src, dst, n).rejected is None
+            if data is None or num(data, 0, 3, "copy in flight (0)"):
+                assert self.apply("copy_done", l).rejected is None
+            return True
+
+        def longest_hits(self, l: int) -> list[tuple[int, int]]:
+            """The (src, n) of the longest hits past the first block the spec accepts for lane
+            l (any dst: `grow_hit`'s guard reports dst_not_src, its second to last, for
+            dst == src exactly when every guard before it holds)."""
+            c = self.c
+            ok = [(src, n) for src in range(c.K) for n in range(c.C, c.S + 1, c.C)
+                  if core.grow_hit_guard(self.s, l, src, src, n) == "dst_not_src"]
+            top = max((n for _, n in ok), default=0)
+            return [(src, n) for src, n in ok if n == top]
 
         def refuse_full_tail(self, data: Any, l: int) -> None:
             """Lane l's tail is full: before it grows, its next prefill chunk (or any decode
@@ -1250,8 +1348,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             """Up to k productive steps, as a scheduler would take them: admit (with the host
             tier, often spilling the entry the admission evicts first), complete a copy or a
             load, prefill (hybrid: then a snapshot at a boundary, as the policy takes them),
-            snapshot a lane at its next boundary, decode (policy pad) or finish, whichever the
-            draw picks, growing the lanes whose tail is full before each prefill or decode (as
+            snapshot a lane at its next boundary, decode (policy pad) or finish, with paged
+            tables and the prefix cache a conversation's turn (`turn`), whichever the draw
+            picks, growing the lanes whose tail is full before each prefill or decode (as
             the adapter does; a decode refused at a full table finishes that lane); with pd,
             also a PD step (`pd_step`: import, export, end a transfer or a drain); with the
             host tier, a host step (`host_step`)."""
@@ -1276,6 +1375,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     moves.append("host")
                 if any(map(life.snapshot_ok, range(c.B))):
                     moves.append("snapshot")  # e.g. a decoding lane at a chunk boundary
+                if c.T > 1 and c.PREFIX and None in life.lane:
+                    moves.append("turn")  # a conversation's turn: hits past the first block
                 if not moves:
                     return
                 move = pick(data, moves, "move")
@@ -1291,8 +1392,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     l = pick(data, prefilling, "lane")
                     if not self.grow_by_policy(data) and life.needs_block(l):
                         return  # no block until a copy lands or a drain ends
-                    if not life.prefilling(l):
-                        continue  # preempted to make room for an older lane
+                    if not life.prefilling(l) or life.copying[l]:
+                        continue  # preempted to make room for an older lane, or its hit's
+                        # copy is in flight
                     self.apply("prefill", l, data.draw(tokens, label="tok"))
                     # hybrid: a snapshot at each boundary of the prompt, as the policy takes
                     # them (a failed fetch skips one: that lane then has no later snapshot)
@@ -1313,6 +1415,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                             return  # no scratch target until a prefill or copy completes
                 elif move == "pd":
                     if not self.pd_step(data, feed=False):
+                        return
+                elif move == "turn":
+                    if not self.turn(data):
                         return
                 else:
                     l = pick(data, decoding, "lane")
@@ -1478,6 +1583,154 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             dst = self.policy.reusable(self.s)
             self.apply("grow", l, self.block(data, "dst", *(() if dst is None else (dst,))))
 
+        @precondition(lambda self: self.c.T > 1 and self.c.PREFIX)
+        @rule(data=st.data())
+        def grow_hit(self, data: Any) -> None:
+            """grow_hit with drawn parameters (`drawn_grow_hit`). Only with paged tables and
+            the prefix cache: elsewhere every call is refused early (no entry to copy from, a
+            table of one block), which `foreign_tier_calls` shows at the end of each run."""
+            self.drawn_grow_hit(data)
+
+        def drawn_grow_hit(self, data: Any, lane: int | None = None) -> None:
+            """grow_hit with drawn parameters: a lane (often one that prefills and needs its
+            next block, or one that prefills) and, often, the policy's hit for it
+            (`Policy.next_hit`, into the block `Policy.reusable` picks besides its source:
+            accepted, refinement); else (always for a given `lane`, which the caller grows as
+            the policy does next) a call aimed at one guard: the calls `grow_hit_calls` makes
+            are grouped by the guard the lifecycle model says refuses them (or none: a legal
+            hit), and the group is drawn first, so that each guard that can refuse the lane
+            now is as likely as any other."""
+            life, s = self.life, self.s
+            hit = None
+            if lane is None:
+                pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
+                                   life.prefilling, lambda l: life.lane[l] is not None),
+                            "lane: needs a block, prefills, busy")
+                lane = self.lanes(data, pred)
+                hit = (self.policy.next_hit(s, lane)
+                       if life.prefilling(lane) and life.needs_block(lane) else None)
+            l = lane
+            if hit is not None and num(data, 0, 2, "the policy's hit (>0)"):
+                src, n = hit
+                dst = self.policy.reusable(s, exclude=src)
+                if dst is not None:
+                    self.refine("grow_hit", {"l": l, "src": src, "dst": dst, "n": n})
+                    assert self.apply("grow_hit", l, src, dst, n).rejected is None
+                    return
+            calls = self.grow_hit_calls(l)
+            guard = pick(data, sorted(calls, key=lambda g: g or ""), "guard (None: accepted)")
+            args = pick(data, calls[guard], "src, dst, n")
+            assert self.apply("grow_hit", *args).rejected == guard, (args, guard)
+
+        def grow_hit_calls(self, l: int) -> dict[str | None, list[tuple[int, int, int, int]]]:
+            """grow_hit calls for lane l over every source, n (whole chunks up to past the
+            block, 0, and 1) and dst (the policy's, the source itself, one no hit may take),
+            by the guard the lifecycle model says refuses them (None: a legal hit)."""
+            life, c, s = self.life, self.c, self.s
+            taken = [b for b in range(c.K) if not life.reusable(b)]  # a lane's, pinned, ...
+            calls: dict[str | None, list[tuple[int, int, int, int]]] = {}
+            for src in range(c.K):
+                dst = self.policy.reusable(s, exclude=src)
+                dsts = {(src + 1) % c.K if dst is None else dst, src, *taken[:1]}
+                for n in sorted({0, 1, *range(c.C, c.S + c.C + 1, c.C)}):
+                    for d in sorted(dsts):
+                        args = (l, src, d, n)
+                        calls.setdefault(life.predict("grow_hit", args), []).append(args)
+            return calls
+
+        # rules: paged tables with the prefix cache --------------------------------------
+        @precondition(lambda self: self.c.T > 1 and self.c.PREFIX)
+        @rule(data=st.data(), k=st.integers(1, 4))
+        def paged_flow(self, data: Any, k: int) -> None:
+            """Up to k turns of conversations (`turn`)."""
+            for _ in range(k):
+                if not self.turn(data):
+                    return
+
+        def turn(self, data: Any) -> bool:
+            """One turn of a conversation served into the cache, so that hits go on past the
+            first block. The prompt goes on from a conversation cached past its first block
+            (the whole key of a later block's entry: its prefix up to its end; or a cut past
+            its first block, where the new tail goes another way), else it is a fresh one of
+            several blocks. It is admitted as the policy chooses (a hit copies the first
+            block's part), then driven as the adapter drives it: its copies land, its next
+            block is grown before each prefill (`grow_by_policy`: a hit past the first block
+            when the entry at that position goes on as the prompt does), its chunks are
+            prefilled; then it decodes a few tokens and finishes into the cache, so the next
+            turn has a longer conversation to go on from. On the way, drawn grow_hit calls
+            (`drawn_grow_hit`, refused by the guard the lifecycle model names, or a legal hit):
+            while its copy is in flight, mid-block, and at each boundary (often one call for
+            each guard that refuses some call there).
+            Often the other entries are dropped first (`discard`, unpinned ones, until a
+            table's worth of blocks is free): the policy evicts the entries past a first block
+            first (the conversation's own, its middle blocks before its end: they have no use
+            time), so with few blocks the hit would often find its next block gone. False if
+            no turn could start (no idle lane, or the policy declines), or the lane got no
+            block or was preempted."""
+            life, c, s = self.life, self.c, self.s
+            if None not in life.lane:
+                return False
+            later = [b for b in range(c.K) if s.owner[b] == core.OWNER_CACHE and s.start[b] > 0]
+            m = c.T * c.S - 1
+            if later and num(data, 0, 3, "a fresh conversation (0)"):
+                key = tuple(s.key[pick(data, later, "conversation")])
+                if coin(data, "room for it") and "discard" in core.ACTIONS:
+                    ours = {b for b, (k, _) in life.entries.items()
+                            if len(k) <= len(key) and k == key[:len(k)]}
+                    others = [b for b in sorted(life.entries)
+                              if b not in ours and not life.pinned(b)]
+                    for b in others[:max(0, c.T - life.owner.count("FREE"))]:
+                        assert self.apply("discard", b).rejected is None
+                tail = data.draw(_token_lists(1, c.S), label="next turn")
+                if coin(data, "a cut past the first block"):  # then it goes another way
+                    whole, key = key, key[:num(data, min(c.S + 1, len(key)), len(key), "keep")]
+                    if len(key) < len(whole) and tail[0] == whole[len(key)]:
+                        tail[0] = ALPHABET[(ALPHABET.index(tail[0]) + 1) % len(ALPHABET)]
+                p = seq((key + tuple(tail))[:m])
+            else:
+                p = seq(data.draw(_token_lists(c.S + 1, m), label="prompt"))
+            r = self.next_id
+            self.next_id += 1
+            assert self.apply("submit", r, p).rejected is None
+            if not self.admit_by_policy(r, data):
+                return False
+            l = life.lane.index(r)
+            for _ in range(4 * c.T * c.S):  # (each pass lands a copy, grows or prefills)
+                if life.lane[l] != r or not life.prefilling(l):
+                    break
+                if life.copying[l]:
+                    if num(data, 0, 3, "a drawn grow_hit first (0)") == 0:
+                        self.drawn_grow_hit(data, l)  # no_copy_in_flight, ...
+                    self.complete_copy(data, l)
+                    continue
+                if life.needs_block(l):
+                    # (a boundary with entries about is the rare state a refusal needs: often
+                    # one call for each guard that refuses some call here)
+                    if coin(data, "each refusal first"):
+                        calls = self.grow_hit_calls(l)
+                        for guard in sorted(g for g in calls if g is not None):
+                            args = pick(data, calls[guard], "src, dst, n")
+                            assert self.apply("grow_hit", *args).rejected == guard, args
+                    for _ in range(num(data, 0, 2, "drawn grow_hit calls first")):
+                        if life.needs_block(l):  # (until one is accepted)
+                            self.drawn_grow_hit(data, l)
+                    if life.needs_block(l) and not self.grow_by_policy(data):
+                        return False  # no block until a copy lands or a drain ends
+                    continue
+                if num(data, 0, 3, "a drawn grow_hit mid-block (0)") == 0:
+                    self.drawn_grow_hit(data, l)  # tail_full
+                self.apply("prefill", l, data.draw(tokens, label="tok"))
+            for _ in range(pick(data, (0, 1, c.S, c.T * c.S), "tokens")):
+                if not life.decoding(l) or life.lane[l] != r:
+                    break
+                self.grow_by_policy(data)
+                if self.decode_by_policy(self.decode_tokens(data), data).rejected is not None:
+                    break  # the table is full, or no padding target until a copy lands
+            if life.lane[l] != r or not life.decoding(l):
+                return False  # preempted to make room (or still prefilling: no block)
+            assert self.apply("finish", l, True).rejected is None
+            return True
+
         @rule(data=st.data())
         def decode(self, data: Any) -> None:
             toks = self.decode_tokens(data)
@@ -1568,6 +1821,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         and not any(map(life.reusable, range(c.K)))):
                     # its sequence would not fit a prompt: not a victim (it finishes instead)
                     assert self.apply("preempt", l).rejected == "requeue_fits"
+                if life.table_end(l) and not Stats.rejected["grow", "table_not_full"]:
+                    # no next block there (once a run: teardown's drain may never see one)
+                    assert self.apply("grow", l, 0).rejected == "table_not_full"
                 if life.table_end(l) or (life.decoding(l) and r % 2 and life.length[l] >= len(
                         life.prompt[r]) + c.S):
                     self.apply("finish", l, c.PREFIX and r % 4 < 2)
@@ -2233,8 +2489,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             """Whatever state a run ends in, a configuration refuses the actions of a tier it
             does not have: without the hybrid prefix cache every snapshot, without the host
             tier every spill, and every load event (no lane is loading), without PREEMPT every
-            preemption."""
+            preemption, without the prefix cache or with tables of one block every hit past
+            the first block (by the guard the lifecycle model names: an idle, decoding or
+            copying lane, a tail not full (T = 1: a prefilling lane's never is), no entry)."""
             c, life = self.c, self.life
+            if not (c.PREFIX and c.T > 1):
+                for l in range(c.B):
+                    assert self.apply("grow_hit", l, 0, 0, c.C).rejected is not None
             if not (c.HYBRID and c.PREFIX):
                 for l in range(c.B):
                     assert self.apply("snapshot", l).rejected == "hybrid_prefix_cache"
@@ -2313,6 +2574,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         if life.prefilling(l):
                             assert self.apply("prefill", l, 1).rejected == "chunk_within_block"
                         assert self.apply("grow", l, life.tail(l)).rejected == "dst_reusable"
+                    elif (life.computing(l) and not life.tail_full(l)
+                          and not Stats.rejected["grow", "tail_full"]):
+                        # room left in its tail: no next block yet (once a run, so that
+                        # coverage does not hang on the rules' draws)
+                        dst = self.policy.reusable(self.s)
+                        assert self.apply("grow", l, 0 if dst is None else dst
+                                          ).rejected == "tail_full"
                     grown = self.grow_by_policy(preempt=False) or not life.needs_block(l)
                     if r % 4 == 3 or not grown:  # a quarter are cancelled: aborted or failed
                         self.apply(("abort_running", "fail")[r // 4 % 2], l)
@@ -2328,7 +2596,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         # a long answer: decoded to the table end (then refused); with paged
                         # tables at least once per run, so a full table is always reached
                         pass
-                    elif life.table_end(l) and r % 3 == 1:  # no next block there
+                    elif life.table_end(l) and (r % 3 == 1 or not Stats.rejected[
+                            "grow", "table_not_full"]):  # no next block there (once a run)
                         dst = self.policy.reusable(self.s)
                         assert self.apply("grow", l, 0 if dst is None else dst
                                           ).rejected == "table_not_full"
@@ -2389,14 +2658,14 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     """Not vacuous, over the runs of one configuration family: every action it can take was
     applied, and no run applied one it cannot (hits need the prefix cache, PD actions pd,
     snapshot the hybrid tier, the host actions the host tier, grow a table of several blocks:
-    the plain tier, preempt PREEMPT); some lane reached the block end (decode refused until it
-    finishes), and with paged tables the table end; and the situations each feature exists for
-    happened."""
+    the plain tier, grow_hit both, preempt PREEMPT); some lane reached the block end (decode
+    refused until it finishes), and with paged tables the table end; and the situations each
+    feature exists for happened."""
     actions = set(committed.ACTIONS)
-    cannot = set() if prefix else {"admit_hit", "copy_done"}
+    cannot = set() if prefix else {"admit_hit", "copy_done", "grow_hit"}
     cannot |= set() if tier == "hybrid" else {"snapshot"}
     cannot |= set() if tier == "host" else set(HOST_ACTIONS)
-    cannot |= set() if tier == "plain" else {"grow"}  # T = 1
+    cannot |= set() if tier == "plain" else {"grow", "grow_hit"}  # T = 1
     for run in runs:
         off = cannot | (set() if run.pd else set(PD_ACTIONS))
         off |= set() if run.preempt else {"preempt"}
@@ -2418,20 +2687,31 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
         ("store_done", "slot_storing"), ("store_fail", "slot_storing"),
         ("load_done", "load_in_flight"), ("load_fail", "load_in_flight"),
         ("copy_done", "copy_in_flight")}
+    # grow_hit: a lane that is not prefilling (everywhere: `foreign_tier_calls`)
+    want |= {("grow_hit", "lane_prefilling")}
     if tier == "plain":
         # paged tables: grow refused by each of its guards, a prefill past a full tail, a hit
         # on an entry that starts later in its sequence; PD moves one block
         want |= {("grow", "lane_computing"), ("grow", "tail_full"), ("grow", "table_not_full"),
                  ("grow", "dst_reusable"), ("prefill", "chunk_within_block")}
         want |= {("admit_hit", "src_first_block")} if prefix else set()
+        # with the prefix cache, a hit past the first block refused by each of its guards but
+        # table_not_full (a prefilling lane has a token left to compute, so its full tail is
+        # never the table's last block)
+        want |= {("grow_hit", g) for g in (
+            "no_copy_in_flight", "tail_full", "src_cached", "src_at_the_boundary",
+            "n_whole_chunks", "n_within_block", "n_within_entry", "token_left_to_compute",
+            "prefix_matches", "dst_not_src", "dst_reusable")} if prefix else set()
         if any(run.pd for run in runs):
             want |= {("admit_import", "prompt_in_one_block"), ("export", "prompt_in_one_block")}
         # a decoding lane filled its whole table (decode refused until it finishes); with the
         # prefix cache, a table of several blocks became cache entries, a hit reached a full
-        # first block, and a miss was not blocked by a later block sharing its first chunk
+        # first block, a hit went on past it (the lane's next block copied from the entry at
+        # that position), and a miss was not blocked by a later block sharing its first chunk
         paged = {"decode refused at a full table"}
         paged |= {"table of several blocks cached", "hit on a full first block",
-                  "miss beside a later block's entry"} if prefix else set()
+                  "hit past the first block", "miss beside a later block's entry"
+                  } if prefix else set()
         assert paged <= events, paged - events
     if any(run.preempt for run in runs):
         # preempt refused by its guards (but preemption_on); preemptions for a lane's
@@ -2600,6 +2880,7 @@ PD_FLOW = {"pd_flow"}
 HYBRID_FLOW = {"hybrid_flow"}
 HOST_FLOW = {"host_flow"}
 GROW_RULES = {"submit", "advance", "grow"}
+GROW_HIT_RULES = {"submit", "advance", "grow_hit"}
 PREEMPT_RULES = {"submit", "advance", "storm", "preempt"}
 MUTANTS: dict[str, Mutant] = {
     # A hit copying into its own source (or, when the source is pinned by another lane's copy,
@@ -2627,9 +2908,12 @@ MUTANTS: dict[str, Mutant] = {
     "finish-keep_needs_prefix_cache": Mutant(
         lambda: MODEL.without_guard("finish", "keep_needs_prefix_cache"),
         (False, "reserved"), "cache_needs_prefix_cache", None),
+    # A prompt that does not fit a table is accepted: past T * S tokens the invariant tells;
+    # at exactly T * S (which waiting_prompt_fits allows: a preempted request's prompt may be
+    # that long) only the lifecycle model does.
     "submit-prompt_fits": Mutant(
         lambda: MODEL.without_guard("submit", "prompt_fits"),
-        (False, "dynamic"), "waiting_prompt_fits", None),
+        (False, "dynamic"), ("waiting_prompt_fits", "lifecycle:prompt_fits"), None),
     # A hit of any n > 0 (not whole chunks) is accepted, and breaks the chunk boundary; the
     # lifecycle model, which predicts every guard, also notices when a later guard refuses it.
     "admit_hit-n_whole_chunks-weakened": Mutant(
@@ -2759,12 +3043,45 @@ MUTANTS: dict[str, Mutant] = {
         tables=(2, 3)),
     # A hit on an entry that starts later in its sequence (a full block of a cached table, or a
     # tail after one): it is copied into the lane's first block as if it held the prompt's
-    # first tokens. The ghost content of a block is its whole prefix, so only the copy's own
-    # invariant (or the lifecycle model) tells.
+    # first tokens. The ghost content of a block is its whole prefix, so the copy's own
+    # invariant tells as soon as the copy starts (lane_holds_its_tokens only once it lands);
+    # where a later guard refuses it, the lifecycle model does.
     "admit_hit-src_first_block": Mutant(
         lambda: MODEL.without_guard("admit_hit", "src_first_block"),
-        (True, "dynamic"), ("copy_into_first_block", "lifecycle:src_first_block"), HIT_RULES,
+        (True, "dynamic"), ("copy_at_its_position", "lifecycle:src_first_block"), HIT_RULES,
         tables=(2, 3)),
+    # Hits past the first block (`grow_hit`). From an entry at another position: one that
+    # ends before the boundary holds too few tokens (n_within_entry), so a later block of a
+    # chain that shares the prompt's prefix (T = 3), copied into the wrong positions; or,
+    # where a later guard refuses the call, the lifecycle model notices; or the spec now
+    # accepts a hit the policy does not look for (it is no longer the longest). (With the
+    # lifecycle model and the longest-hit check taken out, copy_at_its_position catches it.)
+    "grow_hit-src_at_the_boundary": Mutant(
+        lambda: MODEL.without_guard("grow_hit", "src_at_the_boundary"),
+        (True, "dynamic"),
+        ("copy_at_its_position", "lifecycle:src_at_the_boundary", "refinement:grow_hit"),
+        GROW_HIT_RULES, tables=(3, 3)),
+    # From an entry at the boundary whose key goes another way (before the boundary, or in
+    # the copied tokens): the lane's next block gets KV of other tokens. The spec's longest
+    # hit is then often one the policy rightly does not take (or the lifecycle model notices
+    # first; without both, copy_source_holds_prefix catches it).
+    "grow_hit-prefix_matches": Mutant(
+        lambda: MODEL.without_guard("grow_hit", "prefix_matches"),
+        (True, "reserved"),
+        ("copy_source_holds_prefix", "lifecycle:prefix_matches", "refinement:grow_hit"),
+        GROW_HIT_RULES, tables=(2, 3)),
+    # More tokens than the entry holds (a cached tail, partly filled). The generated core stays
+    # safe: `take` of more tokens than a key has is the whole key, shorter than the lane's
+    # prefix, so prefix_matches refuses the call (the proofs, over an uninterpreted `take`,
+    # need the guard); only the lifecycle model notices, by the guard the core names.
+    "grow_hit-n_within_entry": Mutant(
+        lambda: MODEL.without_guard("grow_hit", "n_within_entry"),
+        (True, "dynamic"), "lifecycle:n_within_entry", GROW_HIT_RULES, tables=(2, 3)),
+    # The copy is not marked in flight: the lane computes (or is cached) from a block that
+    # holds nothing yet, and its source is not pinned.
+    "grow_hit-copying": Mutant(
+        lambda: MODEL.without_update("grow_hit", "copying"),
+        (True, "reserved"), "lane_holds_its_tokens", GROW_HIT_RULES, tables=(2, 3)),
     # An export of a lane whose table has grown: a PD transfer moves one block.
     "export-prompt_in_one_block": Mutant(
         lambda: MODEL.without_guard("export", "prompt_in_one_block"),

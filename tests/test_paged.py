@@ -291,3 +291,21 @@ def test_growth_waits_for_a_draining_block():
     drive(b)
     assert b.requests[r1].error is None and b.requests[r1].tokens == expected(b, r1)
     assert b.stats.table_grows == 1
+
+
+def test_growing_by_hits_keeps_the_entries_the_lane_copies_next():
+    """A 352-token prompt served twice with blocks of 128 (T = 3) and one block to spare: the
+    second run copies its first block, then its second, whose destination must not be the
+    third block's entry it copies next (`Policy.reusable` keeps entries a prefilling lane will
+    copy for last): it hits every whole chunk below its last token, 320 tokens."""
+    cfg = Config(lanes=1, kv_blocks=4, max_seq_len=384, block_size=128, prefill_chunk=64,
+                 prefix_cache=True, scratch="dynamic")
+    b = AtomBatcher(cfg, TorchReferenceRuntime.tiny(cfg), ghost=True)
+    prompt = [(7 * i) % V for i in range(1, 353)]
+    first = b.submit(prompt, 1)
+    drive(b)
+    again = b.submit(prompt, 1)
+    drive(b)
+    assert_exact(b)
+    assert b.requests[again].tokens == b.requests[first].tokens
+    assert b.stats.prefix_hit_tokens == 320
