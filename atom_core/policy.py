@@ -40,7 +40,7 @@ class Policy:
     def observe(self, effects: Iterable[Any]) -> None:
         """Keep LRU order from the effects of applied transitions."""
         for e in effects:
-            if isinstance(e, g.Admit):
+            if isinstance(e, (g.Admit, g.Inbound)):  # an import is an admission too
                 self.clock += 1
                 self.admitted[e.lane] = self.clock
             elif isinstance(e, g.Copy):
