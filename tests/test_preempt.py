@@ -174,3 +174,14 @@ def test_planted_admission_without_room_livelocks() -> None:
     with pytest.raises(AssertionError, match="not idle"):
         drive(b, max_steps=3000)
     assert b.stats.preemptions > 1000
+
+
+def test_an_import_counts_as_an_admission_for_the_victim_order() -> None:
+    """A lane imported from a prefill worker (`Inbound`) is younger than one admitted before it;
+    counting only `Admit` made an imported lane look older than every admitted one, so the
+    oldest lane could be picked as victim beside it (found by the core machine, seed 1)."""
+    p = Policy()
+    p.observe([core.Admit(lane=0, request=0, block=0), core.Inbound(lane=1, request=1, block=1)])
+    assert p.admitted[1] > p.admitted[0]
+    p.observe([core.Admit(lane=0, request=2, block=2)])
+    assert p.admitted[0] > p.admitted[1]
