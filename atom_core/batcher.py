@@ -428,7 +428,7 @@ class AtomBatcher:
 
     def _load(self, eff: Any) -> None:
         """A host-tier hit: load the slot into the lane's fresh block. If the load fails, the
-        request recomputes its prompt from the start (the core's `load_fail`); nothing else is
+        request recomputes that block's tokens (the core's `load_fail`); nothing else is
         affected."""
         try:
             self.runtime.update_kv_cache(self._host[eff.slot], eff.dst)
@@ -501,6 +501,8 @@ class AtomBatcher:
         for eff in effects:
             if isinstance(eff, (core.Admit, core.Inbound)):
                 self._snaps.admitted(eff.lane, None)
+            elif isinstance(eff, core.Grow):  # (before a grow_hit's Copy: the lane's own)
+                self._snaps.filled(eff.lane, self._tables[eff.lane][eff.pos - 1])
             elif isinstance(eff, core.Copy):
                 self._snaps.admitted(eff.lane, eff.src)
             elif isinstance(eff, core.Release):
@@ -577,7 +579,8 @@ class AtomBatcher:
         if self._snaps is not None:  # the hit's sliding state (spec: copy_done)
             try:
                 self.runtime.update_local_cache(
-                    self._snaps.restore_source(eff.src, eff.n), eff.lane)
+                    self._snaps.restore_source(eff.src, self.state.length[eff.lane]),
+                    eff.lane)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 self._end(eff.lane, events, f"update_local_cache failed: {exc!r}")
                 return
@@ -588,18 +591,14 @@ class AtomBatcher:
     def _grow(self, events: list[Event]) -> None:
         """Every lane whose tail block is full gets its next block before the next runtime call
         (decode is one call over every row, so all of them at once), the oldest lane first. A
-        prefilling lane whose next block's worth of prompt is cached copies it (`grow_hit`)."""
+        prefilling lane whose next block's worth of prompt is cached copies it (`grow_hit`), or
+        loads it from the host tier (`grow_host_hit`) when the host entry is longer."""
         while lanes := self.policy.growth(self.state):
-            hit = self.policy.next_hit(self.state, lanes[0])
-            if hit is not None and (dst := self.policy.reusable(self.state, exclude=hit[0])) \
-                    is not None:
-                step = self._apply("grow_hit", l=lanes[0], src=hit[0], dst=dst, n=hit[1])
-                self.stats.table_grows += 1
-                for eff in step.effects:
-                    if isinstance(eff, core.Copy):
-                        self._copy(eff, events)
-                continue
-            dst = self.policy.reusable(self.state)
+            lane = lanes[0]
+            hit = self.policy.next_hit(self.state, lane)
+            dst = self._block(exclude=None if hit is None else hit[0])
+            if dst is None and hit is not None:  # the hit's source is the only block left
+                hit, dst = None, self._block()
             if dst is None:
                 if self._transfers or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING)
                                           for o in self.state.owner):
@@ -607,10 +606,28 @@ class AtomBatcher:
                 if self._preempt(events):
                     continue
                 # with nothing in flight, the capacity rule Config checks excludes this
-                raise RuntimeError(f"no block for lane {lanes[0]}'s next block: kv_blocks is "
+                raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is "
                                    "below the capacity rule (Config checks it; was it bypassed?)")
-            self._apply("grow", l=lanes[0], dst=dst)
+            # (after `_block`: its spill may have evicted a host entry)
+            host = self.policy.next_host_hit(self.state, lane) if self.config.host_cache_blocks \
+                else None
             self.stats.table_grows += 1
+            if host is not None and (hit is None or host[1] > hit[1]):
+                step = self._apply("grow_host_hit", l=lane, h=host[0], dst=dst, n=host[1])
+                self._load(next(e for e in step.effects if isinstance(e, core.Load)))
+            elif hit is not None:
+                step = self._apply("grow_hit", l=lane, src=hit[0], dst=dst, n=hit[1])
+                self._copy(next(e for e in step.effects if isinstance(e, core.Copy)), events)
+            else:
+                self._apply("grow", l=lane, dst=dst)
+
+    def _block(self, exclude: int | None = None) -> int | None:
+        """The policy's reusable block; a cache entry there goes to the host tier first."""
+        while True:
+            dst = self.policy.reusable(self.state, exclude=exclude)
+            if not (dst is not None and self.config.host_cache_blocks
+                    and self._is_cache_entry(dst) and self._spill(dst)):
+                return dst
 
     def _preempt(self, events: list[Event]) -> bool:
         """Free a lane's blocks for a lane that waits for one (`Policy.victim`); its request

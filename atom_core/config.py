@@ -131,12 +131,6 @@ AXIOM_HELP = {
     "chunk_divides_block": "block_size (max_seq_len unless given) must be a multiple of "
                            "prefill_chunk (a chunk never straddles two blocks)",
     "block_holds_a_chunk": "prefill_chunk must not exceed block_size (max_seq_len unless given)",
-    "hybrid_single_block": (
-        "a hybrid model (sliding_window set) needs block_size == max_seq_len for now: its "
-        "sliding-state snapshots are kept per block, not yet per block table"),
-    "host_single_block": (
-        "host_cache_blocks > 0 needs block_size == max_seq_len for now: the host tier stores "
-        "one block per entry, not yet whole block tables; set host_cache_blocks=0"),
     "host_cache_needs_prefix_cache": (
         "host_cache_blocks > 0 needs prefix_cache=True: the host tier holds prefix-cache entries "
         "evicted from the device; turn the prefix cache on or set host_cache_blocks=0"),

@@ -112,27 +112,43 @@ class Policy:
         equals), or None."""
         if not s.consts.PREFIX:
             return None
+        entries = [b for b in range(s.consts.K)
+                   if s.owner[b] == g.OWNER_CACHE and s.start[b] == s.length[lane]]
+        # a hybrid hit also restores the sliding state: only as far as the entry has snapshots
+        upto = (lambda b: s.snap_upto[b]) if s.consts.HYBRID else None
+        return self._continuation(s, lane, entries, s.key, self.last_use, upto)
+
+    def next_host_hit(self, s: g.State, lane: int) -> tuple[int, int] | None:
+        """(slot, n): `next_hit` from the host tier (`grow_host_hit`)."""
+        slots = [h for h in range(s.consts.H) if s.slot_state[h] == g.SLOTSTATE_STORED
+                 and s.slot_start[h] == s.length[lane]]
+        return self._continuation(s, lane, slots, s.slot_key, self.slot_use)
+
+    @staticmethod
+    def _continuation(s: g.State, lane: int, entries: list[int], key: Any,
+                      use: dict[int, int], upto: Any = None) -> tuple[int, int] | None:
         c, at, seq_ = s.consts.C, s.length[lane], s.lane_seq[lane]
         # whole chunks, within one block, and at least one prompt token left to compute
         limit = min(s.consts.S, (s.lane_plen[lane] - 1) // c * c - at)
         if limit < c:
             return None
         best: tuple[int, int] | None = None
-        for b in range(s.consts.K):
-            if s.owner[b] != g.OWNER_CACHE or s.start[b] != at:
-                continue
-            k = s.key[b]
+        for b in entries:
+            k = key[b]
             if len(k) < at + c or not prefix_eq(k, seq_, at):
                 continue
-            n = common_chunks(k, seq_, c, min(limit, (len(k) - at) // c * c), at)
-            use = self.last_use.get(b, 0)
-            if n and (best is None or (n, use) > (best[1], self.last_use.get(best[0], 0))):
+            most = min(limit, (len(k) - at) // c * c)
+            if upto is not None:
+                most = min(most, upto(b) - at)
+            n = common_chunks(k, seq_, c, most, at)
+            if n and (best is None or (n, use.get(b, 0)) > (best[1], use.get(best[0], 0))):
                 best = (b, n)
         return best
 
     def best_host_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
-        """(slot, n) of the longest host-tier hit, or None."""
-        stored = [h for h in range(s.consts.H) if s.slot_state[h] == g.SLOTSTATE_STORED]
+        """(slot, n) of the longest host-tier hit into a first block, or None."""
+        stored = [h for h in range(s.consts.H)
+                  if s.slot_state[h] == g.SLOTSTATE_STORED and s.slot_start[h] == 0]
         return self._longest(s, prompt, stored, s.slot_head, s.slot_key,
                              lambda h: len(s.slot_key[h]), self.slot_use)
 
@@ -219,12 +235,13 @@ class Policy:
     def spill_slot(self, s: g.State, block: int) -> tuple[int, bool] | None:
         """Where evicted device entry `block` goes in the host tier: (an empty slot, False), else
         (the least recently used host entry, True: evict it first), else None; also None when a
-        host entry already offers every hit it could (hits are whole chunks: the same whole
-        chunks of its key)."""
+        host entry at the same position already offers every hit it could (hits are whole
+        chunks: the same whole chunks of its key)."""
         key = s.key[block]
         m = len(key) // s.consts.C * s.consts.C
-        if any(s.slot_state[h] != g.SLOTSTATE_EMPTY and len(s.slot_key[h]) >= m
-               and take(s.slot_key[h], m) == take(key, m) for h in range(s.consts.H)):
+        if any(s.slot_state[h] != g.SLOTSTATE_EMPTY and s.slot_start[h] == s.start[block]
+               and len(s.slot_key[h]) >= m and take(s.slot_key[h], m) == take(key, m)
+               for h in range(s.consts.H)):
             return None
         stored = []
         for h in range(s.consts.H):

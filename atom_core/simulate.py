@@ -196,7 +196,7 @@ def _host_choices(prefix_key: str, pd_only: bool) -> Choices:
     def choices(c: dict[str, Any]) -> tuple[Any, ...]:
         if pd_only and c.get("mode") != "pd":
             return ()
-        if (c.get("blocks_per_table") or 1) > 1:  # a fixed paged table: no host tier yet
+        if c.get("preemption"):  # a fixed preemption: no host tier (axiom preemption_plain)
             return (0,)
         if c.get(prefix_key) and host_cache_allowed(c.get("sliding_window")):
             return HOST_CHOICES
@@ -205,10 +205,8 @@ def _host_choices(prefix_key: str, pd_only: bool) -> Choices:
 
 
 def _table_choices(c: dict[str, Any]) -> tuple[Any, ...]:
-    """T up to a block of one prefill chunk, where Config accepts paged tables (the spec's
-    axioms: not hybrid, no host tier) and the workload fits (PD moves one block)."""
-    if c.get("mode") == "pd" or c.get("sliding_window") is not None \
-            or c.get("host_cache_blocks"):
+    """T up to a block of one prefill chunk, where the workload fits (PD moves one block)."""
+    if c.get("mode") == "pd":
         return (1,)
     most = (c.get("max_seq_len") or 128) // PREFILL_CHUNK
     return tuple(t for t in (1, 2, 4) if t <= most)
@@ -251,7 +249,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("prefill_host_cache_blocks", "PD: host cache tier of the prefill worker",
               _host_choices("prefill_prefix_cache", True), weights=HOST_WEIGHTS, open=True),
     Dimension("blocks_per_table", "blocks per lane's table (T = max_seq_len / block_size; 1: "
-              "eager); paged tables are colocated, plain models without a host tier for now",
+              "eager); paged tables are colocated",
               _table_choices, open=True),
     Dimension("preemption", "paged tables: a lane waiting for a block preempts the youngest, "
               "with kv_blocks at the (much lower) preemption rule", _preempt_choices),
@@ -775,14 +773,17 @@ def snapshot_leaks(server: Server) -> list[str]:
         c = s.consts.C
         for kind, held, upto, live in (
                 ("lane", snaps["lanes"], s.lane_snap, s.busy),
+                # cache entries, and full lane blocks (they keep their lane's snapshots)
                 ("block", snaps["entries"], s.snap_upto,
-                 [o == core.OWNER_CACHE for o in s.owner])):
+                 [o == core.OWNER_CACHE or (o == core.OWNER_LANE and s.tail[s.owner_lane[b]] != b)
+                  for b, o in enumerate(s.owner)])):
             for i in sorted(set(held) | set(range(len(upto)))):
                 ok = 0 <= i < len(upto) and live[i]
                 want = list(range(c, upto[i] + 1, c)) if ok else []
                 got = list(held.get(i, []))
                 if got != want:
-                    why = "" if ok else (" (idle)" if kind == "lane" else " (not a cache entry)")
+                    why = "" if ok else (" (idle)" if kind == "lane" else
+                                         " (neither a cache entry nor a full lane block)")
                     out.append(f"{side}: the adapter holds snapshots of {kind} {i}{why} at "
                                f"{got}, the core {want}")
     return out

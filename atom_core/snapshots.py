@@ -1,11 +1,12 @@
 """Host copies of hybrid lanes' sliding-window state, for the prefix cache (the adapter's side).
 
 The core decides which snapshots exist: a lane has one at every chunk boundary up to
-`lane_snap[lane]`, a cache entry at every boundary up to `snap_upto[block]`. This store only
-holds the host buffers for them, moving them along the transitions the core takes: a lane's
-snapshots become its entry's when its block is cached, and a hit hands the entry's (up to the
-hit's length) to the lane that hit. Buffers are never written after they are taken, so a lane
-and an entry may share one.
+`lane_snap[lane]`, a cache entry (and, with paged tables, a lane's full block, which becomes
+one when its request ends) at every boundary up to `snap_upto[block]`. This store only holds
+the host buffers for them, moving them along the transitions the core takes: a lane's
+snapshots become a full block's when it fills and its tail's entry's when it is cached, and a
+hit hands the entry's (up to the hit's end) to the lane that hit. Buffers are never written
+after they are taken, so lanes and entries may share one.
 """
 
 from __future__ import annotations
@@ -30,17 +31,23 @@ class SnapshotStore:
         return self.entries[src][n]
 
     def sync(self, s: core.State) -> None:
-        """Drop what the core no longer has: snapshots of idle lanes and of blocks that are no
-        longer cache entries, and any past the core's boundary (after a hit, a lane keeps its
-        entry's only up to the hit's length)."""
+        """Drop what the core no longer has: snapshots of idle lanes and of blocks that are
+        neither cache entries nor full lane blocks, and any past the core's boundary (after a
+        hit, a lane keeps its entry's only up to the hit's end)."""
         self.lanes = {ln: _upto(sn, s.lane_snap[ln]) for ln, sn in self.lanes.items()
                       if s.busy[ln]}
         self.entries = {b: _upto(sn, s.snap_upto[b]) for b, sn in self.entries.items()
-                        if s.owner[b] == core.OWNER_CACHE}
+                        if s.owner[b] == core.OWNER_CACHE or (
+                            s.owner[b] == core.OWNER_LANE and s.tail[s.owner_lane[b]] != b)}
 
     def admitted(self, lane: int, src: int | None) -> None:
         """A lane takes a new request: no snapshots, or (a hit) the entry's."""
         self.lanes[lane] = dict(self.entries.get(src, {})) if src is not None else {}
+
+    def filled(self, lane: int, block: int) -> None:
+        """Paged tables: the lane's block `block` is full; it keeps the lane's snapshots so far
+        (`sync` trims them to the core's `snap_upto`), ready for when it is cached."""
+        self.entries[block] = dict(self.lanes.get(lane, {}))
 
     def released(self, lane: int, block: int) -> None:
         """The lane's request ended and its block was released; if it became a cache entry, the

@@ -10,7 +10,9 @@ included; a shared machine is noisy, so the token counts are the figures to read
 
 Host tier: requests drawn from more system prompts than the device cache holds entries (at the
 proved minimum of blocks), served with host_cache_blocks = 0 and = H: prefill tokens computed,
-tokens copied from device entries and loaded from host slots, stores.
+tokens copied from device entries and loaded from host slots, stores. Once with one block per
+sequence, once with paged tables (each host entry one block at its position: a hit past a
+table's first block loads it with `grow_host_hit`; 2H slots).
 """
 
 from __future__ import annotations
@@ -105,16 +107,20 @@ def main(argv: list[str] | None = None) -> int:
                       "saved_fraction": round(1 - on["prefill_tokens"] / off["prefill_tokens"],
                                               3)}
     hwork = many_systems(args.requests, args.systems)
-    tiers = {f"host_cache_blocks={h}": run(hwork, args.lanes, True, None, host=h, extra=0)
-             for h in (0, args.host_blocks)}
-    base, tier = tiers["host_cache_blocks=0"], tiers[f"host_cache_blocks={args.host_blocks}"]
+    host_rows = {}
+    # (a paged entry is one block of `--block` tokens, a prompt holds several: twice the slots)
+    for name, block, slots in (("one block", SEQ, args.host_blocks),
+                               (f"blocks of {args.block}", args.block, 2 * args.host_blocks)):
+        tiers = {f"host_cache_blocks={h}": run(hwork, args.lanes, True, None, host=h, extra=0,
+                                               block=block) for h in (0, slots)}
+        base, tier = tiers["host_cache_blocks=0"], tiers[f"host_cache_blocks={slots}"]
+        host_rows[name] = {"kv_blocks": min_kv_blocks(args.lanes, True, "dynamic", SEQ // block),
+                           "runs": tiers, "saved": base["prefill_tokens"] - tier["prefill_tokens"]}
     out = {"requests": args.requests, "prompt_tokens": total, "system": args.system,
            "lanes": args.lanes, "chunk": CHUNK, "models": rows,
            "host_tier": {"systems": args.systems,
                          "prompt_tokens": sum(len(p) for p, _ in hwork),
-                         "kv_blocks": min_kv_blocks(args.lanes, True, "dynamic"),
-                         "runs": tiers,
-                         "saved": base["prefill_tokens"] - tier["prefill_tokens"]}}
+                         "tables": host_rows}}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -129,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{on['snapshot_bytes_each']} B); wall {off['wall_s']} s -> {on['wall_s']} s")
     ht = out["host_tier"]
     print(f"host tier: {args.requests} requests over {args.systems} system prompts, "
-          f"{ht['prompt_tokens']} prompt tokens, {ht['kv_blocks']} KV blocks (the minimum)")
-    for name, r in ht["runs"].items():
-        print(f"  {name:22} prefill tokens {r['prefill_tokens']:6}; copied from device "
-              f"entries {r['prefix_hit_tokens']:5}; loaded from host {r['host_hit_tokens']:5}; "
-              f"stores {r['host_stores']}; wall {r['wall_s']} s")
-    print(f"  the host tier saves {ht['saved']} prefill tokens")
+          f"{ht['prompt_tokens']} prompt tokens, KV blocks at the minimum")
+    for tables, row in ht["tables"].items():
+        print(f"  {tables}, {row['kv_blocks']} KV blocks:")
+        for name, r in row["runs"].items():
+            print(f"    {name:22} prefill tokens {r['prefill_tokens']:6}; copied from device "
+                  f"entries {r['prefix_hit_tokens']:5}; loaded from host "
+                  f"{r['host_hit_tokens']:5}; stores {r['host_stores']}; wall {r['wall_s']} s")
+        print(f"    the host tier saves {row['saved']} prefill tokens")
     return 0
 
 

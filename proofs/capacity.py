@@ -69,11 +69,12 @@ class Features:
 
 # Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), and
 # the host tier needs the prefix cache, so those are the combinations of their own. Paged tables
-# (T = 2) for the plain ones; hybrid models and the host tier have T = 1 (axioms). Preemption
-# (T > 1, axiom) for the plain ones at T = 2 and 3.
+# (T = 2) for each of them. Preemption (T > 1, plain models: axioms) at T = 2 and 3.
 COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES)
-                + tuple(Features(True, s, hybrid=True) for s in SCRATCH_MODES)
-                + tuple(Features(True, s, host=True) for s in SCRATCH_MODES)
+                + tuple(Features(True, s, hybrid=True, tables=t) for t in (1, 2)
+                        for s in SCRATCH_MODES)
+                + tuple(Features(True, s, host=True, tables=t) for t in (1, 2)
+                        for s in SCRATCH_MODES)
                 + tuple(Features(p, s, tables=2) for p in (False, True) for s in SCRATCH_MODES)
                 + tuple(Features(p, s, tables=t, preempt=True)
                         for t in (2, 3) for p in (False, True) for s in SCRATCH_MODES))

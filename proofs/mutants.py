@@ -26,7 +26,8 @@ Layers, cheapest first; a mutant stops at the first layer that kills it unless `
               progress (a stuck run is replayed in z3 against the mutant spec); and capacity
               tightness: a stuck run must exist one block below the minimum
   hypothesis  the core state machine of tests/test_core_machine.py over the mutant core, with
-              a bounded, derandomized settings object
+              a bounded, derandomized settings object (a mutant of a host-tier action over
+              configurations with the host tier, paged tables included: only they take it)
   simulation  atom_core.simulate over the mutant core, in a fresh subprocess that installs the
               mutant as atom_core._generated.core before importing it
 
@@ -811,8 +812,18 @@ def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]
         tcm.min_blocks = saved
 
 
-def run_machine(mutant_id: str, examples: int) -> str | None:
-    """None if the machine passes; else what failed (a kill)."""
+def machine_tier(m: Mutant) -> str:
+    """The configurations the machine runs a mutant over: "host" (the host tier, with the prefix
+    cache, T in 1..3) for a mutant of a host-tier action (elsewhere every call of it is refused
+    early: no slot), else "plain" (every feature combination)."""
+    from atom_core.spec.model import HOST_ACTIONS
+
+    return "host" if set(m.actions) & set(HOST_ACTIONS) else "plain"
+
+
+def run_machine(mutant_id: str, examples: int, tier: str = "plain") -> str | None:
+    """None if the machine passes over `tier`'s configurations (`machine_tier`); else what
+    failed (a kill)."""
     import hypothesis.errors
     import hypothesis.strategies as st
     from hypothesis.stateful import run_state_machine_as_test
@@ -821,7 +832,9 @@ def run_machine(mutant_id: str, examples: int) -> str | None:
     assert tcm is not None
     core = load_core(mutant_id)
     with machine_capacity(tcm, offsets_of(catalogue()[mutant_id])):
-        config = st.one_of(*(tcm.configs(core, p, s) for p, s in tcm.FEATURES))
+        configs = ([tcm.configs(core, p, s) for p, s in tcm.FEATURES] if tier == "plain"
+                   else [tcm.configs(core, True, s, tier=tier) for s in ("reserved", "dynamic")])
+        config = st.one_of(*configs)
         machine = tcm.make_machine(core, config, mirror=False, pd=True)
         try:
             run_state_machine_as_test(machine, settings=machine_settings(examples))
@@ -834,17 +847,18 @@ def run_machine(mutant_id: str, examples: int) -> str | None:
 
 
 @functools.cache
-def machine_control(examples: int) -> str | None:
-    return run_machine(CONTROL, examples)
+def machine_control(examples: int, tier: str = "plain") -> str | None:
+    return run_machine(CONTROL, examples, tier)
 
 
 def hypothesis_layer(m: Mutant, opts: Options) -> LayerResult:
     if core_machine_module() is None:
         return LayerResult("hypothesis", "unavailable", "tests/test_core_machine.py not found")
-    broken = machine_control(opts.examples)
+    tier = machine_tier(m)
+    broken = machine_control(opts.examples, tier)
     if broken:
         return LayerResult("hypothesis", "error", f"the control fails: {broken}")
-    failure = run_machine(m.id, opts.examples)
+    failure = run_machine(m.id, opts.examples, tier)
     return LayerResult("hypothesis", "killed" if failure else "survived", failure or "")
 
 

@@ -80,10 +80,6 @@ m.axiom("block_holds_a_chunk", C <= S)
 m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
 m.axiom("tables_positive", T > 0)
-# Not built yet for tables of several blocks: a host entry and a sliding-state snapshot are
-# kept per block today, and a PD transfer moves one block (docs/design/paged-tables.md).
-m.axiom("hybrid_single_block", implies(HYBRID, T == 1))
-m.axiom("host_single_block", implies(HOST, T == 1))
 m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
 # Preemption is proved for plain models: a preempted hybrid lane would also drop its snapshots,
 # and a host-tier load in flight is not a lane that can be preempted (not built).
@@ -172,6 +168,8 @@ slot_state = m.fn("slot_state", [Slot], SlotState, init=SlotState.EMPTY)
 slot_key = m.fn("slot_key", [Slot], Seq, init=lambda h: empty(),
                 doc="the tokens a host entry is indexed by")
 slot_head = m.fn("slot_head", [Slot], Seq, init=lambda h: empty(), doc="its first chunk")
+slot_start = m.fn("slot_start", [Slot], INT, init=0,
+                  doc="the position of the host entry's first token in its key (its block's)")
 slot_block = m.fn("slot_block", [Slot], Block, doc="the device block a store reads")
 spill_slot = m.fn("spill_slot", [Block], Slot, doc="the slot a spilling block is stored into")
 load_lane = m.fn("load_lane", [Slot], Lane, doc="the lane a loading slot is read into")
@@ -452,8 +450,10 @@ def extend(l, dst):
     full = tail(l)
     assign(key(full), take(lane_seq(l), length(l)))
     assign(head(full), take(take(lane_seq(l), length(l)), C))
-    assign(snap_upto(full), 0)  # (hybrid models have one block per table)
-    assign(snap_junk(full), False)
+    # the lane's snapshots so far (all at or before the block's end): a hit into the entry it
+    # becomes restores the sliding state at the hit's length from them
+    assign(snap_upto(full), lane_snap(l))
+    assign(snap_junk(full), lane_snap_junk(l))
     assign(tail(l), dst)
     assign(nblocks(l), nblocks(l) + 1)
     assign(start(dst), length(l))
@@ -479,8 +479,10 @@ def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
     """A prefix hit that spans several blocks, one block at a time: lane l's tail is full in the
     middle of its prompt, and the cache entry src, at the same position of a sequence with the
     same prefix, holds n more of its tokens; dst becomes the lane's next block with those n
-    tokens copied from src (`copy_done` ends the copy). Each block is copied, not shared: one
-    rule for every runtime, and a block is never in two tables (docs/design/paged-tables.md)."""
+    tokens copied from src (`copy_done` ends the copy, and for a hybrid model restores the
+    sliding state at length + n from the entry's snapshot there). Each block is copied, not
+    shared: one rule for every runtime, and a block is never in two tables
+    (docs/design/paged-tables.md)."""
     require("lane_prefilling", prefilling(l))
     require("no_copy_in_flight", ~copying(l))
     require("tail_full", tail_full(l))
@@ -492,10 +494,15 @@ def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
     require("n_within_entry", length(l) + n <= slen(key(src)))
     require("token_left_to_compute", length(l) + n < lane_plen(l))
     require("prefix_matches", take(key(src), length(l) + n) == take(lane_seq(l), length(l) + n))
+    require("hybrid_snapshot_at_n", implies(HYBRID, length(l) + n <= snap_upto(src)))
     require("dst_not_src", dst != src)
     require("dst_reusable", reusable(dst))
     extend(l, dst)
     assign(length(l), length(l) + n)
+    # a hybrid lane takes the entry's snapshots up to the hit's end (its key agrees with the
+    # prompt there), so copy_done restores the sliding state at length + n. (Its ghost flag
+    # stays: the lane's and the entry's snapshots are both its own, so no update is needed.)
+    assign(lane_snap(l), ite(length(l) + n <= snap_upto(src), length(l) + n, snap_upto(src)))
     assign(junk(dst), True)  # nothing valid in it until the copy lands
     assign(copying(l), True)
     assign(copy_host(l), False)
@@ -524,7 +531,7 @@ def preempt(l: Lane):
     assign(prompt(r), lane_seq(l))
     assign(busy(l), False)
     assign_all(owner, lambda b: ite(lane_block(b, l), Owner.FREE, owner(b)))
-    assign(lane_snap(l), 0)  # partial work is never cached: its snapshots are dropped
+    # (no snapshots to drop: a preempted lane is a plain model's, `snapshots_need_hybrid`)
     emit("preempt", lane=l, request=r)
 
 
@@ -619,6 +626,7 @@ def spill(b: Block, h: Slot):
     assign(slot_block(h), b)
     assign(slot_key(h), key(b))
     assign(slot_head(h), head(b))  # (its content is the block's once store_done lands)
+    assign(slot_start(h), start(b))
     emit("store", block=b, slot=h)
 
 
@@ -658,6 +666,8 @@ def admit_host_hit(l: Lane, r: Req, h: Slot, dst: Block, n: INT):
     require("n_within_entry", n <= slen(slot_key(h)))
     require("token_left_to_compute", n < slen(prompt(r)))
     require("prefix_matches", take(slot_key(h), n) == take(prompt(r), n))
+    require("slot_first_block", slot_start(h) == 0)
+    require("n_within_block", n <= S)
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, n)
     assign(junk(dst), True)  # nothing valid in it until the load lands
@@ -671,23 +681,55 @@ def admit_host_hit(l: Lane, r: Req, h: Slot, dst: Block, n: INT):
 
 
 @m.action
+def grow_host_hit(l: Lane, h: Slot, dst: Block, n: INT):
+    """`grow_hit` from the host tier: lane l's tail is full in the middle of its prompt, and
+    host entry h, at the same position of a sequence with the same prefix, holds n more of its
+    tokens; dst becomes the lane's next block, loaded with those n tokens (`load_done` ends the
+    load). The slot is read, not moved: it stays a host entry."""
+    require("lane_prefilling", prefilling(l))
+    require("no_copy_in_flight", ~copying(l))
+    require("tail_full", tail_full(l))
+    require("table_not_full", nblocks(l) < T)
+    require("slot_stored", slot_state(h) == SlotState.STORED)
+    require("slot_at_the_boundary", slot_start(h) == length(l))
+    require("n_whole_chunks", (n > 0) & (n % C == 0))
+    require("n_within_block", n <= S)
+    require("n_within_entry", length(l) + n <= slen(slot_key(h)))
+    require("token_left_to_compute", length(l) + n < lane_plen(l))
+    require("prefix_matches", take(slot_key(h), length(l) + n) == take(lane_seq(l), length(l) + n))
+    require("dst_reusable", reusable(dst))
+    extend(l, dst)
+    assign(length(l), length(l) + n)
+    assign(junk(dst), True)  # nothing valid in it until the load lands
+    assign(copying(l), True)
+    assign(copy_host(l), True)
+    assign(copy_slot(l), h)
+    assign(slot_state(h), SlotState.LOADING)
+    assign(load_lane(h), l)
+    emit("load", lane=l, slot=h, dst=dst, n=n)
+
+
+@m.action
 def load_done(l: Lane):
     """The load into lane l's block completed; its slot is a plain host entry again."""
     require("load_in_flight", copying(l) & copy_host(l))
     assign(copying(l), False)
     assign(holds(tail(l)), take(slot_holds(copy_slot(l)), length(l)))
-    assign(junk(tail(l)), slot_junk(copy_slot(l)))
+    # Ghost: slot j of the entry lands in slot j of the tail, so the tail holds its own tokens
+    # only if both sit at the same position of their sequences.
+    assign(junk(tail(l)), slot_junk(copy_slot(l)) | (slot_start(copy_slot(l)) != start(tail(l))))
     assign(slot_state(copy_slot(l)), SlotState.STORED)
 
 
 @m.action
 def load_fail(l: Lane):
-    """The load into lane l's block failed: the request recomputes its prompt from the start
-    (nothing below length 0 is read, so the half-written block is an empty one)."""
+    """The load into lane l's block failed: the request recomputes that block's tokens (the
+    blocks before it hold theirs; nothing past the block's start is read, so the half-written
+    block is an empty one)."""
     require("load_in_flight", copying(l) & copy_host(l))
     assign(copying(l), False)
-    assign(length(l), 0)
-    assign(holds(tail(l)), take(lane_seq(l), 0))
+    assign(length(l), start(tail(l)))
+    assign(holds(tail(l)), take(lane_seq(l), start(tail(l))))
     assign(junk(tail(l)), False)
     assign(slot_state(copy_slot(l)), SlotState.STORED)
     emit("recompute", lane=l)
@@ -825,7 +867,7 @@ inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
 inv("full_block_holds_its_key", forall(Block, lambda b: implies(
     (owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b),
     ~junk(b) & (holds(b) == key(b)) & (head(b) == take(key(b), C)) & ~snap_junk(b)
-    & (snap_upto(b) == 0))))
+    & (snap_upto(b) >= 0))))
 inv("cache_key_is_content", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
 inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
@@ -852,10 +894,10 @@ inv("copy_only_while_prefilling", forall(Lane, lambda l: implies(copying(l), pre
 inv("copy_source_cached", forall(Lane, lambda l: implies(
     copying(l) & ~copy_host(l), (owner(copy_src(l)) == Owner.CACHE) & (copy_src(l) != tail(l)))))
 inv("copy_target_not_ready", forall(Lane, lambda l: implies(copying(l), junk(tail(l)))))
-# A copy lands where it was read: slot j of the source at slot j of the tail, both at the same
-# position of their sequences (a load from the host tier goes into a first block).
+# A copy lands where it was read: slot j of the source (a device entry or a host slot) at slot j
+# of the tail, both at the same position of their sequences.
 inv("copy_at_its_position", forall(Lane, lambda l: implies(
-    copying(l), ite(copy_host(l), (nblocks(l) == 1) & (start(tail(l)) == 0),
+    copying(l), ite(copy_host(l), slot_start(copy_slot(l)) == start(tail(l)),
                     start(copy_src(l)) == start(tail(l))))))
 inv("copy_source_holds_prefix", forall(Lane, lambda l: implies(
     copying(l) & ~copy_host(l), (length(l) <= slen(key(copy_src(l))))
@@ -873,6 +915,10 @@ inv("lane_snapshots_are_its_own", forall(Lane, lambda l: implies(
 inv("idle_lane_has_no_snapshots", forall(Lane, lambda l: implies(~busy(l), lane_snap(l) == 0)))
 inv("entry_snapshots_are_its_own", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~snap_junk(b) & (snap_upto(b) >= 0))))
+# Without sliding-window layers there is no sliding state: nothing is snapshotted, and a lane
+# whose load fails (`load_fail`) recomputes from its block's start with no snapshot past it.
+inv("snapshots_need_hybrid", forall(Lane, lambda l: implies(~HYBRID, lane_snap(l) == 0))
+    & forall(Block, lambda b: implies(~HYBRID, snap_upto(b) == 0)))
 inv("hybrid_hit_has_snapshot", forall(Lane, lambda l: implies(
     HYBRID & copying(l), lane_snap(l) == length(l))))
 
@@ -887,7 +933,8 @@ inv("storing_slot_key_is_content", forall(Slot, lambda h: implies(
     ~junk(slot_block(h)) & (holds(slot_block(h)) == slot_key(h)))))
 inv("storing_slot_reads_a_spilling_block", forall(Slot, lambda h: implies(
     slot_state(h) == SlotState.STORING,
-    (owner(slot_block(h)) == Owner.SPILLING) & (spill_slot(slot_block(h)) == h))))
+    (owner(slot_block(h)) == Owner.SPILLING) & (spill_slot(slot_block(h)) == h)
+    & (slot_start(h) == start(slot_block(h))))))
 inv("host_key_is_content", forall(Slot, lambda h: implies(
     one_of(slot_state(h), SlotState.STORED, SlotState.LOADING),
     ~slot_junk(h) & (slot_holds(h) == slot_key(h)))))
@@ -947,8 +994,8 @@ inv("lane_blocks_are_its_table", forall(Lane, lambda l: count_of(
 inv("tables_are_dense", forall(Lane, lambda l: implies(
     busy(l), start(tail(l)) == (nblocks(l) - 1) * S)), bounded=True)
 inv("snapshots_on_chunk_boundaries", forall(Lane, lambda l: implies(
-    busy(l), lane_snap(l) % C == 0)) & forall(Block, lambda b: implies(
-        owner(b) == Owner.CACHE, snap_upto(b) % C == 0)), bounded=True)
+    busy(l), lane_snap(l) % C == 0)) & forall(Block, lambda b: snap_upto(b) % C == 0),
+    bounded=True)
 inv("one_scratch_block_when_reserved",
     count_of(Block, lambda b: owner(b) == Owner.SCRATCH) == ite(RESERVED, 1, 0),
     bounded=True)
@@ -1020,5 +1067,5 @@ MODEL = m
 PD_ACTIONS = ("admit_import", "import_done", "export", "export_done", "transfer_fail",
               "transfer_end")
 # The actions only the host cache tier uses.
-HOST_ACTIONS = ("spill", "store_done", "store_fail", "host_evict", "admit_host_hit", "load_done",
-                "load_fail")
+HOST_ACTIONS = ("spill", "store_done", "store_fail", "host_evict", "admit_host_hit",
+                "grow_host_hit", "load_done", "load_fail")

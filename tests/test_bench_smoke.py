@@ -71,6 +71,18 @@ def test_prefix_bench_reports_tokens_saved(capsys) -> None:
         assert on["prefill_tokens"] + on["prefix_hit_tokens"] == report["prompt_tokens"]
         assert row["saved"] == on["prefix_hit_tokens"] > 0
     assert report["models"]["hybrid W=16"]["cache_on"]["snapshots"] > 0
+    # the host tier, with one block per sequence and with paged tables: every prompt token is
+    # computed, copied or loaded once, and loads replace computed tokens
+    ht = report["host_tier"]
+    assert set(ht["tables"]) == {"one block", "blocks of 64"}
+    for row in ht["tables"].values():
+        runs = list(row["runs"].values())
+        for r in runs:
+            assert r["prefill_tokens"] + r["prefix_hit_tokens"] + r["host_hit_tokens"] \
+                == ht["prompt_tokens"]
+        assert runs[0]["host_hit_tokens"] == 0
+        assert row["saved"] == runs[1]["host_hit_tokens"] - (
+            runs[0]["prefix_hit_tokens"] - runs[1]["prefix_hit_tokens"])
 
 
 def test_preempt_bench_reports_recomputation(capsys) -> None:

@@ -177,6 +177,8 @@ def test_verify_json_small_cutoff(capsys):
                    # a table of two blocks plus the scratch block
                    "rule:no cache, reserved scratch, T=2",
                    "rule:prefix cache, reserved scratch, T=2",
+                   "rule:prefix cache, reserved scratch, host cache, T=2",
+                   "rule:prefix cache, reserved scratch, hybrid, T=2",
                    "capacity-table-matches-proofs"}
     kinds = {c["kind"] for c in out["checks"]}
     assert {"base", "step", "transition", "capacity"} <= kinds
@@ -206,13 +208,16 @@ def test_check_config_accepts_a_host_tier(capsys):
     code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "2",
                          "--prefix-cache", "--host-cache-blocks", "8")
     assert code == 1 and out["safe"] is False and out["min_kv_blocks"] == 3 and out["trace"]
+    # with paged tables too (4 blocks per table): the rule is the one without the host tier
+    code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "8",
+                         "--prefix-cache", "--host-cache-blocks", "8", "--block-size", "256",
+                         "--max-seq-len", "1024")
+    assert code == 0 and out["safe"] is True and out["min_kv_blocks"] == 8
 
 
 @pytest.mark.parametrize("argv,why", [
     (("--host-cache-blocks", "4"), "host_cache_needs_prefix_cache"),
     (("--prefix-cache", "--host-cache-blocks", "-1"), "host_cache_blocks must be an integer"),
-    (("--prefix-cache", "--host-cache-blocks", "2", "--block-size", "256",
-      "--max-seq-len", "1024"), "host_single_block"),
     (("--block-size", "384", "--max-seq-len", "1024"), "not a multiple of block_size=384"),
     (("--max-seq-len", "1000"), "must be a multiple of prefill_chunk"),
 ])

@@ -129,14 +129,29 @@ def test_paged_tables_need_a_whole_table_per_lane(lanes, block_size, prefix, scr
     assert f"needs {need}, 1 block missing" in str(e.value)
 
 
-@pytest.mark.parametrize("kw,axiom", [
-    ({"sliding_window": 512}, "hybrid_single_block"),
-    ({"prefix_cache": True, "host_cache_blocks": 2}, "host_single_block")])
-def test_paged_tables_not_yet_with_hybrid_or_host(kw, axiom):
+def test_paged_tables_with_a_hybrid_model():
+    """A full block keeps its lane's snapshots, so a hybrid model's tables may have several
+    blocks, with the same rule as a plain model's."""
+    need = min_kv_blocks(2, True, "reserved", 4)
+    cfg = Config(lanes=2, kv_blocks=need, block_size=1024, sliding_window=512,
+                 prefix_cache=True, scratch="reserved")
+    assert cfg.consts().T == 4 and cfg.consts().HYBRID
     with pytest.raises(ConfigError) as e:
-        Config(lanes=1, kv_blocks=16, block_size=1024, **kw)
-    msg = str(e.value)
-    assert axiom in msg and "block_size == max_seq_len" in msg
+        Config(lanes=2, kv_blocks=need - 1, block_size=1024, sliding_window=512,
+               prefix_cache=True, scratch="reserved")
+    assert "1 block missing" in str(e.value)
+
+
+def test_paged_tables_with_a_host_tier():
+    """The host tier keeps one block per entry at its position (`slot_start`), so paged tables
+    need no more device blocks with it than without."""
+    cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, True, "dynamic", 4), block_size=1024,
+                 prefix_cache=True, host_cache_blocks=8)
+    assert cfg.consts().T == 4 and cfg.consts().HOST and cfg.consts().H == 8
+    with pytest.raises(ConfigError) as e:
+        Config(lanes=2, kv_blocks=cfg.kv_blocks - 1, block_size=1024, prefix_cache=True,
+               host_cache_blocks=8)
+    assert "1 block missing" in str(e.value)
 
 
 @pytest.mark.parametrize("kw", [

@@ -23,17 +23,22 @@ The prefix cache's tiers (`TIERS`, one per configuration):
   hit is only as deep as they reach (`hybrid_snapshot_at_n`), and an entry without a snapshot
   at the first chunk does not block a miss;
 * host: 1..2 host slots; entries are spilled there (the batcher's way: the victim of an
-  admission, into the policy's slot) and loaded back by host hits; stores and loads fail,
-  requests are cancelled while their load is in flight, and a slot that a store writes or a
-  load reads is never evicted, spilled into or hit, an entry a copy reads never spilled.
+  admission or of a lane's next block, into the policy's slot) and loaded back by host hits;
+  with paged tables (T = 1..3) a later block's entry too, loaded into a lane's later block
+  when its prompt goes on as the entry's key does (`grow_host_hit`, a host hit past the first
+  block; never by an admission: `slot_first_block`); stores and loads fail (a failed load
+  into a later block recomputes only that block), requests are cancelled while their load is
+  in flight, and a slot that a store writes or a load reads is never evicted, spilled into or
+  hit, an entry a copy reads never spilled.
 
 It also checks:
 * refinement: every choice `Policy` makes (admissions, host hits, spills and the host
-  evictions they need, the lanes that grow, their next blocks and the hits that fill them) is
+  evictions they need, the lanes that grow, their next blocks and the hits, device or host,
+  that fill them) is
   accepted by the core's guard; the policy never declines an admission in a quiescent state
   with an idle lane (at or above capacity), grows exactly the lanes whose tail is full and
   that have room in their table, and never misses a scratch target, a next block or a longer
-  hit past the first block the spec would accept;
+  hit past the first block (device or host) the spec would accept;
 * ghost erasure: a ghost-off core fed the same steps has the same non-ghost fields;
 * teeth: the same machine over mutant cores (`codegen.load(MODEL.without_guard(...))`)
   finds the expected invariant violation (or lifecycle divergence, progress failure, policy
@@ -86,6 +91,8 @@ PHASE_OF = {"waiting": "WAITING", "prefill": "PREFILL", "decode": "DECODE",
 # sliding-state snapshots) and "host" (a host cache tier of 1..2 slots). Both need the prefix
 # cache, and a model has at most one of them (axiom hybrid_without_host_cache).
 TIERS = ("hybrid", "host")
+# A situation the host tier with paged tables exists for (`Stats.events`).
+LATER_LOAD_FAILED = "load into a later block failed (recomputes only that block)"
 
 
 class Stats:
@@ -169,11 +176,11 @@ def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
 def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, int] = (0, 2),
             lanes: tuple[int, int] = (1, 3), tier: str = "plain",
             tables: tuple[int, int] = (1, 3), preempt: bool | None = False) -> Any:
-    """Small configurations: T blocks per lane table from tables[0] to tables[1] (tier
-    "plain" only: the hybrid and host tiers have T = 1, axioms hybrid_single_block and
-    host_single_block), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid"
-    turns on HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the
-    block size S is small (2..8), so that tables fill within a run.
+    """Small configurations: T blocks per lane table from tables[0] to tables[1] (tiers
+    "plain" and "host": the hybrid tier is drawn at T = 1 only, as the machine's hybrid rules
+    expect), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid" turns on
+    HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the block size
+    S is small (2..8), so that tables fill within a run.
     preempt: PREEMPT on (plain tier, T >= 2: axioms preemption_plain, preemption_with_tables),
     K from the preemption rule's minimum + extra[0] up to below the rule without it (or to the
     minimum + extra[1]), so that lanes often wait for a block and preempt; None: the same
@@ -182,7 +189,7 @@ def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, 
     assert preempt is False or tier == "plain", (preempt, tier)
     if preempt is not False:
         tables = (max(2, tables[0]), max(2, tables[1]))
-    t = draw(st.integers(*tables)) if tier == "plain" else 1
+    t = draw(st.integers(*tables)) if tier != "hybrid" else 1
     b = draw(st.integers(*lanes))
     lo = min_blocks(b, prefix, scratch, t, preempt is not False)
     hi = lo + extra[1]
@@ -272,7 +279,9 @@ class Life:
     and snapshot boundaries (`entries`, block -> (key, snap_upto)), the entry an in-flight copy
     reads (`copy_src`, which pins it) or the slot an in-flight load reads (`load_slot`).
     Hybrid prefix cache: each lane's last snapshot boundary (`snap`, the spec's lane_snap).
-    Host tier: each slot's state, key, the block a store reads and the lane a load writes.
+    Host tier: each slot's state, key, start (its block's: a host entry of a later block is
+    loaded into a lane's later block, by `grow_host_hit`), the block a store reads and the lane
+    a load writes.
     """
 
     def __init__(self, c: Any) -> None:
@@ -295,6 +304,7 @@ class Life:
         self.drained: list[tuple[int, int]] = []  # (request, block) drains that ended
         self.slot_state = ["EMPTY"] * c.H
         self.slot_key: list[tuple[int, ...]] = [()] * c.H
+        self.slot_start = [0] * c.H  # the position of its first token (its block's start)
         self.slot_block: dict[int, int] = {}  # storing slot -> the spilling block it reads
         self.slot_lane: dict[int, int] = {}  # loading slot -> the lane it is read into
         self.admitted = [0] * c.B  # when each lane's request was admitted (a clock)
@@ -427,9 +437,13 @@ class Life:
             one_block = ("n_within_block", lambda: n <= c.S)
             if name == "admit_host_hit":
                 key = self.slot_key[src]
+                # (a host entry of a later block holds its whole prefix as its key: the
+                # prefix may match, but it is loaded into a first block only from a first one)
                 return _first(("slot_stored", lambda: self.slot_state[src] == "STORED"), whole,
                               ("n_within_entry", lambda: n <= len(key)), left,
-                              ("prefix_matches", lambda: key[:n] == p[:n]), one_block, reuse)
+                              ("prefix_matches", lambda: key[:n] == p[:n]),
+                              ("slot_first_block", lambda: self.slot_start[src] == 0),
+                              one_block, reuse)
             key, snap = self.entries.get(src, ((), 0))
             return _first(("src_cached", lambda: src in self.entries), whole,
                           ("n_within_entry", lambda: n <= len(key)), left,
@@ -481,6 +495,23 @@ class Life:
                           # depends on every token before it
                           ("prefix_matches", lambda: key[:end] == self.seq[l][:end]),
                           ("dst_not_src", lambda: dst != src),
+                          ("dst_reusable", lambda: self.reusable(dst)))
+        if name == "grow_host_hit":
+            # grow_hit's guards, from host slot h (read, not pinned: no dst_not_src)
+            l, h, dst, n = args
+            end = self.length[l] + n
+            return _first(("lane_prefilling", lambda: self.prefilling(l)),
+                          ("no_copy_in_flight", lambda: not self.copying[l]),
+                          ("tail_full", lambda: self.tail_full(l)),
+                          ("table_not_full", lambda: len(self.tables[l]) < c.T),
+                          ("slot_stored", lambda: self.slot_state[h] == "STORED"),
+                          ("slot_at_the_boundary", lambda: self.slot_start[h] == self.length[l]),
+                          ("n_whole_chunks", lambda: n > 0 and n % c.C == 0),
+                          ("n_within_block", lambda: n <= c.S),
+                          ("n_within_entry", lambda: end <= len(self.slot_key[h])),
+                          ("token_left_to_compute",
+                           lambda: end < len(self.prompt[self.lane[l]])),
+                          ("prefix_matches", lambda: self.slot_key[h][:end] == self.seq[l][:end]),
                           ("dst_reusable", lambda: self.reusable(dst)))
         if name == "decode":
             pad = args[0]
@@ -630,8 +661,11 @@ class Life:
             assert h is not None
             self.load_slot[l], self.slot_state[h] = None, "STORED"
             del self.slot_lane[h]
-            if name == "load_fail":  # the request recomputes its prompt from the start
-                self.length[l] = 0
+            if name == "load_fail":  # the request recomputes the loaded block's tokens
+                start = self.start[self.tail(l)]
+                if start > 0:  # the blocks before it keep theirs
+                    Stats.events[LATER_LOAD_FAILED] += 1
+                self.length[l] = start
                 assert kinds == ["Recompute"] and effects[0] == (l,), effects
             else:
                 assert kinds == []
@@ -676,6 +710,24 @@ class Life:
             self.tables[l].append(dst)
             self.length[l] += n
             self.copy_src[l] = src
+        elif name == "grow_host_hit":
+            # like grow_hit, its next n tokens loaded from host slot h (the slot is read: it
+            # stays a host entry, loading until load_done or load_fail)
+            l, h, dst, n = args
+            assert self.prefilling(l) and self.needs_block(l), (args, self.tables[l])
+            assert self.slot_state[h] == "STORED" and self.slot_start[h] == self.length[l], (
+                args, self.slot_state, self.slot_start)
+            assert self.reusable(dst), (args, self.owner)
+            assert kinds == ["Grow", "Load"] and effects[0] == (l, dst, len(self.tables[l])) \
+                and effects[1] == (l, h, dst, n), effects
+            if len(self.tables[l]) >= 2:  # a third block (or later) loaded
+                Stats.events["host hit past the second block"] += 1
+            Stats.events["host hit past the first block"] += 1
+            self._set_free(dst)  # a cache entry there is evicted
+            self.owner[dst], self.start[dst] = "LANE", self.length[l]
+            self.tables[l].append(dst)
+            self.length[l] += n
+            self.load_slot[l], self.slot_state[h], self.slot_lane[h] = h, "LOADING", l
         elif name == "decode":
             pad, toks = args
             live = tuple(self.decoding(l) for l in range(c.B))
@@ -738,6 +790,7 @@ class Life:
             key, _ = self.entries.pop(b)
             self.owner[b] = "SPILLING"
             self.slot_state[h], self.slot_key[h], self.slot_block[h] = "STORING", key, b
+            self.slot_start[h] = self.start[b]
             assert kinds == ["Store"] and effects[0] == (b, h), effects
         elif name in ("store_done", "store_fail"):
             h = args[0]
@@ -821,6 +874,7 @@ class Life:
         assert slots == self.slot_state, (slots, self.slot_state)
         for h in self.slots("STORING", "STORED", "LOADING"):
             assert tuple(s.slot_key[h]) == self.slot_key[h], h
+            assert s.slot_start[h] == self.slot_start[h], (h, s.slot_start, self.slot_start)
             assert tuple(s.slot_head[h]) == self.slot_key[h][:c.C], h
         for h, b in self.slot_block.items():
             assert s.slot_block[h] == b and s.spill_slot[b] == h, (h, b)
@@ -1063,7 +1117,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         def spill_by_policy(self, data: Any, b: int) -> bool:
             """Store cache entry b into the slot the policy picks (evicting the least recently
             used host entry when every slot is full); the store then lands, fails or stays in
-            flight. False if the policy keeps no copy of b."""
+            flight (without data: it lands, as the batcher's stores do). False if the policy
+            keeps no copy of b."""
             place = self.policy.spill_slot(self.s, b)
             if place is None:
                 return False
@@ -1074,7 +1129,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 assert self.apply("host_evict", h).rejected is None
             self.refine("spill", {"b": b, "h": h})
             assert self.apply("spill", b, h).rejected is None
-            how = pick(data, ("done", "fail", "in flight"), "store")
+            how = "done" if data is None else pick(data, ("done", "fail", "in flight"), "store")
             if how == "in flight":
                 self.busy_store(data, h)
             else:
@@ -1168,9 +1223,12 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         def grow_by_policy(self, data: Any = None, preempt: bool = True) -> bool:
             """As the adapter does before each prefill or decode call: every lane the policy
-            says needs its next block (`Policy.growth`, the oldest first) gets it: copied from
-            a cache entry when `Policy.next_hit` finds one and a block besides it
-            (`grow_hit_by_policy`), else the block `Policy.reusable` picks (`grow`); with
+            says needs its next block (`Policy.growth`, the oldest first) gets it: with the host
+            tier, loaded from a host entry when `Policy.next_host_hit` finds a longer one than
+            the device hit (`grow_host_hit_by_policy`, after spilling the entry in the block it
+            takes, as the batcher does); else copied from a cache entry when `Policy.next_hit`
+            finds one and a block besides it (`grow_hit_by_policy`), else the block
+            `Policy.reusable` picks (`grow`); with
             preemption (and `preempt`), when there is none, the policy's victims are preempted
             (`preempt_by_policy`) until there is one or the lane itself is gone. A lane whose
             hit filled its next block (its copy landed) needs another one: it grows again, as
@@ -1193,6 +1251,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 while life.needs_block(l):
                     if data is not None and num(data, 0, 2, "refused first (0)") == 0:
                         self.refuse_full_tail(data, l)
+                    if c.HOST and self.grow_host_hit_by_policy(data, l):
+                        continue
                     if self.grow_hit_by_policy(data, l):
                         continue
                     dst = self.policy.reusable(self.s)
@@ -1245,6 +1305,65 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if data is None or num(data, 0, 3, "copy in flight (0)"):
                 assert self.apply("copy_done", l).rejected is None
             return True
+
+        def grow_host_hit_by_policy(self, data: Any, l: int) -> bool:
+            """Host tier: lane l needs its next block, taken as the batcher takes it (its
+            `_grow`): first the block `Policy.reusable` picks besides the device hit's source
+            (`Policy.next_hit`), a cache entry there spilled to the host first
+            (`spill_by_policy`: always without data, else often; a store may then stay in
+            flight, pinning that block: another is picked); then, when `Policy.next_host_hit`
+            finds a host entry that goes on as the prompt does, longer than the device hit, the
+            block is loaded from it (`grow_host_hit`). The load lands (without data, but for
+            the first of a run, which fails: so that coverage does not hang on the draws),
+            fails (the lane recomputes that block only) or stays in flight (`busy_copy`).
+            Refinement: the host hit passes the guard, and it is the longest the spec accepts
+            (`longest_host_hits`). False if the lane is to take the device hit or a plain block
+            (or there is no block: the caller finds none either)."""
+            hit = self.policy.next_hit(self.s, l)
+            while True:
+                dst = self.policy.reusable(self.s, exclude=None if hit is None else hit[0])
+                if dst is None and hit is not None:  # the hit's source is the only block left
+                    hit = None
+                    continue
+                if (dst is None or self.s.owner[dst] != core.OWNER_CACHE
+                        or data is not None and num(data, 0, 3, "spill it first (>0)") == 0
+                        or not self.spill_by_policy(data, dst)):
+                    break
+            host = self.policy.next_host_hit(self.s, l)
+            longest = self.longest_host_hits(l)
+            if (host is None) != (not longest) or host is not None and host not in longest:
+                raise RefinementViolation("grow_host_hit", f"lane {l}'s next host hit is "
+                                          f"{host}, the longest the spec accepts {longest}",
+                                          core, self.s)
+            if host is None or hit is not None and host[1] <= hit[1]:
+                if host is not None:
+                    Stats.events["host hit shorter than the device hit"] += 1
+                return False
+            if dst is None:
+                return False
+            h, n = host
+            self.refine("grow_host_hit", {"l": l, "h": h, "dst": dst, "n": n})
+            assert self.apply("grow_host_hit", l, h, dst, n).rejected is None
+            Stats.events["policy host hit past the first block"] += 1
+            if data is None:
+                how = 2 if Stats.events[LATER_LOAD_FAILED] else 0
+            else:
+                how = num(data, 0, 4, "load: fails, in flight, lands")
+            if how == 1:
+                self.busy_copy(data, l)
+            else:
+                assert self.apply("load_done" if how else "load_fail", l).rejected is None
+            return True
+
+        def longest_host_hits(self, l: int) -> list[tuple[int, int]]:
+            """The (slot, n) of the longest host hits past the first block the spec accepts for
+            lane l (any dst: with lane l's own tail, never reusable, `grow_host_hit`'s guard
+            reports dst_reusable, its last, exactly when every guard before it holds)."""
+            c = self.c
+            ok = [(h, n) for h in range(c.H) for n in range(c.C, c.S + 1, c.C)
+                  if core.grow_host_hit_guard(self.s, l, h, self.s.tail[l], n) == "dst_reusable"]
+            top = max((n for _, n in ok), default=0)
+            return [(h, n) for h, n in ok if n == top]
 
         def longest_hits(self, l: int) -> list[tuple[int, int]]:
             """The (src, n) of the longest hits past the first block the spec accepts for lane
@@ -1340,7 +1459,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             self.refuse_later_hit(data, r)
             if self.admit_by_policy(r):  # (no block yet while a copy or a drain runs)
                 l = self.life.lane.index(r)
-                assert self.life.status[r] == "prefill" and not self.life.copying[l], r
+                # (no device hit; a host entry of a first block may still hit: a load)
+                assert self.life.status[r] == "prefill" and self.life.copy_src[l] is None, r
             return True
 
         @rule(data=st.data(), k=st.integers(1, 16))
@@ -1586,10 +1706,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         @precondition(lambda self: self.c.T > 1 and self.c.PREFIX)
         @rule(data=st.data())
         def grow_hit(self, data: Any) -> None:
-            """grow_hit with drawn parameters (`drawn_grow_hit`). Only with paged tables and
-            the prefix cache: elsewhere every call is refused early (no entry to copy from, a
-            table of one block), which `foreign_tier_calls` shows at the end of each run."""
-            self.drawn_grow_hit(data)
+            """grow_hit with drawn parameters (`drawn_grow_hit`), or with the host tier often
+            grow_host_hit (`drawn_grow_host_hit`: one rule, so that the other tiers' machines
+            draw as before it). Only with paged tables and the prefix cache: elsewhere every
+            call is refused early (no entry to copy from, a table of one block; without the
+            host tier no slot to name), which `foreign_tier_calls` shows at the end of each
+            run."""
+            self.drawn_hit_past_first_block(data)
 
         def drawn_grow_hit(self, data: Any, lane: int | None = None) -> None:
             """grow_hit with drawn parameters: a lane (often one that prefills and needs its
@@ -1638,6 +1761,53 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                         calls.setdefault(life.predict("grow_hit", args), []).append(args)
             return calls
 
+        def drawn_grow_host_hit(self, data: Any, lane: int | None = None) -> None:
+            """`drawn_grow_hit` from the host tier: a lane (often one that prefills and needs
+            its next block) and, often, the policy's host hit for it (`Policy.next_host_hit`,
+            into the block `Policy.reusable` picks: accepted, refinement; the load is then
+            busy, `busy_copy`); else a call aimed at one guard (`grow_host_hit_calls`, grouped
+            by the guard the lifecycle model says refuses them)."""
+            life, s = self.life, self.s
+            hit = None
+            if lane is None:
+                pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
+                                   life.prefilling, lambda l: life.lane[l] is not None),
+                            "lane: needs a block, prefills, busy")
+                lane = self.lanes(data, pred)
+                hit = (self.policy.next_host_hit(s, lane)
+                       if life.prefilling(lane) and life.needs_block(lane) else None)
+            l = lane
+            if hit is not None and num(data, 0, 2, "the policy's host hit (>0)"):
+                h, n = hit
+                dst = self.policy.reusable(s)
+                if dst is not None:
+                    self.refine("grow_host_hit", {"l": l, "h": h, "dst": dst, "n": n})
+                    assert self.apply("grow_host_hit", l, h, dst, n).rejected is None
+                    self.busy_copy(data, l)
+                    return
+            calls = self.grow_host_hit_calls(l)
+            guard = pick(data, sorted(calls, key=lambda g: g or ""), "guard (None: accepted)")
+            args = pick(data, calls[guard], "slot, dst, n")
+            assert self.apply("grow_host_hit", *args).rejected == guard, (args, guard)
+            if guard is None:
+                self.busy_copy(data, l)
+
+        def grow_host_hit_calls(self, l: int) -> dict[str | None, list[tuple[int, int, int, int]]]:
+            """grow_host_hit calls for lane l over every slot, n (whole chunks up to past the
+            block, 0, and 1) and dst (the policy's, one no load may write), by the guard the
+            lifecycle model says refuses them (None: a legal hit)."""
+            life, c = self.life, self.c
+            taken = [b for b in range(c.K) if not life.reusable(b)]  # a lane's, pinned, ...
+            dst = self.policy.reusable(self.s)
+            dsts = sorted({0 if dst is None else dst, *taken[:1]})
+            calls: dict[str | None, list[tuple[int, int, int, int]]] = {}
+            for h in range(c.H):
+                for n in sorted({0, 1, *range(c.C, c.S + c.C + 1, c.C)}):
+                    for d in dsts:
+                        args = (l, h, d, n)
+                        calls.setdefault(life.predict("grow_host_hit", args), []).append(args)
+            return calls
+
         # rules: paged tables with the prefix cache --------------------------------------
         @precondition(lambda self: self.c.T > 1 and self.c.PREFIX)
         @rule(data=st.data(), k=st.integers(1, 4))
@@ -1670,17 +1840,27 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             life, c, s = self.life, self.c, self.s
             if None not in life.lane:
                 return False
-            later = [b for b in range(c.K) if s.owner[b] == core.OWNER_CACHE and s.start[b] > 0]
+            later = [tuple(s.key[b]) for b in range(c.K)
+                     if s.owner[b] == core.OWNER_CACHE and s.start[b] > 0]
+            # (host tier: a conversation whose later block is a host entry goes on too)
+            later += [tuple(s.slot_key[h]) for h in range(c.H)
+                      if s.slot_state[h] == core.SLOTSTATE_STORED and s.slot_start[h] > 0]
             m = c.T * c.S - 1
             if later and num(data, 0, 3, "a fresh conversation (0)"):
-                key = tuple(s.key[pick(data, later, "conversation")])
+                key = pick(data, later, "conversation")
+                ours = [b for b, (k, _) in sorted(life.entries.items())
+                        if len(k) <= len(key) and k == key[:len(k)]]
                 if coin(data, "room for it") and "discard" in core.ACTIONS:
-                    ours = {b for b, (k, _) in life.entries.items()
-                            if len(k) <= len(key) and k == key[:len(k)]}
                     others = [b for b in sorted(life.entries)
                               if b not in ours and not life.pinned(b)]
                     for b in others[:max(0, c.T - life.owner.count("FREE"))]:
                         assert self.apply("discard", b).rejected is None
+                if c.HOST and coin(data, "its later blocks to the host"):
+                    # evicted from the device since (the batcher spills an entry it evicts):
+                    # the turn's next blocks are then loaded from the host (`grow_host_hit`)
+                    for b in ours:
+                        if life.start[b] > 0 and not life.pinned(b):
+                            self.spill_by_policy(None, b)
                 tail = data.draw(_token_lists(1, c.S), label="next turn")
                 if coin(data, "a cut past the first block"):  # then it goes another way
                     whole, key = key, key[:num(data, min(c.S + 1, len(key)), len(key), "keep")]
@@ -1692,6 +1872,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             r = self.next_id
             self.next_id += 1
             assert self.apply("submit", r, p).rejected is None
+            if c.HOST and num(data, 0, 2, "a later block's host entry first (0)") == 0:
+                self.refuse_later_host_hit(data, r)
             if not self.admit_by_policy(r, data):
                 return False
             l = life.lane.index(r)
@@ -1700,25 +1882,25 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     break
                 if life.copying[l]:
                     if num(data, 0, 3, "a drawn grow_hit first (0)") == 0:
-                        self.drawn_grow_hit(data, l)  # no_copy_in_flight, ...
+                        self.drawn_hit_past_first_block(data, l)  # no_copy_in_flight, ...
                     self.complete_copy(data, l)
                     continue
                 if life.needs_block(l):
                     # (a boundary with entries about is the rare state a refusal needs: often
                     # one call for each guard that refuses some call here)
                     if coin(data, "each refusal first"):
-                        calls = self.grow_hit_calls(l)
-                        for guard in sorted(g for g in calls if g is not None):
-                            args = pick(data, calls[guard], "src, dst, n")
-                            assert self.apply("grow_hit", *args).rejected == guard, args
+                        for action, calls in self.hit_calls(l):
+                            for guard in sorted(g for g in calls if g is not None):
+                                args = pick(data, calls[guard], "src, dst, n")
+                                assert self.apply(action, *args).rejected == guard, args
                     for _ in range(num(data, 0, 2, "drawn grow_hit calls first")):
                         if life.needs_block(l):  # (until one is accepted)
-                            self.drawn_grow_hit(data, l)
+                            self.drawn_hit_past_first_block(data, l)
                     if life.needs_block(l) and not self.grow_by_policy(data):
                         return False  # no block until a copy lands or a drain ends
                     continue
                 if num(data, 0, 3, "a drawn grow_hit mid-block (0)") == 0:
-                    self.drawn_grow_hit(data, l)  # tail_full
+                    self.drawn_hit_past_first_block(data, l)  # tail_full
                 self.apply("prefill", l, data.draw(tokens, label="tok"))
             for _ in range(pick(data, (0, 1, c.S, c.T * c.S), "tokens")):
                 if not life.decoding(l) or life.lane[l] != r:
@@ -1730,6 +1912,40 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 return False  # preempted to make room (or still prefilling: no block)
             assert self.apply("finish", l, True).rejected is None
             return True
+
+        def drawn_hit_past_first_block(self, data: Any, lane: int | None = None) -> None:
+            """A drawn grow_hit (`drawn_grow_hit`), or with the host tier often a drawn
+            grow_host_hit (`drawn_grow_host_hit`), for `lane` if given."""
+            if self.c.HOST and coin(data, "from the host"):
+                self.drawn_grow_host_hit(data, lane)
+            else:
+                self.drawn_grow_hit(data, lane)
+
+        def hit_calls(self, l: int) -> list[tuple[str, dict[str | None, list[Any]]]]:
+            """(action, its calls by guard) for lane l's hits past the first block: grow_hit's
+            (`grow_hit_calls`), with the host tier grow_host_hit's too."""
+            out: list[tuple[str, dict[str | None, list[Any]]]] = [
+                ("grow_hit", self.grow_hit_calls(l))]
+            if self.c.HOST:
+                out.append(("grow_host_hit", self.grow_host_hit_calls(l)))
+            return out
+
+        def refuse_later_host_hit(self, data: Any, r: int) -> None:
+            """Waiting r's prefix matches a host entry of a later block (its key is the whole
+            prefix up to its block's end): a host hit on it, which would load into the lane's
+            first block, is refused (slot_first_block)."""
+            life, c = self.life, self.c
+            p = life.prompt[r]
+            later = [(h, n) for h in life.slots("STORED") if life.slot_start[h] > 0
+                     and (n := common_chunks(life.slot_key[h], p, c.C,
+                                             min(len(life.slot_key[h]), len(p) - 1)))]
+            idle = [l for l in range(c.B) if life.lane[l] is None]
+            if later and idle:
+                h, n = pick(data, later, "slot, n")
+                dst = self.policy.reusable(self.s)
+                args = (idle[0], r, h, 0 if dst is None else dst, n)
+                assert self.apply("admit_host_hit", *args).rejected == "slot_first_block"
+                Stats.events["host hit on a later block's entry refused"] += 1
 
         @rule(data=st.data())
         def decode(self, data: Any) -> None:
@@ -1853,6 +2069,29 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if any(r in life.preempted for r in todo):
                 Stats.events["preempted requests drained"] += 1
 
+        def storm_once(self) -> None:
+            """After `run_to_completion` (every lane idle): a preempt storm as `storm` makes
+            one, without draws, once a run, when the configuration has room for one (B >= 2
+            lanes share the K blocks but the reserved scratch block evenly, m < T blocks each):
+            the cache entries are dropped (no hit puts a lane ahead of the others), B prompts of
+            m blocks are admitted at once and the scheduler runs them to their end
+            (`run_to_completion`): at their last boundary every lane waits for a block. (So that
+            coverage does not hang on `storm`'s draws.)"""
+            life, c = self.life, self.c
+            m, rest = divmod(c.K - c.RESERVED, c.B)
+            if (Stats.events["preempt storm: every lane at a block boundary"] or c.B < 2 or rest
+                    or not 1 <= m < c.T or "discard" not in core.ACTIONS):
+                return
+            for b in sorted(life.entries):
+                assert self.apply("discard", b).rejected is None
+            for l in range(c.B):
+                p = seq((ALPHABET[l % len(ALPHABET)],) * (m * c.S))
+                assert self.apply("submit", self.next_id, p).rejected is None
+                self.next_id += 1
+                if not self.admit_by_policy(self.next_id - 1):
+                    break  # (dynamic scratch: room for a padding block too)
+            self.run_to_completion()
+
         @rule(data=st.data())
         def abort(self, data: Any) -> None:
             """The client aborts (waiting or running) or the runtime fails a lane or, when
@@ -1906,7 +2145,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             """One host-tier step, whichever the draw picks among the possible ones: spill an
             entry (the policy's slot, or a drawn one) and let the store land, fail or stay in
             flight; a host hit (the policy's, or drawn parameters near one); end a store or a
-            load in flight (it lands or fails: the request recomputes its prompt); evict a
+            load in flight (it lands or fails: the request recomputes the loaded block); evict a
             host entry; a late or misdirected event (`late_host_event`). Whatever is left in
             flight is busy meanwhile (`busy_store`, `busy_load`, `busy_copy`). feed: also serve
             a request into the cache (`serve`). False if no step is possible."""
@@ -1957,7 +2196,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             a host entry's key, when there is one); admit it as the policy chooses (spilling
             the entry it evicts), complete its copy or load (which may fail; meanwhile it is
             busy), prefill its prompt, decode a few tokens (sometimes to the block end) and
-            finish it, keeping its KV."""
+            finish it, keeping its KV (paged tables: its next blocks are grown as the batcher
+            grows them, `grow_by_policy`, from the host tier when it holds more)."""
             life, c = self.life, self.c
             if not self.waiting() or (life.slots("STORED") and num(data, 0, 3, "waiting (0)")):
                 self.new_request(data, host=True)
@@ -1973,7 +2213,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             while life.copying[l]:
                 self.complete_copy(data, l)
             while life.prefilling(l):
-                self.grow_by_policy()
+                if not self.grow_by_policy() and life.needs_block(l):
+                    return  # no block until a store lands (paged tables): it stays busy
                 self.apply("prefill", l, data.draw(tokens))
             for _ in range(pick(data, (0, 1, 2, c.T * c.S), "tokens")):
                 self.grow_by_policy()
@@ -1985,8 +2226,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             """Admit waiting r from the host tier: the policy's choice when it is a host hit
             (accepted), else drawn parameters near the longest host hit (another n, lane or
             dst, a slot without an entry; refused unless legal). The load it starts is busy
-            (`busy_copy`)."""
+            (`busy_copy`). Paged tables: often a hit on a later block's host entry first
+            (`refuse_later_host_hit`)."""
             s, c = self.s, self.c
+            if c.T > 1 and num(data, 0, 3, "a later block's entry first (0)") == 0:
+                self.refuse_later_host_hit(data, r)
             choice = self.policy.admission(s, r)
             if choice is not None and choice.action == "admit_host_hit" and coin(data, "policy"):
                 assert self.admit_by_policy(r)
@@ -2030,7 +2274,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             Stats.events[f"{what} of a {state} slot rejected"] += 1
 
         def busy_copy(self, data: Any, l: int) -> None:
-            """Lane l has just been admitted. While its copy reads a device entry, the entry
+            """Lane l has just been admitted (or has grown by a hit past its first block).
+            While its copy reads a device entry, the entry
             may not be spilled (nor discarded). While its load reads a slot, the slot may not
             be evicted, spilled into or hit (`busy_slot`), and copy_done is no way to end it;
             or the request ends (abort, failure) and the slot is a host entry again. Or nothing
@@ -2192,6 +2437,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 Stats.events[f"{kind} drains"] += 1
             elif move == "transfer_end":
                 b = pick(data, sorted(life.draining), "block")
+                self.misdirected_transfer_end(b)
                 assert self.apply("transfer_end", life.draining[b], b).rejected is None
                 assert self.s.owner[b] == core.OWNER_FREE and not self.s.transfer[b], b
                 Stats.events["drain released"] += 1
@@ -2207,6 +2453,15 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     return False
                 self.apply("prefill", l, data.draw(tokens))
             return True
+
+        def misdirected_transfer_end(self, b: int) -> None:
+            """Before block b's drain ends: its transfer_end named with a request that never
+            was, refused (transfer_of_request). Once a run (`late_event` draws such events; so
+            that coverage does not hang on its draws: drains are rare)."""
+            if not Stats.rejected["transfer_end", "transfer_of_request"]:
+                assert self.apply("transfer_end", self.next_id + 5, b).rejected == (
+                    "transfer_of_request")
+                Stats.events["misdirected transfer_end rejected"] += 1
 
         def deliver(self, data: Any, r: int) -> None:
             """r's import ends: the whole prompt (accepted), or a partial, mismatched or
@@ -2491,7 +2746,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             tier every spill, and every load event (no lane is loading), without PREEMPT every
             preemption, without the prefix cache or with tables of one block every hit past
             the first block (by the guard the lifecycle model names: an idle, decoding or
-            copying lane, a tail not full (T = 1: a prefilling lane's never is), no entry)."""
+            copying lane, a tail not full (T = 1: a prefilling lane's never is), no entry).
+            Without the host tier a host hit past the first block, on every lane a lane guard
+            refuses it on (grow_host_hit has no host_cache_on guard: its slot_stored has no
+            slot to read when H = 0, which no caller names: the batcher calls it only with a
+            host tier)."""
             c, life = self.c, self.life
             if not (c.PREFIX and c.T > 1):
                 for l in range(c.B):
@@ -2506,6 +2765,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     assert life.load_slot[l] is None  # nothing to load from
                     assert self.apply(("load_done", "load_fail")[l % 2], l).rejected == (
                         "load_in_flight")
+                    if not (life.prefilling(l) and not life.copying[l] and life.tail_full(l)
+                            and len(life.tables[l]) < c.T):
+                        assert self.apply("grow_host_hit", l, 0, 0, c.C).rejected in (
+                            "lane_prefilling", "no_copy_in_flight", "tail_full",
+                            "table_not_full")
             if not c.PREEMPT:
                 for l in range(c.B):
                     assert self.apply("preempt", l).rejected == "preemption_on"
@@ -2526,6 +2790,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             life = self.life
             if self.c.PREEMPT and self.at_capacity:
                 self.run_to_completion()
+                self.storm_once()
             self.drain()
             if self.c.T > 1 and self.c.PREFIX and self.miss_beside_later_block():
                 self.drain()
@@ -2542,6 +2807,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             while True:
                 if life.draining:
                     b = min(life.draining)
+                    self.misdirected_transfer_end(b)
                     self.apply("transfer_end", life.draining[b], b)
                 elif life.slot_block:
                     h = min(life.slot_block)
@@ -2658,14 +2924,14 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     """Not vacuous, over the runs of one configuration family: every action it can take was
     applied, and no run applied one it cannot (hits need the prefix cache, PD actions pd,
     snapshot the hybrid tier, the host actions the host tier, grow a table of several blocks:
-    the plain tier, grow_hit both, preempt PREEMPT); some lane reached the block end (decode
-    refused until it finishes), and with paged tables the table end; and the situations each
-    feature exists for happened."""
+    the plain and host tiers, grow_hit both, grow_host_hit the host tier, preempt PREEMPT);
+    some lane reached the block end (decode refused until it finishes), and with paged tables
+    the table end; and the situations each feature exists for happened."""
     actions = set(committed.ACTIONS)
     cannot = set() if prefix else {"admit_hit", "copy_done", "grow_hit"}
     cannot |= set() if tier == "hybrid" else {"snapshot"}
     cannot |= set() if tier == "host" else set(HOST_ACTIONS)
-    cannot |= set() if tier == "plain" else {"grow", "grow_hit"}  # T = 1
+    cannot |= {"grow", "grow_hit"} if tier == "hybrid" else set()  # T = 1
     for run in runs:
         off = cannot | (set() if run.pd else set(PD_ACTIONS))
         off |= set() if run.preempt else {"preempt"}
@@ -2687,9 +2953,10 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
         ("store_done", "slot_storing"), ("store_fail", "slot_storing"),
         ("load_done", "load_in_flight"), ("load_fail", "load_in_flight"),
         ("copy_done", "copy_in_flight")}
-    # grow_hit: a lane that is not prefilling (everywhere: `foreign_tier_calls`)
-    want |= {("grow_hit", "lane_prefilling")}
-    if tier == "plain":
+    # grow_hit and grow_host_hit: a lane that is not prefilling (everywhere:
+    # `foreign_tier_calls`)
+    want |= {("grow_hit", "lane_prefilling"), ("grow_host_hit", "lane_prefilling")}
+    if tier in ("plain", "host"):
         # paged tables: grow refused by each of its guards, a prefill past a full tail, a hit
         # on an entry that starts later in its sequence; PD moves one block
         want |= {("grow", "lane_computing"), ("grow", "tail_full"), ("grow", "table_not_full"),
@@ -2740,7 +3007,18 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
         host = {"policy spill", "policy host hit", "host_evict of a STORING slot rejected",
                 "host_evict of a LOADING slot rejected", "spill of a pinned entry rejected",
                 "load cancelled"}
+        # paged tables: a hit past the first block loaded from the host (the policy's too),
+        # refused by each of its guards but table_not_full (as grow_hit's), a load into a
+        # later block that failed, a host entry of a later block refused to an admission
+        host |= {"host hit past the first block", "policy host hit past the first block",
+                 LATER_LOAD_FAILED}
         assert host <= events, host - events
+        want = {("grow_host_hit", g) for g in (
+            "no_copy_in_flight", "tail_full", "slot_stored", "slot_at_the_boundary",
+            "n_whole_chunks", "n_within_block", "n_within_entry", "token_left_to_compute",
+            "prefix_matches", "dst_reusable")}
+        want |= {("admit_host_hit", "slot_first_block")}
+        assert want <= rejected, want - rejected
     for run in runs:
         if run.pd:
             check_pd_coverage(run)
@@ -2859,7 +3137,7 @@ class Mutant(NamedTuple):
     model predicts it accepts, `progress:<property>`, `refinement:<action>`: the policy's
     choice was refused; several when either may come first), the rules the search needs
     (None: every rule), whether the machine takes PD actions, the tier ("plain",
-    "hybrid", "host"), the range of T (blocks per lane table; plain tier only) and PREEMPT
+    "hybrid", "host"), the range of T (blocks per lane table; plain and host tiers) and PREEMPT
     (`configs`' preempt: None is PREEMPT off with K as low as with it)."""
 
     build: Callable[[], Any]
@@ -2881,6 +3159,9 @@ HYBRID_FLOW = {"hybrid_flow"}
 HOST_FLOW = {"host_flow"}
 GROW_RULES = {"submit", "advance", "grow"}
 GROW_HIT_RULES = {"submit", "advance", "grow_hit"}
+# (the grow_hit rule draws grow_host_hit calls too with the host tier; paged_flow's turns go on
+# from conversations whose later blocks were spilled to the host)
+HOST_GROW_RULES = {"submit", "advance", "grow_hit", "paged_flow"}
 PREEMPT_RULES = {"submit", "advance", "storm", "preempt"}
 MUTANTS: dict[str, Mutant] = {
     # A hit copying into its own source (or, when the source is pinned by another lane's copy,
@@ -3082,6 +3363,37 @@ MUTANTS: dict[str, Mutant] = {
     "grow_hit-copying": Mutant(
         lambda: MODEL.without_update("grow_hit", "copying"),
         (True, "reserved"), "lane_holds_its_tokens", GROW_HIT_RULES, tables=(2, 3)),
+    # Host hits past the first block (`grow_host_hit`). From a host entry at another position
+    # (a first block's, or another later block's): its tokens land at the wrong positions; or,
+    # where a later guard refuses the call, the lifecycle model notices; or the spec now
+    # accepts a hit the policy does not look for (it is no longer the longest).
+    "grow_host_hit-slot_at_the_boundary": Mutant(
+        lambda: MODEL.without_guard("grow_host_hit", "slot_at_the_boundary"),
+        (True, "dynamic"),
+        ("copy_at_its_position", "lifecycle:slot_at_the_boundary",
+         "refinement:grow_host_hit"), HOST_GROW_RULES, tier="host", tables=(2, 3)),
+    # From a host entry at the boundary whose key goes another way: the lane's next block gets
+    # KV of other tokens (the load reads a slot that does not hold the lane's prefix).
+    "grow_host_hit-prefix_matches": Mutant(
+        lambda: MODEL.without_guard("grow_host_hit", "prefix_matches"),
+        (True, "reserved"),
+        ("load_reads_a_loading_slot", "lifecycle:prefix_matches", "refinement:grow_host_hit"),
+        HOST_GROW_RULES, tier="host", tables=(2, 3)),
+    # More than a block's worth of tokens. The generated core stays safe: a host entry at the
+    # boundary holds at most a block's worth past it, so n_within_entry refuses the call (the
+    # proofs, which do not know that bound, need the guard); only the lifecycle model
+    # notices, by the guard the core names.
+    "grow_host_hit-n_within_block": Mutant(
+        lambda: MODEL.without_guard("grow_host_hit", "n_within_block"),
+        (True, "dynamic"), "lifecycle:n_within_block", HOST_GROW_RULES, tier="host",
+        tables=(2, 3)),
+    # A failed load into a later block recomputes the prompt from the start (as a failed load
+    # at an admission does): the lane's length falls below its tail block's start, whose
+    # earlier blocks it would write again.
+    "load_fail-recomputes-the-prompt": Mutant(
+        lambda: _load_fail_from_start(),
+        (True, "reserved"), ("length_within_block", "tables_are_dense"), HOST_GROW_RULES,
+        tier="host", tables=(2, 3)),
     # An export of a lane whose table has grown: a PD transfer moves one block.
     "export-prompt_in_one_block": Mutant(
         lambda: MODEL.without_guard("export", "prompt_in_one_block"),
@@ -3212,6 +3524,20 @@ def _finish_frees_tail_only() -> Any:
     a.updates = [lang.Update(u.fn, u.args, lang.ite(
         u.args[0] == spec.tail(l), lang.ite(keep, spec.Owner.CACHE, spec.Owner.FREE),
         spec.owner(u.args[0])), u.whole) if u.fn.name == "owner" else u for u in a.updates]
+    return m
+
+
+def _load_fail_from_start() -> Any:
+    """`load_fail` sets the lane's length (and its tail's content) to the prompt's start, 0,
+    not its tail block's start: the length and holds updates are replaced on a copy of the
+    model (see _cancel_frees)."""
+    m = MODEL.copy()
+    a = m.get_action("load_fail")
+    l = _param("load_fail", "l")
+    zero = {"length": lang.Lit(0, lang.INT),
+            "holds": spec.take(spec.lane_seq(l), lang.Lit(0, lang.INT))}
+    a.updates = [lang.Update(u.fn, u.args, zero[u.fn.name], u.whole) if u.fn.name in zero
+                 else u for u in a.updates]
     return m
 
 

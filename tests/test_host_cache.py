@@ -180,6 +180,113 @@ def test_a_loading_slot_is_never_evicted_or_overwritten() -> None:
     assert core.check_invariants(s) == []
 
 
+# ------------------------------------------------------------------ paged tables (T > 1)
+PS, PB = 512, 128  # max_seq_len and block size: tables of 4 blocks
+
+
+def paged_config(lanes: int, scratch: str = "dynamic", host: int = 8) -> Config:
+    return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, True, scratch, PS // PB),
+                  max_seq_len=PS, block_size=PB, prefill_chunk=C, prefix_cache=True,
+                  scratch=scratch, host_cache_blocks=host)
+
+
+def paged_workload(seed: int, groups: int = 4, n: int = 16) -> list[tuple[list[int], int]]:
+    """Shared system prompts of two to three blocks, each request with its own suffix: hits
+    span several blocks, and the shared blocks outnumber the device cache."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(V) for _ in range(rng.choice([200, 290, 330]))]
+               for _ in range(groups)]
+    return [(rng.choice(systems) + [rng.randrange(V) for _ in range(rng.randint(1, 40))],
+             rng.randint(1, 8)) for _ in range(n)]
+
+
+def count_later_loads(b: AtomBatcher) -> dict[str, int]:
+    """Counts the batcher's host hits past a table's first block (`grow_hit_host`) as they
+    are applied, and the tokens they load."""
+    seen = {"loads": 0, "tokens": 0}
+    apply = b._apply
+
+    def counting(action: str, **args: Any) -> Any:
+        step = apply(action, **args)
+        if action == "grow_host_hit":
+            seen["loads"] += 1
+            seen["tokens"] += args["n"]
+        return step
+    b._apply = counting  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_paged_host_round_trips_are_token_exact(lanes: int, scratch: str) -> None:
+    """Tables of 4 blocks at the proved minimum of device blocks: entries of every position
+    go to the host tier and come back, into first blocks (`admit_host_hit`) and later ones
+    (`grow_host_hit`), and every request's tokens are the oracle's."""
+    b = batcher(paged_config(lanes, scratch))
+    later = count_later_loads(b)
+    rids = run_checked(b, paged_workload(lanes))
+    assert all(b.requests[r].error is None for r in rids)
+    assert mismatches(b, rids) == []
+    assert later["loads"] > 0 and b.stats.host_hit_tokens > later["tokens"] > 0
+    assert_at_rest(b)
+
+
+def test_paged_host_tier_saves_prefill_tokens() -> None:
+    """A working set (4 shared prompts of 2-3 blocks) larger than the device cache: the host
+    tier turns recomputed blocks into loads, and every prompt token is computed, copied or
+    loaded exactly once."""
+    work = paged_workload(3, groups=4, n=24)
+    total = sum(len(p) for p, _ in work)
+    without = batcher(paged_config(2, host=0), ghost=False)
+    run_checked(without, work)
+    with_host = batcher(paged_config(2, host=12), ghost=False)
+    rids = run_checked(with_host, work)
+    assert mismatches(with_host, rids) == []
+    for b in (without, with_host):
+        st = b.stats
+        assert st.prefill_tokens + st.prefix_hit_tokens + st.host_hit_tokens == total
+    assert with_host.stats.prefill_tokens < without.stats.prefill_tokens
+
+
+def test_failed_load_into_a_later_block_recomputes_only_that_block() -> None:
+    """A load into a table's later block fails: its request recomputes exactly the tokens that
+    load would have brought (the blocks before it keep theirs), and every answer is exact."""
+    work = paged_workload(6)
+    clean = batcher(paged_config(2))
+    clean_later = count_later_loads(clean)
+    run_checked(clean, work)
+    assert clean_later["loads"] > 0
+    b = batcher(paged_config(2))
+    loads: list[int] = []  # the n of each load, in order
+    rt = b.runtime
+    update = rt.update_kv_cache
+    later = count_later_loads(b)
+    apply = b._apply
+
+    def watch(action: str, **args: Any) -> Any:
+        if action in ("admit_host_hit", "grow_host_hit"):
+            loads.append(args["n"] if action == "admit_host_hit" else -args["n"])
+        return apply(action, **args)
+    b._apply = watch  # type: ignore[method-assign]
+
+    def fail_first_later_load(host: Any, block: int) -> None:
+        if loads and loads[-1] < 0 and not failed:
+            failed.append(-loads[-1])
+            raise RuntimeError("injected update_kv_cache failure")
+        update(host, block)
+    failed: list[int] = []
+    rt.update_kv_cache = fail_first_later_load  # type: ignore[method-assign]
+    rids = run_checked(b, work)
+    assert failed and b.stats.host_load_failures == 1
+    assert all(b.requests[r].error is None for r in rids)
+    assert mismatches(b, rids) == []
+    # only that load's tokens were computed instead (the rest of the run is the clean one's)
+    assert b.stats.prefill_tokens == clean.stats.prefill_tokens + failed[0]
+    assert b.stats.host_hit_tokens == clean.stats.host_hit_tokens - failed[0]
+    assert later["loads"] == clean_later["loads"]
+    assert_at_rest(b)
+
+
 @pytest.mark.parametrize("kwargs,fix", [
     ({"prefix_cache": False, "host_cache_blocks": 2}, "prefix_cache=True"),
     ({"prefix_cache": True, "host_cache_blocks": 2, "sliding_window": 16}, "host_cache_blocks=0"),

@@ -32,10 +32,13 @@ S, C, V = 256, 64, 128
 MODEL = {"layers": 3, "global_every": 3}
 
 
-def config(lanes: int, window: int, scratch: str = "dynamic", extra: int = 1) -> Config:
-    return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, True, scratch) + extra,
-                  max_seq_len=S, prefill_chunk=C, scratch=scratch, prefix_cache=True,
-                  sliding_window=window)
+def config(lanes: int, window: int, scratch: str = "dynamic", extra: int = 1,
+           block: int | None = None, seq_len: int = S, prefix: bool = True) -> Config:
+    """One block per sequence, or (block) paged tables of seq_len / block blocks."""
+    t = seq_len // (block or seq_len)
+    return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch, t) + extra,
+                  max_seq_len=seq_len, block_size=block or seq_len, prefill_chunk=C,
+                  scratch=scratch, prefix_cache=prefix, sliding_window=window)
 
 
 def batcher(cfg: Config, ghost: bool = True) -> AtomBatcher:
@@ -173,6 +176,60 @@ def test_failed_restore_fails_only_the_request_that_hit() -> None:
     assert len(failed) == 1 and "update_local_cache failed" in str(b.requests[failed[0]].error)
     assert mismatches(b, [r for r in rids if r not in failed]) == []
     assert_settled(b)
+
+
+# ------------------------------------------------------------------ paged tables (T > 1)
+PS, PB = 512, 128  # tables of 4 blocks of 2 chunks
+
+
+def count_grow_hits(b: AtomBatcher) -> list[int]:
+    """The n of every `grow_hit` the batcher applies (hits past a table's first block)."""
+    seen: list[int] = []
+    apply = b._apply
+
+    def counting(action: str, **args: Any) -> Any:
+        if action == "grow_hit":
+            seen.append(args["n"])
+        return apply(action, **args)
+    b._apply = counting  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("window", [16, 100], ids=["W<C", "W>C"])
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_paged_hits_restore_the_sliding_state_token_exact(lanes: int, scratch: str,
+                                                          window: int) -> None:
+    """Tables of 4 blocks: a hit on the 300-token system prompt copies the first block at
+    admission and the next ones with `grow_hit`, each restoring the sliding state at its end
+    from the entry's snapshot there (a full block keeps the lane's snapshots when it fills)."""
+    b = batcher(config(lanes, window, scratch, block=PB, seq_len=PS))
+    later = count_grow_hits(b)
+    rids = run_checked(b, shared_prompts(window, n=10, system=300))
+    assert all(b.requests[r].error is None for r in rids)
+    assert mismatches(b, rids) == []
+    assert later and b.stats.prefix_hit_tokens > sum(later) > 0 and b.stats.table_grows > 0
+    assert_settled(b)
+
+
+def test_paged_hits_reach_only_as_far_as_snapshots() -> None:
+    """No snapshots past the first block (the policy takes none there): hits stop at the first
+    block's end, and every answer is still exact."""
+    b = batcher(config(2, 16, block=PB, seq_len=PS))
+    take = b.policy.snapshot
+    b.policy.snapshot = lambda s, lane: take(s, lane) and s.length[lane] <= PB  # type: ignore
+    later = count_grow_hits(b)
+    rids = run_checked(b, shared_prompts(4, n=8, system=300))
+    assert mismatches(b, rids) == []
+    assert later == [] and b.stats.prefix_hit_tokens > 0
+    assert_settled(b)
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+def test_paged_hybrid_without_prefix_cache_token_exact(scratch: str) -> None:
+    b = batcher(config(3, 16, scratch, block=PB, seq_len=PS, prefix=False))
+    rids = run_checked(b, shared_prompts(9, n=8, system=300))
+    assert mismatches(b, rids) == [] and b.stats.table_grows > 0
 
 
 def test_prefix_cache_is_accepted_with_a_window() -> None:

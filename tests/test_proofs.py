@@ -238,6 +238,10 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
                                      "import_done writes it",
     ("admit_host_hit", "local_holds"): "ghost: hybrid models have no host tier (axiom)",
     ("admit_host_hit", "local_junk"): "ghost: hybrid models have no host tier (axiom)",
+    # `extend`'s snapshot hand-over, shared with grow and grow_hit (where dropping it is
+    # caught): a host-tier lane is a plain model's, whose blocks have no snapshots.
+    ("grow_host_hit", "snap_upto"): "unobservable: hybrid models have no host tier (axiom), "
+                                    "and a plain model's snap_upto is 0 (snapshots_need_hybrid)",
     # A host eviction that does nothing is safe (the entry stays valid); the host tier then
     # never takes another entry once full, which tests/test_host_cache.py catches.
     ("host_evict", "slot_state"): "gap: performance only, caught by the host cache tests",

@@ -39,7 +39,11 @@ COMBOS = {
     "colocated-single-block": dict(mode="colocated", prefix_cache=False, scratch="dynamic",
                                    lanes=1, extra_blocks=0, max_seq_len=128),
     "colocated-hybrid": dict(mode="colocated", sliding_window=16, prefix_cache=HYBRID_PREFIX,
-                             scratch="reserved", lanes=2, max_seq_len=128),
+                             scratch="reserved", lanes=2, max_seq_len=128, blocks_per_table=1),
+    # a hybrid model with paged tables: hits past the first block restore the sliding state
+    "colocated-paged-hybrid": dict(mode="colocated", sliding_window=100, prefix_cache=True,
+                                   scratch="dynamic", lanes=2, extra_blocks=0, max_seq_len=256,
+                                   blocks_per_table=4),
     "pd-prefix": dict(mode="pd", sliding_window=None, prefill_prefix_cache=True,
                       prefill_scratch="reserved", scratch="dynamic", prefetch=2,
                       max_seq_len=128),
@@ -47,17 +51,21 @@ COMBOS = {
                       prefill_scratch="dynamic", prefetch=1, lanes=2, max_seq_len=128),
     # the host cache tier: more shared prefixes than the device cache holds; both PD sides
     "colocated-host": dict(mode="colocated", sliding_window=None, prefix_cache=True,
-                           host_cache_blocks=2, lanes=2, max_seq_len=128),
+                           host_cache_blocks=2, lanes=2, max_seq_len=128, blocks_per_table=1),
     "pd-host": dict(mode="pd", sliding_window=None, prefix_cache=True, host_cache_blocks=1,
                     prefill_prefix_cache=True, prefill_host_cache_blocks=3,
                     fallback_local=True, max_seq_len=128),
     # paged block tables at the proved minimum: lanes grow their tables under faults
     "colocated-paged-prefix": dict(mode="colocated", sliding_window=None, prefix_cache=True,
                                    scratch="reserved", lanes=2, extra_blocks=0, max_seq_len=256,
-                                   blocks_per_table=4, preemption=False),
+                                   blocks_per_table=4, preemption=False, host_cache_blocks=0),
     "colocated-paged-dynamic": dict(mode="colocated", sliding_window=None, prefix_cache=False,
                                     scratch="dynamic", lanes=3, extra_blocks=0,
                                     max_seq_len=128, blocks_per_table=2, preemption=False),
+    # the host tier with paged tables: entries of every position stored and loaded back
+    "colocated-paged-host": dict(mode="colocated", sliding_window=None, prefix_cache=True,
+                                 host_cache_blocks=3, scratch="dynamic", lanes=2,
+                                 extra_blocks=0, max_seq_len=256, blocks_per_table=4),
     # preemption at its proved minimum (one table and a block): lanes are preempted and
     # resume under faults
     "colocated-preempt-prefix": dict(mode="colocated", sliding_window=None, prefix_cache=True,
@@ -67,7 +75,8 @@ COMBOS = {
                                       scratch="dynamic", lanes=3, extra_blocks=0,
                                       max_seq_len=128, blocks_per_table=2, preemption=True),
 }
-SEEDS = {"colocated-host": 6, "pd-host": 6}  # seeds whose host stores and loads also fail
+# seeds whose host stores and loads also fail
+SEEDS = {"colocated-host": 6, "pd-host": 6, "colocated-paged-host": 1}
 HOST_STATS = ("host_stores", "host_store_failures", "host_hit_tokens", "host_load_failures")
 
 
@@ -109,7 +118,7 @@ def test_host_tier_seeds_store_hit_and_fail(combo_reports: dict[str, simulate.Re
     """With a host tier, evicted entries are stored and hit on the host, and the fetch and
     update fault kinds reach its stores and loads (on each PD side with a host tier too), while
     everything stays token-exact and leak-free (`rep.ok`)."""
-    for name in ("colocated-host", "pd-host"):
+    for name in ("colocated-host", "pd-host", "colocated-paged-host"):
         rep = combo_reports[name]
         assert rep.ok, simulate.render(rep)
         assert rep.faults_by_kind["fetch"] > 0 and rep.faults_by_kind["update"] > 0
@@ -296,7 +305,8 @@ def test_snapshot_buffers_the_adapter_keeps_too_long_are_caught(monkeypatch: Any
     monkeypatch.setattr(SnapshotStore, "sync", leaky)
     rep = run(0, 30, mode="colocated", sliding_window=16, prefix_cache=True, max_seq_len=128)
     assert not rep.ok and rep.leaks > 0, simulate.render(rep)
-    assert "(not a cache entry) at [64], the core []" in str(rep.failures[0])
+    assert "(neither a cache entry nor a full lane block) at [64], the core []" \
+        in str(rep.failures[0])
 
 
 def test_pd_decode_side_corruption_is_caught() -> None:

@@ -163,6 +163,8 @@ class State:
     slot_key: tuple[TokSeq, ...]
     # slot_head(Slot) -> Seq: its first chunk
     slot_head: tuple[TokSeq, ...]
+    # slot_start(Slot) -> Int: the position of the host entry's first token in its key (its block's)
+    slot_start: tuple[int, ...]
     # slot_block(Slot) -> Block: the device block a store reads
     slot_block: tuple[int, ...]
     # spill_slot(Block) -> Slot: the slot a spilling block is stored into
@@ -214,6 +216,7 @@ STATE_FIELDS = (
     "slot_state",
     "slot_key",
     "slot_head",
+    "slot_start",
     "slot_block",
     "spill_slot",
     "load_lane",
@@ -281,7 +284,7 @@ class Prefill(NamedTuple):
 
 
 class Grow(NamedTuple):
-    """Effect `grow` (emitted by grow, grow_hit)."""
+    """Effect `grow` (emitted by grow, grow_hit, grow_host_hit)."""
 
     lane: int
     block: int
@@ -318,7 +321,7 @@ class Store(NamedTuple):
 
 
 class Load(NamedTuple):
-    """Effect `load` (emitted by admit_host_hit)."""
+    """Effect `load` (emitted by admit_host_hit, grow_host_hit)."""
 
     lane: int
     slot: int
@@ -409,6 +412,7 @@ def init(consts: Consts, ghost: bool = True) -> State:
     slot_state = (SLOTSTATE_EMPTY,) * H
     slot_key = (empty(),) * H
     slot_head = (empty(),) * H
+    slot_start = (0,) * H
     slot_block = (0,) * H
     spill_slot = (0,) * K
     load_lane = (0,) * H
@@ -463,6 +467,7 @@ def init(consts: Consts, ghost: bool = True) -> State:
         slot_state,
         slot_key,
         slot_head,
+        slot_start,
         slot_block,
         spill_slot,
         load_lane,
@@ -537,6 +542,7 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -719,6 +725,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -980,6 +987,7 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -1126,6 +1134,7 @@ def copy_done(s: State, l: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -1230,6 +1239,7 @@ def snapshot(s: State, l: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -1360,6 +1370,7 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -1462,7 +1473,7 @@ def grow(s: State, l: int, dst: int) -> Step:
     new_head[tail[l]] = take(_m1, s.consts.C)
     new_head = tuple(new_head)
     new_snap_upto = list(s.snap_upto)
-    new_snap_upto[tail[l]] = 0
+    new_snap_upto[tail[l]] = s.lane_snap[l]
     new_snap_upto = tuple(new_snap_upto)
     new_tail = list(tail)
     new_tail[l] = dst
@@ -1482,7 +1493,7 @@ def grow(s: State, l: int, dst: int) -> Step:
     effects = (Grow(l, dst, nblocks[l]),)
     if s.ghost:
         new_snap_junk = list(s.snap_junk)
-        new_snap_junk[tail[l]] = False
+        new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
         new_holds = list(s.holds)
         new_holds[dst] = _m1
@@ -1526,6 +1537,7 @@ def grow(s: State, l: int, dst: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -1617,6 +1629,9 @@ def grow_hit_guard(s: State, l: int, src: int, dst: int, n: int) -> str | None:
     # prefix_matches
     if take(key[src], _m0) != take(s.lane_seq[l], _m0):
         return "prefix_matches"
+    # hybrid_snapshot_at_n
+    if s.consts.HYBRID and _m0 > s.snap_upto[src]:
+        return "hybrid_snapshot_at_n"
     # dst_not_src
     if dst == src:
         return "dst_not_src"
@@ -1635,8 +1650,10 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     """A prefix hit that spans several blocks, one block at a time: lane l's tail is full in the
     middle of its prompt, and the cache entry src, at the same position of a sequence with the
     same prefix, holds n more of its tokens; dst becomes the lane's next block with those n
-    tokens copied from src (`copy_done` ends the copy). Each block is copied, not shared: one
-    rule for every runtime, and a block is never in two tables (docs/design/paged-tables.md).
+    tokens copied from src (`copy_done` ends the copy, and for a hybrid model restores the
+    sliding state at length + n from the entry's snapshot there). Each block is copied, not
+    shared: one rule for every runtime, and a block is never in two tables
+    (docs/design/paged-tables.md).
     """
     # lane_prefilling
     if not s.busy[l]:
@@ -1686,6 +1703,11 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     # prefix_matches
     if take(key[src], _m0) != take(lane_seq[l], _m0):
         return Step(s, (), "prefix_matches")
+    snap_upto = s.snap_upto
+    _m1 = _m0 <= snap_upto[src]
+    # hybrid_snapshot_at_n
+    if s.consts.HYBRID and not _m1:
+        return Step(s, (), "hybrid_snapshot_at_n")
     # dst_not_src
     if dst == src:
         return Step(s, (), "dst_not_src")
@@ -1698,14 +1720,15 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_key = list(key)
-    _m1 = take(lane_seq[l], length[l])
-    new_key[tail[l]] = _m1
+    _m2 = take(lane_seq[l], length[l])
+    new_key[tail[l]] = _m2
     new_key = tuple(new_key)
     new_head = list(s.head)
-    new_head[tail[l]] = take(_m1, C)
+    new_head[tail[l]] = take(_m2, C)
     new_head = tuple(new_head)
-    new_snap_upto = list(s.snap_upto)
-    new_snap_upto[tail[l]] = 0
+    new_snap_upto = list(snap_upto)
+    lane_snap = s.lane_snap
+    new_snap_upto[tail[l]] = lane_snap[l]
     new_snap_upto = tuple(new_snap_upto)
     new_tail = list(tail)
     new_tail[l] = dst
@@ -1725,6 +1748,9 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     new_length = list(length)
     new_length[l] = _m0
     new_length = tuple(new_length)
+    new_lane_snap = list(lane_snap)
+    new_lane_snap[l] = (_m0 if _m1 else snap_upto[src])
+    new_lane_snap = tuple(new_lane_snap)
     new_copying = list(copying)
     new_copying[l] = True
     new_copying = tuple(new_copying)
@@ -1737,7 +1763,7 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     effects = (Grow(l, dst, nblocks[l]), Copy(l, src, dst, n))
     if s.ghost:
         new_snap_junk = list(s.snap_junk)
-        new_snap_junk[tail[l]] = False
+        new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
         new_junk = list(s.junk)
         new_junk[dst] = True
@@ -1755,7 +1781,7 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
         new_junk,
         s.local_holds,
         s.local_junk,
-        s.lane_snap,
+        new_lane_snap,
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
@@ -1778,6 +1804,7 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -1841,6 +1868,9 @@ def grow_hit_plan(s: State, l: int, src: int, dst: int, n: int) -> tuple[Any, ..
     # prefix_matches
     if take(key[src], _m0) != take(s.lane_seq[l], _m0):
         return "prefix_matches"
+    # hybrid_snapshot_at_n
+    if s.consts.HYBRID and _m0 > s.snap_upto[src]:
+        return "hybrid_snapshot_at_n"
     # dst_not_src
     if dst == src:
         return "dst_not_src"
@@ -1973,9 +2003,6 @@ def preempt(s: State, l: int) -> Step:
         (OWNER_FREE if (owner[b] == OWNER_LANE and owner_lane[b] == l) else owner[b])
         for b in range(K)
     ])
-    new_lane_snap = list(s.lane_snap)
-    new_lane_snap[l] = 0
-    new_lane_snap = tuple(new_lane_snap)
     effects = (Preempt(l, lane_req[l]),)
     new = State(
         s.consts,
@@ -1988,7 +2015,7 @@ def preempt(s: State, l: int) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
-        new_lane_snap,
+        s.lane_snap,
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
@@ -2011,6 +2038,7 @@ def preempt(s: State, l: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2238,6 +2266,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2396,6 +2425,7 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2474,6 +2504,7 @@ def abort_waiting(s: State, r: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2566,6 +2597,7 @@ def abort_running(s: State, l: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2680,6 +2712,7 @@ def fail(s: State, l: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2779,6 +2812,7 @@ def discard(s: State, b: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -2850,6 +2884,9 @@ def spill(s: State, b: int, h: int) -> Step:
     new_slot_head = list(s.slot_head)
     new_slot_head[h] = s.head[b]
     new_slot_head = tuple(new_slot_head)
+    new_slot_start = list(s.slot_start)
+    new_slot_start[h] = s.start[b]
+    new_slot_start = tuple(new_slot_start)
     effects = (Store(b, h),)
     new = State(
         s.consts,
@@ -2885,6 +2922,7 @@ def spill(s: State, b: int, h: int) -> Step:
         new_slot_state,
         new_slot_key,
         new_slot_head,
+        new_slot_start,
         new_slot_block,
         new_spill_slot,
         s.load_lane,
@@ -2986,6 +3024,7 @@ def store_done(s: State, h: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3052,6 +3091,7 @@ def store_fail(s: State, h: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3115,6 +3155,7 @@ def host_evict(s: State, h: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3155,6 +3196,12 @@ def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> 
     # prefix_matches
     if take(slot_key[h], n) != take(_m0, n):
         return "prefix_matches"
+    # slot_first_block
+    if s.slot_start[h] != 0:
+        return "slot_first_block"
+    # n_within_block
+    if n > s.consts.S:
+        return "n_within_block"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -3200,6 +3247,12 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
     # prefix_matches
     if take(slot_key[h], n) != take(_m1, n):
         return Step(s, (), "prefix_matches")
+    # slot_first_block
+    if s.slot_start[h] != 0:
+        return Step(s, (), "slot_first_block")
+    # n_within_block
+    if n > s.consts.S:
+        return Step(s, (), "n_within_block")
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -3307,6 +3360,7 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
         new_slot_state,
         slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         new_load_lane,
@@ -3353,6 +3407,12 @@ def admit_host_hit_plan(
     # prefix_matches
     if take(slot_key[h], n) != take(_m0, n):
         return "prefix_matches"
+    # slot_first_block
+    if s.slot_start[h] != 0:
+        return "slot_first_block"
+    # n_within_block
+    if n > s.consts.S:
+        return "n_within_block"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -3364,6 +3424,286 @@ def admit_host_hit_plan(
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Admit(l, r, dst), Load(l, h, dst, n))
+
+
+def grow_host_hit_guard(s: State, l: int, h: int, dst: int, n: int) -> str | None:
+    """The first failing guard conjunct of `grow_host_hit`, or None."""
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    S = s.consts.S
+    # tail_full
+    if length[l] != s.start[s.tail[l]] + S:
+        return "tail_full"
+    # table_not_full
+    if s.nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    # slot_stored
+    if s.slot_state[h] != SLOTSTATE_STORED:
+        return "slot_stored"
+    # slot_at_the_boundary
+    if s.slot_start[h] != length[l]:
+        return "slot_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    slot_key = s.slot_key
+    # n_within_entry
+    if _m0 > slen(slot_key[h]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(slot_key[h], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return None
+
+
+def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
+    """`grow_hit` from the host tier: lane l's tail is full in the middle of its prompt, and
+    host entry h, at the same position of a sequence with the same prefix, holds n more of its
+    tokens; dst becomes the lane's next block, loaded with those n tokens (`load_done` ends the
+    load). The slot is read, not moved: it stays a host entry.
+    """
+    # lane_prefilling
+    if not s.busy[l]:
+        return Step(s, (), "lane_prefilling")
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return Step(s, (), "lane_prefilling")
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return Step(s, (), "no_copy_in_flight")
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[tail[l]] + S:
+        return Step(s, (), "tail_full")
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return Step(s, (), "table_not_full")
+    slot_state = s.slot_state
+    # slot_stored
+    if slot_state[h] != SLOTSTATE_STORED:
+        return Step(s, (), "slot_stored")
+    # slot_at_the_boundary
+    if s.slot_start[h] != length[l]:
+        return Step(s, (), "slot_at_the_boundary")
+    C = s.consts.C
+    # n_whole_chunks
+    if n <= 0:
+        return Step(s, (), "n_whole_chunks")
+    if n % C != 0:
+        return Step(s, (), "n_whole_chunks")
+    # n_within_block
+    if n > S:
+        return Step(s, (), "n_within_block")
+    _m0 = length[l] + n
+    slot_key = s.slot_key
+    # n_within_entry
+    if _m0 > slen(slot_key[h]):
+        return Step(s, (), "n_within_entry")
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return Step(s, (), "token_left_to_compute")
+    lane_seq = s.lane_seq
+    # prefix_matches
+    if take(slot_key[h], _m0) != take(lane_seq[l], _m0):
+        return Step(s, (), "prefix_matches")
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return Step(s, (), "dst_reusable")
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return Step(s, (), "dst_reusable")
+    new_key = list(s.key)
+    _m1 = take(lane_seq[l], length[l])
+    new_key[tail[l]] = _m1
+    new_key = tuple(new_key)
+    new_head = list(s.head)
+    new_head[tail[l]] = take(_m1, C)
+    new_head = tuple(new_head)
+    new_snap_upto = list(s.snap_upto)
+    new_snap_upto[tail[l]] = s.lane_snap[l]
+    new_snap_upto = tuple(new_snap_upto)
+    new_tail = list(tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(nblocks)
+    new_nblocks[l] = nblocks[l] + 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[dst] = length[l]
+    new_start = tuple(new_start)
+    new_owner = list(owner)
+    new_owner[dst] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[dst] = l
+    new_owner_lane = tuple(new_owner_lane)
+    new_length = list(length)
+    new_length[l] = _m0
+    new_length = tuple(new_length)
+    new_copying = list(copying)
+    new_copying[l] = True
+    new_copying = tuple(new_copying)
+    new_copy_host = list(copy_host)
+    new_copy_host[l] = True
+    new_copy_host = tuple(new_copy_host)
+    new_copy_slot = list(s.copy_slot)
+    new_copy_slot[l] = h
+    new_copy_slot = tuple(new_copy_slot)
+    new_slot_state = list(slot_state)
+    new_slot_state[h] = SLOTSTATE_LOADING
+    new_slot_state = tuple(new_slot_state)
+    new_load_lane = list(s.load_lane)
+    new_load_lane[h] = l
+    new_load_lane = tuple(new_load_lane)
+    effects = (Grow(l, dst, nblocks[l]), Load(l, h, dst, n))
+    if s.ghost:
+        new_snap_junk = list(s.snap_junk)
+        new_snap_junk[tail[l]] = s.lane_snap_junk[l]
+        new_snap_junk = tuple(new_snap_junk)
+        new_junk = list(s.junk)
+        new_junk[dst] = True
+        new_junk = tuple(new_junk)
+    else:
+        new_snap_junk = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        new_key,
+        new_head,
+        s.holds,
+        new_junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
+        s.busy,
+        s.lane_req,
+        new_tail,
+        new_nblocks,
+        new_start,
+        new_length,
+        lane_seq,
+        s.lane_plen,
+        new_copying,
+        copy_src,
+        new_copy_host,
+        new_copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        new_slot_state,
+        slot_key,
+        s.slot_head,
+        s.slot_start,
+        s.slot_block,
+        s.spill_slot,
+        new_load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def grow_host_hit_plan(s: State, l: int, h: int, dst: int, n: int) -> tuple[Any, ...] | str:
+    """The effects `grow_host_hit` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    S = s.consts.S
+    # tail_full
+    if length[l] != s.start[s.tail[l]] + S:
+        return "tail_full"
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    # slot_stored
+    if s.slot_state[h] != SLOTSTATE_STORED:
+        return "slot_stored"
+    # slot_at_the_boundary
+    if s.slot_start[h] != length[l]:
+        return "slot_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    slot_key = s.slot_key
+    # n_within_entry
+    if _m0 > slen(slot_key[h]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(slot_key[h], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Grow(l, dst, nblocks[l]), Load(l, h, dst, n))
 
 
 def load_done_guard(s: State, l: int) -> str | None:
@@ -3397,7 +3737,9 @@ def load_done(s: State, l: int) -> Step:
         new_holds[tail[l]] = take(s.slot_holds[copy_slot[l]], s.length[l])
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
-        new_junk[tail[l]] = s.slot_junk[copy_slot[l]]
+        new_junk[tail[l]] = (
+            s.slot_junk[copy_slot[l]] or s.slot_start[copy_slot[l]] != s.start[tail[l]]
+        )
         new_junk = tuple(new_junk)
     else:
         new_holds = new_junk = None
@@ -3435,6 +3777,7 @@ def load_done(s: State, l: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3458,8 +3801,9 @@ def load_fail_guard(s: State, l: int) -> str | None:
 
 
 def load_fail(s: State, l: int) -> Step:
-    """The load into lane l's block failed: the request recomputes its prompt from the start
-    (nothing below length 0 is read, so the half-written block is an empty one).
+    """The load into lane l's block failed: the request recomputes that block's tokens (the
+    blocks before it hold theirs; nothing past the block's start is read, so the half-written
+    block is an empty one).
     """
     copying = s.copying
     # load_in_flight
@@ -3471,7 +3815,9 @@ def load_fail(s: State, l: int) -> Step:
     new_copying[l] = False
     new_copying = tuple(new_copying)
     new_length = list(s.length)
-    new_length[l] = 0
+    tail = s.tail
+    start = s.start
+    new_length[l] = start[tail[l]]
     new_length = tuple(new_length)
     new_slot_state = list(s.slot_state)
     new_slot_state[s.copy_slot[l]] = SLOTSTATE_STORED
@@ -3479,8 +3825,7 @@ def load_fail(s: State, l: int) -> Step:
     effects = (Recompute(l),)
     if s.ghost:
         new_holds = list(s.holds)
-        tail = s.tail
-        new_holds[tail[l]] = take(s.lane_seq[l], 0)
+        new_holds[tail[l]] = take(s.lane_seq[l], start[tail[l]])
         new_holds = tuple(new_holds)
         new_junk = list(s.junk)
         new_junk[tail[l]] = False
@@ -3504,9 +3849,9 @@ def load_fail(s: State, l: int) -> Step:
         s.snap_junk,
         s.busy,
         s.lane_req,
-        s.tail,
+        tail,
         s.nblocks,
-        s.start,
+        start,
         new_length,
         s.lane_seq,
         s.lane_plen,
@@ -3521,6 +3866,7 @@ def load_fail(s: State, l: int) -> Step:
         new_slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3689,6 +4035,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3813,6 +4160,7 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -3921,6 +4269,7 @@ def export(s: State, l: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -4047,6 +4396,7 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -4155,6 +4505,7 @@ def transfer_fail(s: State, r: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -4250,6 +4601,7 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.slot_state,
         s.slot_key,
         s.slot_head,
+        s.slot_start,
         s.slot_block,
         s.spill_slot,
         s.load_lane,
@@ -4298,6 +4650,12 @@ ACTIONS = {
         admit_host_hit_guard,
         ("l", "r", "h", "dst", "n"),
         ("Lane", "Req", "Slot", "Block", "Int"),
+    ),
+    "grow_host_hit": (
+        grow_host_hit,
+        grow_host_hit_guard,
+        ("l", "h", "dst", "n"),
+        ("Lane", "Slot", "Block", "Int"),
     ),
     "load_done": (load_done, load_done_guard, ("l",), ("Lane",)),
     "load_fail": (load_fail, load_fail_guard, ("l",), ("Lane",)),
@@ -4357,6 +4715,7 @@ GUARD_READS = {
         "n_within_entry": ("l", "src", "n"),
         "token_left_to_compute": ("l", "n"),
         "prefix_matches": ("l", "src", "n"),
+        "hybrid_snapshot_at_n": ("l", "src", "n"),
         "dst_not_src": ("src", "dst"),
         "dst_reusable": ("dst",),
     },
@@ -4390,6 +4749,22 @@ GUARD_READS = {
         "n_within_entry": ("h", "n"),
         "token_left_to_compute": ("r", "n"),
         "prefix_matches": ("r", "h", "n"),
+        "slot_first_block": ("h",),
+        "n_within_block": ("n",),
+        "dst_reusable": ("dst",),
+    },
+    "grow_host_hit": {
+        "lane_prefilling": ("l",),
+        "no_copy_in_flight": ("l",),
+        "tail_full": ("l",),
+        "table_not_full": ("l",),
+        "slot_stored": ("h",),
+        "slot_at_the_boundary": ("l", "h"),
+        "n_whole_chunks": ("n",),
+        "n_within_block": ("n",),
+        "n_within_entry": ("l", "h", "n"),
+        "token_left_to_compute": ("l", "n"),
+        "prefix_matches": ("l", "h", "n"),
         "dst_reusable": ("dst",),
     },
     "load_done": {"load_in_flight": ("l",)},
@@ -4459,6 +4834,7 @@ INVARIANTS = (
     "lane_snapshots_are_its_own",
     "idle_lane_has_no_snapshots",
     "entry_snapshots_are_its_own",
+    "snapshots_need_hybrid",
     "hybrid_hit_has_snapshot",
     "spilling_block_has_its_store",
     "storing_slot_key_is_content",
@@ -4610,7 +4986,7 @@ def check_invariants(s: State) -> list[str]:
                 and holds[b] == key[b]
                 and head[b] == take(key[b], C)
                 and not snap_junk[b]
-                and snap_upto[b] == 0
+                and snap_upto[b] >= 0
             )
             for b in range(K)
         ):
@@ -4677,11 +5053,13 @@ def check_invariants(s: State) -> list[str]:
         # copy_target_not_ready
         if not all(not copying[l] or junk[tail[l]] for l in range(B)):
             bad.append("copy_target_not_ready")
+    copy_slot = s.copy_slot
+    slot_start = s.slot_start
     # copy_at_its_position
     if not all(
         not copying[l]
         or (
-            (nblocks[l] == 1 and start[tail[l]] == 0)
+            slot_start[copy_slot[l]] == start[tail[l]]
             if copy_host[l]
             else start[copy_src[l]] == start[tail[l]]
         )
@@ -4733,6 +5111,13 @@ def check_invariants(s: State) -> list[str]:
         ):
             bad.append("entry_snapshots_are_its_own")
     HYBRID = s.consts.HYBRID
+    snap_upto = s.snap_upto
+    # snapshots_need_hybrid
+    if not (
+        all(HYBRID or lane_snap[l] == 0 for l in range(B))
+        and all(HYBRID or snap_upto[b] == 0 for b in range(K))
+    ):
+        bad.append("snapshots_need_hybrid")
     # hybrid_hit_has_snapshot
     if not all(not (HYBRID and copying[l]) or lane_snap[l] == length[l] for l in range(B)):
         bad.append("hybrid_hit_has_snapshot")
@@ -4762,7 +5147,11 @@ def check_invariants(s: State) -> list[str]:
     # storing_slot_reads_a_spilling_block
     if not all(
         slot_state[h] != SLOTSTATE_STORING
-        or (owner[slot_block[h]] == OWNER_SPILLING and spill_slot[slot_block[h]] == h)
+        or (
+            owner[slot_block[h]] == OWNER_SPILLING
+            and spill_slot[slot_block[h]] == h
+            and slot_start[h] == start[slot_block[h]]
+        )
         for h in range(H)
     ):
         bad.append("storing_slot_reads_a_spilling_block")
@@ -4786,7 +5175,6 @@ def check_invariants(s: State) -> list[str]:
     ):
         bad.append("host_head_is_first_chunk")
     load_lane = s.load_lane
-    copy_slot = s.copy_slot
     # loading_slot_has_its_lane
     if not all(
         slot_state[h] != SLOTSTATE_LOADING
@@ -4921,11 +5309,10 @@ def check_invariants(s: State) -> list[str]:
     # tables_are_dense
     if not all(not busy[l] or start[tail[l]] == (nblocks[l] - 1) * S for l in range(B)):
         bad.append("tables_are_dense")
-    snap_upto = s.snap_upto
     # snapshots_on_chunk_boundaries
     if not (
         all(not busy[l] or lane_snap[l] % C == 0 for l in range(B))
-        and all(owner[b] != OWNER_CACHE or snap_upto[b] % C == 0 for b in range(K))
+        and all(snap_upto[b] % C == 0 for b in range(K))
     ):
         bad.append("snapshots_on_chunk_boundaries")
     # one_scratch_block_when_reserved
@@ -5003,8 +5390,6 @@ AXIOMS = (
     "lanes_positive",
     "blocks_positive",
     "tables_positive",
-    "hybrid_single_block",
-    "host_single_block",
     "host_cache_needs_prefix_cache",
     "preemption_plain",
     "preemption_with_tables",
@@ -5037,18 +5422,12 @@ def check_axioms(c: Consts) -> list[str]:
     # tables_positive
     if T <= 0:
         bad.append("tables_positive")
-    HYBRID = c.HYBRID
-    # hybrid_single_block
-    if HYBRID and T != 1:
-        bad.append("hybrid_single_block")
     HOST = c.HOST
-    # host_single_block
-    if HOST and T != 1:
-        bad.append("host_single_block")
     # host_cache_needs_prefix_cache
     if HOST and not c.PREFIX:
         bad.append("host_cache_needs_prefix_cache")
     PREEMPT = c.PREEMPT
+    HYBRID = c.HYBRID
     # preemption_plain
     if PREEMPT and not (not HYBRID and not HOST):
         bad.append("preemption_plain")
@@ -5223,6 +5602,7 @@ def describe_state(s: State) -> dict[str, Any]:
     out["slot_state"] = [_name(SLOTSTATE_NAMES, x) for x in s.slot_state]
     out["slot_key"] = [_tokens(x) for x in s.slot_key]
     out["slot_head"] = [_tokens(x) for x in s.slot_head]
+    out["slot_start"] = list(s.slot_start)
     out["slot_block"] = list(s.slot_block)
     out["spill_slot"] = list(s.spill_slot)
     out["load_lane"] = list(s.load_lane)
