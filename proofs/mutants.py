@@ -27,7 +27,8 @@ Layers, cheapest first; a mutant stops at the first layer that kills it unless `
               tightness: a stuck run must exist one block below the minimum
   hypothesis  the core state machine of tests/test_core_machine.py over the mutant core, with
               a bounded, derandomized settings object (a mutant of a host-tier action over
-              configurations with the host tier, paged tables included: only they take it)
+              configurations with the host tier, paged tables included: only they take it; a
+              mutant of hybrid state or guards over the hybrid tier too)
   simulation  atom_core.simulate over the mutant core, in a fresh subprocess that installs the
               mutant as atom_core._generated.core before importing it
 
@@ -141,6 +142,10 @@ EXPLAINED: dict[str, str] = {
         "equivalent: no step reads a copying lane's slot and copy_done sets local_junk",
     "swap-value:admit_host_hit.local_junk=True":
         "equivalent: as drop-update:admit_host_hit.local_junk (no hybrid host tier)",
+    "drop-update:grow_host_hit.snap_upto":
+        "equivalent: grow_host_hit needs the host tier, which hybrid models do not have (axiom "
+        "hybrid_without_host_cache), and without them every lane_snap and snap_upto is 0 "
+        "(snapshots_need_hybrid): the full block's boundary is already the 0 it would get",
     # Not equivalent: behaviour changes, but no stated property covers it.
     "drop-update:host_evict.slot_state":
         "gap: an eviction that keeps the host entry is safe (nothing is freed) but the slot is "
@@ -812,13 +817,32 @@ def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]
         tcm.min_blocks = saved
 
 
+# The state only hybrid models change (their sliding state and its snapshots): without HYBRID
+# every snapshot is refused and every boundary stays 0 (`snapshots_need_hybrid`).
+HYBRID_STATE = ("lane_snap", "lane_snap_junk", "snap_upto", "snap_junk", "local_holds",
+                "local_junk")
+
+
+def hybrid_mutant(m: Mutant) -> bool:
+    """A mutant of `snapshot`, of a hybrid guard (`hybrid_...`) or of an update of hybrid state
+    (the guard or function its id names after the action)."""
+    name = m.id.partition(":")[2].partition(".")[2]
+    name = name.split("=")[0].split("#")[0]
+    return "snapshot" in m.actions or name.startswith("hybrid") or name in HYBRID_STATE
+
+
 def machine_tier(m: Mutant) -> str:
     """The configurations the machine runs a mutant over: "host" (the host tier, with the prefix
     cache, T in 1..3) for a mutant of a host-tier action (elsewhere every call of it is refused
-    early: no slot), else "plain" (every feature combination)."""
+    early: no slot); "hybrid" (the hybrid tier, T in 1..3, beside every feature combination:
+    a snapshot without HYBRID is refused, which a mutant may break) for a `hybrid_mutant`
+    (elsewhere it changes nothing the machine sees); else "plain" (every feature
+    combination)."""
     from atom_core.spec.model import HOST_ACTIONS
 
-    return "host" if set(m.actions) & set(HOST_ACTIONS) else "plain"
+    if set(m.actions) & set(HOST_ACTIONS):
+        return "host"
+    return "hybrid" if hybrid_mutant(m) else "plain"
 
 
 def run_machine(mutant_id: str, examples: int, tier: str = "plain") -> str | None:
@@ -832,8 +856,9 @@ def run_machine(mutant_id: str, examples: int, tier: str = "plain") -> str | Non
     assert tcm is not None
     core = load_core(mutant_id)
     with machine_capacity(tcm, offsets_of(catalogue()[mutant_id])):
-        configs = ([tcm.configs(core, p, s) for p, s in tcm.FEATURES] if tier == "plain"
-                   else [tcm.configs(core, True, s, tier=tier) for s in ("reserved", "dynamic")])
+        configs = [tcm.configs(core, p, s) for p, s in tcm.FEATURES] if tier != "host" else []
+        if tier != "plain":
+            configs += [tcm.configs(core, True, s, tier=tier) for s in ("reserved", "dynamic")]
         config = st.one_of(*configs)
         machine = tcm.make_machine(core, config, mirror=False, pd=True)
         try:

@@ -21,7 +21,10 @@ The prefix cache's tiers (`TIERS`, one per configuration):
 * hybrid: sliding-window layers; the lane's sliding state is snapshotted at chunk boundaries
   (`snapshot`, at the right and at wrong times), a cache entry keeps its lane's snapshots, a
   hit is only as deep as they reach (`hybrid_snapshot_at_n`), and an entry without a snapshot
-  at the first chunk does not block a miss;
+  at the first chunk does not block a miss; with paged tables (T = 1..3) a full block keeps
+  the lane's snapshots when it fills, and a hit past the first block (`grow_hit`) goes only
+  as far as the entry's snapshots, which the lane takes (its copy restores the sliding state
+  at its new length);
 * host: 1..2 host slots; entries are spilled there (the batcher's way: the victim of an
   admission or of a lane's next block, into the policy's slot) and loaded back by host hits;
   with paged tables (T = 1..3) a later block's entry too, loaded into a lane's later block
@@ -93,6 +96,11 @@ PHASE_OF = {"waiting": "WAITING", "prefill": "PREFILL", "decode": "DECODE",
 TIERS = ("hybrid", "host")
 # A situation the host tier with paged tables exists for (`Stats.events`).
 LATER_LOAD_FAILED = "load into a later block failed (recomputes only that block)"
+# ... and the hybrid tier with paged tables: a hit past the first block (`grow_hit`) landed and
+# restored the sliding state at the lane's new length from the entry's snapshot there.
+HYBRID_LATER_HIT = "hybrid hit past the first block"
+# ... and the policy's next hit chosen where an entry's key goes on further than its snapshots.
+SNAPSHOT_CAP = "policy's hit past the first block capped by the entry's snapshots"
 
 
 class Stats:
@@ -155,6 +163,17 @@ class RefinementViolation(AssertionError):
                          f"state: {core.describe_state(state)}")
 
 
+class ModelDivergence(AssertionError):
+    """After a step the core applied as the lifecycle model predicted, its state differs from
+    the model's (`Life.compare`): an update the spec makes (a key, an owner, a snapshot
+    boundary) that the core made otherwise, or not at all."""
+
+    def __init__(self, action: str, args: tuple[Any, ...], detail: str) -> None:
+        self.action, self.args = action, args
+        super().__init__(f"after {action}{args} the core's state differs from the lifecycle "
+                         f"model's: {detail}")
+
+
 class MirrorDivergence(AssertionError):
     """The ghost-off core disagrees with the ghost-on core on a step."""
 
@@ -176,9 +195,8 @@ def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
 def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, int] = (0, 2),
             lanes: tuple[int, int] = (1, 3), tier: str = "plain",
             tables: tuple[int, int] = (1, 3), preempt: bool | None = False) -> Any:
-    """Small configurations: T blocks per lane table from tables[0] to tables[1] (tiers
-    "plain" and "host": the hybrid tier is drawn at T = 1 only, as the machine's hybrid rules
-    expect), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid" turns on
+    """Small configurations: T blocks per lane table from tables[0] to tables[1] (every
+    tier), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid" turns on
     HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the block size
     S is small (2..8), so that tables fill within a run.
     preempt: PREEMPT on (plain tier, T >= 2: axioms preemption_plain, preemption_with_tables),
@@ -189,7 +207,7 @@ def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, 
     assert preempt is False or tier == "plain", (preempt, tier)
     if preempt is not False:
         tables = (max(2, tables[0]), max(2, tables[1]))
-    t = draw(st.integers(*tables)) if tier != "hybrid" else 1
+    t = draw(st.integers(*tables))
     b = draw(st.integers(*lanes))
     lo = min_blocks(b, prefix, scratch, t, preempt is not False)
     hi = lo + extra[1]
@@ -278,7 +296,9 @@ class Life:
     token in its sequence (`start`, for lane blocks and cache entries), the cache entries' keys
     and snapshot boundaries (`entries`, block -> (key, snap_upto)), the entry an in-flight copy
     reads (`copy_src`, which pins it) or the slot an in-flight load reads (`load_slot`).
-    Hybrid prefix cache: each lane's last snapshot boundary (`snap`, the spec's lane_snap).
+    Hybrid prefix cache: each lane's last snapshot boundary (`snap`, the spec's lane_snap),
+    and each lane's full block's (`filled_snap`: the lane's when the block filled; it keeps
+    them when it is cached, so a hit into it restores the sliding state up to its end).
     Host tier: each slot's state, key, start (its block's: a host entry of a later block is
     loaded into a lane's later block, by `grow_host_hit`), the block a store reads and the lane
     a load writes.
@@ -297,6 +317,7 @@ class Life:
         self.copy_src: list[int | None] = [None] * c.B
         self.load_slot: list[int | None] = [None] * c.B
         self.snap = [0] * c.B
+        self.filled_snap: dict[int, int] = {}  # a lane's full block -> its snap_upto
         self.owner = ["SCRATCH" if c.RESERVED and b == c.SCRATCH else "FREE"
                       for b in range(c.K)]
         self.entries: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -477,7 +498,7 @@ class Life:
                           ("dst_reusable", lambda: self.reusable(dst)))
         if name == "grow_hit":
             l, src, dst, n = args
-            key = self.entries.get(src, ((), 0))[0]
+            key, snap = self.entries.get(src, ((), 0))
             end = self.length[l] + n
             return _first(("lane_prefilling", lambda: self.prefilling(l)),
                           ("no_copy_in_flight", lambda: not self.copying[l]),
@@ -494,6 +515,8 @@ class Life:
                           # the whole prefix, not only the copied tokens: the KV of a token
                           # depends on every token before it
                           ("prefix_matches", lambda: key[:end] == self.seq[l][:end]),
+                          # hybrid: copy_done restores the sliding state at the hit's end
+                          ("hybrid_snapshot_at_n", lambda: not c.HYBRID or end <= snap),
                           ("dst_not_src", lambda: dst != src),
                           ("dst_reusable", lambda: self.reusable(dst)))
         if name == "grow_host_hit":
@@ -586,13 +609,15 @@ class Life:
 
     def _release(self, l: int, keep: bool) -> int:
         """Lane l gives all its blocks back: cache entries (keep; a full block's key is the
-        lane's tokens up to its end, the tail's up to the lane's length, with its snapshots)
-        or free; a load into it stops (its slot is a host entry again). Its tail block."""
+        lane's tokens up to its end, with the lane's snapshots when it filled, the tail's up to
+        the lane's length, with its snapshots now) or free; a load into it stops (its slot is a
+        host entry again). Its tail block."""
         table, b = self.tables[l], self.tail(l)
         for x in table:
+            snap = self.snap[l] if x == b else self.filled_snap.pop(x)
             if keep:
                 end = self.length[l] if x == b else self.start[x] + self.c.S
-                self.entries[x] = (self.seq[l][:end], self.snap[l] if x == b else 0)
+                self.entries[x] = (self.seq[l][:end], snap)
                 self.owner[x] = "CACHE"
             else:
                 self._set_free(x)
@@ -606,6 +631,15 @@ class Life:
         self.lane[l], self.copy_src[l], self.load_slot[l], self.snap[l] = None, None, None, 0
         self.tables[l] = []
         return b
+
+    def _extend(self, l: int, dst: int) -> None:
+        """The spec's `extend` (grow, grow_hit, grow_host_hit): lane l's full tail keeps the
+        lane's snapshots so far (its snap_upto), and dst (a cache entry there is evicted)
+        becomes its next block, starting at the lane's length."""
+        self.filled_snap[self.tail(l)] = self.snap[l]
+        self._set_free(dst)
+        self.owner[dst], self.start[dst] = "LANE", self.length[l]
+        self.tables[l].append(dst)
 
     def apply(self, name: str, args: tuple[Any, ...], effects: tuple[Any, ...],
               pre: Any) -> None:
@@ -653,7 +687,13 @@ class Life:
             self.status[r] = "importing" if name == "admit_import" else "prefill"
             self.length[l], self.seq[l] = n, self.prompt[r]
         elif name == "copy_done":
-            self.copy_src[args[0]] = None
+            l = args[0]
+            self.copy_src[l] = None
+            if c.HYBRID and self.start[self.tail(l)] > 0:
+                # a hit past the first block landed, restoring the sliding state at the lane's
+                # length (the entry's snapshot there, now the lane's)
+                assert self.snap[l] == self.length[l], (l, self.snap, self.length)
+                Stats.events[HYBRID_LATER_HIT] += 1
             assert kinds == []
         elif name in ("load_done", "load_fail"):
             l = args[0]
@@ -688,9 +728,7 @@ class Life:
             l, dst = args
             assert self.needs_block(l) and self.reusable(dst), (args, self.owner)
             assert kinds == ["Grow"] and effects[0] == (l, dst, len(self.tables[l])), effects
-            self._set_free(dst)  # a cache entry there is evicted
-            self.owner[dst], self.start[dst] = "LANE", self.length[l]
-            self.tables[l].append(dst)
+            self._extend(l, dst)
         elif name == "grow_hit":
             # like grow (the full tail gets its key: `compare` checks it), and the lane's next
             # n tokens are copied from src, at the same positions of its sequence
@@ -705,11 +743,13 @@ class Life:
             if dst in self.entries:
                 Stats.events["hit past the first block evicts an entry"] += 1
             Stats.events["hit past the first block"] += 1
-            self._set_free(dst)  # a cache entry there is evicted
-            self.owner[dst], self.start[dst] = "LANE", self.length[l]
-            self.tables[l].append(dst)
+            # hybrid: the lane takes the entry's snapshots up to the hit's end (all of them up
+            # to there: hybrid_snapshot_at_n), so copy_done restores the state at its length
+            snap = min(self.length[l] + n, self.entries[src][1])
+            assert not c.HYBRID or snap == self.length[l] + n, (args, self.entries[src])
+            self._extend(l, dst)
             self.length[l] += n
-            self.copy_src[l] = src
+            self.copy_src[l], self.snap[l] = src, snap
         elif name == "grow_host_hit":
             # like grow_hit, its next n tokens loaded from host slot h (the slot is read: it
             # stays a host entry, loading until load_done or load_fail)
@@ -723,9 +763,7 @@ class Life:
             if len(self.tables[l]) >= 2:  # a third block (or later) loaded
                 Stats.events["host hit past the second block"] += 1
             Stats.events["host hit past the first block"] += 1
-            self._set_free(dst)  # a cache entry there is evicted
-            self.owner[dst], self.start[dst] = "LANE", self.length[l]
-            self.tables[l].append(dst)
+            self._extend(l, dst)
             self.length[l] += n
             self.load_slot[l], self.slot_state[h], self.slot_lane[h] = h, "LOADING", l
         elif name == "decode":
@@ -776,6 +814,7 @@ class Life:
             self.preempted.add(r)
             for x in self.tables[l]:
                 assert self.owner[x] == "LANE" and x not in self.entries, (x, self.owner)
+                self.filled_snap.pop(x, None)
                 self._set_free(x)
             self.lane[l], self.snap[l], self.tables[l] = None, 0, []
         elif name == "abort_waiting":
@@ -855,6 +894,10 @@ class Life:
                 if x != table[-1]:  # a full block has its key already (taken at grow)
                     key = self.seq[l][:self.start[x] + c.S]
                     assert (tuple(s.key[x]), tuple(s.head[x])) == (key, key[:c.C]), (l, x)
+                    # and the lane's snapshots then
+                    assert s.snap_upto[x] == self.filled_snap[x], (
+                        f"lane {l}'s full block {x} has snapshots up to {s.snap_upto[x]}, the "
+                        f"lane's when it filled were up to {self.filled_snap[x]}")
             assert s.length[l] == self.length[l]
             assert tuple(s.lane_seq[l]) == self.seq[l]
             assert s.lane_plen[l] == len(self.prompt[r])
@@ -938,6 +981,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             self.s2 = mcore.init(mcore.Consts(**attrs.asdict(c)), False) if mirror else None
             self.policy = Policy()
             self.life = Life(c)
+            self.diverged = False  # the core's state differs from the lifecycle model's
             self.next_id = 0
             scratch = "reserved" if c.RESERVED else "dynamic"
             self.at_capacity = c.K >= min_blocks(c.B, c.PREFIX, scratch, c.T, c.PREEMPT)
@@ -994,7 +1038,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 if (out.rejected == "no_block_overflow" and self.c.T > 1
                         and any(map(self.life.table_end, range(self.c.B)))):
                     Stats.events["decode refused at a full table"] += 1
-            self.life.compare(core, self.s)
+            try:
+                self.life.compare(core, self.s)
+            except AssertionError as exc:
+                self.diverged = True
+                raise ModelDivergence(name, args, str(exc)) from exc
             if mirror:
                 self.mirror(name, args, out)
             if check_progress and self.at_capacity and self.quiescent():
@@ -1285,7 +1333,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             copied from it (`grow_hit`), as the adapter does; the copy lands at once (the
             adapter's way: without data, or most draws) or stays in flight. Refinement: the
             hit passes the guard, and it is the longest the spec accepts (`longest_hits`: a
-            hit is worth a block of prefill compute). False if the lane is to take a plain
+            hit is worth a block of prefill compute; hybrid: no further than the entry's
+            snapshots, where `Policy.next_hit` caps it). False if the lane is to take a plain
             block: no hit, or no block but the hit's source (the adapter then grows into
             whatever `reusable` picks, evicting the source)."""
             hit = self.policy.next_hit(self.s, l)
@@ -1293,6 +1342,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if (hit is None) != (not longest) or hit is not None and hit not in longest:
                 raise RefinementViolation("grow_hit", f"lane {l}'s next hit is {hit}, the "
                                           f"longest the spec accepts {longest}", core, self.s)
+            if self.c.HYBRID and any(x == l for x, _, _ in self.later_hits_past_snapshot()):
+                # an entry goes on as the prompt does further than its snapshots reach: the
+                # policy's hit (checked above) stops at them, or there is none
+                Stats.events[SNAPSHOT_CAP] += 1
             if hit is None:
                 return False
             src, n = hit
@@ -1368,7 +1421,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         def longest_hits(self, l: int) -> list[tuple[int, int]]:
             """The (src, n) of the longest hits past the first block the spec accepts for lane
             l (any dst: `grow_hit`'s guard reports dst_not_src, its second to last, for
-            dst == src exactly when every guard before it holds)."""
+            dst == src exactly when every guard before it holds, hybrid_snapshot_at_n too)."""
             c = self.c
             ok = [(src, n) for src in range(c.K) for n in range(c.C, c.S + 1, c.C)
                   if core.grow_hit_guard(self.s, l, src, src, n) == "dst_not_src"]
@@ -1624,13 +1677,16 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             (refused: an idle, copying, importing or exporting lane, one short of its next
             boundary or past it, a boundary having been skipped); the next turn of a cached
             conversation (it matches further than the entry's snapshots reach); a hit past
-            the snapshots (refused) or as deep as they go; or to get there: submit, admit as
-            the policy chooses, complete a copy, prefill (snapshot as the policy does), decode
-            (generated tokens have no snapshots) or finish into the cache. False if no step is
+            the snapshots (refused) or as deep as they go, at an admission or (paged tables)
+            past the first block (`grow_hit`, from the entry at a lane's boundary); or to get
+            there: submit, admit as the policy chooses, complete a copy, prefill (growing the
+            lanes first, as the adapter does; snapshot as the policy does), decode (generated
+            tokens have no snapshots) or finish into the cache. False if no step is
             possible."""
             life, c = self.life, self.c
             ready = [l for l in range(c.B) if life.snapshot_ok(l)]
             past = self.hits_past_snapshot()
+            later_past = self.later_hits_past_snapshot()
             beyond = [b for b, (key, snap) in life.entries.items() if len(key) >= snap + c.C]
             waiting, idle = self.waiting(), [l for l in range(c.B) if life.lane[l] is None]
             prefilling = [l for l in range(c.B) if life.prefilling(l) and not life.copying[l]]
@@ -1638,6 +1694,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             moves = ["snapshot"] * 3 if ready else []
             moves += ["bad_snapshot"]
             moves += ["past"] * 3 if past and idle else []
+            moves += ["later_past"] * 3 if later_past else []
             moves += ["next_turn"] * 2 if beyond else []
             moves += ["submit"] if not waiting else []
             moves += ["admit"] * 2 if waiting and idle else []
@@ -1661,6 +1718,16 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 out = self.apply("admit_hit", pick(data, idle, "lane"), r, src, dst, n)
                 if n > snap:  # every other guard holds
                     assert out.rejected == "hybrid_snapshot_at_n", out.rejected
+            elif move == "later_past":
+                l, src, n = pick(data, later_past, "lane, entry, n")
+                upto = self.s.snap_upto[src] - life.length[l]
+                if coin(data, "as deep as the snapshots go"):
+                    n = upto  # <= 0: no snapshot past the boundary (n_whole_chunks)
+                dst = self.policy.reusable(self.s, exclude=src)
+                dst = self.block(data, "dst", src) if dst is None else dst
+                out = self.apply("grow_hit", l, src, dst, n)
+                if n > upto:  # every guard before it holds
+                    assert out.rejected == "hybrid_snapshot_at_n", out.rejected
             elif move == "next_turn":
                 key = life.entries[pick(data, beyond, "entry")][0]
                 tail = data.draw(_token_lists(1, c.S), label="tail")
@@ -1676,10 +1743,15 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                                              if life.copy_src[l] is not None))
             elif move == "prefill":
                 l = pick(data, prefilling, "lane")
+                if not self.grow_by_policy(data) and life.needs_block(l):
+                    return False  # no block until a copy lands
+                if not life.prefilling(l) or life.copying[l]:
+                    return True  # its hit past the first block is being copied
                 self.apply("prefill", l, data.draw(tokens))
                 if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
                     assert self.apply("snapshot", l).rejected is None
             elif move == "decode":
+                self.grow_by_policy(data)
                 self.decode_by_policy(self.decode_tokens(data))
             else:
                 self.apply("finish", pick(data, decoding, "lane"), True)
@@ -1825,12 +1897,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             several blocks. It is admitted as the policy chooses (a hit copies the first
             block's part), then driven as the adapter drives it: its copies land, its next
             block is grown before each prefill (`grow_by_policy`: a hit past the first block
-            when the entry at that position goes on as the prompt does), its chunks are
-            prefilled; then it decodes a few tokens and finishes into the cache, so the next
-            turn has a longer conversation to go on from. On the way, drawn grow_hit calls
-            (`drawn_grow_hit`, refused by the guard the lifecycle model names, or a legal hit):
-            while its copy is in flight, mid-block, and at each boundary (often one call for
-            each guard that refuses some call there).
+            when the entry at that position goes on as the prompt does; hybrid: as far as
+            the entry's snapshots reach), its chunks are prefilled (hybrid: a snapshot at each
+            boundary, as the policy takes them); then it decodes a few tokens and finishes
+            into the cache, so the next turn has a longer conversation to go on from. On the
+            way, drawn grow_hit calls (`drawn_grow_hit`, refused by the guard the lifecycle
+            model names, or a legal hit): while its copy is in flight, mid-block, and at each
+            boundary (often one call for each guard that refuses some call there).
             Often the other entries are dropped first (`discard`, unpinned ones, until a
             table's worth of blocks is free): the policy evicts the entries past a first block
             first (the conversation's own, its middle blocks before its end: they have no use
@@ -1902,6 +1975,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 if num(data, 0, 3, "a drawn grow_hit mid-block (0)") == 0:
                     self.drawn_hit_past_first_block(data, l)  # tail_full
                 self.apply("prefill", l, data.draw(tokens, label="tok"))
+                # hybrid: a snapshot at each boundary of the prompt, as the policy takes them
+                # (a skipped one leaves the entries the turn is cached into without snapshots
+                # past it: the next turn's hit stops there)
+                if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
+                    assert self.apply("snapshot", l).rejected is None
             for _ in range(pick(data, (0, 1, c.S, c.T * c.S), "tokens")):
                 if not life.decoding(l) or life.lane[l] != r:
                     break
@@ -2708,8 +2786,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         def hits_on_later_blocks(self) -> list[tuple[int, int, int]]:
             """(waiting request, cache entry, n): hits of whole chunks whose prefix matches
-            (n within the entry and below the prompt's length) on an entry that does not start
-            its sequence (a full block of a table, or a tail after it): refused."""
+            (n within the entry and below the prompt's length; hybrid: within its snapshots,
+            which hybrid_snapshot_at_n checks first) on an entry that does not start its
+            sequence (a full block of a table, or a tail after it): refused."""
             s, c = self.s, self.c
             out = []
             for r in self.waiting():
@@ -2718,7 +2797,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     if s.owner[b] != core.OWNER_CACHE or s.start[b] == 0:
                         continue
                     key = s.key[b]
-                    n = common_chunks(key, p, c.C, min(len(key), len(p) - 1))
+                    most = min(len(key), len(p) - 1)
+                    n = common_chunks(key, p, c.C, min(most, s.snap_upto[b]) if c.HYBRID
+                                      else most)
                     if n:
                         out.append((r, b, n))
             return out
@@ -2738,6 +2819,28 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     n = common_chunks(key, p, c.C, min(len(key), len(p) - 1))
                     if n > s.snap_upto[b]:
                         out.append((r, b, n))
+            return out
+
+        def later_hits_past_snapshot(self) -> list[tuple[int, int, int]]:
+            """(lane, cache entry, n): hybrid hits past the first block (a prefilling lane that
+            needs its next block, an entry at its boundary whose key agrees with its prompt up
+            to there and n more tokens: whole chunks, within a block, a prompt token left) that
+            reach past the entry's snapshots."""
+            s, c, life = self.s, self.c, self.life
+            out = []
+            for l in range(c.B):
+                if not (life.prefilling(l) and life.needs_block(l)):
+                    continue
+                at, p = life.length[l], life.seq[l]
+                for b in range(c.K):
+                    key = s.key[b]
+                    if (s.owner[b] != core.OWNER_CACHE or s.start[b] != at
+                            or tuple(key[:at]) != p[:at]):
+                        continue
+                    limit = min(c.S, len(key) - at, len(p) - 1 - at)
+                    n = common_chunks(key, p, c.C, limit, at)
+                    if n and at + n > s.snap_upto[b]:
+                        out.append((l, b, n))
             return out
 
         def foreign_tier_calls(self) -> None:
@@ -2783,8 +2886,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             cache: then a miss beside a cached later block (`miss_beside_later_block`), drained
             too; then check each request ended exactly once and nothing is left in flight.
             With preemption, at capacity, first every request runs to its end as the scheduler
-            runs it, preempting (`run_to_completion`): none is abandoned."""
-            if not hasattr(self, "life"):
+            runs it, preempting (`run_to_completion`): none is abandoned. Not after a
+            `ModelDivergence` (hypothesis tears down a failed run too): every later step would
+            report the same divergence, under its own name."""
+            if not hasattr(self, "life") or self.diverged:
                 return
             self.foreign_tier_calls()
             life = self.life
@@ -2923,15 +3028,14 @@ def run_machine(config: st.SearchStrategy[Any], pd: bool, preempt: bool = False)
 def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     """Not vacuous, over the runs of one configuration family: every action it can take was
     applied, and no run applied one it cannot (hits need the prefix cache, PD actions pd,
-    snapshot the hybrid tier, the host actions the host tier, grow a table of several blocks:
-    the plain and host tiers, grow_hit both, grow_host_hit the host tier, preempt PREEMPT);
-    some lane reached the block end (decode refused until it finishes), and with paged tables
+    snapshot the hybrid tier, the host actions (grow_host_hit too) the host tier, preempt
+    PREEMPT; every tier grows tables of several blocks, and with the prefix cache hits past
+    the first block); some lane reached the block end (decode refused until it finishes), and
     the table end; and the situations each feature exists for happened."""
     actions = set(committed.ACTIONS)
     cannot = set() if prefix else {"admit_hit", "copy_done", "grow_hit"}
     cannot |= set() if tier == "hybrid" else {"snapshot"}
     cannot |= set() if tier == "host" else set(HOST_ACTIONS)
-    cannot |= {"grow", "grow_hit"} if tier == "hybrid" else set()  # T = 1
     for run in runs:
         off = cannot | (set() if run.pd else set(PD_ACTIONS))
         off |= set() if run.preempt else {"preempt"}
@@ -2956,30 +3060,34 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     # grow_hit and grow_host_hit: a lane that is not prefilling (everywhere:
     # `foreign_tier_calls`)
     want |= {("grow_hit", "lane_prefilling"), ("grow_host_hit", "lane_prefilling")}
-    if tier in ("plain", "host"):
-        # paged tables: grow refused by each of its guards, a prefill past a full tail, a hit
-        # on an entry that starts later in its sequence; PD moves one block
-        want |= {("grow", "lane_computing"), ("grow", "tail_full"), ("grow", "table_not_full"),
-                 ("grow", "dst_reusable"), ("prefill", "chunk_within_block")}
-        want |= {("admit_hit", "src_first_block")} if prefix else set()
-        # with the prefix cache, a hit past the first block refused by each of its guards but
-        # table_not_full (a prefilling lane has a token left to compute, so its full tail is
-        # never the table's last block)
-        want |= {("grow_hit", g) for g in (
-            "no_copy_in_flight", "tail_full", "src_cached", "src_at_the_boundary",
-            "n_whole_chunks", "n_within_block", "n_within_entry", "token_left_to_compute",
-            "prefix_matches", "dst_not_src", "dst_reusable")} if prefix else set()
-        if any(run.pd for run in runs):
-            want |= {("admit_import", "prompt_in_one_block"), ("export", "prompt_in_one_block")}
-        # a decoding lane filled its whole table (decode refused until it finishes); with the
-        # prefix cache, a table of several blocks became cache entries, a hit reached a full
-        # first block, a hit went on past it (the lane's next block copied from the entry at
-        # that position), and a miss was not blocked by a later block sharing its first chunk
-        paged = {"decode refused at a full table"}
-        paged |= {"table of several blocks cached", "hit on a full first block",
-                  "hit past the first block", "miss beside a later block's entry"
-                  } if prefix else set()
-        assert paged <= events, paged - events
+    # paged tables (every tier: T in 1..3): grow refused by each of its guards, a prefill
+    # past a full tail, a hit on an entry that starts later in its sequence; PD moves one block
+    want |= {("grow", "lane_computing"), ("grow", "tail_full"), ("grow", "table_not_full"),
+             ("grow", "dst_reusable"), ("prefill", "chunk_within_block")}
+    want |= {("admit_hit", "src_first_block")} if prefix else set()
+    # with the prefix cache, a hit past the first block refused by each of its guards but
+    # table_not_full (a prefilling lane has a token left to compute, so its full tail is
+    # never the table's last block); hybrid: one past the entry's snapshots too
+    want |= {("grow_hit", g) for g in (
+        "no_copy_in_flight", "tail_full", "src_cached", "src_at_the_boundary",
+        "n_whole_chunks", "n_within_block", "n_within_entry", "token_left_to_compute",
+        "prefix_matches", "dst_not_src", "dst_reusable")} if prefix else set()
+    want |= {("grow_hit", "hybrid_snapshot_at_n")} if tier == "hybrid" else set()
+    if any(run.pd for run in runs):
+        want |= {("admit_import", "prompt_in_one_block"), ("export", "prompt_in_one_block")}
+    # a decoding lane filled its whole table (decode refused until it finishes); with the
+    # prefix cache, a table of several blocks became cache entries, a hit reached a full
+    # first block, a hit went on past it (the lane's next block copied from the entry at
+    # that position), and a miss was not blocked by a later block sharing its first chunk;
+    # hybrid: a hit past the first block restored the sliding state at its end, and the
+    # policy chose one (or none) where an entry's key went on past its snapshots (a hit on a
+    # full first block shows a full block kept its lane's snapshots: hybrid_snapshot_at_n)
+    paged = {"decode refused at a full table"}
+    paged |= {"table of several blocks cached", "hit on a full first block",
+              "hit past the first block", "miss beside a later block's entry"
+              } if prefix else set()
+    paged |= {HYBRID_LATER_HIT, SNAPSHOT_CAP} if tier == "hybrid" else set()
+    assert paged <= events, paged - events
     if any(run.preempt for run in runs):
         # preempt refused by its guards (but preemption_on); preemptions for a lane's
         # next block (in a storm: every lane at a block boundary, no block left) and for a
@@ -3065,10 +3173,11 @@ def test_core_machine_preempt(prefix: bool, scratch: str) -> None:
 @pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
 @pytest.mark.parametrize("tier", TIERS)
 def test_core_machine_tier(tier: str, scratch: str) -> None:
-    """The same checks with a tier of the prefix cache, colocated and then with PD mixed in:
-    hybrid (snapshots of the sliding state at chunk boundaries, taken at the right and wrong
-    times; hits only as deep as the entry's snapshots; misses beside entries without one) and
-    host (entries spilled into 1..2 host slots and loaded back; stores and loads that fail;
+    """The same checks with a tier of the prefix cache, colocated and then with PD mixed in,
+    T in 1..3: hybrid (snapshots of the sliding state at chunk boundaries, taken at the right
+    and wrong times; hits, at an admission or past the first block, only as deep as the
+    entry's snapshots; misses beside entries without one) and host (entries spilled into 1..2
+    host slots and loaded back, into a first block or a later one; stores and loads that fail;
     evictions, spills and hits refused while a slot is busy, spills while a copy reads the
     entry). The tier's coverage is over both runs."""
     config = configs(committed, True, scratch, tier=tier)
@@ -3135,10 +3244,11 @@ class Mutant(NamedTuple):
     it (an invariant's name, or `lifecycle:<guard>`: the core did not refuse a step the
     lifecycle model predicts that guard refuses, `lifecycle:accepted`: it refused one the
     model predicts it accepts, `progress:<property>`, `refinement:<action>`: the policy's
-    choice was refused; several when either may come first), the rules the search needs
+    choice was refused, `model:<action>`: after that step the core's state differs from the
+    lifecycle model's; several when either may come first), the rules the search needs
     (None: every rule), whether the machine takes PD actions, the tier ("plain",
-    "hybrid", "host"), the range of T (blocks per lane table; plain and host tiers) and PREEMPT
-    (`configs`' preempt: None is PREEMPT off with K as low as with it)."""
+    "hybrid", "host"), the range of T (blocks per lane table) and PREEMPT (`configs`' preempt:
+    None is PREEMPT off with K as low as with it)."""
 
     build: Callable[[], Any]
     features: tuple[bool, str]
@@ -3363,6 +3473,26 @@ MUTANTS: dict[str, Mutant] = {
     "grow_hit-copying": Mutant(
         lambda: MODEL.without_update("grow_hit", "copying"),
         (True, "reserved"), "lane_holds_its_tokens", GROW_HIT_RULES, tables=(2, 3)),
+    # Hybrid: a hit past the first block deeper than the entry's snapshots: copy_done restores
+    # the sliding state from no snapshot at the lane's length (the lane takes the entry's
+    # snapshots only as far as they go); or, where a later guard refuses the call, the
+    # lifecycle model notices; or the spec now accepts a hit the policy does not look for
+    # (`Policy.next_hit` stops at the snapshots: no longer the longest).
+    "grow_hit-hybrid_snapshot_at_n": Mutant(
+        lambda: MODEL.without_guard("grow_hit", "hybrid_snapshot_at_n"),
+        (True, "dynamic"),
+        ("hybrid_hit_has_snapshot", "lifecycle:hybrid_snapshot_at_n", "refinement:grow_hit"),
+        GROW_HIT_RULES | HYBRID_FLOW, tier="hybrid", tables=(2, 3)),
+    # Hybrid: a full block keeps none of the lane's snapshots when it fills (`extend` as before
+    # paged hybrid tables: snap_upto 0). Safe (a block without snapshots serves no hybrid hit,
+    # and every invariant holds), but once cached a full block serves none: no admission hit
+    # on a full first block, no hit past the first block from a middle block, and a lane
+    # prefills again what the cache holds. The lifecycle model hands the snapshots over as the
+    # spec says, so the core's full block differs from it as soon as the lane grows.
+    "extend-keeps-no-snapshots": Mutant(
+        lambda: _extend_keeps_no_snapshots(),
+        (True, "reserved"), ("model:grow", "model:grow_hit"), GROW_HIT_RULES | HYBRID_FLOW,
+        tier="hybrid", tables=(2, 3)),
     # Host hits past the first block (`grow_host_hit`). From a host entry at another position
     # (a first block's, or another later block's): its tokens land at the wrong positions; or,
     # where a later guard refuses the call, the lifecycle model notices; or the spec now
@@ -3541,6 +3671,19 @@ def _load_fail_from_start() -> Any:
     return m
 
 
+def _extend_keeps_no_snapshots() -> Any:
+    """`extend` (the updates grow, grow_hit and grow_host_hit share) gives the full block no
+    snapshots (snap_upto 0, snap_junk False) instead of the lane's: those updates are replaced
+    on a copy of the model (see _cancel_frees)."""
+    m = MODEL.copy()
+    none = {"snap_upto": lang.Lit(0, lang.INT), "snap_junk": lang.Lit(False, lang.BOOL)}
+    for name in ("grow", "grow_hit", "grow_host_hit"):
+        a = m.get_action(name)
+        a.updates = [lang.Update(u.fn, u.args, none[u.fn.name], u.whole)
+                     if u.fn.name in none else u for u in a.updates]
+    return m
+
+
 def _preempt_caches() -> Any:
     """`preempt` makes its lane's blocks cache entries instead of freeing them: its owner update
     over every block b is replaced on a copy of the model (see _cancel_frees)."""
@@ -3561,6 +3704,8 @@ def caught_by(exc: AssertionError) -> list[str]:
         return [f"progress:{x}" for x in exc.names]
     if isinstance(exc, RefinementViolation):
         return [f"refinement:{exc.action}"]
+    if isinstance(exc, ModelDivergence):
+        return [f"model:{exc.action}"]
     assert isinstance(exc, InvariantViolation)
     assert exc.kind != "checker crash", str(exc)  # checkers report, never raise
     return exc.names
@@ -3579,7 +3724,7 @@ def test_machine_catches_mutant(name: str) -> None:
     machine = make_machine(mutant, config, mirror=False, focus=m.focus, pd=m.pd,
                            preempt=m.preempt is not False)
     with pytest.raises((InvariantViolation, LifecycleDivergence, ProgressViolation,
-                        RefinementViolation)) as info:
+                        RefinementViolation, ModelDivergence)) as info:
         run_state_machine_as_test(machine, settings=_search_settings())
     expected = {m.expected} if isinstance(m.expected, str) else set(m.expected)
     assert expected & set(caught_by(info.value)), (caught_by(info.value), str(info.value))
