@@ -13,9 +13,14 @@ Prefill/decode disaggregation (PD): a request submitted with `remote=True` is ad
 lane whose block waits for KV computed by a prefill worker (`import_kv` delivers it,
 `transfer_ended` reports a transfer that ended without it); one submitted with `export=True` is
 prefilled and then handed out (`take_export`, `export_done`) instead of decoded. While a
-transfer is in flight the other lanes keep decoding. Which block a transfer uses, and when it may
-be freed, is the core's business: an abort during a transfer leaves the block draining until
-the transfer's end is reported.
+transfer is in flight the other lanes keep decoding. Which blocks a transfer uses, and when they
+may be freed, is the core's business: an importing lane's table grows (`import_grow`) until it
+covers the prompt, and only then is the transfer asked for (the "import" event); an abort
+during a transfer leaves its blocks draining until the transfer's end is reported.
+
+Transfers move positions, not blocks: `take_export` hands out the request's blocks as one host
+tensor `[layers, 2, kv_heads, blocks * block_size, head_dim]`, and `import_kv` takes one with
+at least the prompt's positions, written block by block (zeros past the prompt).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ class Result:
 @attrs.frozen(eq=False)
 class Export:
     """What `take_export` hands out: the request's prompt, its first generated token, a host
-    buffer holding its block (`runtime.new_host_buffer()`), and for a hybrid model its lane's
+    tensor holding its blocks in token order (`runtime.new_host_buffer()` for one block, the
+    blocks' buffers joined along positions for several), and for a hybrid model its lane's
     local slot (`runtime.new_local_host_buffer()`: the sliding-window ring), else None."""
 
     prompt: list[int]
@@ -200,11 +206,6 @@ class AtomBatcher:
             raise ValueError("PD requests (remote or export) are not served with preemption=True "
                              "yet: a preempted imported request would have to be prefilled "
                              "here; use a Config with preemption=False for PD workers")
-        if (remote or export) and len(prompt) >= self.config.block_size:
-            raise ValueError(
-                f"a PD request's prompt must fit one KV block: {len(prompt)} tokens, "
-                f"block_size={self.config.block_size} (a PD transfer moves one block today); "
-                "serve it colocated (remote=False, export=False)")
         rid = self._next_id
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
@@ -241,8 +242,11 @@ class AtomBatcher:
 
     def import_kv(self, request_id: int, prompt_ids: Iterable[int], first_token: int,
                   host_kv: Any, local_kv: Any = None) -> list[Event]:
-        """The transfer for `request_id` delivered KV for `prompt_ids` (in a runtime host buffer)
-        and the first generated token. Accepted only if it covers the request's whole prompt;
+        """The transfer for `request_id` delivered KV for `prompt_ids` and the first generated
+        token. `host_kv` is `[layers, 2, kv_heads, n, head_dim]` in the runtime's host layout
+        with n >= the prompt's length (`runtime.new_host_buffer()` when it fits one block);
+        positions from the prompt's length on are not read. Accepted only if it covers the
+        request's whole prompt and the request's table is in place (after its "import" event);
         otherwise the request fails. Events for requests without a transfer change nothing.
 
         Hybrid models: `local_kv` is the prompt's sliding-window ring (a local host buffer,
@@ -286,16 +290,22 @@ class AtomBatcher:
                                   "sliding-window layers: the prefill side runs another model",
                                   events)
             return events
-        block = self._transfers[request_id]
+        shape = list(getattr(host_kv, "shape", ()))
+        if len(shape) != 5 or shape[3] < len(ids):
+            self._transfer_failed(request_id, "import rejected (host_kv): it must be [layers, 2, "
+                                  f"kv_heads, >= {len(ids)} positions, head_dim] for this "
+                                  f"prompt, got shape {shape}; write the payload into "
+                                  "new_import_buffer()", events)
+            return events
+        lane = self.state.req_lane.get(request_id)
         try:
-            self.runtime.update_kv_cache(host_kv, block)
+            self._write_blocks(host_kv, len(ids), self._tables[lane])
         except Exception as exc:  # noqa: BLE001 - this request's import failed, nothing else
             self._transfer_failed(request_id, f"update_kv_cache failed: {exc!r}", events)
             return events
         if self._hybrid:
             # the whole slot: the ring is indexed by position, so the prefill lane's ring is
             # valid as-is here (and overwrites what this lane's padding rows wrote meanwhile)
-            lane = self.state.req_lane.get(request_id)
             try:
                 self.runtime.update_local_cache(local_kv, lane)
             except Exception as exc:  # noqa: BLE001 - this request's import failed
@@ -324,9 +334,7 @@ class AtomBatcher:
         until `export_done`). Call `export_done` once the KV is handed to the transport."""
         if request_id not in self._exports:
             raise KeyError(f"request {request_id} has no export pending")
-        block = self._transfers[request_id]
-        host = self.runtime.new_host_buffer()
-        self.runtime.fetch_kv_cache(host, block)
+        host = self._read_blocks(self._tables[self.state.req_lane.get(request_id)])
         local = None
         if self._hybrid:
             local = self.runtime.new_local_host_buffer()
@@ -352,8 +360,39 @@ class AtomBatcher:
         return events
 
     def transfers(self) -> dict[int, int]:
-        """Unfinished transfers: request -> block (including blocks draining after an abort)."""
+        """Unfinished transfers: request -> its first block (including requests whose blocks
+        drain after an abort)."""
         return dict(self._transfers)
+
+    def new_import_buffer(self) -> torch.Tensor:
+        """A host tensor for `import_kv` as long as a lane's table (max_seq_len positions) in
+        the runtime's host layout: `pd.write_into(payload, buffer)` fits any prompt."""
+        one = self.runtime.new_host_buffer()
+        if self.config.blocks_per_table == 1:
+            return one
+        return one.new_zeros((*one.shape[:3], self.config.max_seq_len, one.shape[4]))
+
+    def _write_blocks(self, host_kv: Any, n: int, table: list[int]) -> None:
+        """Positions [0, n) of `host_kv` into `table`'s blocks, zeros past n: a block then holds
+        nothing of an earlier request, and its content is a function of the payload alone."""
+        size = self.config.block_size
+        if len(table) == 1 and host_kv.shape[3] == size:  # one whole block: as given
+            self.runtime.update_kv_cache(host_kv, table[0])
+            return
+        buf = self.runtime.new_host_buffer()
+        for i, block in enumerate(table):
+            part = host_kv[:, :, :, i * size:min((i + 1) * size, n)]
+            buf.zero_()
+            buf[:, :, :, :part.shape[3]].copy_(part)
+            self.runtime.update_kv_cache(buf, block)
+
+    def _read_blocks(self, table: list[int]) -> Any:
+        bufs = []
+        for block in table:
+            buf = self.runtime.new_host_buffer()
+            self.runtime.fetch_kv_cache(buf, block)
+            bufs.append(buf)
+        return bufs[0] if len(bufs) == 1 else torch.cat(bufs, dim=3)
 
     def _transfer_failed(self, rid: int, error: str, events: list[Event]) -> None:
         self._transfers.pop(rid, None)
@@ -562,7 +601,7 @@ class AtomBatcher:
             for eff in step.effects:
                 if isinstance(eff, core.Inbound):
                     self._transfers[eff.request] = eff.block
-                    events.append(Event("import", eff.request))
+                    self._import_ready(eff.lane, events)
                 elif isinstance(eff, core.Copy):
                     self._copy(eff, events)
                 elif isinstance(eff, core.Load):
@@ -587,6 +626,12 @@ class AtomBatcher:
         self._apply("copy_done", l=eff.lane)
         self.stats.prefix_hit_tokens += eff.n
 
+    def _import_ready(self, lane: int, events: list[Event]) -> None:
+        """Ask for lane's KV ("import") once its table covers the prompt: the core refuses to
+        grow it further exactly then."""
+        if core.import_grow_guard(self.state, lane, 0) == "table_short_of_prompt":
+            events.append(Event("import", self.state.lane_req[lane]))
+
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:
         """Every lane whose tail block is full gets its next block before the next runtime call
@@ -595,6 +640,14 @@ class AtomBatcher:
         loads it from the host tier (`grow_host_hit`) when the host entry is longer."""
         while lanes := self.policy.growth(self.state):
             lane = lanes[0]
+            if self.state.phase.get(self.state.lane_req[lane]) == core.PHASE_IMPORTING:
+                dst = self._block()
+                if dst is None:
+                    return  # (no preemption with PD: a block frees when a transfer ends)
+                self._apply("import_grow", l=lane, dst=dst)
+                self.stats.table_grows += 1
+                self._import_ready(lane, events)
+                continue
             hit = self.policy.next_hit(self.state, lane)
             dst = self._block(exclude=None if hit is None else hit[0])
             if dst is None and hit is not None:  # the hit's source is the only block left

@@ -7,9 +7,13 @@ prompt's positions in the runtime's host layout `[layers, 2 (K, V), kv_heads, n,
 dtype, the fingerprint of the model that computed it, a SHA-256 checksum and, when the workers
 share a key, an HMAC-SHA256. The flow is
 
-    prefill worker: runtime.fetch_kv_cache(buf, block); make_payload(...); to_wire(...)
+    prefill worker: AtomBatcher.take_export(...) (fetch_kv_cache of each of the request's
+                    blocks); make_payload(...); to_wire(...)
     decode worker:  from_wire(...); validate(...); write_into(payload, buf);
-                    runtime.update_kv_cache(buf, block)
+                    AtomBatcher.import_kv(...) (update_kv_cache into each of its blocks)
+
+With paged block tables (max_seq_len = T * block_size, T > 1) a prompt spans several blocks:
+the payload is still the prompt's positions, so it does not depend on either side's blocks.
 
 A hybrid (Gemma3-style) model keeps the KV of its sliding-window layers not in the blocks but in
 a per-lane local ring `[sliding_layers, 2, kv_heads, W, head_dim]` (position p at index p % W),
@@ -250,9 +254,10 @@ def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
                  host_block: torch.Tensor, fingerprint: str,
                  key: bytes | None = None, *,
                  local_host: torch.Tensor | None = None) -> KVPayload:
-    """The payload of a finished prefill: `host_block` is a whole host buffer
-    `[layers, 2, kv_heads, block_size, head_dim]` fetched from the request's block; positions
-    [0, len(prompt)) are kept (a contiguous copy, so the buffer can be reused at once).
+    """The payload of a finished prefill: `host_block` is `[layers, 2, kv_heads, positions,
+    head_dim]` fetched from the request's blocks (`AtomBatcher.take_export`: one host buffer,
+    or several joined along positions); positions [0, len(prompt)) are kept (a contiguous copy,
+    so the buffer can be reused at once).
 
     Hybrid models: `local_host` is the lane's local slot `[sliding_layers, 2, kv_heads, W,
     head_dim]` (`runtime.fetch_local_cache`), shipped as `local_kv`: a copy in which only the
@@ -264,13 +269,14 @@ def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
     alone, like `kv`."""
     tokens = _tokens(prompt)
     if host_block.dim() != 5 or host_block.shape[1] != 2:
-        raise PayloadError("shape", f"host_block must be [layers, 2, kv_heads, block_size, "
-                                    f"head_dim] (runtime.new_host_buffer()), got shape "
+        raise PayloadError("shape", f"host_block must be [layers, 2, kv_heads, positions, "
+                                    f"head_dim] (AtomBatcher.take_export), got shape "
                                     f"{list(host_block.shape)}")
     n, block = len(tokens), int(host_block.shape[3])
     if not 1 <= n <= block:
-        raise PayloadError("length", f"a prompt of {n} tokens cannot be shipped from a block of "
-                                     f"{block} positions: it must have 1..{block} tokens")
+        raise PayloadError("length", f"a prompt of {n} tokens cannot be shipped from a host "
+                                     f"buffer of {block} positions: it must have 1..{block} "
+                                     "tokens")
     kv = host_block.detach()[:, :, :, :n].cpu().clone(memory_format=torch.contiguous_format)
     local = None if local_host is None else _shipped_ring(local_host, n, kv.dtype)
     unsigned = KVPayload(request_id=request_id, prompt=tokens, first_token=first_token, kv=kv,
@@ -445,8 +451,9 @@ def write_into(payload: KVPayload, host_buffer: torch.Tensor) -> torch.Tensor:
                                     "workers with the same cache dtype")
     n, block = int(kv.shape[3]), int(host_buffer.shape[3])
     if n > block:
-        raise PayloadError("length", f"KV of {n} positions does not fit a block of {block}: "
-                                     "the decode worker's blocks are too small for this prompt")
+        raise PayloadError("length", f"KV of {n} positions does not fit a host buffer of "
+                                     f"{block}: give one as long as the decode worker's "
+                                     "tables (max_seq_len positions)")
     # Zeros past n, not whatever the buffer held: the block then carries nothing of an earlier
     # request (another user's KV), and its content is a function of the payload alone.
     host_buffer.zero_()

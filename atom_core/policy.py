@@ -218,10 +218,12 @@ class Policy:
 
     def growth(self, s: g.State) -> list[int]:
         """Lanes whose tail block is full and that have more to compute: each needs its next
-        block (`grow`) before the next prefill or decode call. The core's guard decides; only
-        the block it would get is left open."""
+        block (`grow`) before the next prefill or decode call; and importing lanes whose table
+        does not cover the prompt yet (`import_grow`). The core's guards decide; only the block
+        each would get is left open."""
         lanes = [ln for ln in range(s.consts.B)
-                 if g.grow_guard(s, ln, 0) in (None, "dst_reusable")]
+                 if g.grow_guard(s, ln, 0) in (None, "dst_reusable")
+                 or g.import_grow_guard(s, ln, 0) in (None, "dst_reusable")]
         return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
 
     def victim(self, s: g.State) -> int | None:

@@ -205,9 +205,7 @@ def _host_choices(prefix_key: str, pd_only: bool) -> Choices:
 
 
 def _table_choices(c: dict[str, Any]) -> tuple[Any, ...]:
-    """T up to a block of one prefill chunk, where the workload fits (PD moves one block)."""
-    if c.get("mode") == "pd":
-        return (1,)
+    """T up to a block of one prefill chunk, where the workload fits."""
     most = (c.get("max_seq_len") or 128) // PREFILL_CHUNK
     return tuple(t for t in (1, 2, 4) if t <= most)
 

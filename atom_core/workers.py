@@ -236,8 +236,9 @@ class DecodeWorker:
         self.key, self.fallback_local = key, fallback_local
         self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
         self.fingerprint = pd.model_fingerprint(runtime)
-        # One host buffer for every import: import_kv copies it into the block before returning.
-        self._host = runtime.new_host_buffer()
+        # One host tensor for every import, a whole table long: import_kv writes it into the
+        # lane's blocks before returning.
+        self._host = self.batcher.new_import_buffer()
         self._layout = pd.layout_of(self._host)
         self._dtype = pd.dtype_name(self._host.dtype)
         # hybrid: every payload must carry the sliding-window ring of exactly this local slot

@@ -161,7 +161,8 @@ transfer_req = m.fn("transfer_req", [Block], Req,
 # request (late, duplicate) releasing a block whose own transfer still runs breaks an invariant.
 xfer_live = m.fn("xfer_live", [Req], BOOL, init=False, ghost=True,
                  doc="the request's transfer is still running")
-xfer_block = m.fn("xfer_block", [Req], Block, ghost=True, doc="the block that transfer uses")
+xfer_block = m.fn("xfer_block", [Req], Block, ghost=True,
+                  doc="a block that transfer uses (its first): while it runs, one stays pinned")
 
 # ---------------------------------------------------------------- state: host cache
 slot_state = m.fn("slot_state", [Slot], SlotState, init=SlotState.EMPTY)
@@ -210,8 +211,13 @@ def exporting(l):
 
 
 def moving(l):
-    """Lane l's block is in a PD transfer."""
+    """Lane l's blocks are in a PD transfer."""
     return importing(l) | exporting(l)
+
+
+def table_covers_prompt(l):
+    """Lane l's table has a block for every prompt position: an import can be written."""
+    return start(tail(l)) + S >= lane_plen(l)
 
 
 def hit_ok(r, b):
@@ -738,11 +744,14 @@ def load_fail(l: Lane):
 # ---------------------------------------------------------------- PD: decode side
 @m.action
 def admit_import(l: Lane, r: Req, dst: Block):
-    """Admit r into idle lane l to receive its prompt's KV from a prefill worker into dst. Never
-    through the cache: the transfer writes the whole prompt into a fresh block."""
+    """Admit r into idle lane l to receive its prompt's KV from a prefill worker, dst being its
+    first block (`import_grow` adds the others). Never through the cache: the transfer writes
+    the whole prompt into fresh blocks."""
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
-    require("prompt_in_one_block", slen(prompt(r)) < S)
+    # An importing lane cannot be preempted (its KV comes from elsewhere), and one holding part
+    # of its table while others hold the rest would wait forever: PD runs without preemption.
+    require("no_preemption", ~PREEMPT)
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, 0, Phase.IMPORTING)
     assign(transfer(dst), True)
@@ -755,17 +764,49 @@ def admit_import(l: Lane, r: Req, dst: Block):
 
 
 @m.action
+def import_grow(l: Lane, dst: Block):
+    """Importing lane l's table does not reach its prompt's end yet: dst becomes its next block,
+    pinned for the same transfer. The transfer writes only once the table covers the prompt
+    (the adapter starts it then), so every block is in place before any KV lands."""
+    require("lane_importing", importing(l))
+    require("table_short_of_prompt", start(tail(l)) + S < lane_plen(l))
+    require("table_not_full", nblocks(l) < T)
+    require("dst_reusable", reusable(dst))
+    assign(tail(l), dst)
+    assign(nblocks(l), nblocks(l) + 1)
+    assign(start(dst), start(tail(l)) + S)
+    assign(owner(dst), Owner.LANE)
+    assign(owner_lane(dst), l)
+    assign(transfer(dst), True)
+    assign(transfer_req(dst), lane_req(l))
+    assign(junk(dst), False)  # as in admit_import: only the transfer writes it from now on
+    emit("grow", lane=l, block=dst, pos=nblocks(l))
+
+
+@m.action
 def import_done(r: Req, p: Seq, tok: INT):
     """r's transfer ended with KV for tokens p and first token tok. Accepted only while r is
-    importing (a late or duplicate event changes nothing) and when p is r's whole prompt (a
-    partial or mismatched result fails r through `transfer_fail`)."""
+    importing (a late or duplicate event changes nothing), when its table covers the prompt,
+    and when p is r's whole prompt (a partial or mismatched result fails r through
+    `transfer_fail`). Every block of the lane now holds its part; the full ones get their keys
+    as `extend` gives them (no snapshots: an imported lane took none)."""
     require("request_importing", phase(r) == Phase.IMPORTING)
     l = req_lane(r)
+    require("table_covers_prompt", table_covers_prompt(l))
     require("covers_prompt", p == prompt_kv(l, tok))
     b = tail(l)
-    assign(transfer(b), False)
+
+    def full(c):
+        return lane_block(c, l) & (c != b)
+
+    assign_all(transfer, lambda c: ite(lane_block(c, l), False, transfer(c)))
     assign(xfer_live(r), False)
-    assign(holds(b), p)  # what the transfer wrote
+    # what the transfer wrote: each block the prompt up to its end, the tail the whole prompt
+    assign_all(holds, lambda c: ite(full(c), take(p, start(c) + S), ite(c == b, p, holds(c))))
+    assign_all(key, lambda c: ite(full(c), take(p, start(c) + S), key(c)))
+    assign_all(head, lambda c: ite(full(c), take(take(p, start(c) + S), C), head(c)))
+    assign_all(snap_upto, lambda c: ite(full(c), 0, snap_upto(c)))
+    assign_all(snap_junk, lambda c: ite(full(c), False, snap_junk(c)))
     assign(local_holds(l), p)  # a hybrid payload carries the prompt's sliding state too
     assign(length(l), lane_plen(l))
     assign(lane_seq(l), push(lane_seq(l), tok))
@@ -776,13 +817,12 @@ def import_done(r: Req, p: Seq, tok: INT):
 # ---------------------------------------------------------------- PD: prefill side
 @m.action
 def export(l: Lane):
-    """Lane l has prefilled its prompt (and sampled the first token): its KV is sent to a decode
-    worker, pinned until the send ends."""
+    """Lane l has prefilled its prompt (and sampled the first token): its KV (every block of its
+    table) is sent to a decode worker, pinned until the send ends."""
     require("lane_prefilled", decoding(l) & (length(l) == lane_plen(l)))
-    require("prompt_in_one_block", nblocks(l) == 1)
     assign(phase(lane_req(l)), Phase.EXPORTING)
-    assign(transfer(tail(l)), True)
-    assign(transfer_req(tail(l)), lane_req(l))
+    assign_all(transfer, lambda b: ite(lane_block(b, l), True, transfer(b)))
+    assign_all(transfer_req, lambda b: ite(lane_block(b, l), lane_req(l), transfer_req(b)))
     assign(xfer_live(lane_req(l)), True)
     assign(xfer_block(lane_req(l)), tail(l))
     emit("outbound", lane=l, request=lane_req(l), block=tail(l), n=length(l))
@@ -790,12 +830,12 @@ def export(l: Lane):
 
 @m.action
 def export_done(r: Req, keep: BOOL):
-    """r's KV was sent; its block is released (to the cache when keep)."""
+    """r's KV was sent; its blocks are released (to the cache when keep)."""
     require("request_exporting", phase(r) == Phase.EXPORTING)
     require("keep_needs_prefix_cache", implies(keep, PREFIX))
     l = req_lane(r)
     assign(phase(r), Phase.FINISHED)
-    assign(transfer(tail(l)), False)
+    assign_all(transfer, lambda b: ite(lane_block(b, l), False, transfer(b)))
     assign(xfer_live(r), False)
     retire(l, keep)
     emit("release", lane=l, block=tail(l))
@@ -805,13 +845,13 @@ def export_done(r: Req, keep: BOOL):
 @m.action
 def transfer_fail(r: Req):
     """r's transfer ended without a usable result (an error; a partial, mismatched or
-    unauthenticated payload): r fails and its block is freed, now that nothing uses it."""
+    unauthenticated payload): r fails and its blocks are freed, now that nothing uses them."""
     require("request_transferring", one_of(phase(r), Phase.IMPORTING, Phase.EXPORTING))
     l = req_lane(r)
     assign(phase(r), Phase.FAILED)
-    assign(transfer(tail(l)), False)
+    assign_all(transfer, lambda b: ite(lane_block(b, l), False, transfer(b)))
     assign(xfer_live(r), False)
-    assign(junk(tail(l)), True)
+    assign_all(junk, lambda b: junk(b) | lane_block(b, l))
     release(l, False)
     emit("release", lane=l, block=tail(l))
 
@@ -819,13 +859,18 @@ def transfer_fail(r: Req):
 @m.action
 def transfer_end(r: Req, b: Block):
     """r's transfer, which uses b, ended after r had ended (abort, failure): the deferred
-    release. Whatever it wrote is not trusted."""
+    release of b and of every other block draining for r (one transfer, one end). Whatever it
+    wrote is not trusted."""
     require("block_draining", owner(b) == Owner.DRAINING)
     require("transfer_of_request", transfer_req(b) == r)
-    assign(owner(b), Owner.FREE)
-    assign(transfer(b), False)
+
+    def drained(c):
+        return (c == b) | ((owner(c) == Owner.DRAINING) & (transfer_req(c) == r))
+
+    assign_all(owner, lambda c: ite(drained(c), Owner.FREE, owner(c)))
+    assign_all(transfer, lambda c: ite(drained(c), False, transfer(c)))
     assign(xfer_live(r), False)
-    assign(junk(b), True)
+    assign_all(junk, lambda c: junk(c) | drained(c))
 
 
 # ---------------------------------------------------------------- invariants
@@ -865,7 +910,7 @@ inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
 # A full block is never written again; it holds its key (the lane's prefix up to its end, taken
 # when it filled), ready to be a cache entry.
 inv("full_block_holds_its_key", forall(Block, lambda b: implies(
-    (owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b),
+    (owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b) & ~importing(owner_lane(b)),
     ~junk(b) & (holds(b) == key(b)) & (head(b) == take(key(b), C)) & ~snap_junk(b)
     & (snap_upto(b) >= 0))))
 inv("cache_key_is_content", forall(Block, lambda b: implies(
@@ -964,19 +1009,24 @@ inv("transfer_names_lane_request", forall(Block, lambda b: implies(
 inv("running_transfer_pins_its_block", forall(Req, lambda r: implies(
     xfer_live(r), transfer(xfer_block(r)) & (transfer_req(xfer_block(r)) == r))))
 inv("pinned_block_transfer_running", forall(Block, lambda b: implies(
-    transfer(b), xfer_live(transfer_req(b)) & (xfer_block(transfer_req(b)) == b))))
-inv("moving_lane_has_transfer", forall(Lane, lambda l: implies(
-    moving(l), transfer(tail(l)) & (nblocks(l) == 1))))
+    transfer(b), xfer_live(transfer_req(b)))))
+inv("moving_lane_has_transfer", forall((Lane, Block), lambda l, b: implies(
+    moving(l) & lane_block(b, l), transfer(b))))
+# An importing lane's blocks wait for the transfer alone: nothing else writes them, its table
+# never passes the prompt's end (its last block starts before it), and it is never preempted.
 inv("import_target_untouched", forall(Lane, lambda l: implies(
-    importing(l), ~junk(tail(l)) & ~local_junk(l) & (length(l) == 0) & ~copying(l)
-    & (start(tail(l)) == 0) & (lane_plen(l) < S))))
+    importing(l), ~local_junk(l) & (length(l) == 0) & ~copying(l)
+    & (start(tail(l)) < lane_plen(l)) & ~PREEMPT)))
+inv("import_blocks_untouched", forall((Lane, Block), lambda l, b: implies(
+    importing(l) & lane_block(b, l), ~junk(b))))
 inv("export_after_prefill", forall(Lane, lambda l: implies(
     exporting(l), (length(l) == lane_plen(l)) & ~copying(l))))
 
 # Lengths: nothing is written past the tail's end; prefill resumes on chunk boundaries.
+# (An importing lane's length stays 0 while its table grows toward the prompt's end.)
 inv("length_within_block", forall(Lane, lambda l: implies(
-    busy(l), (start(tail(l)) >= 0) & (length(l) >= start(tail(l)))
-    & (length(l) <= start(tail(l)) + S))))
+    busy(l), (start(tail(l)) >= 0) & (length(l) <= start(tail(l)) + S)
+    & implies(~importing(l), length(l) >= start(tail(l))))))
 inv("prefill_before_prompt_end", forall(Lane, lambda l: implies(
     prefilling(l), length(l) < lane_plen(l))))
 inv("decode_after_prompt", forall(Lane, lambda l: implies(
@@ -1034,7 +1084,9 @@ m.progress_property("running_request_advances", implies(
     | exists(Lane, lambda l: enabled(grow, l=l))
     | exists(Lane, lambda l: decoding(l) & (length(l) == start(tail(l)) + S)
              & (nblocks(l) == T))
-    | exists(Lane, lambda l: moving(l) & enabled(transfer_fail, r=lane_req(l)))
+    | exists(Lane, lambda l: enabled(import_grow, l=l))
+    | exists(Lane, lambda l: (exporting(l) | (importing(l) & table_covers_prompt(l)))
+             & enabled(transfer_fail, r=lane_req(l)))
     | exists(Block, lambda b: enabled(transfer_end, r=transfer_req(b), b=b))
     | exists(Lane, lambda l: enabled(preempt, l=l))),
     doc="some running request can always compute its next token, or must finish, or a PD "
@@ -1048,11 +1100,14 @@ m.progress_property("lone_lane_is_never_preempted", forall(Lane, lambda l: impli
     ~enabled(preempt, l=l))),
     doc="a lane running alone never has to be preempted: it can finish at max_seq_len")
 m.progress_property("idle_lane_imports", forall((Lane, Req), lambda l, r: implies(
-    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & (slen(prompt(r)) < S)
-    & admission_room(),
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & ~PREEMPT,
     enabled(admit_import, l=l, r=r))),
-    doc="an idle lane can always take a request whose KV comes from a prefill worker (a prompt "
-        "that fits one block: PD moves one block per request today)")
+    doc="an idle lane can always take a request whose KV comes from a prefill worker (PD runs "
+        "without preemption)")
+m.progress_property("import_table_grows", forall(Lane, lambda l: implies(
+    quiescent() & importing(l) & ~table_covers_prompt(l), enabled(import_grow, l=l))),
+    doc="an importing lane always gets its next block until its table covers the prompt (so "
+        "its transfer can start)")
 m.progress_property("transfers_end", forall(Block, lambda b: implies(
     transfer(b), enabled(transfer_end, r=transfer_req(b), b=b)
     | enabled(transfer_fail, r=transfer_req(b)))),
@@ -1064,8 +1119,8 @@ m.progress_property("stores_end", forall(Slot, lambda h: implies(
 
 MODEL = m
 # The actions only prefill/decode disaggregation uses; colocated serving never takes them.
-PD_ACTIONS = ("admit_import", "import_done", "export", "export_done", "transfer_fail",
-              "transfer_end")
+PD_ACTIONS = ("admit_import", "import_grow", "import_done", "export", "export_done",
+              "transfer_fail", "transfer_end")
 # The actions only the host cache tier uses.
 HOST_ACTIONS = ("spill", "store_done", "store_fail", "host_evict", "admit_host_hit",
                 "grow_host_hit", "load_done", "load_fail")

@@ -82,21 +82,6 @@ def test_host_round_trips_are_token_exact(lanes: int, scratch: str) -> None:
     assert_at_rest(b)
 
 
-def test_host_tier_saves_prefill_tokens() -> None:
-    work = workload(3, groups=6, n=30)
-    total = sum(len(p) for p, _ in work)
-    without = batcher(config(2, host=0), ghost=False)
-    run_checked(without, work)
-    with_host = batcher(config(2, host=6), ghost=False)
-    rids = run_checked(with_host, work)
-    assert mismatches(with_host, rids) == []
-    for b in (without, with_host):
-        st = b.stats
-        assert st.prefill_tokens + st.prefix_hit_tokens + st.host_hit_tokens == total
-    assert without.stats.host_hit_tokens == 0
-    assert with_host.stats.prefill_tokens < without.stats.prefill_tokens
-
-
 def test_a_full_host_tier_evicts_its_least_recently_used_entry() -> None:
     b = batcher(config(1, host=1))
     rids = run_checked(b, workload(4))
@@ -231,21 +216,26 @@ def test_paged_host_round_trips_are_token_exact(lanes: int, scratch: str) -> Non
     assert_at_rest(b)
 
 
-def test_paged_host_tier_saves_prefill_tokens() -> None:
-    """A working set (4 shared prompts of 2-3 blocks) larger than the device cache: the host
-    tier turns recomputed blocks into loads, and every prompt token is computed, copied or
-    loaded exactly once."""
-    work = paged_workload(3, groups=4, n=24)
+@pytest.mark.parametrize("paged", [False, True], ids=["one-block", "paged"])
+def test_host_tier_saves_prefill_tokens(paged: bool) -> None:
+    """A working set larger than the device cache (one block per sequence: 6 shared prompts of
+    one to two chunks; paged: 4 of 2-3 blocks, tables of 4): the host tier turns recomputed
+    prefixes into loads, and every prompt token is computed, copied or loaded exactly once."""
+    if paged:
+        work, make = paged_workload(3, groups=4, n=24), paged_config
+        without, with_host = make(2, host=0), make(2, host=12)
+    else:
+        work, make = workload(3, groups=6, n=30), config
+        without, with_host = make(2, host=0), make(2, host=6)
     total = sum(len(p) for p, _ in work)
-    without = batcher(paged_config(2, host=0), ghost=False)
-    run_checked(without, work)
-    with_host = batcher(paged_config(2, host=12), ghost=False)
-    rids = run_checked(with_host, work)
-    assert mismatches(with_host, rids) == []
-    for b in (without, with_host):
+    runs = [batcher(cfg, ghost=False) for cfg in (without, with_host)]
+    rids = [run_checked(b, work) for b in runs]
+    assert mismatches(runs[1], rids[1]) == []
+    for b in runs:
         st = b.stats
         assert st.prefill_tokens + st.prefix_hit_tokens + st.host_hit_tokens == total
-    assert with_host.stats.prefill_tokens < without.stats.prefill_tokens
+    assert runs[0].stats.host_hit_tokens == 0 and runs[1].stats.host_hit_tokens > 0
+    assert runs[1].stats.prefill_tokens < runs[0].stats.prefill_tokens
 
 
 def test_failed_load_into_a_later_block_recomputes_only_that_block() -> None:

@@ -155,7 +155,8 @@ class State:
     transfer_req: tuple[int | None, ...]
     # xfer_live(Req) -> Bool [ghost]: the request's transfer is still running
     xfer_live: PMap | None
-    # xfer_block(Req) -> Block [ghost]: the block that transfer uses
+    # xfer_block(Req) -> Block [ghost]: a block that transfer uses (its first): while it runs, one
+    # stays pinned
     xfer_block: PMap | None
     # slot_state(Slot) -> SlotState
     slot_state: tuple[int, ...]
@@ -284,7 +285,7 @@ class Prefill(NamedTuple):
 
 
 class Grow(NamedTuple):
-    """Effect `grow` (emitted by grow, grow_hit, grow_host_hit)."""
+    """Effect `grow` (emitted by grow, grow_hit, grow_host_hit, import_grow)."""
 
     lane: int
     block: int
@@ -3901,9 +3902,9 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
     # request_waiting
     if s.phase.get(r) != PHASE_WAITING:
         return "request_waiting"
-    # prompt_in_one_block
-    if slen(s.prompt.get(r)) >= s.consts.S:
-        return "prompt_in_one_block"
+    # no_preemption
+    if s.consts.PREEMPT:
+        return "no_preemption"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -3918,8 +3919,9 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
 
 
 def admit_import(s: State, l: int, r: int, dst: int) -> Step:
-    """Admit r into idle lane l to receive its prompt's KV from a prefill worker into dst. Never
-    through the cache: the transfer writes the whole prompt into a fresh block.
+    """Admit r into idle lane l to receive its prompt's KV from a prefill worker, dst being its
+    first block (`import_grow` adds the others). Never through the cache: the transfer writes
+    the whole prompt into fresh blocks.
     """
     busy = s.busy
     # lane_idle
@@ -3929,11 +3931,9 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     # request_waiting
     if phase.get(r) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
-    _m1 = s.prompt.get(r)
-    _m0 = slen(_m1)
-    # prompt_in_one_block
-    if _m0 >= s.consts.S:
-        return Step(s, (), "prompt_in_one_block")
+    # no_preemption
+    if s.consts.PREEMPT:
+        return Step(s, (), "no_preemption")
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -3963,10 +3963,11 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     new_length[l] = 0
     new_length = tuple(new_length)
     new_lane_seq = list(s.lane_seq)
-    new_lane_seq[l] = _m1
+    _m0 = s.prompt.get(r)
+    new_lane_seq[l] = _m0
     new_lane_seq = tuple(new_lane_seq)
     new_lane_plen = list(s.lane_plen)
-    new_lane_plen[l] = _m0
+    new_lane_plen[l] = slen(_m0)
     new_lane_plen = tuple(new_lane_plen)
     new_phase = phase.set(r, PHASE_IMPORTING)
     new_req_lane = s.req_lane.set(r, l)
@@ -3985,7 +3986,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     effects = (Inbound(l, r, dst),)
     if s.ghost:
         new_local_holds = list(s.local_holds)
-        new_local_holds[l] = take(_m1, 0)
+        new_local_holds[l] = take(_m0, 0)
         new_local_holds = tuple(new_local_holds)
         new_local_junk = list(s.local_junk)
         new_local_junk[l] = False
@@ -4060,9 +4061,9 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
     # request_waiting
     if s.phase.get(r) != PHASE_WAITING:
         return "request_waiting"
-    # prompt_in_one_block
-    if slen(s.prompt.get(r)) >= s.consts.S:
-        return "prompt_in_one_block"
+    # no_preemption
+    if s.consts.PREEMPT:
+        return "no_preemption"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -4076,76 +4077,277 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
     return (Inbound(l, r, dst),)
 
 
-def import_done_guard(s: State, r: int, p: TokSeq, tok: int) -> str | None:
-    """The first failing guard conjunct of `import_done`, or None."""
-    # request_importing
-    if s.phase.get(r) != PHASE_IMPORTING:
-        return "request_importing"
-    _m0 = s.req_lane.get(r)
-    # covers_prompt
-    if p != take(push(s.lane_seq[_m0], tok), s.lane_plen[_m0]):
-        return "covers_prompt"
+def import_grow_guard(s: State, l: int, dst: int) -> str | None:
+    """The first failing guard conjunct of `import_grow`, or None."""
+    # lane_importing
+    if not s.busy[l]:
+        return "lane_importing"
+    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+        return "lane_importing"
+    # table_short_of_prompt
+    if s.start[s.tail[l]] + s.consts.S >= s.lane_plen[l]:
+        return "table_short_of_prompt"
+    # table_not_full
+    if s.nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
     return None
 
 
-def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
-    """r's transfer ended with KV for tokens p and first token tok. Accepted only while r is
-    importing (a late or duplicate event changes nothing) and when p is r's whole prompt (a
-    partial or mismatched result fails r through `transfer_fail`).
+def import_grow(s: State, l: int, dst: int) -> Step:
+    """Importing lane l's table does not reach its prompt's end yet: dst becomes its next block,
+    pinned for the same transfer. The transfer writes only once the table covers the prompt
+    (the adapter starts it then), so every block is in place before any KV lands.
     """
-    phase = s.phase
-    # request_importing
-    if phase.get(r) != PHASE_IMPORTING:
-        return Step(s, (), "request_importing")
-    _m2 = s.req_lane.get(r)
-    lane_seq = s.lane_seq
-    _m0 = push(lane_seq[_m2], tok)
-    _m1 = s.lane_plen[_m2]
-    # covers_prompt
-    if p != take(_m0, _m1):
-        return Step(s, (), "covers_prompt")
+    lane_req = s.lane_req
+    # lane_importing
+    if not s.busy[l]:
+        return Step(s, (), "lane_importing")
+    if s.phase.get(lane_req[l]) != PHASE_IMPORTING:
+        return Step(s, (), "lane_importing")
+    tail = s.tail
+    start = s.start
+    _m0 = start[tail[l]] + s.consts.S
+    # table_short_of_prompt
+    if _m0 >= s.lane_plen[l]:
+        return Step(s, (), "table_short_of_prompt")
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return Step(s, (), "table_not_full")
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return Step(s, (), "dst_reusable")
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return Step(s, (), "dst_reusable")
+    new_tail = list(tail)
+    new_tail[l] = dst
+    new_tail = tuple(new_tail)
+    new_nblocks = list(nblocks)
+    new_nblocks[l] = nblocks[l] + 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[dst] = _m0
+    new_start = tuple(new_start)
+    new_owner = list(owner)
+    new_owner[dst] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[dst] = l
+    new_owner_lane = tuple(new_owner_lane)
     new_transfer = list(s.transfer)
-    _m3 = s.tail[_m2]
-    new_transfer[_m3] = False
+    new_transfer[dst] = True
     new_transfer = tuple(new_transfer)
-    new_length = list(s.length)
-    new_length[_m2] = _m1
-    new_length = tuple(new_length)
-    new_lane_seq = list(lane_seq)
-    new_lane_seq[_m2] = _m0
-    new_lane_seq = tuple(new_lane_seq)
-    new_phase = phase.set(r, PHASE_DECODE)
-    effects = (Imported(_m2, r, _m3),)
+    new_transfer_req = list(s.transfer_req)
+    new_transfer_req[dst] = lane_req[l]
+    new_transfer_req = tuple(new_transfer_req)
+    effects = (Grow(l, dst, nblocks[l]),)
     if s.ghost:
-        new_xfer_live = s.xfer_live.set(r, False)
-        new_holds = list(s.holds)
-        new_holds[_m3] = p
-        new_holds = tuple(new_holds)
-        new_local_holds = list(s.local_holds)
-        new_local_holds[_m2] = p
-        new_local_holds = tuple(new_local_holds)
+        new_junk = list(s.junk)
+        new_junk[dst] = False
+        new_junk = tuple(new_junk)
     else:
-        new_xfer_live = new_holds = new_local_holds = None
+        new_junk = None
     new = State(
         s.consts,
         s.ghost,
-        s.owner,
-        s.owner_lane,
+        new_owner,
+        new_owner_lane,
         s.key,
         s.head,
-        new_holds,
-        s.junk,
-        new_local_holds,
+        s.holds,
+        new_junk,
+        s.local_holds,
         s.local_junk,
         s.lane_snap,
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
         s.busy,
+        lane_req,
+        new_tail,
+        new_nblocks,
+        new_start,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        copying,
+        copy_src,
+        copy_host,
+        s.copy_slot,
+        new_transfer,
+        new_transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_start,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def import_grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
+    """The effects `import_grow` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    # lane_importing
+    if not s.busy[l]:
+        return "lane_importing"
+    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+        return "lane_importing"
+    # table_short_of_prompt
+    if s.start[s.tail[l]] + s.consts.S >= s.lane_plen[l]:
+        return "table_short_of_prompt"
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # dst_reusable
+    if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+        return "dst_reusable"
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+            return "dst_reusable"
+    return (Grow(l, dst, nblocks[l]),)
+
+
+def import_done_guard(s: State, r: int, p: TokSeq, tok: int) -> str | None:
+    """The first failing guard conjunct of `import_done`, or None."""
+    # request_importing
+    if s.phase.get(r) != PHASE_IMPORTING:
+        return "request_importing"
+    _m1 = s.req_lane.get(r)
+    _m0 = s.lane_plen[_m1]
+    # table_covers_prompt
+    if _m0 > s.start[s.tail[_m1]] + s.consts.S:
+        return "table_covers_prompt"
+    # covers_prompt
+    if p != take(push(s.lane_seq[_m1], tok), _m0):
+        return "covers_prompt"
+    return None
+
+
+def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
+    """r's transfer ended with KV for tokens p and first token tok. Accepted only while r is
+    importing (a late or duplicate event changes nothing), when its table covers the prompt,
+    and when p is r's whole prompt (a partial or mismatched result fails r through
+    `transfer_fail`). Every block of the lane now holds its part; the full ones get their keys
+    as `extend` gives them (no snapshots: an imported lane took none).
+    """
+    phase = s.phase
+    # request_importing
+    if phase.get(r) != PHASE_IMPORTING:
+        return Step(s, (), "request_importing")
+    _m1 = s.req_lane.get(r)
+    _m0 = s.lane_plen[_m1]
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # table_covers_prompt
+    if _m0 > start[tail[_m1]] + S:
+        return Step(s, (), "table_covers_prompt")
+    lane_seq = s.lane_seq
+    _m2 = push(lane_seq[_m1], tok)
+    # covers_prompt
+    if p != take(_m2, _m0):
+        return Step(s, (), "covers_prompt")
+    owner = s.owner
+    owner_lane = s.owner_lane
+    K = s.consts.K
+    _m3 = tuple([owner[c] == OWNER_LANE and owner_lane[c] == _m1 for c in range(K)])
+    transfer = s.transfer
+    new_transfer = tuple([(False if _m3[c] else transfer[c]) for c in range(K)])
+    key = s.key
+    new_key = tuple([
+        (take(p, start[c] + S) if (_m3[c] and c != tail[_m1]) else key[c])
+        for c in range(K)
+    ])
+    C = s.consts.C
+    head = s.head
+    new_head = tuple([
+        (take(take(p, start[c] + S), C) if (_m3[c] and c != tail[_m1]) else head[c])
+        for c in range(K)
+    ])
+    snap_upto = s.snap_upto
+    new_snap_upto = tuple([(0 if (_m3[c] and c != tail[_m1]) else snap_upto[c]) for c in range(K)])
+    new_length = list(s.length)
+    new_length[_m1] = _m0
+    new_length = tuple(new_length)
+    new_lane_seq = list(lane_seq)
+    new_lane_seq[_m1] = _m2
+    new_lane_seq = tuple(new_lane_seq)
+    new_phase = phase.set(r, PHASE_DECODE)
+    effects = (Imported(_m1, r, tail[_m1]),)
+    if s.ghost:
+        new_xfer_live = s.xfer_live.set(r, False)
+        holds = s.holds
+        new_holds = tuple([
+            (
+                take(p, start[c] + S)
+                if (_m3[c] and c != tail[_m1])
+                else (p if c == tail[_m1] else holds[c])
+            )
+            for c in range(K)
+        ])
+        snap_junk = s.snap_junk
+        new_snap_junk = tuple([
+            (False if (_m3[c] and c != tail[_m1]) else snap_junk[c])
+            for c in range(K)
+        ])
+        new_local_holds = list(s.local_holds)
+        new_local_holds[_m1] = p
+        new_local_holds = tuple(new_local_holds)
+    else:
+        new_xfer_live = new_holds = new_snap_junk = new_local_holds = None
+    new = State(
+        s.consts,
+        s.ghost,
+        owner,
+        owner_lane,
+        new_key,
+        new_head,
+        new_holds,
+        s.junk,
+        new_local_holds,
+        s.local_junk,
+        s.lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
+        s.busy,
         s.lane_req,
-        s.tail,
+        tail,
         s.nblocks,
-        s.start,
+        start,
         new_length,
         new_lane_seq,
         s.lane_plen,
@@ -4182,11 +4384,16 @@ def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] |
     # request_importing
     if s.phase.get(r) != PHASE_IMPORTING:
         return "request_importing"
-    _m0 = s.req_lane.get(r)
+    _m2 = s.req_lane.get(r)
+    _m0 = s.lane_plen[_m2]
+    _m1 = s.tail[_m2]
+    # table_covers_prompt
+    if _m0 > s.start[_m1] + s.consts.S:
+        return "table_covers_prompt"
     # covers_prompt
-    if p != take(push(s.lane_seq[_m0], tok), s.lane_plen[_m0]):
+    if p != take(push(s.lane_seq[_m2], tok), _m0):
         return "covers_prompt"
-    return (Imported(_m0, r, s.tail[_m0]),)
+    return (Imported(_m2, r, _m1),)
 
 
 def export_guard(s: State, l: int) -> str | None:
@@ -4198,15 +4405,12 @@ def export_guard(s: State, l: int) -> str | None:
         return "lane_prefilled"
     if s.length[l] != s.lane_plen[l]:
         return "lane_prefilled"
-    # prompt_in_one_block
-    if s.nblocks[l] != 1:
-        return "prompt_in_one_block"
     return None
 
 
 def export(s: State, l: int) -> Step:
-    """Lane l has prefilled its prompt (and sampled the first token): its KV is sent to a decode
-    worker, pinned until the send ends.
+    """Lane l has prefilled its prompt (and sampled the first token): its KV (every block of its
+    table) is sent to a decode worker, pinned until the send ends.
     """
     lane_req = s.lane_req
     phase = s.phase
@@ -4218,17 +4422,21 @@ def export(s: State, l: int) -> Step:
         return Step(s, (), "lane_prefilled")
     if length[l] != s.lane_plen[l]:
         return Step(s, (), "lane_prefilled")
-    # prompt_in_one_block
-    if s.nblocks[l] != 1:
-        return Step(s, (), "prompt_in_one_block")
     new_phase = phase.set(lane_req[l], PHASE_EXPORTING)
-    new_transfer = list(s.transfer)
+    owner = s.owner
+    owner_lane = s.owner_lane
+    transfer = s.transfer
+    K = s.consts.K
+    new_transfer = tuple([
+        (True if (owner[b] == OWNER_LANE and owner_lane[b] == l) else transfer[b])
+        for b in range(K)
+    ])
+    transfer_req = s.transfer_req
+    new_transfer_req = tuple([
+        (lane_req[l] if (owner[b] == OWNER_LANE and owner_lane[b] == l) else transfer_req[b])
+        for b in range(K)
+    ])
     tail = s.tail
-    new_transfer[tail[l]] = True
-    new_transfer = tuple(new_transfer)
-    new_transfer_req = list(s.transfer_req)
-    new_transfer_req[tail[l]] = lane_req[l]
-    new_transfer_req = tuple(new_transfer_req)
     effects = (Outbound(l, lane_req[l], tail[l], length[l]),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(lane_req[l], True)
@@ -4238,8 +4446,8 @@ def export(s: State, l: int) -> Step:
     new = State(
         s.consts,
         s.ghost,
-        s.owner,
-        s.owner_lane,
+        owner,
+        owner_lane,
         s.key,
         s.head,
         s.holds,
@@ -4297,9 +4505,6 @@ def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
         return "lane_prefilled"
     if length[l] != s.lane_plen[l]:
         return "lane_prefilled"
-    # prompt_in_one_block
-    if s.nblocks[l] != 1:
-        return "prompt_in_one_block"
     return (Outbound(l, lane_req[l], s.tail[l], length[l]),)
 
 
@@ -4315,7 +4520,7 @@ def export_done_guard(s: State, r: int, keep: bool) -> str | None:
 
 
 def export_done(s: State, r: int, keep: bool) -> Step:
-    """r's KV was sent; its block is released (to the cache when keep)."""
+    """r's KV was sent; its blocks are released (to the cache when keep)."""
     phase = s.phase
     # request_exporting
     if phase.get(r) != PHASE_EXPORTING:
@@ -4324,41 +4529,38 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     if keep and not s.consts.PREFIX:
         return Step(s, (), "keep_needs_prefix_cache")
     new_phase = phase.set(r, PHASE_FINISHED)
-    new_transfer = list(s.transfer)
+    owner = s.owner
+    owner_lane = s.owner_lane
     _m1 = s.req_lane.get(r)
-    _m0 = s.tail[_m1]
-    new_transfer[_m0] = False
-    new_transfer = tuple(new_transfer)
+    K = s.consts.K
+    _m0 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m1 for b in range(K)])
+    transfer = s.transfer
+    new_transfer = tuple([(False if _m0[b] else transfer[b]) for b in range(K)])
     new_key = list(s.key)
-    _m2 = take(s.lane_seq[_m1], s.length[_m1])
-    new_key[_m0] = _m2
+    _m2 = s.tail[_m1]
+    _m3 = take(s.lane_seq[_m1], s.length[_m1])
+    new_key[_m2] = _m3
     new_key = tuple(new_key)
     new_head = list(s.head)
-    new_head[_m0] = take(_m2, s.consts.C)
+    new_head[_m2] = take(_m3, s.consts.C)
     new_head = tuple(new_head)
     new_snap_upto = list(s.snap_upto)
     lane_snap = s.lane_snap
-    new_snap_upto[_m0] = lane_snap[_m1]
+    new_snap_upto[_m2] = lane_snap[_m1]
     new_snap_upto = tuple(new_snap_upto)
     new_busy = list(s.busy)
     new_busy[_m1] = False
     new_busy = tuple(new_busy)
-    _m3 = (OWNER_CACHE if keep else OWNER_FREE)
-    owner = s.owner
-    owner_lane = s.owner_lane
-    K = s.consts.K
-    new_owner = tuple([
-        (_m3 if (owner[b] == OWNER_LANE and owner_lane[b] == _m1) else owner[b])
-        for b in range(K)
-    ])
+    _m4 = (OWNER_CACHE if keep else OWNER_FREE)
+    new_owner = tuple([(_m4 if _m0[b] else owner[b]) for b in range(K)])
     new_lane_snap = list(lane_snap)
     new_lane_snap[_m1] = 0
     new_lane_snap = tuple(new_lane_snap)
-    effects = (Release(_m1, _m0),)
+    effects = (Release(_m1, _m2),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
         new_snap_junk = list(s.snap_junk)
-        new_snap_junk[_m0] = s.lane_snap_junk[_m1]
+        new_snap_junk[_m2] = s.lane_snap_junk[_m1]
         new_snap_junk = tuple(new_snap_junk)
     else:
         new_xfer_live = new_snap_junk = None
@@ -4436,7 +4638,7 @@ def transfer_fail_guard(s: State, r: int) -> str | None:
 
 def transfer_fail(s: State, r: int) -> Step:
     """r's transfer ended without a usable result (an error; a partial, mismatched or
-    unauthenticated payload): r fails and its block is freed, now that nothing uses it.
+    unauthenticated payload): r fails and its blocks are freed, now that nothing uses them.
     """
     phase = s.phase
     _m0 = phase.get(r)
@@ -4444,31 +4646,26 @@ def transfer_fail(s: State, r: int) -> Step:
     if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
         return Step(s, (), "request_transferring")
     new_phase = phase.set(r, PHASE_FAILED)
-    new_transfer = list(s.transfer)
+    owner = s.owner
+    owner_lane = s.owner_lane
     _m2 = s.req_lane.get(r)
-    _m1 = s.tail[_m2]
-    new_transfer[_m1] = False
-    new_transfer = tuple(new_transfer)
+    K = s.consts.K
+    _m1 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m2 for b in range(K)])
+    transfer = s.transfer
+    new_transfer = tuple([(False if _m1[b] else transfer[b]) for b in range(K)])
     new_busy = list(s.busy)
     new_busy[_m2] = False
     new_busy = tuple(new_busy)
     _m3 = OWNER_FREE
-    owner = s.owner
-    owner_lane = s.owner_lane
-    K = s.consts.K
-    new_owner = tuple([
-        (_m3 if (owner[b] == OWNER_LANE and owner_lane[b] == _m2) else owner[b])
-        for b in range(K)
-    ])
+    new_owner = tuple([(_m3 if _m1[b] else owner[b]) for b in range(K)])
     new_lane_snap = list(s.lane_snap)
     new_lane_snap[_m2] = 0
     new_lane_snap = tuple(new_lane_snap)
-    effects = (Release(_m2, _m1),)
+    effects = (Release(_m2, s.tail[_m2]),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
-        new_junk = list(s.junk)
-        new_junk[_m1] = True
-        new_junk = tuple(new_junk)
+        junk = s.junk
+        new_junk = tuple([junk[b] or _m1[b] for b in range(K)])
     else:
         new_xfer_live = new_junk = None
     new = State(
@@ -4545,26 +4742,42 @@ def transfer_end_guard(s: State, r: int, b: int) -> str | None:
 
 def transfer_end(s: State, r: int, b: int) -> Step:
     """r's transfer, which uses b, ended after r had ended (abort, failure): the deferred
-    release. Whatever it wrote is not trusted.
+    release of b and of every other block draining for r (one transfer, one end). Whatever it
+    wrote is not trusted.
     """
     owner = s.owner
     # block_draining
     if owner[b] != OWNER_DRAINING:
         return Step(s, (), "block_draining")
+    transfer_req = s.transfer_req
     # transfer_of_request
-    if s.transfer_req[b] != r:
+    if transfer_req[b] != r:
         return Step(s, (), "transfer_of_request")
-    new_owner = list(owner)
-    new_owner[b] = OWNER_FREE
-    new_owner = tuple(new_owner)
-    new_transfer = list(s.transfer)
-    new_transfer[b] = False
-    new_transfer = tuple(new_transfer)
+    K = s.consts.K
+    new_owner = tuple([
+        (
+            OWNER_FREE
+            if (c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r))
+            else owner[c]
+        )
+        for c in range(K)
+    ])
+    transfer = s.transfer
+    new_transfer = tuple([
+        (
+            False
+            if (c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r))
+            else transfer[c]
+        )
+        for c in range(K)
+    ])
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
-        new_junk = list(s.junk)
-        new_junk[b] = True
-        new_junk = tuple(new_junk)
+        junk = s.junk
+        new_junk = tuple([
+            junk[c] or c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r)
+            for c in range(K)
+        ])
     else:
         new_xfer_live = new_junk = None
     new = State(
@@ -4595,7 +4808,7 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.copy_host,
         s.copy_slot,
         new_transfer,
-        s.transfer_req,
+        transfer_req,
         new_xfer_live,
         s.xfer_block,
         s.slot_state,
@@ -4660,6 +4873,7 @@ ACTIONS = {
     "load_done": (load_done, load_done_guard, ("l",), ("Lane",)),
     "load_fail": (load_fail, load_fail_guard, ("l",), ("Lane",)),
     "admit_import": (admit_import, admit_import_guard, ("l", "r", "dst"), ("Lane", "Req", "Block")),
+    "import_grow": (import_grow, import_grow_guard, ("l", "dst"), ("Lane", "Block")),
     "import_done": (import_done, import_done_guard, ("r", "p", "tok"), ("Req", "Seq", "Int")),
     "export": (export, export_guard, ("l",), ("Lane",)),
     "export_done": (export_done, export_done_guard, ("r", "keep"), ("Req", "Bool")),
@@ -4772,11 +4986,21 @@ GUARD_READS = {
     "admit_import": {
         "lane_idle": ("l",),
         "request_waiting": ("r",),
-        "prompt_in_one_block": ("r",),
+        "no_preemption": (),
         "dst_reusable": ("dst",),
     },
-    "import_done": {"request_importing": ("r",), "covers_prompt": ("r", "p", "tok")},
-    "export": {"lane_prefilled": ("l",), "prompt_in_one_block": ("l",)},
+    "import_grow": {
+        "lane_importing": ("l",),
+        "table_short_of_prompt": ("l",),
+        "table_not_full": ("l",),
+        "dst_reusable": ("dst",),
+    },
+    "import_done": {
+        "request_importing": ("r",),
+        "table_covers_prompt": ("r",),
+        "covers_prompt": ("r", "p", "tok"),
+    },
+    "export": {"lane_prefilled": ("l",)},
     "export_done": {"request_exporting": ("r",), "keep_needs_prefix_cache": ("keep",)},
     "transfer_fail": {"request_transferring": ("r",)},
     "transfer_end": {"block_draining": ("b",), "transfer_of_request": ("r", "b")},
@@ -4851,6 +5075,7 @@ INVARIANTS = (
     "pinned_block_transfer_running",
     "moving_lane_has_transfer",
     "import_target_untouched",
+    "import_blocks_untouched",
     "export_after_prefill",
     "length_within_block",
     "prefill_before_prompt_end",
@@ -4978,9 +5203,11 @@ def check_invariants(s: State) -> list[str]:
         C = s.consts.C
         snap_junk = s.snap_junk
         snap_upto = s.snap_upto
+        _m8 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+        _m7 = tuple([busy[owner_lane[b]] and _m8[b] == PHASE_IMPORTING for b in range(K)])
         # full_block_holds_its_key
         if not all(
-            not (owner[b] == OWNER_LANE and tail[owner_lane[b]] != b)
+            not (owner[b] == OWNER_LANE and tail[owner_lane[b]] != b and not _m7[b])
             or (
                 not junk[b]
                 and holds[b] == key[b]
@@ -5018,26 +5245,26 @@ def check_invariants(s: State) -> list[str]:
     if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] <= T * S) for l in range(B)):
         bad.append("lane_prompt_fits")
     lane_seq = s.lane_seq
-    _m8 = tuple([busy[l] and _m0[l] for l in range(B)])
+    _m10 = tuple([busy[l] and _m0[l] for l in range(B)])
     _m6 = tuple([busy[l] and _m2[l] for l in range(B)])
-    _m7 = tuple([_m8[l] or _m6[l] for l in range(B)])
+    _m9 = tuple([_m10[l] or _m6[l] for l in range(B)])
     length = s.length
     # lane_seq_length
     if not all(
-        not busy[l] or slen(lane_seq[l]) == (lane_plen[l] if _m7[l] else length[l] + 1)
+        not busy[l] or slen(lane_seq[l]) == (lane_plen[l] if _m9[l] else length[l] + 1)
         for l in range(B)
     ):
         bad.append("lane_seq_length")
-    _m9 = tuple([prompt.get(lane_req[l]) for l in range(B)])
+    _m11 = tuple([prompt.get(lane_req[l]) for l in range(B)])
     # lane_computes_its_prompt
     if not all(
-        not _m7[l] or (lane_seq[l] == _m9[l] and lane_plen[l] == slen(_m9[l]))
+        not _m9[l] or (lane_seq[l] == _m11[l] and lane_plen[l] == slen(_m11[l]))
         for l in range(B)
     ):
         bad.append("lane_computes_its_prompt")
     copying = s.copying
     # copy_only_while_prefilling
-    if not all(not copying[l] or _m8[l] for l in range(B)):
+    if not all(not copying[l] or _m10[l] for l in range(B)):
         bad.append("copy_only_while_prefilling")
     copy_src = s.copy_src
     copy_host = s.copy_host
@@ -5202,7 +5429,8 @@ def check_invariants(s: State) -> list[str]:
         and all(owner[b] != OWNER_SPILLING or HOST for b in range(K))
     ):
         bad.append("host_needs_host_cache")
-    _m10 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    _m8 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    _m7 = tuple([busy[owner_lane[b]] and _m8[b] == PHASE_IMPORTING for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
     if not all(
@@ -5210,22 +5438,19 @@ def check_invariants(s: State) -> list[str]:
         or owner[b] == OWNER_DRAINING
         or (
             owner[b] == OWNER_LANE
-            and (
-                (busy[owner_lane[b]] and _m10[b] == PHASE_IMPORTING)
-                or (busy[owner_lane[b]] and _m10[b] == PHASE_EXPORTING)
-            )
+            and (_m7[b] or (busy[owner_lane[b]] and _m8[b] == PHASE_EXPORTING))
         )
         for b in range(K)
     ):
         bad.append("transfer_block_held")
     transfer_req = s.transfer_req
-    _m11 = tuple([phase.get(transfer_req[b]) for b in range(K)])
+    _m12 = tuple([phase.get(transfer_req[b]) for b in range(K)])
     # draining_has_transfer
     if not all(
         owner[b] != OWNER_DRAINING
         or (
             transfer[b]
-            and (_m11[b] == PHASE_FINISHED or _m11[b] == PHASE_ABORTED or _m11[b] == PHASE_FAILED)
+            and (_m12[b] == PHASE_FINISHED or _m12[b] == PHASE_ABORTED or _m12[b] == PHASE_FAILED)
         )
         for b in range(K)
     ):
@@ -5247,54 +5472,63 @@ def check_invariants(s: State) -> list[str]:
         ):
             bad.append("running_transfer_pins_its_block")
         # pinned_block_transfer_running
-        if not all(
-            not transfer[b]
-            or (xfer_live.get(transfer_req[b]) and xfer_block.get(transfer_req[b]) == b)
-            for b in range(K)
-        ):
+        if not all(not transfer[b] or xfer_live.get(transfer_req[b]) for b in range(K)):
             bad.append("pinned_block_transfer_running")
-    _m12 = tuple([busy[l] and _m3[l] for l in range(B)])
+    _m13 = tuple([busy[l] and _m3[l] for l in range(B)])
     # moving_lane_has_transfer
     if not all(
-        not (_m6[l] or _m12[l]) or (transfer[tail[l]] and nblocks[l] == 1)
+        not ((_m6[l] or _m13[l]) and owner[b] == OWNER_LANE and owner_lane[b] == l) or transfer[b]
         for l in range(B)
+        for b in range(K)
     ):
         bad.append("moving_lane_has_transfer")
     if s.ghost:
-        junk = s.junk
         local_junk = s.local_junk
+        PREEMPT = s.consts.PREEMPT
         # import_target_untouched
         if not all(
             not _m6[l]
             or (
-                not junk[tail[l]]
-                and not local_junk[l]
+                not local_junk[l]
                 and length[l] == 0
                 and not copying[l]
-                and start[tail[l]] == 0
-                and lane_plen[l] < S
+                and start[tail[l]] < lane_plen[l]
+                and not PREEMPT
             )
             for l in range(B)
         ):
             bad.append("import_target_untouched")
+        junk = s.junk
+        # import_blocks_untouched
+        if not all(
+            not (_m6[l] and owner[b] == OWNER_LANE and owner_lane[b] == l) or not junk[b]
+            for l in range(B)
+            for b in range(K)
+        ):
+            bad.append("import_blocks_untouched")
     # export_after_prefill
-    if not all(not _m12[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
+    if not all(not _m13[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
         bad.append("export_after_prefill")
+    _m5 = tuple([not _m6[l] for l in range(B)])
     # length_within_block
     if not all(
         not busy[l]
-        or (start[tail[l]] >= 0 and start[tail[l]] <= length[l] and length[l] <= start[tail[l]] + S)
+        or (
+            start[tail[l]] >= 0
+            and length[l] <= start[tail[l]] + S
+            and (not _m5[l] or start[tail[l]] <= length[l])
+        )
         for l in range(B)
     ):
         bad.append("length_within_block")
     # prefill_before_prompt_end
-    if not all(not _m8[l] or length[l] < lane_plen[l] for l in range(B)):
+    if not all(not _m10[l] or length[l] < lane_plen[l] for l in range(B)):
         bad.append("prefill_before_prompt_end")
     # decode_after_prompt
     if not all(not (busy[l] and _m1[l]) or lane_plen[l] <= length[l] for l in range(B)):
         bad.append("decode_after_prompt")
     # prefill_on_chunk_boundary
-    if not all(not _m8[l] or length[l] % C == 0 for l in range(B)):
+    if not all(not _m10[l] or length[l] % C == 0 for l in range(B)):
         bad.append("prefill_on_chunk_boundary")
     # lane_blocks_are_its_table
     if not all(
@@ -5448,6 +5682,7 @@ PROGRESS = (
     "running_request_advances",
     "lone_lane_is_never_preempted",
     "idle_lane_imports",
+    "import_table_grows",
     "transfers_end",
     "stores_end",
 )
@@ -5472,7 +5707,8 @@ def progress_violations(s: State) -> list[str]:
     busy = s.busy
     _m0 = tuple([_m2 and not busy[l] for l in range(B)])
     phase = s.phase
-    _m1 = not s.consts.PREEMPT or all(not busy[l] for l in range(B))
+    PREEMPT = s.consts.PREEMPT
+    _m1 = not PREEMPT or all(not busy[l] for l in range(B))
     # idle_lane_admits
     if not all(
         not (_m0[l] and phase.get(r) == PHASE_WAITING and _m1)
@@ -5495,6 +5731,8 @@ def progress_violations(s: State) -> list[str]:
     S = s.consts.S
     nblocks = s.nblocks
     T = s.consts.T
+    _m5 = tuple([busy[l] and _m4[l] == PHASE_IMPORTING for l in range(B)])
+    lane_plen = s.lane_plen
     transfer_req = s.transfer_req
     # running_request_advances
     if (
@@ -5513,8 +5751,12 @@ def progress_violations(s: State) -> list[str]:
             or (any(_m3) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
             or any(any(grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
             or any(_m3[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B))
+            or any(any(import_grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
             or any(
-                ((busy[l] and _m4[l] == PHASE_IMPORTING) or (busy[l] and _m4[l] == PHASE_EXPORTING))
+                (
+                    (busy[l] and _m4[l] == PHASE_EXPORTING)
+                    or (_m5[l] and lane_plen[l] <= start[tail[l]] + S)
+                )
                 and transfer_fail_guard(s, lane_req[l]) is None
                 for l in range(B)
             )
@@ -5530,15 +5772,21 @@ def progress_violations(s: State) -> list[str]:
         for l in range(B)
     ):
         bad.append("lone_lane_is_never_preempted")
-    prompt = s.prompt
     # idle_lane_imports
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING and slen(prompt.get(r)) < S and _m1)
+        not (_m0[l] and phase.get(r) == PHASE_WAITING and not PREEMPT)
         or any(admit_import_guard(s, l, r, dst) is None for dst in range(K))
         for l in range(B)
         for r in req_ids
     ):
         bad.append("idle_lane_imports")
+    # import_table_grows
+    if not all(
+        not (_m2 and _m5[l] and lane_plen[l] > start[tail[l]] + S)
+        or any(import_grow_guard(s, l, dst) is None for dst in range(K))
+        for l in range(B)
+    ):
+        bad.append("import_table_grows")
     transfer = s.transfer
     # transfers_end
     if not all(

@@ -1,0 +1,220 @@
+"""PD with paged block tables (T = max_seq_len / block_size > 1): a prompt's KV spans several
+blocks on both sides.
+
+- Round trips are token-exact against the oracle at T = 2 and 4, with prompts ending inside a
+  block, exactly at a block's end, and filling the whole table but one position.
+- The decode side asks for the KV ("import") only once the lane's table covers the prompt, and
+  writes every block; imported full blocks become prefix-cache entries that a later local
+  request hits past its first block.
+- An abort mid-import drains every block of the table until the transfer ends, which frees
+  them all at once; a fault writing or reading any one block fails only its request and leaks
+  no block; a payload shorter than the prompt fails only its request.
+- The workers over an in-process transport serve multi-block prompts token-exactly.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from typing import Any
+
+import pytest
+
+from atom_core import pd
+from atom_core.batcher import AtomBatcher
+from atom_core.config import Config, min_kv_blocks
+from atom_core.replay import replay
+from atom_core.runtime import TorchReferenceRuntime
+from atom_core.transport import InProcessTransport
+from atom_core.workers import DecodeWorker, PrefillWorker
+from tests.test_pd_batcher import (
+    LOST,
+    SYSTEM,
+    C,
+    FaultyPDRuntime,
+    Link,
+    assert_exact,
+    expected,
+    inner,
+    owners,
+)
+
+S = 256  # max_seq_len
+_rng = random.Random(77)
+
+
+def _toks(n: int) -> list[int]:
+    return [_rng.randrange(128) for _ in range(n)]
+
+
+def paged(lanes: int, tables: int, prefix: bool = False, scratch: str = "dynamic",
+          extra: int = 0) -> Config:
+    return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch, tables) + extra,
+                  max_seq_len=S, block_size=S // tables, prefill_chunk=C, prefix_cache=prefix,
+                  scratch=scratch)
+
+
+def batcher(cfg: Config, runtime: Any = None, trace: io.StringIO | None = None) -> AtomBatcher:
+    # one model (seed) for every configuration: the oracle is the same on both sides
+    rt = runtime if runtime is not None else TorchReferenceRuntime.tiny(cfg)
+    return AtomBatcher(cfg, rt, ghost=True, trace=trace)
+
+
+def table_of(b: AtomBatcher, rid: int) -> list[int]:
+    return b.describe()["lanes"][b.state.req_lane.get(rid)]["blocks"]
+
+
+def prompts_for(block: int) -> list[tuple[list[int], int]]:
+    """Prompt lengths around the block edges: inside the first block, exactly one block, one
+    past it, exactly two, the whole table but one position (the import leaves one to decode)."""
+    lengths = [block - 1, block, block + 1, min(2 * block, S - 2), S - 1, 3]
+    return [(_toks(n), 1 + i % 4) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+@pytest.mark.parametrize("prefix", [False, True], ids=["nocache", "cache"])
+@pytest.mark.parametrize("tables,lanes", [(2, 1), (2, 2), (4, 2)])
+def test_round_trip_token_exact(tables: int, lanes: int, prefix: bool, scratch: str) -> None:
+    trace = io.StringIO()
+    d = batcher(paged(lanes, tables, prefix, scratch), trace=trace)
+    p = batcher(paged(2, tables, True))
+    link = Link(p, d)
+    work = prompts_for(S // tables)
+    rids = [d.submit(prompt, n, remote=True) for prompt, n in work]
+    link.run()
+    assert_exact(link, rids)
+    assert d.stats.prefill_tokens == 0 and d.transfers() == {} and p.transfers() == {}
+    assert d.stats.imported_tokens == sum(len(prompt) for prompt, _ in work)
+    assert p.stats.exports == len(work) and d.stats.transfer_failures == 0
+    blocks = [math.ceil(len(prompt) / (S // tables)) for prompt, _ in work]
+    assert max(blocks) == tables  # some import filled the whole table
+    assert all(own in ("FREE", "CACHE", "SCRATCH") for own in owners(d))
+    assert replay(io.StringIO(trace.getvalue())).ok
+
+
+def test_import_is_asked_for_once_the_table_covers_the_prompt() -> None:
+    d = batcher(paged(2, 4))  # blocks of 64
+    link = Link(batcher(paged(2, 4, True)), d)
+    rid = d.submit(_toks(150), 3, remote=True)
+    events = d.step()
+    assert [e.kind for e in events] == ["import"]
+    assert len(table_of(d, rid)) == 3  # 150 positions: three blocks, pinned for the transfer
+    assert d.stats.table_grows == 2
+    assert {owners(d)[b] for b in table_of(d, rid)} == {"LANE"}
+    link.imports.append(rid)
+    link.wire[link.p.submit(d.requests[rid].prompt, 1, export=True)] = rid
+    link.run()
+    assert_exact(link, [rid])
+
+
+def test_imported_blocks_are_cache_entries_a_local_request_hits_past_its_first_block() -> None:
+    """An import keys its full blocks as a local prefill would: a local request sharing the
+    first two blocks copies both (admission, then `grow_hit`) instead of prefilling them."""
+    d = batcher(paged(2, 4, prefix=True))  # blocks of 64; SYSTEM spans two of them
+    link = Link(batcher(paged(2, 4, True)), d)
+    seed = d.submit(SYSTEM + _toks(5), 2, remote=True)
+    link.run()
+    local = d.submit(SYSTEM[:128] + _toks(40), 4)
+    link.run()
+    assert_exact(link, [seed, local])
+    assert d.stats.prefix_hit_tokens == 128
+    assert d.stats.prefill_tokens == 40
+
+
+@pytest.mark.parametrize("end", ["transfer_ended", "late_import_kv"])
+def test_abort_mid_import_drains_every_block_until_the_transfer_ends(end: str) -> None:
+    d = batcher(paged(1, 4, extra=1))  # one block beyond the table: for the next request
+    link = Link(batcher(paged(2, 4, True)), d, hold=[0])
+    rid = d.submit(_toks(200), 4, remote=True)
+    link.step_until(lambda: rid in link.ready)
+    table = table_of(d, rid)
+    assert len(table) == 4
+    assert d.abort(rid) is True
+    d.check_invariants()
+    assert [owners(d)[b] for b in table] == ["DRAINING"] * 4
+    # the lane is free: a local request takes it with the blocks that are left
+    new = d.submit(_toks(30), 2)
+    link.step()
+    assert d.state.phase.get(new) is not None and not set(table_of(d, new)) & set(table)
+    r = link.ready.pop(rid)
+    if end == "transfer_ended":
+        assert d.transfer_ended(rid, LOST) == []
+    else:
+        assert d.import_kv(rid, r.prompt, r.first_token, r.host) == []
+    d.check_invariants()
+    assert [owners(d)[b] for b in table] == ["FREE"] * 4 and d.transfers() == {}
+    assert d.stats.imported_tokens == 0 and d.requests[rid].error == "aborted"
+    link.run()
+    assert d.requests[new].tokens == expected(d, new)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_a_fault_writing_any_block_fails_only_that_import(fail_at: int) -> None:
+    cfg = paged(2, 4)
+    rt = FaultyPDRuntime(TorchReferenceRuntime.tiny(cfg), update=[fail_at])
+    d = batcher(cfg, rt)
+    link = Link(batcher(paged(2, 4, True)), d)
+    bad = d.submit(_toks(180), 3, remote=True)  # three blocks: update calls 0, 1, 2
+    good = [d.submit(_toks(n), 3, remote=True) for n in (70, 20)]
+    link.run()
+    assert rt.raised == [("update", fail_at)]
+    assert "update_kv_cache failed" in (d.requests[bad].error or "")
+    assert d.requests[bad].tokens == []
+    assert_exact(link, good)
+    assert d.transfers() == {} and all(o in ("FREE", "SCRATCH") for o in owners(d))
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_fault_reading_any_block_fails_only_that_export(fail_at: int) -> None:
+    pcfg = paged(2, 2, True)
+    prt = FaultyPDRuntime(TorchReferenceRuntime.tiny(pcfg), fetch=[fail_at])
+    p = batcher(pcfg, prt)
+    d = batcher(paged(2, 2))
+    link = Link(p, d)
+    bad = d.submit(_toks(200), 3, remote=True)  # two blocks: fetch calls 0 and 1
+    link.run()
+    assert prt.raised == [("fetch", fail_at)] and len(link.p_errors) == 1
+    assert "export failed" in (d.requests[bad].error or "")
+    good = d.submit(_toks(190), 3, remote=True)
+    link.run()
+    assert_exact(link, [good])
+    assert p.transfers() == {} and d.transfers() == {}
+    assert set(owners(p)) <= {"FREE", "CACHE", "SCRATCH"}
+
+
+def test_a_payload_shorter_than_the_prompt_fails_only_its_request() -> None:
+    d = batcher(paged(2, 2))
+    link = Link(batcher(paged(2, 2, True)), d, hold=[0])
+    rid = d.submit(_toks(180), 3, remote=True)
+    other = d.submit(_toks(40), 3, remote=True)
+    link.step_until(lambda: rid in link.ready)
+    r = link.ready.pop(rid)
+    events = d.import_kv(rid, r.prompt, r.first_token, r.host[:, :, :, :100])
+    assert [e.kind for e in events] == ["error"]
+    assert "import rejected (host_kv)" in events[0].error and ", 100, " in events[0].error
+    link.run()
+    assert_exact(link, [other])
+    assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
+
+
+def test_workers_serve_multi_block_prompts_exactly() -> None:
+    dcfg, pcfg = paged(2, 4), paged(2, 2, True)  # block sizes may differ between the sides
+    td, tp = InProcessTransport.pair()
+    pw = PrefillWorker(pcfg, TorchReferenceRuntime.tiny(pcfg, seed=0), tp)
+    dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1)
+    work = prompts_for(64)
+    wids = [dw.submit(prompt, n) for prompt, n in work]
+    for _ in range(5000):
+        if not dw.busy():
+            break
+        dw.step()
+        pw.step_once()
+    results = dw.results()
+    for wid in wids:
+        assert results[wid].error is None, results[wid].error
+        assert results[wid].tokens == expected(dw.batcher, dw.requests[wid].brid)
+    assert dw.summary()["imported_tokens"] == sum(len(prompt) for prompt, _ in work)
+    assert pw.stats.exports == len(work)
+    assert pd.layout_of(dw.batcher.new_import_buffer()) == pd.layout_of(
+        inner(dw.runtime).new_host_buffer())
