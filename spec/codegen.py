@@ -1277,6 +1277,15 @@ class Generator:
             '    """The result of an action: the new state and its effects, or the unchanged\n'
             '    state and the name of the guard conjunct that failed."""\n\n'
             "    state: State\n    effects: tuple[Any, ...]\n    rejected: str | None\n")
+        lines.append(
+            "\n\ndef _bad_index(action: str, param: str, value: Any, sort: str, size: int) -> "
+            "IndexError:\n"
+            '    """An index parameter outside its sort: a caller bug, never a state the guards\n'
+            "    decide (Python would read a negative index from the end and corrupt the state).\n"
+            '    """\n'
+            '    return IndexError(f"{action}: {param}={value!r} is not a {sort} "\n'
+            '                      f"(0..{size - 1}): pass an index below the configuration\'s "\n'
+            '                      "size")\n')
         return "".join(lines)
 
     def _effects(self) -> str:
@@ -1417,6 +1426,21 @@ class Generator:
     def _signature(self, a: Any) -> str:
         return ", ".join(["s: State"] + [f"{p.name}: {self.py_type(p.sort)}" for p in a.params])
 
+    @staticmethod
+    def _range_checks(a: Any, none_ok: bool = False) -> str:
+        """Each index parameter within its sort (`_bad_index`); `none_ok`: a plan's parameter
+        may be None."""
+        out = []
+        for p in a.params:
+            if p.sort.kind != "index":
+                continue
+            size = f"s.consts.{p.sort.size}"
+            skip = f"{p.name} is not None and " if none_ok else ""
+            out.append(f"    if {skip}not 0 <= {p.name} < {size}:\n"
+                       f'        raise _bad_index("{a.name}", "{p.name}", {p.name}, '
+                       f'"{p.sort.name}", {size})\n')
+        return "".join(out)
+
     def _def(self, name: str, a: Any, ret: str) -> str:
         """A function header, its parameters on a line of their own when it is too long."""
         line = f"def {name}({self._signature(a)}) -> {ret}:\n"
@@ -1465,7 +1489,8 @@ class Generator:
 
     def _guard_fn(self, a: Any) -> str:
         head = (self._def(f"{a.name}_guard", a, "str | None")
-                + self._docstring(f"The first failing guard conjunct of `{a.name}`, or None."))
+                + self._docstring(f"The first failing guard conjunct of `{a.name}`, or None.")
+                + self._range_checks(a))
 
         def build(counts: dict[tuple[Any, ...], int] | None) -> Body:
             b = Body(self, params=a.params, consts="s.consts", states={False: "s"},
@@ -1567,7 +1592,8 @@ class Generator:
                 + self._docstring(
                     f"The effects `{a.name}` would have, or the first failing guard's name.\n\n"
                     "A parameter no effect reads (a token the planned call will sample) may\n"
-                    "be None."))
+                    "be None.")
+                + self._range_checks(a, none_ok=True))
 
         def build(counts: dict[tuple[Any, ...], int] | None) -> Body:
             b = Body(self, params=a.params, consts="s.consts", states={False: "s"},
@@ -1586,7 +1612,8 @@ class Generator:
 
     def _action_fn(self, a: Any) -> str:
         head = (self._def(a.name, a, "Step")
-                + self._docstring(a.doc or f"Action {a.name}."))
+                + self._docstring(a.doc or f"Action {a.name}.")
+                + self._range_checks(a))
         return head + self._two_pass(lambda counts: self._action_body(a, counts))
 
     def _action_body(self, a: Any, counts: dict[tuple[Any, ...], int] | None) -> Body:

@@ -468,6 +468,26 @@ def extend(l, dst):
     emit("grow", lane=l, block=dst, pos=nblocks(l))
 
 
+def at_block_boundary_mid_prompt(l):
+    """The guards a hit into lane l's next block starts with (`grow_hit`, `grow_host_hit`): its
+    tail is full in the middle of its prompt, with no copy in flight."""
+    require("lane_prefilling", prefilling(l))
+    require("no_copy_in_flight", ~copying(l))
+    require("tail_full", tail_full(l))
+    require("table_not_full", nblocks(l) < T)
+
+
+def continues_prompt(l, k, n):
+    """The guards on a hit's length (`grow_hit`, `grow_host_hit`): n more tokens (whole chunks,
+    within a block) of an entry with key k, which agrees with lane l's prompt through them,
+    and a token left to compute."""
+    require("n_whole_chunks", (n > 0) & (n % C == 0))
+    require("n_within_block", n <= S)
+    require("n_within_entry", length(l) + n <= slen(k))
+    require("token_left_to_compute", length(l) + n < lane_plen(l))
+    require("prefix_matches", take(k, length(l) + n) == take(lane_seq(l), length(l) + n))
+
+
 @m.action
 def grow(l: Lane, dst: Block):
     """Lane l's tail is full and it has more to compute: dst becomes its next block."""
@@ -489,17 +509,10 @@ def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
     sliding state at length + n from the entry's snapshot there). Each block is copied, not
     shared: one rule for every runtime, and a block is never in two tables
     (docs/design/paged-tables.md)."""
-    require("lane_prefilling", prefilling(l))
-    require("no_copy_in_flight", ~copying(l))
-    require("tail_full", tail_full(l))
-    require("table_not_full", nblocks(l) < T)
+    at_block_boundary_mid_prompt(l)
     require("src_cached", owner(src) == Owner.CACHE)
     require("src_at_the_boundary", start(src) == length(l))
-    require("n_whole_chunks", (n > 0) & (n % C == 0))
-    require("n_within_block", n <= S)
-    require("n_within_entry", length(l) + n <= slen(key(src)))
-    require("token_left_to_compute", length(l) + n < lane_plen(l))
-    require("prefix_matches", take(key(src), length(l) + n) == take(lane_seq(l), length(l) + n))
+    continues_prompt(l, key(src), n)
     require("hybrid_snapshot_at_n", implies(HYBRID, length(l) + n <= snap_upto(src)))
     require("dst_not_src", dst != src)
     require("dst_reusable", reusable(dst))
@@ -692,17 +705,10 @@ def grow_host_hit(l: Lane, h: Slot, dst: Block, n: INT):
     host entry h, at the same position of a sequence with the same prefix, holds n more of its
     tokens; dst becomes the lane's next block, loaded with those n tokens (`load_done` ends the
     load). The slot is read, not moved: it stays a host entry."""
-    require("lane_prefilling", prefilling(l))
-    require("no_copy_in_flight", ~copying(l))
-    require("tail_full", tail_full(l))
-    require("table_not_full", nblocks(l) < T)
+    at_block_boundary_mid_prompt(l)
     require("slot_stored", slot_state(h) == SlotState.STORED)
     require("slot_at_the_boundary", slot_start(h) == length(l))
-    require("n_whole_chunks", (n > 0) & (n % C == 0))
-    require("n_within_block", n <= S)
-    require("n_within_entry", length(l) + n <= slen(slot_key(h)))
-    require("token_left_to_compute", length(l) + n < lane_plen(l))
-    require("prefix_matches", take(slot_key(h), length(l) + n) == take(lane_seq(l), length(l) + n))
+    continues_prompt(l, slot_key(h), n)
     require("dst_reusable", reusable(dst))
     extend(l, dst)
     assign(length(l), length(l) + n)

@@ -1,6 +1,7 @@
 """The generated core: freshness, determinism, a scripted scenario, and the generator's rules."""
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -180,6 +181,23 @@ def test_rejections_return_the_same_state() -> None:
     s = core.submit(s, 1, seq([5, 6])).state
     assert core.submit(s, 1, seq([5])).rejected == "request_is_new"
     assert core.admit_miss(s, 0, 1, 0).rejected == "dst_reusable"  # the reserved scratch block
+
+
+@pytest.mark.parametrize("lane,block", [(-1, 1), (2, 1), (0, -1), (0, 4)])
+def test_an_index_outside_its_sort_is_refused_by_name(lane: int, block: int) -> None:
+    """A negative index would read from the end of a tuple and write another lane's state; an
+    index past the end would fail somewhere inside. Both are refused before anything runs, by
+    the action, its guard and its plan alike, naming the parameter and its range."""
+    s = core.submit(core.init(CONSTS), 1, seq([5, 6])).state
+    bad, size, sort = ("l", 2, "Lane") if lane not in (0,) else ("dst", 4, "Block")
+    value = lane if bad == "l" else block
+    want = f"admit_miss: {bad}={value} is not a {sort} (0..{size - 1})"
+    for fn in (core.admit_miss, core.admit_miss_guard):
+        with pytest.raises(IndexError, match=re.escape(want)):
+            fn(s, lane, 1, block)
+    with pytest.raises(IndexError, match=re.escape("grow_hit: dst=")):
+        core.grow_hit_plan(s, 0, 1, 4, 4)
+    assert core.admit_miss(s, 0, 1, 1).rejected is None  # in range: the guards decide
 
 
 def test_state_layout() -> None:

@@ -250,6 +250,15 @@ class Step(NamedTuple):
     rejected: str | None
 
 
+def _bad_index(action: str, param: str, value: Any, sort: str, size: int) -> IndexError:
+    """An index parameter outside its sort: a caller bug, never a state the guards
+    decide (Python would read a negative index from the end and corrupt the state).
+    """
+    return IndexError(f"{action}: {param}={value!r} is not a {sort} "
+                      f"(0..{size - 1}): pass an index below the configuration's "
+                      "size")
+
+
 # --------------------------------------------------------------------------- effects
 class Admit(NamedTuple):
     """Effect `admit` (emitted by admit_miss, admit_hit, admit_host_hit)."""
@@ -558,6 +567,10 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
 
 def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     """The first failing guard conjunct of `admit_miss`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_miss", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_miss", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -600,6 +613,10 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
 
 def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     """Admit r into idle lane l with an empty block (evicting dst if it is a cache entry)."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_miss", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_miss", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     # lane_idle
     if busy[l]:
@@ -745,6 +762,10 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_miss", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_miss", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -787,6 +808,12 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
 
 def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str | None:
     """The first failing guard conjunct of `admit_hit`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("admit_hit", "src", src, "Block", s.consts.K)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_hit", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -840,6 +867,12 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
 
 def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     """Admit r into idle lane l by copying n cached tokens from entry src into a fresh dst."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("admit_hit", "src", src, "Block", s.consts.K)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_hit", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     # lane_idle
     if busy[l]:
@@ -1007,6 +1040,12 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_hit", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("admit_hit", "src", src, "Block", s.consts.K)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_hit", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -1060,6 +1099,8 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
 
 def copy_done_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `copy_done`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("copy_done", "l", l, "Lane", s.consts.B)
     # copy_in_flight
     if not s.copying[l]:
         return "copy_in_flight"
@@ -1072,6 +1113,8 @@ def copy_done(s: State, l: int) -> Step:
     """The runtime finished copying lane l's prefix hit (and, for a hybrid model, restoring the
     lane's local slot from its snapshot at the hit's length); the source is unpinned.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("copy_done", "l", l, "Lane", s.consts.B)
     copying = s.copying
     # copy_in_flight
     if not copying[l]:
@@ -1150,6 +1193,8 @@ def copy_done(s: State, l: int) -> Step:
 
 def snapshot_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `snapshot`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
     # hybrid_prefix_cache
     if not s.consts.HYBRID:
         return "hybrid_prefix_cache"
@@ -1172,6 +1217,8 @@ def snapshot(s: State, l: int) -> Step:
     """Hybrid prefix cache: the host saves lane l's local slot (its sliding state) at the next
     chunk boundary, so that a later hit of that length can restore it.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
     # hybrid_prefix_cache
     if not s.consts.HYBRID:
         return Step(s, (), "hybrid_prefix_cache")
@@ -1259,6 +1306,8 @@ def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
     # hybrid_prefix_cache
     if not s.consts.HYBRID:
         return "hybrid_prefix_cache"
@@ -1280,6 +1329,8 @@ def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
 
 def prefill_guard(s: State, l: int, tok: int) -> str | None:
     """The first failing guard conjunct of `prefill`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
@@ -1298,6 +1349,8 @@ def prefill_guard(s: State, l: int, tok: int) -> str | None:
 
 def prefill(s: State, l: int, tok: int) -> Step:
     """Compute the next chunk of lane l's prompt; the last chunk samples the first token."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
     lane_req = s.lane_req
     phase = s.phase
     # lane_prefilling
@@ -1390,6 +1443,8 @@ def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
@@ -1411,6 +1466,10 @@ def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
 
 def grow_guard(s: State, l: int, dst: int) -> str | None:
     """The first failing guard conjunct of `grow`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     _m0 = s.phase.get(s.lane_req[l])
     copying = s.copying
@@ -1439,6 +1498,10 @@ def grow_guard(s: State, l: int, dst: int) -> str | None:
 
 def grow(s: State, l: int, dst: int) -> Step:
     """Lane l's tail is full and it has more to compute: dst becomes its next block."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     _m0 = s.phase.get(s.lane_req[l])
     copying = s.copying
@@ -1557,6 +1620,10 @@ def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     _m0 = s.phase.get(s.lane_req[l])
     copying = s.copying
@@ -1586,6 +1653,12 @@ def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
 
 def grow_hit_guard(s: State, l: int, src: int, dst: int, n: int) -> str | None:
     """The first failing guard conjunct of `grow_hit`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("grow_hit", "src", src, "Block", s.consts.K)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
@@ -1656,6 +1729,12 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     shared: one rule for every runtime, and a block is never in two tables
     (docs/design/paged-tables.md).
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("grow_hit", "src", src, "Block", s.consts.K)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
         return Step(s, (), "lane_prefilling")
@@ -1824,6 +1903,12 @@ def grow_hit_plan(s: State, l: int, src: int, dst: int, n: int) -> tuple[Any, ..
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_hit", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("grow_hit", "src", src, "Block", s.consts.K)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
@@ -1888,6 +1973,8 @@ def grow_hit_plan(s: State, l: int, src: int, dst: int, n: int) -> tuple[Any, ..
 
 def preempt_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `preempt`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
     # preemption_on
     if not s.consts.PREEMPT:
         return "preemption_on"
@@ -1945,6 +2032,8 @@ def preempt(s: State, l: int) -> Step:
     becomes everything it has (prompt and sampled tokens), so the restart's prefill samples its
     next token.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
     # preemption_on
     if not s.consts.PREEMPT:
         return Step(s, (), "preemption_on")
@@ -2058,6 +2147,8 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
     # preemption_on
     if not s.consts.PREEMPT:
         return "preemption_on"
@@ -2110,6 +2201,8 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
 
 def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
     """The first failing guard conjunct of `decode`, or None."""
+    if not 0 <= pad < s.consts.K:
+        raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
     B = s.consts.B
     length = s.length
     tail = s.tail
@@ -2145,6 +2238,8 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     """One decode call over every row: decoding lanes append a token, other rows write padding
     into `pad` (the scratch target).
     """
+    if not 0 <= pad < s.consts.K:
+        raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
     B = s.consts.B
     length = s.length
     tail = s.tail
@@ -2286,6 +2381,8 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if pad is not None and not 0 <= pad < s.consts.K:
+        raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
     B = s.consts.B
     length = s.length
     tail = s.tail
@@ -2334,6 +2431,8 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
 
 def finish_guard(s: State, l: int, keep: bool) -> str | None:
     """The first failing guard conjunct of `finish`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("finish", "l", l, "Lane", s.consts.B)
     # lane_decoding
     if not s.busy[l]:
         return "lane_decoding"
@@ -2347,6 +2446,8 @@ def finish_guard(s: State, l: int, keep: bool) -> str | None:
 
 def finish(s: State, l: int, keep: bool) -> Step:
     """Lane l's request is done; its block becomes a cache entry (keep) or free."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("finish", "l", l, "Lane", s.consts.B)
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
@@ -2445,6 +2546,8 @@ def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("finish", "l", l, "Lane", s.consts.B)
     # lane_decoding
     if not s.busy[l]:
         return "lane_decoding"
@@ -2520,6 +2623,8 @@ def abort_waiting(s: State, r: int) -> Step:
 
 def abort_running_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `abort_running`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("abort_running", "l", l, "Lane", s.consts.B)
     # lane_busy
     if not s.busy[l]:
         return "lane_busy"
@@ -2528,6 +2633,8 @@ def abort_running_guard(s: State, l: int) -> str | None:
 
 def abort_running(s: State, l: int) -> Step:
     """The client gives up on lane l's request; its partial KV is dropped, never cached."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("abort_running", "l", l, "Lane", s.consts.B)
     busy = s.busy
     # lane_busy
     if not busy[l]:
@@ -2617,6 +2724,8 @@ def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("abort_running", "l", l, "Lane", s.consts.B)
     # lane_busy
     if not s.busy[l]:
         return "lane_busy"
@@ -2625,6 +2734,8 @@ def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
 
 def fail_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `fail`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("fail", "l", l, "Lane", s.consts.B)
     # lane_busy
     if not s.busy[l]:
         return "lane_busy"
@@ -2633,6 +2744,8 @@ def fail_guard(s: State, l: int) -> str | None:
 
 def fail(s: State, l: int) -> Step:
     """A runtime error attributed to lane l's request: it ends, its block may be half-written."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("fail", "l", l, "Lane", s.consts.B)
     busy = s.busy
     # lane_busy
     if not busy[l]:
@@ -2732,6 +2845,8 @@ def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("fail", "l", l, "Lane", s.consts.B)
     # lane_busy
     if not s.busy[l]:
         return "lane_busy"
@@ -2740,6 +2855,8 @@ def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
 
 def discard_guard(s: State, b: int) -> str | None:
     """The first failing guard conjunct of `discard`, or None."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("discard", "b", b, "Block", s.consts.K)
     owner = s.owner
     # not_a_lane_block
     if not (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE or owner[b] == OWNER_SCRATCH):
@@ -2758,6 +2875,8 @@ def discard(s: State, b: int) -> Step:
     """A failed runtime call may have written into b, a block no lane owns (the padding target):
     whatever it held is gone, and a cache entry there is dropped.
     """
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("discard", "b", b, "Block", s.consts.K)
     owner = s.owner
     _m0 = owner[b] == OWNER_CACHE
     # not_a_lane_block
@@ -2828,6 +2947,10 @@ def discard(s: State, b: int) -> Step:
 
 def spill_guard(s: State, b: int, h: int) -> str | None:
     """The first failing guard conjunct of `spill`, or None."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("spill", "b", b, "Block", s.consts.K)
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("spill", "h", h, "Slot", s.consts.H)
     # host_cache_on
     if not s.consts.HOST:
         return "host_cache_on"
@@ -2849,6 +2972,10 @@ def spill_guard(s: State, b: int, h: int) -> str | None:
 
 def spill(s: State, b: int, h: int) -> Step:
     """Evict cache entry b to host slot h: the store (device -> host) pins both until it ends."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("spill", "b", b, "Block", s.consts.K)
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("spill", "h", h, "Slot", s.consts.H)
     # host_cache_on
     if not s.consts.HOST:
         return Step(s, (), "host_cache_on")
@@ -2942,6 +3069,10 @@ def spill_plan(s: State, b: int, h: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if b is not None and not 0 <= b < s.consts.K:
+        raise _bad_index("spill", "b", b, "Block", s.consts.K)
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("spill", "h", h, "Slot", s.consts.H)
     # host_cache_on
     if not s.consts.HOST:
         return "host_cache_on"
@@ -2963,6 +3094,8 @@ def spill_plan(s: State, b: int, h: int) -> tuple[Any, ...] | str:
 
 def store_done_guard(s: State, h: int) -> str | None:
     """The first failing guard conjunct of `store_done`, or None."""
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("store_done", "h", h, "Slot", s.consts.H)
     # slot_storing
     if s.slot_state[h] != SLOTSTATE_STORING:
         return "slot_storing"
@@ -2971,6 +3104,8 @@ def store_done_guard(s: State, h: int) -> str | None:
 
 def store_done(s: State, h: int) -> Step:
     """The store into h completed: h is a host entry, and its device block is free."""
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("store_done", "h", h, "Slot", s.consts.H)
     slot_state = s.slot_state
     # slot_storing
     if slot_state[h] != SLOTSTATE_STORING:
@@ -3040,6 +3175,8 @@ def store_done(s: State, h: int) -> Step:
 
 def store_fail_guard(s: State, h: int) -> str | None:
     """The first failing guard conjunct of `store_fail`, or None."""
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("store_fail", "h", h, "Slot", s.consts.H)
     # slot_storing
     if s.slot_state[h] != SLOTSTATE_STORING:
         return "slot_storing"
@@ -3048,6 +3185,8 @@ def store_fail_guard(s: State, h: int) -> str | None:
 
 def store_fail(s: State, h: int) -> Step:
     """The store into h failed: the entry is dropped (the device block is free, the slot empty)."""
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("store_fail", "h", h, "Slot", s.consts.H)
     slot_state = s.slot_state
     # slot_storing
     if slot_state[h] != SLOTSTATE_STORING:
@@ -3107,6 +3246,8 @@ def store_fail(s: State, h: int) -> Step:
 
 def host_evict_guard(s: State, h: int) -> str | None:
     """The first failing guard conjunct of `host_evict`, or None."""
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("host_evict", "h", h, "Slot", s.consts.H)
     # slot_stored
     if s.slot_state[h] != SLOTSTATE_STORED:
         return "slot_stored"
@@ -3115,6 +3256,8 @@ def host_evict_guard(s: State, h: int) -> str | None:
 
 def host_evict(s: State, h: int) -> Step:
     """Drop host entry h (never one a store writes or a load reads)."""
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("host_evict", "h", h, "Slot", s.consts.H)
     slot_state = s.slot_state
     # slot_stored
     if slot_state[h] != SLOTSTATE_STORED:
@@ -3171,6 +3314,12 @@ def host_evict(s: State, h: int) -> Step:
 
 def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> str | None:
     """The first failing guard conjunct of `admit_host_hit`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_host_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("admit_host_hit", "h", h, "Slot", s.consts.H)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_host_hit", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -3218,6 +3367,12 @@ def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> 
 
 def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
     """Admit r into idle lane l by loading n tokens of host entry h into a fresh dst."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_host_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("admit_host_hit", "h", h, "Slot", s.consts.H)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_host_hit", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     # lane_idle
     if busy[l]:
@@ -3382,6 +3537,12 @@ def admit_host_hit_plan(
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_host_hit", "l", l, "Lane", s.consts.B)
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("admit_host_hit", "h", h, "Slot", s.consts.H)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_host_hit", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -3429,6 +3590,12 @@ def admit_host_hit_plan(
 
 def grow_host_hit_guard(s: State, l: int, h: int, dst: int, n: int) -> str | None:
     """The first failing guard conjunct of `grow_host_hit`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_host_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("grow_host_hit", "h", h, "Slot", s.consts.H)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_host_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
@@ -3489,6 +3656,12 @@ def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
     tokens; dst becomes the lane's next block, loaded with those n tokens (`load_done` ends the
     load). The slot is read, not moved: it stays a host entry.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_host_hit", "l", l, "Lane", s.consts.B)
+    if not 0 <= h < s.consts.H:
+        raise _bad_index("grow_host_hit", "h", h, "Slot", s.consts.H)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_host_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
         return Step(s, (), "lane_prefilling")
@@ -3652,6 +3825,12 @@ def grow_host_hit_plan(s: State, l: int, h: int, dst: int, n: int) -> tuple[Any,
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_host_hit", "l", l, "Lane", s.consts.B)
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("grow_host_hit", "h", h, "Slot", s.consts.H)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_host_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
@@ -3709,6 +3888,8 @@ def grow_host_hit_plan(s: State, l: int, h: int, dst: int, n: int) -> tuple[Any,
 
 def load_done_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `load_done`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("load_done", "l", l, "Lane", s.consts.B)
     # load_in_flight
     if not s.copying[l]:
         return "load_in_flight"
@@ -3719,6 +3900,8 @@ def load_done_guard(s: State, l: int) -> str | None:
 
 def load_done(s: State, l: int) -> Step:
     """The load into lane l's block completed; its slot is a plain host entry again."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("load_done", "l", l, "Lane", s.consts.B)
     copying = s.copying
     # load_in_flight
     if not copying[l]:
@@ -3793,6 +3976,8 @@ def load_done(s: State, l: int) -> Step:
 
 def load_fail_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `load_fail`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("load_fail", "l", l, "Lane", s.consts.B)
     # load_in_flight
     if not s.copying[l]:
         return "load_in_flight"
@@ -3806,6 +3991,8 @@ def load_fail(s: State, l: int) -> Step:
     blocks before it hold theirs; nothing past the block's start is read, so the half-written
     block is an empty one).
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("load_fail", "l", l, "Lane", s.consts.B)
     copying = s.copying
     # load_in_flight
     if not copying[l]:
@@ -3886,6 +4073,8 @@ def load_fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("load_fail", "l", l, "Lane", s.consts.B)
     # load_in_flight
     if not s.copying[l]:
         return "load_in_flight"
@@ -3896,6 +4085,10 @@ def load_fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
 
 def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
     """The first failing guard conjunct of `admit_import`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -3923,6 +4116,10 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     first block (`import_grow` adds the others). Never through the cache: the transfer writes
     the whole prompt into fresh blocks.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
     busy = s.busy
     # lane_idle
     if busy[l]:
@@ -4055,6 +4252,10 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
     # lane_idle
     if s.busy[l]:
         return "lane_idle"
@@ -4079,6 +4280,10 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
 
 def import_grow_guard(s: State, l: int, dst: int) -> str | None:
     """The first failing guard conjunct of `import_grow`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("import_grow", "dst", dst, "Block", s.consts.K)
     # lane_importing
     if not s.busy[l]:
         return "lane_importing"
@@ -4108,6 +4313,10 @@ def import_grow(s: State, l: int, dst: int) -> Step:
     pinned for the same transfer. The transfer writes only once the table covers the prompt
     (the adapter starts it then), so every block is in place before any KV lands.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
+    if not 0 <= dst < s.consts.K:
+        raise _bad_index("import_grow", "dst", dst, "Block", s.consts.K)
     lane_req = s.lane_req
     # lane_importing
     if not s.busy[l]:
@@ -4215,6 +4424,10 @@ def import_grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("import_grow", "dst", dst, "Block", s.consts.K)
     # lane_importing
     if not s.busy[l]:
         return "lane_importing"
@@ -4398,6 +4611,8 @@ def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] |
 
 def export_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `export`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("export", "l", l, "Lane", s.consts.B)
     # lane_prefilled
     if not s.busy[l]:
         return "lane_prefilled"
@@ -4412,6 +4627,8 @@ def export(s: State, l: int) -> Step:
     """Lane l has prefilled its prompt (and sampled the first token): its KV (every block of its
     table) is sent to a decode worker, pinned until the send ends.
     """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("export", "l", l, "Lane", s.consts.B)
     lane_req = s.lane_req
     phase = s.phase
     length = s.length
@@ -4496,6 +4713,8 @@ def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("export", "l", l, "Lane", s.consts.B)
     lane_req = s.lane_req
     length = s.length
     # lane_prefilled
@@ -4731,6 +4950,8 @@ def transfer_fail_plan(s: State, r: int) -> tuple[Any, ...] | str:
 
 def transfer_end_guard(s: State, r: int, b: int) -> str | None:
     """The first failing guard conjunct of `transfer_end`, or None."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("transfer_end", "b", b, "Block", s.consts.K)
     # block_draining
     if s.owner[b] != OWNER_DRAINING:
         return "block_draining"
@@ -4745,6 +4966,8 @@ def transfer_end(s: State, r: int, b: int) -> Step:
     release of b and of every other block draining for r (one transfer, one end). Whatever it
     wrote is not trusted.
     """
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("transfer_end", "b", b, "Block", s.consts.K)
     owner = s.owner
     # block_draining
     if owner[b] != OWNER_DRAINING:
