@@ -271,17 +271,20 @@ class _Usage(Exception):
 def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
     from atom_core.config import Config, ConfigError
 
+    block = args.block_size if args.block_size is not None else args.max_seq_len
     kv = args.kv_blocks
     if kv is None:
-        kv = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch)
+        # (a block size that does not divide max_seq_len: Config says so below)
+        kv = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch,
+                           max(1, args.max_seq_len // block))
         if decode and args.scratch == "dynamic":
             # At the minimum every block can be held by a lane, importing ones included, so
             # padding rows have nowhere to write and decode stalls until the imports land.
             kv += 1
     try:
         return Config(lanes=args.lanes, kv_blocks=kv, max_seq_len=args.max_seq_len,
-                      prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
-                      scratch=args.scratch)
+                      block_size=block, prefill_chunk=args.prefill_chunk,
+                      prefix_cache=args.prefix_cache, scratch=args.scratch)
     except ConfigError as exc:
         raise _Usage(f"invalid configuration: {exc}") from None
 
@@ -675,6 +678,10 @@ def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
                        " (plus one with dynamic scratch, so decode runs while imports are in "
                        "flight)" if decode else ""))
     p.add_argument("--max-seq-len", type=_positive, default=256)
+    p.add_argument("--block-size", type=_positive, default=None,
+                   help="KV block size; max_seq_len / block_size blocks per lane's table "
+                        "(default: max_seq_len, one block per lane); the two workers' may "
+                        "differ (a payload is the prompt's positions)")
     p.add_argument("--prefill-chunk", type=_positive, default=64)
     p.add_argument("--prefix-cache", action="store_true")
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic")

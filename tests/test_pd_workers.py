@@ -495,8 +495,12 @@ def prefill_proc() -> Iterator[Callable[..., tuple[subprocess.Popen[str], int]]]
         p.communicate(timeout=10)
 
 
-def test_gloo_two_processes_equal_the_oracle(prefill_proc: Any) -> None:
-    proc, port = prefill_proc([*GLOO_CFG, "--prefix-cache", "--json"])  # key from the env
+@pytest.mark.parametrize("paged", [False, True], ids=["one-block", "paged"])
+def test_gloo_two_processes_equal_the_oracle(prefill_proc: Any, paged: bool) -> None:
+    """Paged: the prefill process's tables are two blocks of 64 (`--block-size`), the decode
+    side's are one block of 128: multi-block exports travel as positions."""
+    extra = ["--block-size", str(C)] if paged else []
+    proc, port = prefill_proc([*GLOO_CFG, *extra, "--prefix-cache", "--json"])  # key: the env
     cfg = config(2)
     rt = TorchReferenceRuntime.tiny(cfg)
     transport = GlooTransport(0, port=port, timeout=20.0)
@@ -583,6 +587,7 @@ def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
      "kv_blocks >= lanes + 1"),
     (["pd-prefill", "--prefill-chunk", "96"], "multiple of 64"),
     (["pd-prefill", "--max-seq-len", "100"], "must be a multiple of prefill_chunk"),
+    (["pd-decode", "--block-size", "96"], "not a multiple of block_size"),
     (["pd-decode", "--max-seq-len", "192", "--prefill-chunk", "128"],
      "must be a multiple of prefill_chunk"),
     (["pd-decode", "--key", "short"], "at least 16"),
