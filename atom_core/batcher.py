@@ -167,6 +167,7 @@ class AtomBatcher:
         self.stats = Stats()
         self._next_id = 0
         self._transfers: dict[int, int] = {}  # request -> block of its unfinished transfer
+        self._asked: set[int] = set()  # imports whose "import" event went out
         self._exports: dict[int, int] = {}  # request -> first token, KV not yet taken
         # each lane's block table in token order, kept from the core's effects (admit, grow,
         # release): what the runtime's block_tables rows hold
@@ -225,6 +226,10 @@ class AtomBatcher:
             self._apply("abort_waiting", r=request_id)
         else:  # a block in a transfer drains until `transfer_ended` (see the module doc)
             self._apply("abort_running", l=self.state.req_lane.get(request_id))
+            if phase == core.PHASE_IMPORTING and request_id not in self._asked:
+                # its table was still growing: nobody was asked for its KV, so no end of that
+                # transfer will ever be reported; it ends here (nothing wrote the blocks)
+                self._apply("transfer_end", r=request_id, b=self._transfers.pop(request_id))
         self._exports.pop(request_id, None)
         req.ended, req.error = True, "aborted"
         return True
@@ -272,6 +277,11 @@ class AtomBatcher:
             return events
         p = seq(ids)
         bad = core.import_done_guard(self.state, request_id, p, first_token)
+        if bad == "table_covers_prompt":
+            self._transfer_failed(request_id, "import rejected (table_covers_prompt): the "
+                                  "request's table does not cover its prompt yet; call "
+                                  "import_kv after its import event (`awaits_kv`)", events)
+            return events
         if bad is not None:
             self._transfer_failed(request_id, f"import rejected ({bad}): the KV covers "
                                   f"{len(p)} tokens, not this request's prompt", events)
@@ -312,6 +322,7 @@ class AtomBatcher:
                 self._transfer_failed(request_id, f"update_local_cache failed: {exc!r}", events)
                 return events
         del self._transfers[request_id]
+        self._asked.discard(request_id)
         self._apply("import_done", r=request_id, p=p, tok=first_token)
         self.stats.imported_tokens += len(p)
         self._emit_token(self.state.req_lane.get(request_id), first_token, events)
@@ -359,6 +370,12 @@ class AtomBatcher:
         events.append(Event("finished", request_id))
         return events
 
+    def awaits_kv(self, request_id: int) -> bool:
+        """The request's lane has its whole table and its "import" event went out: `import_kv`
+        can write its KV now (before that, keep the KV until the event)."""
+        return (request_id in self._asked
+                and self.state.phase.get(request_id) == core.PHASE_IMPORTING)
+
     def transfers(self) -> dict[int, int]:
         """Unfinished transfers: request -> its first block (including requests whose blocks
         drain after an abort)."""
@@ -396,6 +413,7 @@ class AtomBatcher:
 
     def _transfer_failed(self, rid: int, error: str, events: list[Event]) -> None:
         self._transfers.pop(rid, None)
+        self._asked.discard(rid)
         self._exports.pop(rid, None)
         self._apply("transfer_fail", r=rid)
         self.stats.transfer_failures += 1
@@ -407,6 +425,7 @@ class AtomBatcher:
         block = self._transfers.get(rid)
         if block is not None and core.transfer_end_guard(self.state, rid, block) is None:
             del self._transfers[rid]
+            self._asked.discard(rid)
             self._apply("transfer_end", r=rid, b=block)
         else:
             self.stats.stale_events += 1
@@ -630,7 +649,9 @@ class AtomBatcher:
         """Ask for lane's KV ("import") once its table covers the prompt: the core refuses to
         grow it further exactly then."""
         if core.import_grow_guard(self.state, lane, 0) == "table_short_of_prompt":
-            events.append(Event("import", self.state.lane_req[lane]))
+            rid = self.state.lane_req[lane]
+            self._asked.add(rid)
+            events.append(Event("import", rid))
 
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:

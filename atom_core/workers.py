@@ -1,14 +1,16 @@
 """PD workers: a prefill worker and a decode worker talking over a `Transport`.
 
 The decode worker owns the requests. Each is submitted to its batcher as `remote`: once it has a
-lane and a block (an "import" event) the decode worker asks the prefill worker for its KV with
+lane and blocks for its whole prompt (an "import" event) the decode worker asks the prefill
+worker for its KV with
 `{"kind": "prefill", "id", "prompt"}`. The prefill worker prefills it as an `export` request and
 answers with the payload (`{"kind": "kv", ...}`, see `atom_core.pd`) or with
 `{"kind": "prefill_failed", "id", "error"}`. The decode worker validates every payload before
 anything is written into a block; a bad one fails that request alone. Meanwhile the other lanes
 keep decoding: nothing waits for the transport except an idle loop. With `prefetch=N` the decode
 worker also asks for the KV of the next N waiting requests before they get a lane and keeps it,
-validated, in host memory until they do (the round trip then overlaps other requests' decode).
+validated, in host memory until they do (the round trip then overlaps other requests' decode);
+KV that arrives while its lane's table is still growing waits the same way.
 
 Other messages, decode -> prefill: `{"kind": "cancel", "id"}` (the request was aborted or timed
 out: the prefill worker drops it and answers prefill_failed, so a block draining on the decode
@@ -418,9 +420,10 @@ class DecodeWorker:
                        out)
             return
         req.answered, req.payload = True, payload
-        if phase == core.PHASE_IMPORTING:
+        if self.batcher.awaits_kv(req.brid):
             self._import(wid, out)
-        # else prefetched: it waits, validated, for its lane
+        # else prefetched: it waits, validated, for its lane (and its whole table: the import
+        # event, `_on_import`)
 
     def _import(self, wid: int, out: list[Event]) -> None:
         req = self.requests[wid]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from atom_core import pd
+from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, min_kv_blocks
 from atom_core.replay import replay
@@ -218,3 +219,94 @@ def test_workers_serve_multi_block_prompts_exactly() -> None:
     assert pw.stats.exports == len(work)
     assert pd.layout_of(dw.batcher.new_import_buffer()) == pd.layout_of(
         inner(dw.runtime).new_host_buffer())
+
+
+def _short_table() -> tuple[Link, int, int, int]:
+    """D (two lanes, tables of four blocks of 64, the minimum of blocks) with a local request
+    decoding in three blocks and an aborted import draining four: remote R2 is admitted with
+    the block left and its table cannot grow. Returns (link, local, aborted, r2)."""
+    d = batcher(paged(2, 4))
+    assert d.config.kv_blocks == 8
+    link = Link(batcher(paged(2, 4, True)), d, hold=[1])
+    local = d.submit(_toks(150), 40)
+    r1 = d.submit(_toks(200), 3, remote=True)
+    link.step_until(lambda: r1 in link.ready and d.state.phase.get(local) == core.PHASE_DECODE)
+    assert d.abort(r1) is True
+    r2 = d.submit(_toks(200), 3, remote=True)
+    link.step()
+    assert d.state.phase.get(r2) == core.PHASE_IMPORTING and len(table_of(d, r2)) == 1
+    assert r2 not in link.imports and not d.awaits_kv(r2)  # nobody asked for its KV yet
+    return link, local, r1, r2
+
+
+def test_an_import_whose_table_is_still_growing_ends_at_once_when_aborted() -> None:
+    """No one was asked for its KV, so no end of its transfer will ever be reported: its block
+    is free at once (it would otherwise drain forever)."""
+    link, local, r1, r2 = _short_table()
+    d = link.d
+    (block,) = table_of(d, r2)
+    assert d.abort(r2) is True
+    d.check_invariants()
+    assert owners(d)[block] == "FREE" and set(d.transfers()) == {r1}
+    assert d.transfer_ended(r1, LOST) == []  # the aborted r1's drain ends
+    link.run()
+    assert d.requests[local].tokens == expected(d, local)
+    assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
+
+
+def test_kv_for_an_import_whose_table_is_still_growing_is_refused_by_name() -> None:
+    link, local, r1, r2 = _short_table()
+    d = link.d
+    events = d.import_kv(r2, d.requests[r2].prompt, 1, d.new_import_buffer())
+    assert [e.kind for e in events] == ["error"]
+    assert "table_covers_prompt" in events[0].error and "import event" in events[0].error
+    d.check_invariants()
+    assert d.transfer_ended(r1, LOST) == []
+    link.run()
+    assert d.requests[local].tokens == expected(d, local)
+    assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
+
+
+def test_a_waiting_import_is_asked_for_once_its_table_grows() -> None:
+    link, local, r1, r2 = _short_table()
+    d = link.d
+    assert d.transfer_ended(r1, LOST) == []  # four blocks free: r2's table grows
+    link.step()
+    assert r2 in link.imports and len(table_of(d, r2)) == 4
+    link.run()
+    assert_exact(link, [local, r2])
+
+
+def test_prefetched_kv_waits_for_the_whole_table() -> None:
+    """The decode worker prefetches r2's KV; it arrives while r2's lane is admitted but its
+    table cannot grow yet (an aborted import's blocks drain until the prefill worker answers
+    the cancel). It is kept, not imported into a partial table (which the core would refuse,
+    failing r2), and imported once the table is whole."""
+    dcfg, pcfg = paged(2, 4), paged(2, 4, True)
+    td, tp = InProcessTransport.pair()
+    pw = PrefillWorker(pcfg, TorchReferenceRuntime.tiny(pcfg, seed=0), tp)
+    dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1)
+    w0, w1, w2 = dw.submit(_toks(150), 30), dw.submit(_toks(200), 3), dw.submit(_toks(200), 3)
+    dw.step()  # w0 (three blocks) and w1 (four) are asked for, w2 prefetched
+    b = dw.batcher
+    r1, r2 = dw.requests[w1].brid, dw.requests[w2].brid
+    assert b.awaits_kv(r1) and dw.requests[w2].wire is not None
+    assert dw.abort(w1) is True  # its four blocks drain until the prefill worker answers
+    dw.step()
+    assert b.state.phase.get(r2) == core.PHASE_IMPORTING and not b.awaits_kv(r2)
+    for _ in range(50):  # the prefill side only: it answers the cancel, ships w0's and w2's KV
+        pw.step_once()
+        if pw.stats.exports == 2:
+            break
+    assert pw.stats.exports == 2 and pw.stats.cancelled == 1
+    dw.step()  # the cancel's answer frees the blocks, w2's KV arrives: kept, then imported
+    for _ in range(2000):
+        if not dw.busy():
+            break
+        dw.step()
+        pw.step_once()
+    res = dw.results()
+    for wid in (w0, w2):
+        assert res[wid].error is None, res[wid].error
+        assert res[wid].tokens == expected(b, dw.requests[wid].brid)
+    assert res[w1].error is not None
