@@ -707,7 +707,8 @@ RUNTIME_FAILURES = ("prefill failed", "decode failed", "copy_kv_cache failed",
 
 class PDDecodeMachine(RuleBasedStateMachine):
     """A decode batcher with remote and local requests; imports are delivered (or not) by the
-    rules, in any order, correct or wrong."""
+    rules, in any order, correct or wrong. Tables of one or two blocks (T = 2: an import's
+    table grows before its import event, and may wait for blocks that drain)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -721,11 +722,15 @@ class PDDecodeMachine(RuleBasedStateMachine):
 
     @initialize(lanes=st.integers(1, 3), prefix=st.booleans(),
                 scratch=st.sampled_from(["reserved", "dynamic"]), extra=st.integers(0, 1),
+                tables=st.integers(1, 2),
                 first=st.lists(st.integers(0, len(M_POOL) - 1), min_size=1, max_size=4))
-    def setup(self, lanes: int, prefix: bool, scratch: str, extra: int, first: list[int]) -> None:
+    def setup(self, lanes: int, prefix: bool, scratch: str, extra: int, tables: int,
+              first: list[int]) -> None:
         """The decode batcher, and remote requests admitted in one step: imports are pending
         from the start."""
-        cfg = config(lanes, prefix, scratch, extra, seq_len=MS)
+        cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch, tables) + extra,
+                     max_seq_len=MS, block_size=MS // tables, prefill_chunk=C,
+                     prefix_cache=prefix, scratch=scratch)
         self.rt = FaultyPDRuntime(TorchReferenceRuntime.tiny(cfg))
         self.d = batcher(cfg, self.rt)
         self.oracle = oracle_for(self.rt.inner)
@@ -743,6 +748,12 @@ class PDDecodeMachine(RuleBasedStateMachine):
                 self.pending.add(e.request_id)
             elif e.kind in ("finished", "error"):
                 self.pending.discard(e.request_id)
+
+    def _growing(self) -> set[int]:
+        """Imports admitted whose table still grows: no import event yet."""
+        d = self.d
+        return {r for r in self.events
+                if d.state.phase.get(r) == core.PHASE_IMPORTING and not d.awaits_kv(r)}
 
     def _terminal(self, rid: int) -> int:
         return sum(1 for e in self.events[rid] if e.kind in ("finished", "error"))
@@ -797,7 +808,8 @@ class PDDecodeMachine(RuleBasedStateMachine):
         """A transfer event for a request not importing (ended, waiting, local, unknown, or
         aborted with its transfer still draining)."""
         d = self.d
-        known = [r for r in sorted(self.events) if r not in self.pending]
+        known = [r for r in sorted(self.events)
+                 if r not in self.pending and r not in self._growing()]
         rid = data.draw(st.sampled_from(known + [len(self.events) + 5]), label="request")
         prompt = d.requests[rid].prompt if rid in d.requests else [1, 2, 3]
         r = machine_payload(prompt)
@@ -826,7 +838,11 @@ class PDDecodeMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.events)), label="request")
         live = not d.requests[rid].ended
         importing = rid in self.pending
+        growing = rid in self._growing()
         assert d.abort(rid) is live
+        if growing:  # nobody was asked for its KV: no end will be reported, none is waited for
+            event("abort while the import table grows")
+            assert rid not in d.transfers()
         if live:
             self.aborted.add(rid)
             assert d.requests[rid].error == "aborted"
@@ -849,8 +865,11 @@ class PDDecodeMachine(RuleBasedStateMachine):
         d.check_invariants()
         assert_no_block_leaked(d)
         importing = {r for r in self.events if d.state.phase.get(r) == core.PHASE_IMPORTING}
-        assert importing == self.pending
-        assert set(d.transfers()) == self.pending | self.draining
+        growing = self._growing()
+        assert importing == self.pending | growing and not self.pending & growing
+        assert set(d.transfers()) == self.pending | self.draining | growing
+        if growing:
+            event("an import table waits for blocks")
         for rid, req in d.requests.items():
             ends = self._terminal(rid) + (rid in self.aborted)
             assert ends <= 1, (rid, self.events[rid])
