@@ -679,8 +679,7 @@ def block_leaks(side: str, b: AtomBatcher) -> list[str]:
     or draining for a recorded transfer of an ended request; every recorded transfer pins its
     block; every request the core has waiting is in the batcher's queue."""
     s, out = b.state, []
-    transfers = b.transfers()
-    draining_for = {blk: r for r, blk in transfers.items()}
+    transfers = b.transfers()  # request -> its first block: a transfer may pin several
     tables = [ln["blocks"] for ln in b.describe()["lanes"]]
     for blk in range(s.consts.K):
         own = s.owner[blk]
@@ -694,8 +693,8 @@ def block_leaks(side: str, b: AtomBatcher) -> list[str]:
                 out.append(f"{side}: block {blk} is held by lane {ln} for request "
                            f"{s.lane_req[ln]}, which has ended")
         elif own == core.OWNER_DRAINING:
-            r = draining_for.get(blk)
-            if r is None:
+            r = s.transfer_req[blk]
+            if r not in transfers:
                 out.append(f"{side}: block {blk} drains with no recorded transfer")
             elif not b.requests[r].ended:
                 out.append(f"{side}: block {blk} drains for request {r}, which has not ended")
