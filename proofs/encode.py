@@ -131,7 +131,8 @@ class Universe:
         self.seq_facts: list[Any] = []  # well-formedness of free sequence terms
         self.tokens: TokenWindow | None = None
         if concrete_seqs:
-            width = int(fixed["S"]) + 1  # a lane never holds more than S tokens, plus one sampled
+            # a lane never holds more than a table (T * S tokens), plus one sampled
+            width = int(fixed["S"]) * int(fixed.get("T", 1)) + 1
             self.tokens = TokenWindow(f"Tokens{uid}", width)
             self.z3sorts["Seq"] = self.tokens.sort
             self.ops.update(self.tokens.ops())

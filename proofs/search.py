@@ -127,12 +127,14 @@ IGNORED = {"colocated": (), "decode": ("idle_lane_admits",), "any": ()}
 
 def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth: int = 40,
                        max_states: int = 2_000_000, role: str = "colocated",
-                       want: str | None = None) -> tuple[list[tuple[str, dict]], str] | None:
+                       want: str | None = None, prompts: list[seq.TokSeq] | None = None
+                       ) -> tuple[list[tuple[str, dict]], str] | None:
     """Breadth-first: the first stuck state found is at minimal depth. `role` restricts the
-    actions (ROLES); `want` counts only states that break that progress property."""
+    actions (ROLES); `want` counts only states that break that progress property; `prompts`
+    replaces the menu (e.g. a prompt longer than a block, for imports that span blocks)."""
     skip = ROLES[role]
     reqs = requests if requests is not None else consts.B + 1
-    prompts = menu(consts.C)
+    prompts = prompts if prompts is not None else menu(consts.C)
     start = g.init(consts, ghost=False)
     seen = {state_key(start)}
     frontier: deque[tuple[g.State, tuple]] = deque([(start, ())])
@@ -250,7 +252,8 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
 def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: bool,
               role: str = "colocated", want: str | None = None,
               hybrid: bool = False, host: bool = False, tables: int = 1,
-              preempt: bool = False, requests: int | None = None) -> Trace | None:
+              preempt: bool = False, requests: int | None = None,
+              prompts: list[seq.TokSeq] | None = None) -> Trace | None:
     """A confirmed stuck run at this size: the shortest for up to SEARCH_LANES lanes, else one
     lifted from the largest searched size. `requests`: how many requests the runs submit
     (default one per lane and one more)."""
@@ -263,7 +266,7 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
     c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, T=tables, PREFIX=prefix,
                  RESERVED=reserved, SCRATCH=0, HYBRID=hybrid, HOST=host,
                  H=SEARCH_SLOTS if host else 0, PREEMPT=preempt)
-    found = shortest_stuck_run(c, requests=requests, role=role, want=want)
+    found = shortest_stuck_run(c, requests=requests, role=role, want=want, prompts=prompts)
     if found is None:
         return None
     run, violated = found

@@ -25,8 +25,11 @@ from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, min_kv_blocks
+from atom_core.proofs import capacity, search
 from atom_core.replay import replay
 from atom_core.runtime import TorchReferenceRuntime
+from atom_core.seq import seq
+from atom_core.spec.model import MODEL
 from atom_core.transport import InProcessTransport
 from atom_core.workers import DecodeWorker, PrefillWorker
 from tests.test_pd_batcher import (
@@ -310,3 +313,24 @@ def test_prefetched_kv_waits_for_the_whole_table() -> None:
         assert res[wid].error is None, res[wid].error
         assert res[wid].tokens == expected(b, dw.requests[wid].brid)
     assert res[w1].error is not None
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+def test_the_capacity_rule_is_tight_for_imports_that_span_blocks(scratch: str) -> None:
+    """At the proved minimum (two lanes, tables of two blocks) z3 shows every import table can
+    grow (`import_table_grows`) from any state the invariants allow; one block fewer, a decode
+    worker that only imports gets stuck: two imports of two-block prompts each hold part of
+    the blocks, found by search over the generated core and replayed in z3 against the spec."""
+    reserved = scratch == "reserved"
+    k = min_kv_blocks(2, False, scratch, 2)
+    f = capacity.Features(False, scratch, tables=2)
+    at_min = {c.invariant: c.status for c in capacity.progress_by_features(MODEL, 2, k)[f]}
+    below = {c.invariant: c.status for c in capacity.progress_by_features(MODEL, 2, k - 1)[f]}
+    assert at_min["import_table_grows"] == "proved" and set(at_min.values()) == {"proved"}
+    assert below["import_table_grows"] == "counterexample"
+    two_blocks = [seq(range(1, 2 * search.TRACE_SEQ_LEN - 4)), seq([100])]
+    tr = search.stuck_run(MODEL, 2, k - 1, False, reserved, role="decode", tables=2,
+                          want="import_table_grows", prompts=two_blocks, requests=2)
+    assert tr is not None and tr.violated == "import_table_grows"
+    actions = [s.action for s in tr.steps]
+    assert actions.count("admit_import") == 2 and "import_done" not in actions
