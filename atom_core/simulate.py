@@ -655,12 +655,16 @@ class Disaggregated:
         return self.batchers() if not self.pw.done else {"decode": self.dw.batcher}
 
     def host_leaks(self) -> list[str]:
-        """Prefetched KV is held in host memory only while its request waits for a lane."""
+        """Prefetched KV is held in host memory only while its request waits for a lane, or
+        for the rest of its table (an import whose table still grows)."""
         out = []
-        phase = self.dw.batcher.state.phase
+        b = self.dw.batcher
         for wid, req in self.dw.requests.items():
-            if req.payload is not None and (req.brid is None
-                                            or phase.get(req.brid) != core.PHASE_WAITING):
+            if req.payload is None:
+                continue
+            ph = None if req.brid is None else b.state.phase.get(req.brid)
+            growing = ph == core.PHASE_IMPORTING and not b.awaits_kv(req.brid)
+            if ph != core.PHASE_WAITING and not growing:
                 out.append(f"decode worker holds prefetched KV of request {wid}, which no "
                            "longer waits")
         return out
