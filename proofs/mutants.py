@@ -105,9 +105,11 @@ EXPLAINED: dict[str, str] = {
         "equivalent: the discarded block is free or the scratch block afterwards; admission "
         "resets junk before it is read",
     "drop-update:transfer_fail.junk":
-        "equivalent: the failed transfer's block is freed in the same step",
+        "equivalent: the failed transfer's blocks (every block of its lane's table) are freed "
+        "in the same step",
     "drop-update:transfer_end.junk":
-        "equivalent: the drained block is freed in the same step",
+        "equivalent: the drained blocks (b and every other block draining for the request) are "
+        "freed in the same step",
     "drop-update:admit_import.local_holds":
         "equivalent: an importing lane's slot belongs to the transfer (the invariant exempts "
         "importing lanes) until import_done writes it",
@@ -134,10 +136,6 @@ EXPLAINED: dict[str, str] = {
         "equivalent: as drop-update:fail.local_junk (admission resets the slot)",
     "swap-value:discard.junk=False":
         "equivalent: as drop-update:discard.junk",
-    "swap-value:transfer_fail.junk=False":
-        "equivalent: as drop-update:transfer_fail.junk",
-    "swap-value:transfer_end.junk=False":
-        "equivalent: as drop-update:transfer_end.junk",
     "swap-value:admit_hit.local_junk=True":
         "equivalent: no step reads a copying lane's slot and copy_done sets local_junk",
     "swap-value:admit_host_hit.local_junk=True":
@@ -146,6 +144,40 @@ EXPLAINED: dict[str, str] = {
         "equivalent: grow_host_hit needs the host tier, which hybrid models do not have (axiom "
         "hybrid_without_host_cache), and without them every lane_snap and snap_upto is 0 "
         "(snapshots_need_hybrid): the full block's boundary is already the 0 it would get",
+    # Another term that the invariants make equal to the right one. A lane that grows is
+    # busy, so its tail is its own block (lane_block_owned) and its request runs on it
+    # (busy_lane_runs_its_request); an importing lane's tail is pinned for its request
+    # (moving_lane_has_transfer, transfer_names_lane_request).
+    "swap-value:grow.owner=owner(tail(l))":
+        "equivalent: a growing lane computes, so it is busy and owner(tail(l)) is LANE "
+        "(lane_block_owned)",
+    "swap-value:grow.owner_lane=owner_lane(tail(l))":
+        "equivalent: a growing lane is busy, so owner_lane(tail(l)) is l (lane_block_owned)",
+    "swap-value:grow.owner_lane=req_lane(lane_req(l))":
+        "equivalent: a growing lane is busy, so req_lane(lane_req(l)) is l "
+        "(busy_lane_runs_its_request)",
+    "swap-value:grow_hit.owner=owner(tail(l))":
+        "equivalent: as swap-value:grow.owner=owner(tail(l)) (the lane prefills: it is busy)",
+    "swap-value:grow_hit.owner_lane=owner_lane(tail(l))":
+        "equivalent: as swap-value:grow.owner_lane=owner_lane(tail(l))",
+    "swap-value:grow_hit.owner_lane=req_lane(lane_req(l))":
+        "equivalent: as swap-value:grow.owner_lane=req_lane(lane_req(l))",
+    "swap-value:grow_host_hit.owner=owner(tail(l))":
+        "equivalent: as swap-value:grow.owner=owner(tail(l)) (the lane prefills: it is busy)",
+    "swap-value:grow_host_hit.owner_lane=owner_lane(tail(l))":
+        "equivalent: as swap-value:grow.owner_lane=owner_lane(tail(l))",
+    "swap-value:grow_host_hit.owner_lane=req_lane(lane_req(l))":
+        "equivalent: as swap-value:grow.owner_lane=req_lane(lane_req(l))",
+    "swap-value:import_grow.owner=owner(tail(l))":
+        "equivalent: an importing lane is busy, so owner(tail(l)) is LANE (lane_block_owned)",
+    "swap-value:import_grow.owner_lane=owner_lane(tail(l))":
+        "equivalent: an importing lane is busy, so owner_lane(tail(l)) is l (lane_block_owned)",
+    "swap-value:import_grow.owner_lane=req_lane(lane_req(l))":
+        "equivalent: an importing lane is busy, so req_lane(lane_req(l)) is l "
+        "(busy_lane_runs_its_request)",
+    "wrong-value:import_grow.transfer_req=transfer_req(tail(l))":
+        "equivalent: an importing lane's tail is in its transfer (moving_lane_has_transfer), "
+        "for its request (transfer_names_lane_request): transfer_req(tail(l)) is lane_req(l)",
     # Not equivalent: behaviour changes, but no stated property covers it.
     "drop-update:host_evict.slot_state":
         "gap: an eviction that keeps the host entry is safe (nothing is freed) but the slot is "

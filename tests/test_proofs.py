@@ -227,8 +227,10 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
     ("decode", "junk"): "ghost: padding rows only scribble on scratch/free blocks when correct",
     ("fail", "junk"): "ghost: the failed lane's block is freed in the same step",
     ("discard", "junk"): "ghost: the discarded block is free or the scratch block afterwards",
-    ("transfer_fail", "junk"): "ghost: the failed transfer's block is freed in the same step",
-    ("transfer_end", "junk"): "ghost: the drained block is freed in the same step",
+    ("transfer_fail", "junk"): "ghost: the failed transfer's blocks (its lane's whole table) "
+                               "are freed in the same step",
+    ("transfer_end", "junk"): "ghost: the drained blocks (every block draining for the "
+                              "request) are freed in the same step",
     # Hybrid ghost state where no hybrid run can observe it.
     ("admit_hit", "local_holds"): "ghost: hybrid models have no prefix cache, so no hit",
     ("admit_hit", "local_junk"): "ghost: hybrid models have no prefix cache, so no hit",
