@@ -261,15 +261,16 @@ def test_abort_and_failure_free_every_block_of_the_table():
     at_rest(b)
 
 
-def test_pd_request_over_one_block_is_rejected_at_submit():
+def test_pd_request_over_one_block_gets_its_whole_table_before_its_import_event():
+    """PD with paged tables: an import's table grows to cover its prompt before the batcher asks
+    for its KV (tests/test_pd_paged.py runs it end to end)."""
     b = make(1, 2, False, "dynamic")
-    with pytest.raises(ValueError, match="must fit one KV block"):
-        b.submit(POOL[0], 4, remote=True)
-    with pytest.raises(ValueError, match="must fit one KV block"):
-        b.submit(POOL[0], 4, export=True)
-    assert b.requests == {} and not b.busy()
-    rid = b.submit(POOL[6], 4, remote=True)  # within one block: fine
-    assert b.requests[rid].remote
+    rid = b.submit(POOL[0], 4, remote=True)
+    events = b.step()
+    assert [e.kind for e in events] == ["import"] and b.awaits_kv(rid)
+    table = b.describe()["lanes"][0]["blocks"]
+    assert len(table) == -(-len(POOL[0]) // b.config.block_size) == 2
+    assert b.export_done(rid) == [] and b.stats.stale_events == 1  # not an export
 
 
 def test_growth_waits_for_a_draining_block():
