@@ -202,6 +202,16 @@ def test_a_payload_shorter_than_the_prompt_fails_only_its_request() -> None:
     assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
 
 
+def pump(dw: DecodeWorker, pw: PrefillWorker, rounds: int = 5000) -> None:
+    """Step both workers alternately until the decode side is done."""
+    for _ in range(rounds):
+        if not dw.busy():
+            return
+        dw.step()
+        pw.step_once()
+    raise AssertionError(f"not done after {rounds} rounds")
+
+
 def test_workers_serve_multi_block_prompts_exactly() -> None:
     dcfg, pcfg = paged(2, 4), paged(2, 2, True)  # block sizes may differ between the sides
     td, tp = InProcessTransport.pair()
@@ -209,11 +219,7 @@ def test_workers_serve_multi_block_prompts_exactly() -> None:
     dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1)
     work = prompts_for(64)
     wids = [dw.submit(prompt, n) for prompt, n in work]
-    for _ in range(5000):
-        if not dw.busy():
-            break
-        dw.step()
-        pw.step_once()
+    pump(dw, pw)
     results = dw.results()
     for wid in wids:
         assert results[wid].error is None, results[wid].error
@@ -242,6 +248,16 @@ def _short_table() -> tuple[Link, int, int, int]:
     return link, local, r1, r2
 
 
+def _drain_and_finish(link: Link, local: int, aborted: int) -> None:
+    """The aborted import's drain ends; the local request finishes exactly and nothing is
+    held."""
+    d = link.d
+    assert d.transfer_ended(aborted, LOST) == []
+    link.run()
+    assert d.requests[local].tokens == expected(d, local)
+    assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
+
+
 def test_an_import_whose_table_is_still_growing_ends_at_once_when_aborted() -> None:
     """No one was asked for its KV, so no end of its transfer will ever be reported: its block
     is free at once (it would otherwise drain forever)."""
@@ -251,10 +267,7 @@ def test_an_import_whose_table_is_still_growing_ends_at_once_when_aborted() -> N
     assert d.abort(r2) is True
     d.check_invariants()
     assert owners(d)[block] == "FREE" and set(d.transfers()) == {r1}
-    assert d.transfer_ended(r1, LOST) == []  # the aborted r1's drain ends
-    link.run()
-    assert d.requests[local].tokens == expected(d, local)
-    assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
+    _drain_and_finish(link, local, r1)
 
 
 def test_kv_for_an_import_whose_table_is_still_growing_is_refused_by_name() -> None:
@@ -264,10 +277,7 @@ def test_kv_for_an_import_whose_table_is_still_growing_is_refused_by_name() -> N
     assert [e.kind for e in events] == ["error"]
     assert "table_covers_prompt" in events[0].error and "import event" in events[0].error
     d.check_invariants()
-    assert d.transfer_ended(r1, LOST) == []
-    link.run()
-    assert d.requests[local].tokens == expected(d, local)
-    assert d.transfers() == {} and set(owners(d)) <= {"FREE", "SCRATCH"}
+    _drain_and_finish(link, local, r1)
 
 
 def test_a_waiting_import_is_asked_for_once_its_table_grows() -> None:
@@ -303,11 +313,7 @@ def test_prefetched_kv_waits_for_the_whole_table() -> None:
             break
     assert pw.stats.exports == 2 and pw.stats.cancelled == 1
     dw.step()  # the cancel's answer frees the blocks, w2's KV arrives: kept, then imported
-    for _ in range(2000):
-        if not dw.busy():
-            break
-        dw.step()
-        pw.step_once()
+    pump(dw, pw)
     res = dw.results()
     for wid in (w0, w2):
         assert res[wid].error is None, res[wid].error
