@@ -163,6 +163,11 @@ xfer_live = m.fn("xfer_live", [Req], BOOL, init=False, ghost=True,
                  doc="the request's transfer is still running")
 xfer_block = m.fn("xfer_block", [Req], Block, ghost=True,
                   doc="a block that transfer uses (its first): while it runs, one stays pinned")
+# By block: which blocks each running transfer uses (every block of the table it was started
+# with), so that freeing or unpinning any one of them early (not just the first) is caught.
+xfer_on = m.fn("xfer_on", [Block], BOOL, init=False, ghost=True,
+               doc="a running transfer uses the block")
+xfer_of = m.fn("xfer_of", [Block], Req, ghost=True, doc="the request whose transfer uses it")
 
 # ---------------------------------------------------------------- state: host cache
 slot_state = m.fn("slot_state", [Slot], SlotState, init=SlotState.EMPTY)
@@ -748,6 +753,12 @@ def load_fail(l: Lane):
 
 
 # ---------------------------------------------------------------- PD: decode side
+def end_transfer(r):
+    """Ghost: r's transfer ended; it uses none of its blocks any more, whichever the step frees."""
+    assign(xfer_live(r), False)
+    assign_all(xfer_on, lambda b: xfer_on(b) & (xfer_of(b) != r))
+
+
 @m.action
 def admit_import(l: Lane, r: Req, dst: Block):
     """Admit r into idle lane l to receive its prompt's KV from a prefill worker, dst being its
@@ -764,6 +775,8 @@ def admit_import(l: Lane, r: Req, dst: Block):
     assign(transfer_req(dst), r)
     assign(xfer_live(r), True)
     assign(xfer_block(r), dst)
+    assign(xfer_on(dst), True)
+    assign(xfer_of(dst), r)
     # Ghost: only the transfer writes into dst from now on; any other write marks it junk.
     assign(junk(dst), False)
     emit("inbound", lane=l, request=r, block=dst)
@@ -785,6 +798,8 @@ def import_grow(l: Lane, dst: Block):
     assign(owner_lane(dst), l)
     assign(transfer(dst), True)
     assign(transfer_req(dst), lane_req(l))
+    assign(xfer_on(dst), True)
+    assign(xfer_of(dst), lane_req(l))
     assign(junk(dst), False)  # as in admit_import: only the transfer writes it from now on
     emit("grow", lane=l, block=dst, pos=nblocks(l))
 
@@ -806,7 +821,7 @@ def import_done(r: Req, p: Seq, tok: INT):
         return lane_block(c, l) & (c != b)
 
     assign_all(transfer, lambda c: ite(lane_block(c, l), False, transfer(c)))
-    assign(xfer_live(r), False)
+    end_transfer(r)
     # what the transfer wrote: each block the prompt up to its end, the tail the whole prompt
     assign_all(holds, lambda c: ite(full(c), take(p, start(c) + S), ite(c == b, p, holds(c))))
     assign_all(key, lambda c: ite(full(c), take(p, start(c) + S), key(c)))
@@ -831,6 +846,8 @@ def export(l: Lane):
     assign_all(transfer_req, lambda b: ite(lane_block(b, l), lane_req(l), transfer_req(b)))
     assign(xfer_live(lane_req(l)), True)
     assign(xfer_block(lane_req(l)), tail(l))
+    assign_all(xfer_on, lambda b: xfer_on(b) | lane_block(b, l))
+    assign_all(xfer_of, lambda b: ite(lane_block(b, l), lane_req(l), xfer_of(b)))
     emit("outbound", lane=l, request=lane_req(l), block=tail(l), n=length(l))
 
 
@@ -842,7 +859,7 @@ def export_done(r: Req, keep: BOOL):
     l = req_lane(r)
     assign(phase(r), Phase.FINISHED)
     assign_all(transfer, lambda b: ite(lane_block(b, l), False, transfer(b)))
-    assign(xfer_live(r), False)
+    end_transfer(r)
     retire(l, keep)
     emit("release", lane=l, block=tail(l))
 
@@ -856,7 +873,7 @@ def transfer_fail(r: Req):
     l = req_lane(r)
     assign(phase(r), Phase.FAILED)
     assign_all(transfer, lambda b: ite(lane_block(b, l), False, transfer(b)))
-    assign(xfer_live(r), False)
+    end_transfer(r)
     assign_all(junk, lambda b: junk(b) | lane_block(b, l))
     release(l, False)
     emit("release", lane=l, block=tail(l))
@@ -875,7 +892,7 @@ def transfer_end(r: Req, b: Block):
 
     assign_all(owner, lambda c: ite(drained(c), Owner.FREE, owner(c)))
     assign_all(transfer, lambda c: ite(drained(c), False, transfer(c)))
-    assign(xfer_live(r), False)
+    end_transfer(r)
     assign_all(junk, lambda c: junk(c) | drained(c))
 
 
@@ -1016,6 +1033,9 @@ inv("running_transfer_pins_its_block", forall(Req, lambda r: implies(
     xfer_live(r), transfer(xfer_block(r)) & (transfer_req(xfer_block(r)) == r))))
 inv("pinned_block_transfer_running", forall(Block, lambda b: implies(
     transfer(b), xfer_live(transfer_req(b)))))
+inv("transfer_pins_what_it_uses", forall(Block, lambda b: transfer(b) == xfer_on(b)))
+inv("pinned_for_its_transfer", forall(Block, lambda b: implies(
+    xfer_on(b), (transfer_req(b) == xfer_of(b)) & xfer_live(xfer_of(b)))))
 inv("moving_lane_has_transfer", forall((Lane, Block), lambda l, b: implies(
     moving(l) & lane_block(b, l), transfer(b))))
 # An importing lane's blocks wait for the transfer alone: nothing else writes them, its table

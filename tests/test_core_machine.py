@@ -3558,12 +3558,13 @@ MUTANTS: dict[str, Mutant] = {
         lambda: _import_needs_first_token(),
         (False, "dynamic"), ("lane_holds_its_tokens", "lifecycle:accepted"), PD_FLOW, pd=True,
         tables=(1, 3)),
-    # A late transfer_end naming another request frees a block whose transfer still runs. (The
-    # spec's ghost state pins one block of a running transfer, its first (xfer_block): when
-    # the block freed is another one of a table of several, only the lifecycle model notices.)
+    # A late transfer_end naming another request frees a block whose transfer still runs: the
+    # ghost says that transfer still uses the block (any block of its table, not only its
+    # first), so the pin it lost breaks an invariant before the lifecycle model's check.
     "transfer_end-transfer_of_request": Mutant(
         lambda: MODEL.without_guard("transfer_end", "transfer_of_request"),
-        (False, "reserved"), ("running_transfer_pins_its_block", "lifecycle:transfer_of_request"),
+        (False, "reserved"), ("running_transfer_pins_its_block", "transfer_pins_what_it_uses",
+                              "lifecycle:transfer_of_request"),
         PD_FLOW | {"late_pd_event"}, pd=True, tables=(1, 3)),
     # A transfer_end for a block that is not draining (named with its transfer's request) is
     # accepted: a running lane's block is freed (lane_block_owned); when the block is free or

@@ -9,6 +9,7 @@ blocks on both sides.
 - An abort mid-import drains every block of the table until the transfer ends, which frees
   them all at once; a fault writing or reading any one block fails only its request and leaks
   no block; a payload shorter than the prompt fails only its request.
+- z3 ties a running transfer to every block it uses, not only to one witness block.
 - The workers over an in-process transport serve multi-block prompts token-exactly.
 """
 
@@ -25,10 +26,12 @@ from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, min_kv_blocks
-from atom_core.proofs import capacity, search
+from atom_core.proofs import capacity, checks, search
 from atom_core.replay import replay
 from atom_core.runtime import TorchReferenceRuntime
 from atom_core.seq import seq
+from atom_core.spec import lang
+from atom_core.spec import model as spec
 from atom_core.spec.model import MODEL
 from atom_core.transport import InProcessTransport
 from atom_core.workers import DecodeWorker, PrefillWorker
@@ -340,3 +343,47 @@ def test_the_capacity_rule_is_tight_for_imports_that_span_blocks(scratch: str) -
     assert tr is not None and tr.violated == "import_table_grows"
     actions = [s.action for s in tr.steps]
     assert actions.count("admit_import") == 2 and "import_done" not in actions
+
+
+def _transfer_end_frees_other_transfers_blocks_but_their_first() -> Any:
+    """`transfer_end(r, b)` also frees blocks draining for other requests, sparing the one the
+    ghost `xfer_block` names for each (the first block of an import, the tail of an export):
+    the bug a one-block witness cannot see. Its owner, transfer and junk updates (over every
+    block c) are replaced on a copy of the model."""
+    m = MODEL.copy()
+    a = m.get_action("transfer_end")
+    r, b = a.params
+
+    def drained(c: Any) -> Any:
+        return (c == b) | ((spec.owner(c) == spec.Owner.DRAINING) & (
+            (spec.transfer_req(c) == r) | (c != spec.xfer_block(spec.transfer_req(c)))))
+
+    value = {"owner": lambda c: lang.ite(drained(c), spec.Owner.FREE, spec.owner(c)),
+             "transfer": lambda c: lang.ite(drained(c), lang.Lit(False, lang.BOOL),
+                                            spec.transfer(c)),
+             "junk": lambda c: spec.junk(c) | drained(c)}
+    a.updates = [lang.Update(u.fn, u.args, value[u.fn.name](u.args[0]), u.whole)
+                 if u.fn.name in value and u.whole else u for u in a.updates]
+    return m
+
+
+def test_the_proofs_tie_a_running_transfer_to_every_block_it_uses() -> None:
+    """A transfer of a table of several blocks pins all of them until it ends, and z3 proves
+    it: the ghost `xfer_on`/`xfer_of` records every block a running transfer uses, so freeing
+    any one of them early breaks `transfer_pins_what_it_uses` at the step that does it. Without
+    those two invariants the same bug proves, because the one-block witness (`xfer_block`,
+    `running_transfer_pins_its_block`) stays pinned."""
+    mut = _transfer_end_frees_other_transfers_blocks_but_their_first()
+    by_block = {"transfer_pins_what_it_uses", "pinned_for_its_transfer"}
+
+    def refuted(m: Any) -> set[tuple[str, str]]:
+        only = m.copy()
+        only.actions = [only.get_action("transfer_end")]
+        found = [c for c in checks.relational(only, base=False) if c.status != "proved"]
+        assert all(c.status == "counterexample" for c in found), found  # never `unknown`
+        return {(c.invariant, c.action) for c in found}
+
+    assert refuted(mut) == {("transfer_pins_what_it_uses", "transfer_end")}
+    witness_only = mut.copy()
+    witness_only.invariants = [i for i in mut.invariants if i.name not in by_block]
+    assert refuted(witness_only) == set()

@@ -158,6 +158,10 @@ class State:
     # xfer_block(Req) -> Block [ghost]: a block that transfer uses (its first): while it runs, one
     # stays pinned
     xfer_block: PMap | None
+    # xfer_on(Block) -> Bool [ghost]: a running transfer uses the block
+    xfer_on: tuple[bool, ...] | None
+    # xfer_of(Block) -> Req [ghost]: the request whose transfer uses it
+    xfer_of: tuple[int | None, ...] | None
     # slot_state(Slot) -> SlotState
     slot_state: tuple[int, ...]
     # slot_key(Slot) -> Seq: the tokens a host entry is indexed by
@@ -214,6 +218,8 @@ STATE_FIELDS = (
     "transfer_req",
     "xfer_live",
     "xfer_block",
+    "xfer_on",
+    "xfer_of",
     "slot_state",
     "slot_key",
     "slot_head",
@@ -236,6 +242,8 @@ GHOST_FIELDS = (
     "snap_junk",
     "xfer_live",
     "xfer_block",
+    "xfer_on",
+    "xfer_of",
     "slot_holds",
     "slot_junk",
 )
@@ -438,11 +446,13 @@ def init(consts: Consts, ghost: bool = True) -> State:
         snap_junk = (True,) * K
         xfer_live = PMap(default=False)
         xfer_block = PMap()
+        xfer_on = (False,) * K
+        xfer_of = (None,) * K
         slot_holds = (None,) * H
         slot_junk = (True,) * H
     else:
         holds = junk = local_holds = local_junk = lane_snap_junk = snap_junk = xfer_live = None
-        xfer_block = slot_holds = slot_junk = None
+        xfer_block = xfer_on = xfer_of = slot_holds = slot_junk = None
     return State(
         consts,
         ghost,
@@ -474,6 +484,8 @@ def init(consts: Consts, ghost: bool = True) -> State:
         transfer_req,
         xfer_live,
         xfer_block,
+        xfer_on,
+        xfer_of,
         slot_state,
         slot_key,
         slot_head,
@@ -549,6 +561,8 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -740,6 +754,8 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -1018,6 +1034,8 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -1175,6 +1193,8 @@ def copy_done(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -1284,6 +1304,8 @@ def snapshot(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -1421,6 +1443,8 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -1598,6 +1622,8 @@ def grow(s: State, l: int, dst: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -1881,6 +1907,8 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -2125,6 +2153,8 @@ def preempt(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -2359,6 +2389,8 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -2524,6 +2556,8 @@ def finish(s: State, l: int, keep: bool) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -2605,6 +2639,8 @@ def abort_waiting(s: State, r: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -2702,6 +2738,8 @@ def abort_running(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -2823,6 +2861,8 @@ def fail(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -2929,6 +2969,8 @@ def discard(s: State, b: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -3047,6 +3089,8 @@ def spill(s: State, b: int, h: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         new_slot_key,
         new_slot_head,
@@ -3157,6 +3201,8 @@ def store_done(s: State, h: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -3228,6 +3274,8 @@ def store_fail(s: State, h: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -3296,6 +3344,8 @@ def host_evict(s: State, h: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -3513,6 +3563,8 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         slot_key,
         s.slot_head,
@@ -3803,6 +3855,8 @@ def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         slot_key,
         s.slot_head,
@@ -3958,6 +4012,8 @@ def load_done(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -4051,6 +4107,8 @@ def load_fail(s: State, l: int) -> Step:
         s.transfer_req,
         s.xfer_live,
         s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
         new_slot_state,
         s.slot_key,
         s.slot_head,
@@ -4193,12 +4251,18 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_lane_snap_junk = tuple(new_lane_snap_junk)
         new_xfer_live = s.xfer_live.set(r, True)
         new_xfer_block = s.xfer_block.set(r, dst)
+        new_xfer_on = list(s.xfer_on)
+        new_xfer_on[dst] = True
+        new_xfer_on = tuple(new_xfer_on)
+        new_xfer_of = list(s.xfer_of)
+        new_xfer_of[dst] = r
+        new_xfer_of = tuple(new_xfer_of)
         new_junk = list(s.junk)
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
         new_local_holds = new_local_junk = new_lane_snap_junk = new_xfer_live = None
-        new_xfer_block = new_junk = None
+        new_xfer_block = new_xfer_on = new_xfer_of = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -4230,6 +4294,8 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_transfer_req,
         new_xfer_live,
         new_xfer_block,
+        new_xfer_on,
+        new_xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -4366,11 +4432,17 @@ def import_grow(s: State, l: int, dst: int) -> Step:
     new_transfer_req = tuple(new_transfer_req)
     effects = (Grow(l, dst, nblocks[l]),)
     if s.ghost:
+        new_xfer_on = list(s.xfer_on)
+        new_xfer_on[dst] = True
+        new_xfer_on = tuple(new_xfer_on)
+        new_xfer_of = list(s.xfer_of)
+        new_xfer_of[dst] = lane_req[l]
+        new_xfer_of = tuple(new_xfer_of)
         new_junk = list(s.junk)
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_junk = None
+        new_xfer_on = new_xfer_of = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -4402,6 +4474,8 @@ def import_grow(s: State, l: int, dst: int) -> Step:
         new_transfer_req,
         s.xfer_live,
         s.xfer_block,
+        new_xfer_on,
+        new_xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -4522,6 +4596,9 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
     effects = (Imported(_m1, r, tail[_m1]),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
+        xfer_on = s.xfer_on
+        xfer_of = s.xfer_of
+        new_xfer_on = tuple([xfer_on[b] and xfer_of[b] != r for b in range(K)])
         holds = s.holds
         new_holds = tuple([
             (
@@ -4540,7 +4617,7 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         new_local_holds[_m1] = p
         new_local_holds = tuple(new_local_holds)
     else:
-        new_xfer_live = new_holds = new_snap_junk = new_local_holds = None
+        new_xfer_live = new_xfer_on = new_holds = new_snap_junk = new_local_holds = None
     new = State(
         s.consts,
         s.ghost,
@@ -4572,6 +4649,8 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        new_xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -4658,8 +4737,18 @@ def export(s: State, l: int) -> Step:
     if s.ghost:
         new_xfer_live = s.xfer_live.set(lane_req[l], True)
         new_xfer_block = s.xfer_block.set(lane_req[l], tail[l])
+        xfer_on = s.xfer_on
+        new_xfer_on = tuple([
+            xfer_on[b] or (owner[b] == OWNER_LANE and owner_lane[b] == l)
+            for b in range(K)
+        ])
+        xfer_of = s.xfer_of
+        new_xfer_of = tuple([
+            (lane_req[l] if (owner[b] == OWNER_LANE and owner_lane[b] == l) else xfer_of[b])
+            for b in range(K)
+        ])
     else:
-        new_xfer_live = new_xfer_block = None
+        new_xfer_live = new_xfer_block = new_xfer_on = new_xfer_of = None
     new = State(
         s.consts,
         s.ghost,
@@ -4691,6 +4780,8 @@ def export(s: State, l: int) -> Step:
         new_transfer_req,
         new_xfer_live,
         new_xfer_block,
+        new_xfer_on,
+        new_xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -4778,11 +4869,14 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     effects = (Release(_m1, _m2),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
+        xfer_on = s.xfer_on
+        xfer_of = s.xfer_of
+        new_xfer_on = tuple([xfer_on[b] and xfer_of[b] != r for b in range(K)])
         new_snap_junk = list(s.snap_junk)
         new_snap_junk[_m2] = s.lane_snap_junk[_m1]
         new_snap_junk = tuple(new_snap_junk)
     else:
-        new_xfer_live = new_snap_junk = None
+        new_xfer_live = new_xfer_on = new_snap_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -4814,6 +4908,8 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        new_xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -4883,10 +4979,13 @@ def transfer_fail(s: State, r: int) -> Step:
     effects = (Release(_m2, s.tail[_m2]),)
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
+        xfer_on = s.xfer_on
+        xfer_of = s.xfer_of
+        new_xfer_on = tuple([xfer_on[b] and xfer_of[b] != r for b in range(K)])
         junk = s.junk
         new_junk = tuple([junk[b] or _m1[b] for b in range(K)])
     else:
-        new_xfer_live = new_junk = None
+        new_xfer_live = new_xfer_on = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -4918,6 +5017,8 @@ def transfer_fail(s: State, r: int) -> Step:
         s.transfer_req,
         new_xfer_live,
         s.xfer_block,
+        new_xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -4996,13 +5097,16 @@ def transfer_end(s: State, r: int, b: int) -> Step:
     ])
     if s.ghost:
         new_xfer_live = s.xfer_live.set(r, False)
+        xfer_on = s.xfer_on
+        xfer_of = s.xfer_of
+        new_xfer_on = tuple([xfer_on[b2] and xfer_of[b2] != r for b2 in range(K)])
         junk = s.junk
         new_junk = tuple([
             junk[c] or c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r)
             for c in range(K)
         ])
     else:
-        new_xfer_live = new_junk = None
+        new_xfer_live = new_xfer_on = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -5034,6 +5138,8 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         transfer_req,
         new_xfer_live,
         s.xfer_block,
+        new_xfer_on,
+        s.xfer_of,
         s.slot_state,
         s.slot_key,
         s.slot_head,
@@ -5243,6 +5349,8 @@ def _req_ids(*states: State) -> list[int]:
             ids.update(s.xfer_live.keys())
         if s.ghost:
             ids.update(s.xfer_block.keys())
+        if s.ghost:
+            ids.update(s.xfer_of)
         ids.update(s.phase.keys())
         ids.update(s.req_lane.keys())
         ids.update(s.prompt.keys())
@@ -5296,6 +5404,8 @@ INVARIANTS = (
     "transfer_names_lane_request",
     "running_transfer_pins_its_block",
     "pinned_block_transfer_running",
+    "transfer_pins_what_it_uses",
+    "pinned_for_its_transfer",
     "moving_lane_has_transfer",
     "import_target_untouched",
     "import_blocks_untouched",
@@ -5697,6 +5807,17 @@ def check_invariants(s: State) -> list[str]:
         # pinned_block_transfer_running
         if not all(not transfer[b] or xfer_live.get(transfer_req[b]) for b in range(K)):
             bad.append("pinned_block_transfer_running")
+        xfer_on = s.xfer_on
+        # transfer_pins_what_it_uses
+        if not all(transfer[b] == xfer_on[b] for b in range(K)):
+            bad.append("transfer_pins_what_it_uses")
+        xfer_of = s.xfer_of
+        # pinned_for_its_transfer
+        if not all(
+            not xfer_on[b] or (transfer_req[b] == xfer_of[b] and xfer_live.get(xfer_of[b]))
+            for b in range(K)
+        ):
+            bad.append("pinned_for_its_transfer")
     _m13 = tuple([busy[l] and _m3[l] for l in range(B)])
     # moving_lane_has_transfer
     if not all(
@@ -6070,6 +6191,8 @@ def describe_state(s: State) -> dict[str, Any]:
     out["transfer_req"] = list(s.transfer_req)
     out["xfer_live"] = None if s.xfer_live is None else dict(sorted(s.xfer_live.items()))
     out["xfer_block"] = None if s.xfer_block is None else dict(sorted(s.xfer_block.items()))
+    out["xfer_on"] = None if s.xfer_on is None else list(s.xfer_on)
+    out["xfer_of"] = None if s.xfer_of is None else list(s.xfer_of)
     out["slot_state"] = [_name(SLOTSTATE_NAMES, x) for x in s.slot_state]
     out["slot_key"] = [_tokens(x) for x in s.slot_key]
     out["slot_head"] = [_tokens(x) for x in s.slot_head]
