@@ -851,8 +851,8 @@ def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]
 
 # The state only hybrid models change (their sliding state and its snapshots): without HYBRID
 # every snapshot is refused and every boundary stays 0 (`snapshots_need_hybrid`).
-HYBRID_STATE = ("lane_snap", "lane_snap_junk", "snap_upto", "snap_junk", "local_holds",
-                "local_junk")
+HYBRID_STATE = ("lane_snap", "lane_snap_junk", "lane_snap_taken", "snap_upto", "snap_junk",
+                "snap_taken", "local_holds", "local_junk")
 
 
 def hybrid_mutant(m: Mutant) -> bool:

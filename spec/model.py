@@ -134,6 +134,13 @@ lane_snap_junk = m.fn("lane_snap_junk", [Lane], BOOL, init=True, ghost=True,
                       doc="some snapshot of the lane is not its own sequence's state there")
 snap_junk = m.fn("snap_junk", [Block], BOOL, init=True, ghost=True,
                  doc="some snapshot of the entry is not its key's state there")
+# Ghost: how far the snapshots the host really holds go (taken by `snapshot`, handed over with
+# the blocks and hits as the adapter's store moves them), so that a count that claims more
+# (a hit restoring from a snapshot never taken) or fewer than were taken breaks an invariant.
+lane_snap_taken = m.fn("lane_snap_taken", [Lane], INT, init=0, ghost=True,
+                       doc="the last boundary the host holds a snapshot of the lane at")
+snap_taken = m.fn("snap_taken", [Block], INT, init=0, ghost=True,
+                  doc="the last boundary the host holds a snapshot of the entry at")
 busy = m.fn("busy", [Lane], BOOL, init=False, doc="the lane serves a request")
 lane_req = m.fn("lane_req", [Lane], Req, doc="the request a busy lane serves")
 # A lane's table is its blocks in token order; only the last one (the tail) is ever written.
@@ -323,9 +330,11 @@ def occupy(l, r, dst, n, ph=Phase.PREFILL, src=None):
     assign(local_junk(l), False)
     if src is None:  # no snapshots yet (an idle lane has none: lane_snap(l) == 0)
         assign(lane_snap_junk(l), False)
+        assign(lane_snap_taken(l), 0)
     else:  # the entry's snapshots up to the hit's length: its key and the prompt agree there
         assign(lane_snap(l), ite(n <= snap_upto(src), n, snap_upto(src)))
         assign(lane_snap_junk(l), snap_junk(src))
+        assign(lane_snap_taken(l), ite(n <= snap_taken(src), n, snap_taken(src)))
 
 
 def release(l, to_cache):
@@ -357,6 +366,7 @@ def retire(l, keep):
     assign(head(b), take(take(lane_seq(l), length(l)), C))
     assign(snap_upto(b), lane_snap(l))  # <= length(l): the key covers every snapshot
     assign(snap_junk(b), lane_snap_junk(l))
+    assign(snap_taken(b), lane_snap_taken(l))
     release(l, keep)
 
 
@@ -435,6 +445,8 @@ def snapshot(l: Lane):
     # Ghost: the new snapshot holds whatever the slot holds, and a skipped boundary has none.
     assign(lane_snap_junk(l), lane_snap_junk(l) | local_junk(l)
            | (local_holds(l) != take(lane_seq(l), length(l))) | (length(l) != lane_snap(l) + C))
+    assign(lane_snap_taken(l), ite(lane_snap_taken(l) < length(l), length(l),
+                                   lane_snap_taken(l)))
     emit("snapshot", lane=l, n=length(l))
 
 
@@ -465,6 +477,7 @@ def extend(l, dst):
     # becomes restores the sliding state at the hit's length from them
     assign(snap_upto(full), lane_snap(l))
     assign(snap_junk(full), lane_snap_junk(l))
+    assign(snap_taken(full), lane_snap_taken(l))
     assign(tail(l), dst)
     assign(nblocks(l), nblocks(l) + 1)
     assign(start(dst), length(l))
@@ -527,6 +540,8 @@ def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
     # prompt there), so copy_done restores the sliding state at length + n. (Its ghost flag
     # stays: the lane's and the entry's snapshots are both its own, so no update is needed.)
     assign(lane_snap(l), ite(length(l) + n <= snap_upto(src), length(l) + n, snap_upto(src)))
+    assign(lane_snap_taken(l), ite(length(l) + n <= snap_taken(src), length(l) + n,
+                                   snap_taken(src)))
     assign(junk(dst), True)  # nothing valid in it until the copy lands
     assign(copying(l), True)
     assign(copy_host(l), False)
@@ -828,6 +843,7 @@ def import_done(r: Req, p: Seq, tok: INT):
     assign_all(head, lambda c: ite(full(c), take(take(p, start(c) + S), C), head(c)))
     assign_all(snap_upto, lambda c: ite(full(c), 0, snap_upto(c)))
     assign_all(snap_junk, lambda c: ite(full(c), False, snap_junk(c)))
+    assign_all(snap_taken, lambda c: ite(full(c), 0, snap_taken(c)))
     assign(local_holds(l), p)  # a hybrid payload carries the prompt's sliding state too
     assign(length(l), lane_plen(l))
     assign(lane_seq(l), push(lane_seq(l), tok))
@@ -980,6 +996,14 @@ inv("lane_local_state_is_its_own", forall(Lane, lambda l: implies(
 # its own tokens, at boundaries it has reached; so a hit restores the state at its own length.
 inv("lane_snapshots_are_its_own", forall(Lane, lambda l: implies(
     busy(l), ~lane_snap_junk(l) & (lane_snap(l) >= 0) & (lane_snap(l) <= length(l)))))
+# ... and exactly those the host holds: never one it was not given (a hit would restore the
+# sliding state from nothing), never fewer (a cached block would serve no hybrid hit).
+inv("lane_snapshots_were_taken", forall(Lane, lambda l: implies(
+    busy(l), lane_snap(l) == lane_snap_taken(l))))
+inv("entry_snapshots_were_taken", forall(Block, lambda b: implies(
+    (owner(b) == Owner.CACHE) | ((owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b)
+                                & ~importing(owner_lane(b))),
+    snap_upto(b) == snap_taken(b))))
 inv("idle_lane_has_no_snapshots", forall(Lane, lambda l: implies(~busy(l), lane_snap(l) == 0)))
 inv("entry_snapshots_are_its_own", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~snap_junk(b) & (snap_upto(b) >= 0))))

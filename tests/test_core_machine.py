@@ -3727,15 +3727,23 @@ MUTANTS: dict[str, Mutant] = {
         ("hybrid_hit_has_snapshot", "lifecycle:hybrid_snapshot_at_n", "refinement:grow_hit"),
         GROW_HIT_RULES | HYBRID_FLOW, tier="hybrid", tables=(2, 3)),
     # Hybrid: a full block keeps none of the lane's snapshots when it fills (`extend` as before
-    # paged hybrid tables: snap_upto 0). Safe (a block without snapshots serves no hybrid hit,
-    # and every invariant holds), but once cached a full block serves none: no admission hit
-    # on a full first block, no hit past the first block from a middle block, and a lane
-    # prefills again what the cache holds. The lifecycle model hands the snapshots over as the
-    # spec says, so the core's full block differs from it as soon as the lane grows.
+    # paged hybrid tables: snap_upto 0). No hit restores a wrong state, but once cached a full
+    # block serves none: no admission hit on a full first block, no hit past the first block
+    # from a middle block, and a lane prefills again what the cache holds. The ghost says the
+    # host still holds the lane's snapshots (`entry_snapshots_were_taken`: the count is
+    # exactly what was taken); the lifecycle model hands them over as the spec says, so the
+    # core's full block differs from it as soon as the lane grows.
     "extend-keeps-no-snapshots": Mutant(
         lambda: _extend_keeps_no_snapshots(),
-        (True, "reserved"), ("model:grow", "model:grow_hit"), GROW_HIT_RULES | HYBRID_FLOW,
-        tier="hybrid", tables=(2, 3)),
+        (True, "reserved"), ("entry_snapshots_were_taken", "model:grow", "model:grow_hit"),
+        GROW_HIT_RULES | HYBRID_FLOW, tier="hybrid", tables=(2, 3)),
+    # Hybrid: a full block claims snapshots at every boundary up to its end, whichever the
+    # lane took. A later hit into it restores the sliding state from a snapshot the host
+    # never took; the ghost count of snapshots taken catches the claim when the block fills.
+    "extend-claims-snapshots-to-its-end": Mutant(
+        lambda: _extend_claims_snapshots_to_its_end(),
+        (True, "reserved"), ("entry_snapshots_were_taken", "model:grow", "model:grow_hit"),
+        GROW_HIT_RULES | HYBRID_FLOW, tier="hybrid", tables=(2, 3)),
     # Host hits past the first block (`grow_host_hit`). From a host entry at another position
     # (a first block's, or another later block's): its tokens land at the wrong positions; or,
     # where a later guard refuses the call, the lifecycle model notices; or the spec now
@@ -3977,6 +3985,18 @@ def _load_fail_from_start() -> Any:
             "holds": spec.take(spec.lane_seq(l), lang.Lit(0, lang.INT))}
     a.updates = [lang.Update(u.fn, u.args, zero[u.fn.name], u.whole) if u.fn.name in zero
                  else u for u in a.updates]
+    return m
+
+
+def _extend_claims_snapshots_to_its_end() -> Any:
+    """`extend` gives the full block snapshots up to its end (snap_upto := the lane's length)
+    instead of the lane's: the update is replaced on a copy of the model (see _cancel_frees)."""
+    m = MODEL.copy()
+    for name in ("grow", "grow_hit", "grow_host_hit"):
+        a = m.get_action(name)
+        (l,) = [p for p in a.params if p.name == "l"]
+        a.updates = [lang.Update(u.fn, u.args, lang.ite(spec.HYBRID, spec.length(l), 0), u.whole)
+                     if u.fn.name == "snap_upto" else u for u in a.updates]
     return m
 
 

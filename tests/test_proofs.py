@@ -19,6 +19,7 @@ from atom_core.proofs.capacity import Features
 from atom_core.seq import seq
 from atom_core.spec import codegen
 from atom_core.spec import lang as L
+from atom_core.spec import model as spec
 from atom_core.spec.model import MODEL
 
 ACTIONS = [a.name for a in MODEL.actions]
@@ -250,9 +251,6 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
     # Hybrid prefix cache. The junk write is the tripwire for mutants of snapshot's guards (it
     # catches them); with the guards in place the snapshot it marks is sound.
     ("snapshot", "lane_snap_junk"): "ghost: with snapshot's guards, the new snapshot is sound",
-    # Not a safety property: a snapshot the core does not record is never restored, so hits
-    # only get shorter; tests/test_hybrid_prefix.py catches it (hybrid hits stop happening).
-    ("snapshot", "lane_snap"): "gap: performance only, caught by the hybrid prefix tests",
     # Not equivalent, but outside what the model states: the update is the whole action, and
     # an abort that does nothing is safe (no block is misused); the batcher tests catch it
     # (an aborted request must end).
@@ -429,6 +427,38 @@ def test_hybrid_snapshots_must_not_skip_a_boundary():
     c = refutes(MODEL.without_guard("snapshot", "next_boundary"), "snapshot",
                 "lane_snapshots_are_its_own")
     assert c.status == "counterexample", c
+
+
+def test_a_full_block_claims_exactly_the_snapshots_its_lane_took():
+    """When a hybrid lane's block fills (`extend`, shared by grow and grow_hit) it keeps the
+    lane's snapshots. Claiming more (up to the block's end, whichever the lane took) lets a
+    later hit restore the sliding state from a snapshot the host never took; claiming none
+    serves no hit. The ghost count of snapshots taken (`snap_taken`) refutes both at the step
+    that fills the block; without `entry_snapshots_were_taken` the first proves (no other
+    invariant ties the count to the snapshots the host holds)."""
+    def extend_claims(value):
+        m = MODEL.copy()
+        for name in ("grow", "grow_hit"):
+            a = m.get_action(name)
+            (l,) = [p for p in a.params if p.name == "l"]
+            a.updates = [L.Update(u.fn, u.args, value(l), u.whole) if u.fn.name == "snap_upto"
+                         else u for u in a.updates]
+        m.actions = [m.get_action("grow"), m.get_action("grow_hit")]
+        return m
+
+    def refuted_by(m):
+        bad = [c for c in checks.relational(m, base=False) if c.status != "proved"]
+        assert all(c.status == "counterexample" for c in bad), bad
+        return {(c.invariant, c.action) for c in bad}
+
+    want = {("entry_snapshots_were_taken", "grow"), ("entry_snapshots_were_taken", "grow_hit")}
+    to_its_end = extend_claims(lambda l: L.ite(spec.HYBRID, spec.length(l), 0))
+    assert refuted_by(to_its_end) == want
+    assert refuted_by(extend_claims(lambda l: L.Lit(0, L.INT))) == want
+    to_its_end.invariants = [i for i in to_its_end.invariants
+                             if i.name not in ("entry_snapshots_were_taken",
+                                               "lane_snapshots_were_taken")]
+    assert refuted_by(to_its_end) == set()
 
 
 def test_copy_into_the_source_is_unsafe():

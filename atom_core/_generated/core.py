@@ -122,6 +122,11 @@ class State:
     lane_snap_junk: tuple[bool, ...] | None
     # snap_junk(Block) -> Bool [ghost]: some snapshot of the entry is not its key's state there
     snap_junk: tuple[bool, ...] | None
+    # lane_snap_taken(Lane) -> Int [ghost]: the last boundary the host holds a snapshot of the lane
+    # at
+    lane_snap_taken: tuple[int, ...] | None
+    # snap_taken(Block) -> Int [ghost]: the last boundary the host holds a snapshot of the entry at
+    snap_taken: tuple[int, ...] | None
     # busy(Lane) -> Bool: the lane serves a request
     busy: tuple[bool, ...]
     # lane_req(Lane) -> Req: the request a busy lane serves
@@ -202,6 +207,8 @@ STATE_FIELDS = (
     "snap_upto",
     "lane_snap_junk",
     "snap_junk",
+    "lane_snap_taken",
+    "snap_taken",
     "busy",
     "lane_req",
     "tail",
@@ -240,6 +247,8 @@ GHOST_FIELDS = (
     "local_junk",
     "lane_snap_junk",
     "snap_junk",
+    "lane_snap_taken",
+    "snap_taken",
     "xfer_live",
     "xfer_block",
     "xfer_on",
@@ -444,6 +453,8 @@ def init(consts: Consts, ghost: bool = True) -> State:
         local_junk = (True,) * B
         lane_snap_junk = (True,) * B
         snap_junk = (True,) * K
+        lane_snap_taken = (0,) * B
+        snap_taken = (0,) * K
         xfer_live = PMap(default=False)
         xfer_block = PMap()
         xfer_on = (False,) * K
@@ -451,8 +462,9 @@ def init(consts: Consts, ghost: bool = True) -> State:
         slot_holds = (None,) * H
         slot_junk = (True,) * H
     else:
-        holds = junk = local_holds = local_junk = lane_snap_junk = snap_junk = xfer_live = None
-        xfer_block = xfer_on = xfer_of = slot_holds = slot_junk = None
+        holds = junk = local_holds = local_junk = lane_snap_junk = snap_junk = None
+        lane_snap_taken = snap_taken = xfer_live = xfer_block = xfer_on = xfer_of = None
+        slot_holds = slot_junk = None
     return State(
         consts,
         ghost,
@@ -468,6 +480,8 @@ def init(consts: Consts, ghost: bool = True) -> State:
         snap_upto,
         lane_snap_junk,
         snap_junk,
+        lane_snap_taken,
+        snap_taken,
         busy,
         lane_req,
         tail,
@@ -545,6 +559,8 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -715,6 +731,9 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_lane_snap_junk = list(s.lane_snap_junk)
         new_lane_snap_junk[l] = False
         new_lane_snap_junk = tuple(new_lane_snap_junk)
+        new_lane_snap_taken = list(s.lane_snap_taken)
+        new_lane_snap_taken[l] = 0
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
         new_holds = list(s.holds)
         new_holds[dst] = _m4
         new_holds = tuple(new_holds)
@@ -722,7 +741,8 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_lane_snap_junk = new_holds = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_lane_snap_taken = None
+        new_holds = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -738,6 +758,8 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         snap_upto,
         new_lane_snap_junk,
         s.snap_junk,
+        new_lane_snap_taken,
+        s.snap_taken,
         new_busy,
         new_lane_req,
         new_tail,
@@ -998,11 +1020,16 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         new_lane_snap_junk = list(s.lane_snap_junk)
         new_lane_snap_junk[l] = s.snap_junk[src]
         new_lane_snap_junk = tuple(new_lane_snap_junk)
+        new_lane_snap_taken = list(s.lane_snap_taken)
+        snap_taken = s.snap_taken
+        new_lane_snap_taken[l] = (n if n <= snap_taken[src] else snap_taken[src])
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
         new_junk = list(s.junk)
         new_junk[dst] = True
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_lane_snap_junk = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_lane_snap_taken = None
+        new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1018,6 +1045,8 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         snap_upto,
         new_lane_snap_junk,
         s.snap_junk,
+        new_lane_snap_taken,
+        s.snap_taken,
         new_busy,
         new_lane_req,
         new_tail,
@@ -1177,6 +1206,8 @@ def copy_done(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -1271,8 +1302,16 @@ def snapshot(s: State, l: int) -> Step:
             or not _m1
         )
         new_lane_snap_junk = tuple(new_lane_snap_junk)
+        lane_snap_taken = s.lane_snap_taken
+        new_lane_snap_taken = list(lane_snap_taken)
+        new_lane_snap_taken[l] = (
+            length[l]
+            if lane_snap_taken[l] < length[l]
+            else lane_snap_taken[l]
+        )
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
     else:
-        new_lane_snap_junk = None
+        new_lane_snap_junk = new_lane_snap_taken = None
     new = State(
         s.consts,
         s.ghost,
@@ -1288,6 +1327,8 @@ def snapshot(s: State, l: int) -> Step:
         s.snap_upto,
         new_lane_snap_junk,
         s.snap_junk,
+        new_lane_snap_taken,
+        s.snap_taken,
         busy,
         s.lane_req,
         s.tail,
@@ -1427,6 +1468,8 @@ def prefill(s: State, l: int, tok: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         lane_req,
         tail,
@@ -1583,6 +1626,9 @@ def grow(s: State, l: int, dst: int) -> Step:
         new_snap_junk = list(s.snap_junk)
         new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
+        new_snap_taken = list(s.snap_taken)
+        new_snap_taken[tail[l]] = s.lane_snap_taken[l]
+        new_snap_taken = tuple(new_snap_taken)
         new_holds = list(s.holds)
         new_holds[dst] = _m1
         new_holds = tuple(new_holds)
@@ -1590,7 +1636,7 @@ def grow(s: State, l: int, dst: int) -> Step:
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_snap_junk = new_holds = new_junk = None
+        new_snap_junk = new_snap_taken = new_holds = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1606,6 +1652,8 @@ def grow(s: State, l: int, dst: int) -> Step:
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
+        s.lane_snap_taken,
+        new_snap_taken,
         busy,
         s.lane_req,
         new_tail,
@@ -1871,11 +1919,19 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
         new_snap_junk = list(s.snap_junk)
         new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
+        snap_taken = s.snap_taken
+        new_snap_taken = list(snap_taken)
+        lane_snap_taken = s.lane_snap_taken
+        new_snap_taken[tail[l]] = lane_snap_taken[l]
+        new_snap_taken = tuple(new_snap_taken)
+        new_lane_snap_taken = list(lane_snap_taken)
+        new_lane_snap_taken[l] = (_m0 if _m0 <= snap_taken[src] else snap_taken[src])
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
         new_junk = list(s.junk)
         new_junk[dst] = True
         new_junk = tuple(new_junk)
     else:
-        new_snap_junk = new_junk = None
+        new_snap_junk = new_snap_taken = new_lane_snap_taken = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -1891,6 +1947,8 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
+        new_lane_snap_taken,
+        new_snap_taken,
         s.busy,
         s.lane_req,
         new_tail,
@@ -2137,6 +2195,8 @@ def preempt(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         new_busy,
         lane_req,
         tail,
@@ -2373,6 +2433,8 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         busy,
         lane_req,
         tail,
@@ -2523,8 +2585,11 @@ def finish(s: State, l: int, keep: bool) -> Step:
         new_snap_junk = list(s.snap_junk)
         new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
+        new_snap_taken = list(s.snap_taken)
+        new_snap_taken[tail[l]] = s.lane_snap_taken[l]
+        new_snap_taken = tuple(new_snap_taken)
     else:
-        new_snap_junk = None
+        new_snap_junk = new_snap_taken = None
     new = State(
         s.consts,
         s.ghost,
@@ -2540,6 +2605,8 @@ def finish(s: State, l: int, keep: bool) -> Step:
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
+        s.lane_snap_taken,
+        new_snap_taken,
         new_busy,
         lane_req,
         tail,
@@ -2623,6 +2690,8 @@ def abort_waiting(s: State, r: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -2722,6 +2791,8 @@ def abort_running(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         new_busy,
         s.lane_req,
         s.tail,
@@ -2845,6 +2916,8 @@ def fail(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         new_busy,
         s.lane_req,
         tail,
@@ -2953,6 +3026,8 @@ def discard(s: State, b: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -3073,6 +3148,8 @@ def spill(s: State, b: int, h: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -3185,6 +3262,8 @@ def store_done(s: State, h: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -3258,6 +3337,8 @@ def store_fail(s: State, h: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -3328,6 +3409,8 @@ def host_evict(s: State, h: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -3527,11 +3610,15 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
         new_lane_snap_junk = list(s.lane_snap_junk)
         new_lane_snap_junk[l] = False
         new_lane_snap_junk = tuple(new_lane_snap_junk)
+        new_lane_snap_taken = list(s.lane_snap_taken)
+        new_lane_snap_taken[l] = 0
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
         new_junk = list(s.junk)
         new_junk[dst] = True
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_lane_snap_junk = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_lane_snap_taken = None
+        new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -3547,6 +3634,8 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
         s.snap_upto,
         new_lane_snap_junk,
         s.snap_junk,
+        new_lane_snap_taken,
+        s.snap_taken,
         new_busy,
         new_lane_req,
         new_tail,
@@ -3819,11 +3908,14 @@ def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
         new_snap_junk = list(s.snap_junk)
         new_snap_junk[tail[l]] = s.lane_snap_junk[l]
         new_snap_junk = tuple(new_snap_junk)
+        new_snap_taken = list(s.snap_taken)
+        new_snap_taken[tail[l]] = s.lane_snap_taken[l]
+        new_snap_taken = tuple(new_snap_taken)
         new_junk = list(s.junk)
         new_junk[dst] = True
         new_junk = tuple(new_junk)
     else:
-        new_snap_junk = new_junk = None
+        new_snap_junk = new_snap_taken = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -3839,6 +3931,8 @@ def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
+        s.lane_snap_taken,
+        new_snap_taken,
         s.busy,
         s.lane_req,
         new_tail,
@@ -3996,6 +4090,8 @@ def load_done(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -4091,6 +4187,8 @@ def load_fail(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         tail,
@@ -4249,6 +4347,9 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_lane_snap_junk = list(s.lane_snap_junk)
         new_lane_snap_junk[l] = False
         new_lane_snap_junk = tuple(new_lane_snap_junk)
+        new_lane_snap_taken = list(s.lane_snap_taken)
+        new_lane_snap_taken[l] = 0
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
         new_xfer_live = s.xfer_live.set(r, True)
         new_xfer_block = s.xfer_block.set(r, dst)
         new_xfer_on = list(s.xfer_on)
@@ -4261,8 +4362,8 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_junk[dst] = False
         new_junk = tuple(new_junk)
     else:
-        new_local_holds = new_local_junk = new_lane_snap_junk = new_xfer_live = None
-        new_xfer_block = new_xfer_on = new_xfer_of = new_junk = None
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_lane_snap_taken = None
+        new_xfer_live = new_xfer_block = new_xfer_on = new_xfer_of = new_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -4278,6 +4379,8 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         s.snap_upto,
         new_lane_snap_junk,
         s.snap_junk,
+        new_lane_snap_taken,
+        s.snap_taken,
         new_busy,
         new_lane_req,
         new_tail,
@@ -4458,6 +4561,8 @@ def import_grow(s: State, l: int, dst: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         lane_req,
         new_tail,
@@ -4613,11 +4718,17 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
             (False if (_m3[c] and c != tail[_m1]) else snap_junk[c])
             for c in range(K)
         ])
+        snap_taken = s.snap_taken
+        new_snap_taken = tuple([
+            (0 if (_m3[c] and c != tail[_m1]) else snap_taken[c])
+            for c in range(K)
+        ])
         new_local_holds = list(s.local_holds)
         new_local_holds[_m1] = p
         new_local_holds = tuple(new_local_holds)
     else:
-        new_xfer_live = new_xfer_on = new_holds = new_snap_junk = new_local_holds = None
+        new_xfer_live = new_xfer_on = new_holds = new_snap_junk = new_snap_taken = None
+        new_local_holds = None
     new = State(
         s.consts,
         s.ghost,
@@ -4633,6 +4744,8 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
+        s.lane_snap_taken,
+        new_snap_taken,
         s.busy,
         s.lane_req,
         tail,
@@ -4764,6 +4877,8 @@ def export(s: State, l: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         lane_req,
         tail,
@@ -4875,8 +4990,11 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         new_snap_junk = list(s.snap_junk)
         new_snap_junk[_m2] = s.lane_snap_junk[_m1]
         new_snap_junk = tuple(new_snap_junk)
+        new_snap_taken = list(s.snap_taken)
+        new_snap_taken[_m2] = s.lane_snap_taken[_m1]
+        new_snap_taken = tuple(new_snap_taken)
     else:
-        new_xfer_live = new_xfer_on = new_snap_junk = None
+        new_xfer_live = new_xfer_on = new_snap_junk = new_snap_taken = None
     new = State(
         s.consts,
         s.ghost,
@@ -4892,6 +5010,8 @@ def export_done(s: State, r: int, keep: bool) -> Step:
         new_snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
+        s.lane_snap_taken,
+        new_snap_taken,
         new_busy,
         s.lane_req,
         s.tail,
@@ -5001,6 +5121,8 @@ def transfer_fail(s: State, r: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         new_busy,
         s.lane_req,
         s.tail,
@@ -5122,6 +5244,8 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
         s.busy,
         s.lane_req,
         s.tail,
@@ -5387,6 +5511,8 @@ INVARIANTS = (
     "copy_source_holds_prefix",
     "lane_local_state_is_its_own",
     "lane_snapshots_are_its_own",
+    "lane_snapshots_were_taken",
+    "entry_snapshots_were_taken",
     "idle_lane_has_no_snapshots",
     "entry_snapshots_are_its_own",
     "snapshots_need_hybrid",
@@ -5536,11 +5662,15 @@ def check_invariants(s: State) -> list[str]:
         C = s.consts.C
         snap_junk = s.snap_junk
         snap_upto = s.snap_upto
-        _m8 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
-        _m7 = tuple([busy[owner_lane[b]] and _m8[b] == PHASE_IMPORTING for b in range(K)])
+        _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+        _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
+        _m7 = tuple([
+            owner[b] == OWNER_LANE and tail[owner_lane[b]] != b and not _m8[b]
+            for b in range(K)
+        ])
         # full_block_holds_its_key
         if not all(
-            not (owner[b] == OWNER_LANE and tail[owner_lane[b]] != b and not _m7[b])
+            not _m7[b]
             or (
                 not junk[b]
                 and holds[b] == key[b]
@@ -5578,26 +5708,26 @@ def check_invariants(s: State) -> list[str]:
     if not all(not busy[l] or (lane_plen[l] > 0 and lane_plen[l] <= T * S) for l in range(B)):
         bad.append("lane_prompt_fits")
     lane_seq = s.lane_seq
-    _m10 = tuple([busy[l] and _m0[l] for l in range(B)])
+    _m11 = tuple([busy[l] and _m0[l] for l in range(B)])
     _m6 = tuple([busy[l] and _m2[l] for l in range(B)])
-    _m9 = tuple([_m10[l] or _m6[l] for l in range(B)])
+    _m10 = tuple([_m11[l] or _m6[l] for l in range(B)])
     length = s.length
     # lane_seq_length
     if not all(
-        not busy[l] or slen(lane_seq[l]) == (lane_plen[l] if _m9[l] else length[l] + 1)
+        not busy[l] or slen(lane_seq[l]) == (lane_plen[l] if _m10[l] else length[l] + 1)
         for l in range(B)
     ):
         bad.append("lane_seq_length")
-    _m11 = tuple([prompt.get(lane_req[l]) for l in range(B)])
+    _m12 = tuple([prompt.get(lane_req[l]) for l in range(B)])
     # lane_computes_its_prompt
     if not all(
-        not _m9[l] or (lane_seq[l] == _m11[l] and lane_plen[l] == slen(_m11[l]))
+        not _m10[l] or (lane_seq[l] == _m12[l] and lane_plen[l] == slen(_m12[l]))
         for l in range(B)
     ):
         bad.append("lane_computes_its_prompt")
     copying = s.copying
     # copy_only_while_prefilling
-    if not all(not copying[l] or _m10[l] for l in range(B)):
+    if not all(not copying[l] or _m11[l] for l in range(B)):
         bad.append("copy_only_while_prefilling")
     copy_src = s.copy_src
     copy_host = s.copy_host
@@ -5657,6 +5787,24 @@ def check_invariants(s: State) -> list[str]:
             for l in range(B)
         ):
             bad.append("lane_snapshots_are_its_own")
+        lane_snap_taken = s.lane_snap_taken
+        # lane_snapshots_were_taken
+        if not all(not busy[l] or lane_snap[l] == lane_snap_taken[l] for l in range(B)):
+            bad.append("lane_snapshots_were_taken")
+        snap_upto = s.snap_upto
+        snap_taken = s.snap_taken
+        _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+        _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
+        _m7 = tuple([
+            owner[b] == OWNER_LANE and tail[owner_lane[b]] != b and not _m8[b]
+            for b in range(K)
+        ])
+        # entry_snapshots_were_taken
+        if not all(
+            not (owner[b] == OWNER_CACHE or _m7[b]) or snap_upto[b] == snap_taken[b]
+            for b in range(K)
+        ):
+            bad.append("entry_snapshots_were_taken")
     lane_snap = s.lane_snap
     # idle_lane_has_no_snapshots
     if not all(busy[l] or lane_snap[l] == 0 for l in range(B)):
@@ -5762,8 +5910,8 @@ def check_invariants(s: State) -> list[str]:
         and all(owner[b] != OWNER_SPILLING or HOST for b in range(K))
     ):
         bad.append("host_needs_host_cache")
-    _m8 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
-    _m7 = tuple([busy[owner_lane[b]] and _m8[b] == PHASE_IMPORTING for b in range(K)])
+    _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
     if not all(
@@ -5771,19 +5919,19 @@ def check_invariants(s: State) -> list[str]:
         or owner[b] == OWNER_DRAINING
         or (
             owner[b] == OWNER_LANE
-            and (_m7[b] or (busy[owner_lane[b]] and _m8[b] == PHASE_EXPORTING))
+            and (_m8[b] or (busy[owner_lane[b]] and _m9[b] == PHASE_EXPORTING))
         )
         for b in range(K)
     ):
         bad.append("transfer_block_held")
     transfer_req = s.transfer_req
-    _m12 = tuple([phase.get(transfer_req[b]) for b in range(K)])
+    _m13 = tuple([phase.get(transfer_req[b]) for b in range(K)])
     # draining_has_transfer
     if not all(
         owner[b] != OWNER_DRAINING
         or (
             transfer[b]
-            and (_m12[b] == PHASE_FINISHED or _m12[b] == PHASE_ABORTED or _m12[b] == PHASE_FAILED)
+            and (_m13[b] == PHASE_FINISHED or _m13[b] == PHASE_ABORTED or _m13[b] == PHASE_FAILED)
         )
         for b in range(K)
     ):
@@ -5818,10 +5966,10 @@ def check_invariants(s: State) -> list[str]:
             for b in range(K)
         ):
             bad.append("pinned_for_its_transfer")
-    _m13 = tuple([busy[l] and _m3[l] for l in range(B)])
+    _m14 = tuple([busy[l] and _m3[l] for l in range(B)])
     # moving_lane_has_transfer
     if not all(
-        not ((_m6[l] or _m13[l]) and owner[b] == OWNER_LANE and owner_lane[b] == l) or transfer[b]
+        not ((_m6[l] or _m14[l]) and owner[b] == OWNER_LANE and owner_lane[b] == l) or transfer[b]
         for l in range(B)
         for b in range(K)
     ):
@@ -5851,7 +5999,7 @@ def check_invariants(s: State) -> list[str]:
         ):
             bad.append("import_blocks_untouched")
     # export_after_prefill
-    if not all(not _m13[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
+    if not all(not _m14[l] or (length[l] == lane_plen[l] and not copying[l]) for l in range(B)):
         bad.append("export_after_prefill")
     _m5 = tuple([not _m6[l] for l in range(B)])
     # length_within_block
@@ -5866,13 +6014,13 @@ def check_invariants(s: State) -> list[str]:
     ):
         bad.append("length_within_block")
     # prefill_before_prompt_end
-    if not all(not _m10[l] or length[l] < lane_plen[l] for l in range(B)):
+    if not all(not _m11[l] or length[l] < lane_plen[l] for l in range(B)):
         bad.append("prefill_before_prompt_end")
     # decode_after_prompt
     if not all(not (busy[l] and _m1[l]) or lane_plen[l] <= length[l] for l in range(B)):
         bad.append("decode_after_prompt")
     # prefill_on_chunk_boundary
-    if not all(not _m10[l] or length[l] % C == 0 for l in range(B)):
+    if not all(not _m11[l] or length[l] % C == 0 for l in range(B)):
         bad.append("prefill_on_chunk_boundary")
     # lane_blocks_are_its_table
     if not all(
@@ -6175,6 +6323,8 @@ def describe_state(s: State) -> dict[str, Any]:
     out["snap_upto"] = list(s.snap_upto)
     out["lane_snap_junk"] = None if s.lane_snap_junk is None else list(s.lane_snap_junk)
     out["snap_junk"] = None if s.snap_junk is None else list(s.snap_junk)
+    out["lane_snap_taken"] = None if s.lane_snap_taken is None else list(s.lane_snap_taken)
+    out["snap_taken"] = None if s.snap_taken is None else list(s.snap_taken)
     out["busy"] = list(s.busy)
     out["lane_req"] = list(s.lane_req)
     out["tail"] = list(s.tail)
