@@ -69,7 +69,8 @@ class Features:
 
 # Hybrid without the prefix cache takes the same steps as a plain model (no hit, no snapshot), and
 # the host tier needs the prefix cache, so those are the combinations of their own. Paged tables
-# (T = 2) for each of them. Preemption (T > 1, plain models: axioms) at T = 2 and 3.
+# (T = 2) for each of them. Preemption (T > 1, no host tier: axioms) at T = 2 and 3, with the
+# hybrid prefix cache too (its snapshots are the one state preemption adds for hybrid lanes).
 COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MODES)
                 + tuple(Features(True, s, hybrid=True, tables=t) for t in (1, 2)
                         for s in SCRATCH_MODES)
@@ -77,7 +78,9 @@ COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MOD
                         for s in SCRATCH_MODES)
                 + tuple(Features(p, s, tables=2) for p in (False, True) for s in SCRATCH_MODES)
                 + tuple(Features(p, s, tables=t, preempt=True)
-                        for t in (2, 3) for p in (False, True) for s in SCRATCH_MODES))
+                        for t in (2, 3) for p in (False, True) for s in SCRATCH_MODES)
+                + tuple(Features(True, s, hybrid=True, tables=t, preempt=True)
+                        for t in (2, 3) for s in SCRATCH_MODES))
 
 
 # The lane cutoff: `table` and `progress_by_features` check B * T up to it.

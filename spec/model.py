@@ -81,9 +81,9 @@ m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
 m.axiom("tables_positive", T > 0)
 m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
-# Preemption is proved for plain models: a preempted hybrid lane would also drop its snapshots,
-# and a host-tier load in flight is not a lane that can be preempted (not built).
-m.axiom("preemption_plain", implies(PREEMPT, ~HYBRID & ~HOST))
+# Preemption is proved without the host tier: a host-tier load in flight is not a lane that can
+# be preempted (not built). (A preempted hybrid lane drops its snapshots: `preempt`.)
+m.axiom("preemption_without_host", implies(PREEMPT, ~HOST))
 # With one block per table no lane ever grows: preemption would only save a padding block.
 m.axiom("preemption_with_tables", implies(PREEMPT, T > 1))
 # A host entry would have to carry the sliding-state snapshots too; not built.
@@ -570,7 +570,9 @@ def preempt(l: Lane):
     assign(prompt(r), lane_seq(l))
     assign(busy(l), False)
     assign_all(owner, lambda b: ite(lane_block(b, l), Owner.FREE, owner(b)))
-    # (no snapshots to drop: a preempted lane is a plain model's, `snapshots_need_hybrid`)
+    # a hybrid lane's snapshots go too (its full blocks are freed, not cached): the restart
+    # recomputes its sliding state from its first token, as any admission does
+    assign(lane_snap(l), 0)
     emit("preempt", lane=l, request=r)
 
 

@@ -215,12 +215,13 @@ def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, 
     tier), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid" turns on
     HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the block size
     S is small (2..8), so that tables fill within a run.
-    preempt: PREEMPT on (plain tier, T >= 2: axioms preemption_plain, preemption_with_tables),
+    preempt: PREEMPT on (plain or hybrid tier, T >= 2: axioms preemption_without_host,
+    preemption_with_tables),
     K from the preemption rule's minimum + extra[0] up to below the rule without it (or to the
     minimum + extra[1]), so that lanes often wait for a block and preempt; None: the same
     K, with PREEMPT off (below capacity: for a mutant that preempts without PREEMPT)."""
     assert tier == "plain" or (tier in TIERS and prefix), (tier, prefix)
-    assert preempt is False or tier == "plain", (preempt, tier)
+    assert preempt is False or tier in ("plain", "hybrid"), (preempt, tier)
     if preempt is not False:
         tables = (max(2, tables[0]), max(2, tables[1]))
     t = draw(st.integers(*tables))
@@ -3406,6 +3407,15 @@ def test_core_machine_preempt(prefix: bool, scratch: str) -> None:
 
 
 @pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+def test_core_machine_hybrid_preempt(scratch: str) -> None:
+    """PREEMPT with the hybrid prefix cache: a preempted lane's snapshots go with it (its
+    full blocks are freed, never cached), and its restart takes new ones or a hit's; every
+    check of the two families (hybrid tier, preemption) over the same runs."""
+    config = configs(committed, True, scratch, tier="hybrid", preempt=True)
+    check_coverage("hybrid", True, run_machine(config, False, preempt=True))
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
 @pytest.mark.parametrize("tier", TIERS)
 def test_core_machine_tier(tier: str, scratch: str) -> None:
     """The same checks with a tier of the prefix cache, colocated and then with PD mixed in,
@@ -3871,6 +3881,12 @@ MUTANTS: dict[str, Mutant] = {
         lambda: MODEL.without_update("preempt", "phase"),
         (False, "reserved"), ("running_request_has_lane", "busy_lane_runs_its_request"),
         PREEMPT_RULES - {"preempt"}, tables=(2, 3), preempt=True),
+    # Hybrid: the preempted lane keeps its snapshot count while idle; its next request would
+    # claim snapshots of another sequence (a hit restores from them).
+    "preempt-lane_snap": Mutant(
+        lambda: MODEL.without_update("preempt", "lane_snap"),
+        (True, "dynamic"), ("idle_lane_has_no_snapshots", "model:preempt"),
+        PREEMPT_RULES | HYBRID_FLOW, tier="hybrid", tables=(2, 3), preempt=True),
 }
 
 

@@ -39,6 +39,7 @@ from atom_core.demo import oracle_for
 from atom_core.runtime import TorchReferenceRuntime
 from atom_core.transport import InProcessTransport
 from atom_core.workers import DecodeWorker, PrefillWorker
+from tests.test_pd_workers import Rig
 
 S, C, V = 256, 64, 128
 # three layers, the third global: two sliding layers and one global one
@@ -652,12 +653,7 @@ def test_workers_in_process_token_exact() -> None:
     dw = DecodeWorker(dcfg, runtime(dcfg), td, key=KEY, prefetch=2)
     work = pd_workload(w, seed=21, n=9)
     wids = [dw.submit(prompt, n) for prompt, n in work]
-    for _ in range(5000):
-        if not dw.busy():
-            break
-        dw.step()
-        pw.step_once()
-    assert not dw.busy()
+    Rig(dw, pw, td, tp).pump()
     results = dw.results()
     for wid, (prompt, n) in zip(wids, work, strict=True):
         assert results[wid].error is None, results[wid].error

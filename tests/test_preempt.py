@@ -2,7 +2,8 @@
 minimum for preemption (one lane's whole table and a block, far below every lane's), every
 request still produces exactly the cache-free oracle's tokens, lanes are preempted and resume,
 nothing leaks, and the batcher's choices are the ones the spec allows (the core rejects any
-other, and `check_invariants()` runs after every step).
+other, and `check_invariants()` runs after every step). Hybrid models too: a preempted lane's
+sliding-window snapshots go with its blocks. The host tier is refused with preemption.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, ConfigError, min_kv_blocks
 from atom_core.policy import Policy
 from atom_core.runtime import TorchReferenceRuntime
+from tests import test_hybrid_prefix as hp
 from tests.test_paged import POOL, SYSTEM, C, S, Tables, assert_exact, at_rest, drive
 
 
@@ -123,10 +125,36 @@ def test_preemption_needs_paged_tables() -> None:
         Config(lanes=2, kv_blocks=4, max_seq_len=S, prefill_chunk=C, preemption=True)
 
 
-def test_preemption_refuses_host_tier_and_hybrid() -> None:
-    with pytest.raises(ConfigError, match="preemption"):
+def test_preemption_refuses_the_host_tier() -> None:
+    with pytest.raises(ConfigError, match="host_cache_blocks=0"):
         Config(lanes=2, kv_blocks=8, max_seq_len=S, block_size=S // 2, prefill_chunk=C,
-               prefix_cache=True, preemption=True, sliding_window=32)
+               prefix_cache=True, preemption=True, host_cache_blocks=2)
+
+
+@pytest.mark.parametrize("window", [16, 100], ids=["W<C", "W>C"])
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
+def test_hybrid_token_exact_at_the_minimum(prefix: bool, scratch: str, window: int) -> None:
+    """A hybrid model (sliding-window layers in each lane's local slot) at the preemption
+    rule's minimum, tables of 4 blocks: lanes are preempted when another needs a block, their
+    snapshots dropped with their blocks, and each restart recomputes its sliding state from
+    its first token (or restores it at a hit's end, with the prefix cache). Every answer is
+    the oracle's; the invariants (ghost included) hold after every step, and at the end the
+    host holds snapshots only for the cache entries the core says have them."""
+    t = hp.PS // hp.PB
+    cfg = Config(lanes=3, kv_blocks=min_kv_blocks(3, prefix, scratch, t, preemption=True),
+                 max_seq_len=hp.PS, block_size=hp.PB, prefill_chunk=hp.C, scratch=scratch,
+                 prefix_cache=prefix, sliding_window=window, preemption=True)
+    b = hp.batcher(cfg)
+    rids = hp.run_checked(b, hp.shared_prompts(5, n=8, system=300))
+    assert hp.mismatches(b, rids) == []
+    assert all(b.requests[r].error is None for r in rids)
+    assert b.stats.preemptions > 0 and b.stats.recomputed_tokens > 0
+    if prefix:
+        assert b.stats.snapshots > 0 and b.stats.prefix_hit_tokens > 0
+        hp.assert_settled(b)
+    else:
+        at_rest(b)
 
 
 def test_pd_requests_refused_with_preemption() -> None:
@@ -185,3 +213,18 @@ def test_an_import_counts_as_an_admission_for_the_victim_order() -> None:
     assert p.admitted[1] > p.admitted[0]
     p.observe([core.Admit(lane=0, request=2, block=2)])
     assert p.admitted[0] > p.admitted[1]
+
+
+def test_too_few_blocks_suggests_preemption_where_it_is_proved() -> None:
+    """Below every lane's whole table, the error names preemption as a fix, with the blocks it
+    needs, for plain and hybrid models; not with a host tier (not proved there)."""
+    kw: dict[str, object] = dict(lanes=3, max_seq_len=S, block_size=S // 4, prefill_chunk=C,
+                                 prefix_cache=True)
+    need = min_kv_blocks(3, True, "dynamic", 4, preemption=True)
+    for window in (None, 16):
+        with pytest.raises(ConfigError, match=f"turn preemption on .* which needs {need}"):
+            Config(kv_blocks=need, sliding_window=window, **kw)  # type: ignore[arg-type]
+        Config(kv_blocks=need, sliding_window=window, preemption=True, **kw)  # type: ignore
+    with pytest.raises(ConfigError) as err:
+        Config(kv_blocks=need, host_cache_blocks=2, **kw)  # type: ignore[arg-type]
+    assert "turn preemption on" not in str(err.value)

@@ -82,6 +82,10 @@ COMBOS = {
     "colocated-preempt-dynamic": dict(mode="colocated", sliding_window=None, prefix_cache=False,
                                       scratch="dynamic", lanes=3, extra_blocks=0,
                                       max_seq_len=128, blocks_per_table=2, preemption=True),
+    # a hybrid model with its prefix cache: preempted lanes drop their snapshots
+    "colocated-preempt-hybrid": dict(mode="colocated", sliding_window=64, prefix_cache=True,
+                                     scratch="dynamic", lanes=3, extra_blocks=0,
+                                     max_seq_len=256, blocks_per_table=4, preemption=True),
 }
 # seeds whose host stores and loads also fail
 SEEDS = {"colocated-host": 6, "pd-host": 6, "colocated-paged-host": 1}

@@ -2179,6 +2179,9 @@ def preempt(s: State, l: int) -> Step:
         (OWNER_FREE if (owner[b] == OWNER_LANE and owner_lane[b] == l) else owner[b])
         for b in range(K)
     ])
+    new_lane_snap = list(s.lane_snap)
+    new_lane_snap[l] = 0
+    new_lane_snap = tuple(new_lane_snap)
     effects = (Preempt(l, lane_req[l]),)
     new = State(
         s.consts,
@@ -2191,7 +2194,7 @@ def preempt(s: State, l: int) -> Step:
         s.junk,
         s.local_holds,
         s.local_junk,
-        s.lane_snap,
+        new_lane_snap,
         s.snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
@@ -6117,7 +6120,7 @@ AXIOMS = (
     "blocks_positive",
     "tables_positive",
     "host_cache_needs_prefix_cache",
-    "preemption_plain",
+    "preemption_without_host",
     "preemption_with_tables",
     "hybrid_without_host_cache",
     "empty_has_no_tokens",
@@ -6153,15 +6156,14 @@ def check_axioms(c: Consts) -> list[str]:
     if HOST and not c.PREFIX:
         bad.append("host_cache_needs_prefix_cache")
     PREEMPT = c.PREEMPT
-    HYBRID = c.HYBRID
-    # preemption_plain
-    if PREEMPT and not (not HYBRID and not HOST):
-        bad.append("preemption_plain")
+    # preemption_without_host
+    if PREEMPT and HOST:
+        bad.append("preemption_without_host")
     # preemption_with_tables
     if PREEMPT and T <= 1:
         bad.append("preemption_with_tables")
     # hybrid_without_host_cache
-    if HYBRID and HOST:
+    if c.HYBRID and HOST:
         bad.append("hybrid_without_host_cache")
     # empty_has_no_tokens
     if slen(empty()) != 0:
