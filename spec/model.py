@@ -1105,6 +1105,9 @@ inv("one_scratch_block_when_reserved",
 # ---------------------------------------------------------------- transition invariants
 m.transition_invariant("ended_is_final", forall(Req, lambda r: implies(
     ended(r), phase.post(r) == phase(r))))
+# Without preemption a running request's work is never thrown away: it never waits again.
+m.transition_invariant("requeued_only_by_preemption", forall(Req, lambda r: implies(
+    running(r) & ~PREEMPT, phase.post(r) != Phase.WAITING)))
 m.transition_invariant("host_content_untouched", forall(Slot, lambda h: implies(
     one_of(slot_state(h), SlotState.STORED, SlotState.LOADING)
     & one_of(slot_state.post(h), SlotState.STORED, SlotState.LOADING),

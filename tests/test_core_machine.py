@@ -3831,11 +3831,11 @@ MUTANTS: dict[str, Mutant] = {
         (True, "dynamic"), ("owned_block_in_table", "lane_blocks_are_its_table"), GROW_RULES,
         tables=(2, 3)),
     # Preemption. Without PREEMPT (K as low as with it): a lane is preempted all the same (the
-    # state stays consistent: only the lifecycle model notices).
+    # state stays consistent, but a running request waits again: requeued_only_by_preemption).
     "preempt-preemption_on": Mutant(
         lambda: MODEL.without_guard("preempt", "preemption_on"),
-        (False, "dynamic"), "lifecycle:preemption_on", PREEMPT_RULES, tables=(2, 3),
-        preempt=None),
+        (False, "dynamic"), ("requeued_only_by_preemption", "lifecycle:preemption_on"),
+        PREEMPT_RULES, tables=(2, 3), preempt=None),
     # An idle lane is preempted (its last request, ended, is waiting again; or none) or a
     # copying one (its copy lands in a free block); or, where some other guard refuses, the
     # lifecycle model notices.

@@ -6050,7 +6050,12 @@ def check_invariants(s: State) -> list[str]:
     return bad
 
 
-TRANSITION_INVARIANTS = ("ended_is_final", "host_content_untouched", "cached_content_untouched")
+TRANSITION_INVARIANTS = (
+    "ended_is_final",
+    "requeued_only_by_preemption",
+    "host_content_untouched",
+    "cached_content_untouched",
+)
 
 
 def check_transition(pre: State, post: State) -> list[str]:
@@ -6070,6 +6075,22 @@ def check_transition(pre: State, post: State) -> list[str]:
         for r in req_ids
     ):
         bad.append("ended_is_final")
+    PREEMPT = pre.consts.PREEMPT
+    # requeued_only_by_preemption
+    if not all(
+        not (
+            (
+                pre_phase.get(r) == PHASE_PREFILL
+                or pre_phase.get(r) == PHASE_DECODE
+                or pre_phase.get(r) == PHASE_IMPORTING
+                or pre_phase.get(r) == PHASE_EXPORTING
+            )
+            and not PREEMPT
+        )
+        or post_phase.get(r) != PHASE_WAITING
+        for r in req_ids
+    ):
+        bad.append("requeued_only_by_preemption")
     if pre.ghost and post.ghost:
         post_slot_holds = post.slot_holds
         pre_slot_holds = pre.slot_holds
