@@ -125,10 +125,6 @@ AXIOM_HELP = {
     "preemption_with_tables": (
         "preemption=True needs paged tables (block_size below max_seq_len): with one block per "
         "table no lane ever needs another block, so there is nothing to preempt for"),
-    "preemption_without_host": (
-        "preemption=True is proved without a host tier for now (a lane loading from the host "
-        "cannot be preempted); set host_cache_blocks=0, or preemption=False (and size "
-        "kv_blocks for every lane's whole table)"),
     "chunk_divides_block": "block_size (max_seq_len unless given) must be a multiple of "
                            "prefill_chunk (a chunk never straddles two blocks)",
     "block_holds_a_chunk": "prefill_chunk must not exceed block_size (max_seq_len unless given)",
@@ -217,7 +213,7 @@ def capacity_message(cfg: Config, need: int) -> str:
         if fit >= 1:
             fixes.append(f"serve with lanes <= {fit}")
     rule = rule_for(cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, cfg.preemption)
-    if not cfg.preemption and cfg.blocks_per_table > 1 and not cfg.host_cache_blocks:
+    if not cfg.preemption and cfg.blocks_per_table > 1:
         alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, True)
         if alt <= cfg.kv_blocks:
             fixes.append("turn preemption on (a lane waiting for a block preempts the most "

@@ -196,8 +196,6 @@ def _host_choices(prefix_key: str, pd_only: bool) -> Choices:
     def choices(c: dict[str, Any]) -> tuple[Any, ...]:
         if pd_only and c.get("mode") != "pd":
             return ()
-        if c.get("preemption"):  # a fixed preemption: no host tier (axiom preemption_without_host)
-            return (0,)
         if c.get(prefix_key) and host_cache_allowed(c.get("sliding_window")):
             return HOST_CHOICES
         return (0,)
@@ -211,10 +209,9 @@ def _table_choices(c: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _preempt_choices(c: dict[str, Any]) -> tuple[Any, ...]:
-    """Preemption where Config accepts it: paged tables, no host tier; and colocated (the
-    batcher refuses PD requests with it)."""
-    if (c.get("blocks_per_table") or 1) == 1 or c.get("mode") == "pd" \
-            or c.get("host_cache_blocks"):
+    """Preemption where Config accepts it: paged tables; and colocated (the batcher refuses
+    PD requests with it)."""
+    if (c.get("blocks_per_table") or 1) == 1 or c.get("mode") == "pd":
         return ()
     return (False, True)
 

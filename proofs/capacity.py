@@ -80,6 +80,8 @@ COMBINATIONS = (tuple(Features(p, s) for p in (False, True) for s in SCRATCH_MOD
                 + tuple(Features(p, s, tables=t, preempt=True)
                         for t in (2, 3) for p in (False, True) for s in SCRATCH_MODES)
                 + tuple(Features(True, s, hybrid=True, tables=t, preempt=True)
+                        for t in (2, 3) for s in SCRATCH_MODES)
+                + tuple(Features(True, s, host=True, tables=t, preempt=True)
                         for t in (2, 3) for s in SCRATCH_MODES))
 
 

@@ -81,9 +81,6 @@ m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
 m.axiom("tables_positive", T > 0)
 m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
-# Preemption is proved without the host tier: a host-tier load in flight is not a lane that can
-# be preempted (not built). (A preempted hybrid lane drops its snapshots: `preempt`.)
-m.axiom("preemption_without_host", implies(PREEMPT, ~HOST))
 # With one block per table no lane ever grows: preemption would only save a padding block.
 m.axiom("preemption_with_tables", implies(PREEMPT, T > 1))
 # A host entry would have to carry the sliding-state snapshots too; not built.

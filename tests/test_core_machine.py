@@ -215,13 +215,11 @@ def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, 
     tier), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid" turns on
     HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the block size
     S is small (2..8), so that tables fill within a run.
-    preempt: PREEMPT on (plain or hybrid tier, T >= 2: axioms preemption_without_host,
-    preemption_with_tables),
+    preempt: PREEMPT on (any tier, T >= 2: axiom preemption_with_tables),
     K from the preemption rule's minimum + extra[0] up to below the rule without it (or to the
     minimum + extra[1]), so that lanes often wait for a block and preempt; None: the same
     K, with PREEMPT off (below capacity: for a mutant that preempts without PREEMPT)."""
     assert tier == "plain" or (tier in TIERS and prefix), (tier, prefix)
-    assert preempt is False or tier in ("plain", "hybrid"), (preempt, tier)
     if preempt is not False:
         tables = (max(2, tables[0]), max(2, tables[1]))
     t = draw(st.integers(*tables))
@@ -2200,15 +2198,20 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     return
 
         def schedule_step(self, data: Any = None) -> bool:
-            """One scheduler step with preemption, as the adapter takes it: copies land; the
-            lanes that need a block grow (the oldest first; preempting when there is none);
+            """One scheduler step with preemption, as the adapter takes it: copies, loads and
+            stores land; the lanes that need a block grow (the oldest first; preempting when
+            there is none);
             the oldest waiting request is admitted if the policy finds room; lanes grow again;
             each prefilling lane prefills a chunk; lanes at their table end finish (with data,
             sometimes lanes after a few tokens); then a decode call (preempting for a padding
             target). False if there is nothing to do."""
             life, c = self.life, self.c
-            if any(life.copying):  # (no host tier with preemption: a device copy)
-                self.apply("copy_done", life.copying.index(True))
+            if any(life.copying):  # a device copy, or a load from the host tier
+                l = life.copying.index(True)
+                self.apply("copy_done" if life.load_slot[l] is None else "load_done", l)
+                return True
+            for h in life.slots("STORING"):  # a spill's store lands (the adapter's: at once)
+                self.apply("store_done", h)
                 return True
             if not self.waiting() and all(r is None for r in life.lane):
                 return False
@@ -2403,14 +2406,19 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 return  # cancelled
             while life.copying[l]:
                 self.complete_copy(data, l)
-            while life.prefilling(l):
+            while life.prefilling(l) and life.lane[l] == r:
                 if not self.grow_by_policy() and life.needs_block(l):
                     return  # no block until a store lands (paged tables): it stays busy
-                self.apply("prefill", l, data.draw(tokens))
+                if life.lane[l] == r:  # (with PREEMPT, the growth may have preempted it)
+                    self.apply("prefill", l, data.draw(tokens))
             for _ in range(pick(data, (0, 1, 2, c.T * c.S), "tokens")):
+                if life.lane[l] != r or not life.decoding(l):
+                    break
                 self.grow_by_policy()
                 if self.decode_by_policy(self.decode_tokens(data)).rejected is not None:
                     break  # the table is full, or no padding target until a copy lands
+            if life.lane[l] != r or not life.decoding(l):
+                return  # preempted to make room (it waits again)
             assert self.apply("finish", l, True).rejected is None
 
         def host_hit(self, data: Any, r: int, idle: list[int]) -> None:
@@ -3407,12 +3415,15 @@ def test_core_machine_preempt(prefix: bool, scratch: str) -> None:
 
 
 @pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
-def test_core_machine_hybrid_preempt(scratch: str) -> None:
-    """PREEMPT with the hybrid prefix cache: a preempted lane's snapshots go with it (its
-    full blocks are freed, never cached), and its restart takes new ones or a hit's; every
-    check of the two families (hybrid tier, preemption) over the same runs."""
-    config = configs(committed, True, scratch, tier="hybrid", preempt=True)
-    check_coverage("hybrid", True, run_machine(config, False, preempt=True))
+@pytest.mark.parametrize("tier", TIERS)
+def test_core_machine_tier_preempt(tier: str, scratch: str) -> None:
+    """PREEMPT with a tier of the prefix cache, every check of the two families (the tier's,
+    preemption's) over the same runs. Hybrid: a preempted lane's snapshots go with it (its
+    full blocks are freed, never cached), and its restart takes new ones or a hit's. Host: a
+    lane loading from the host is never preempted (`lane_computing`), and entries are
+    spilled and loaded back between preemptions."""
+    config = configs(committed, True, scratch, tier=tier, preempt=True)
+    check_coverage(tier, True, run_machine(config, False, preempt=True))
 
 
 @pytest.mark.parametrize("scratch", ["reserved", "dynamic"])

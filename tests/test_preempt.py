@@ -3,7 +3,7 @@ minimum for preemption (one lane's whole table and a block, far below every lane
 request still produces exactly the cache-free oracle's tokens, lanes are preempted and resume,
 nothing leaks, and the batcher's choices are the ones the spec allows (the core rejects any
 other, and `check_invariants()` runs after every step). Hybrid models too: a preempted lane's
-sliding-window snapshots go with its blocks. The host tier is refused with preemption.
+sliding-window snapshots go with its blocks. The host tier too, with failed stores and loads.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, ConfigError, min_kv_blocks
 from atom_core.policy import Policy
 from atom_core.runtime import TorchReferenceRuntime
+from tests import test_host_cache as hc
 from tests import test_hybrid_prefix as hp
 from tests.test_paged import POOL, SYSTEM, C, S, Tables, assert_exact, at_rest, drive
 
@@ -125,10 +126,31 @@ def test_preemption_needs_paged_tables() -> None:
         Config(lanes=2, kv_blocks=4, max_seq_len=S, prefill_chunk=C, preemption=True)
 
 
-def test_preemption_refuses_the_host_tier() -> None:
-    with pytest.raises(ConfigError, match="host_cache_blocks=0"):
-        Config(lanes=2, kv_blocks=8, max_seq_len=S, block_size=S // 2, prefill_chunk=C,
-               prefix_cache=True, preemption=True, host_cache_blocks=2)
+@pytest.mark.parametrize("fault", [None, "fetch_kv_cache", "update_kv_cache"],
+                         ids=["clean", "failed-stores", "failed-loads"])
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+def test_host_tier_token_exact_at_the_minimum(scratch: str, fault: str | None) -> None:
+    """The host tier with preemption, at the preemption rule's minimum (tables of 4 blocks):
+    entries spilled to the host and loaded back into first and later blocks while lanes are
+    preempted (a lane loading from the host never is: `lane_computing`). A failed store drops
+    only its entry, a failed load makes only its lane recompute that block; every answer is
+    the oracle's, the invariants hold after every step, and at rest nothing is pinned and no
+    slot is mid-store or mid-load."""
+    t = hc.PS // hc.PB
+    cfg = Config(lanes=3, kv_blocks=min_kv_blocks(3, True, scratch, t, preemption=True),
+                 max_seq_len=hc.PS, block_size=hc.PB, prefill_chunk=hc.C, prefix_cache=True,
+                 scratch=scratch, host_cache_blocks=8, preemption=True)
+    b = hc.batcher(cfg)
+    if fault is not None:
+        b.runtime = hc.Flaky(b.runtime, fault, {1, 3})  # type: ignore[assignment]
+    rids = hc.run_checked(b, hc.paged_workload(3))
+    assert all(b.requests[r].error is None for r in rids)
+    assert hc.mismatches(b, rids) == []
+    assert b.stats.preemptions > 0 and b.stats.host_stores > 0 and b.stats.host_hit_tokens > 0
+    failures = {None: 0, "fetch_kv_cache": b.stats.host_store_failures,
+                "update_kv_cache": b.stats.host_load_failures}[fault]
+    assert failures == (0 if fault is None else 2)
+    hc.assert_at_rest(b)
 
 
 @pytest.mark.parametrize("window", [16, 100], ids=["W<C", "W>C"])
@@ -215,16 +237,13 @@ def test_an_import_counts_as_an_admission_for_the_victim_order() -> None:
     assert p.admitted[0] > p.admitted[1]
 
 
-def test_too_few_blocks_suggests_preemption_where_it_is_proved() -> None:
+def test_too_few_blocks_suggests_preemption() -> None:
     """Below every lane's whole table, the error names preemption as a fix, with the blocks it
-    needs, for plain and hybrid models; not with a host tier (not proved there)."""
+    needs: plain, hybrid and with a host tier (the same rule is proved for each)."""
     kw: dict[str, object] = dict(lanes=3, max_seq_len=S, block_size=S // 4, prefill_chunk=C,
                                  prefix_cache=True)
     need = min_kv_blocks(3, True, "dynamic", 4, preemption=True)
-    for window in (None, 16):
+    for extra in ({}, {"sliding_window": 16}, {"host_cache_blocks": 2}):
         with pytest.raises(ConfigError, match=f"turn preemption on .* which needs {need}"):
-            Config(kv_blocks=need, sliding_window=window, **kw)  # type: ignore[arg-type]
-        Config(kv_blocks=need, sliding_window=window, preemption=True, **kw)  # type: ignore
-    with pytest.raises(ConfigError) as err:
-        Config(kv_blocks=need, host_cache_blocks=2, **kw)  # type: ignore[arg-type]
-    assert "turn preemption on" not in str(err.value)
+            Config(kv_blocks=need, **extra, **kw)  # type: ignore[arg-type]
+        Config(kv_blocks=need, preemption=True, **extra, **kw)  # type: ignore[arg-type]

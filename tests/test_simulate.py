@@ -86,9 +86,14 @@ COMBOS = {
     "colocated-preempt-hybrid": dict(mode="colocated", sliding_window=64, prefix_cache=True,
                                      scratch="dynamic", lanes=3, extra_blocks=0,
                                      max_seq_len=256, blocks_per_table=4, preemption=True),
+    # the host tier: entries stored and loaded back between preemptions
+    "colocated-preempt-host": dict(mode="colocated", sliding_window=None, prefix_cache=True,
+                                   host_cache_blocks=3, scratch="reserved", lanes=3,
+                                   extra_blocks=0, max_seq_len=256, blocks_per_table=4,
+                                   preemption=True),
 }
 # seeds whose host stores and loads also fail
-SEEDS = {"colocated-host": 6, "pd-host": 6, "colocated-paged-host": 1}
+SEEDS = {"colocated-host": 6, "pd-host": 6, "colocated-paged-host": 1, "colocated-preempt-host": 11}
 HOST_STATS = ("host_stores", "host_store_failures", "host_hit_tokens", "host_load_failures")
 
 
@@ -130,7 +135,7 @@ def test_host_tier_seeds_store_hit_and_fail(combo_reports: dict[str, simulate.Re
     """With a host tier, evicted entries are stored and hit on the host, and the fetch and
     update fault kinds reach its stores and loads (on each PD side with a host tier too), while
     everything stays token-exact and leak-free (`rep.ok`)."""
-    for name in ("colocated-host", "pd-host", "colocated-paged-host"):
+    for name in ("colocated-host", "pd-host", "colocated-paged-host", "colocated-preempt-host"):
         rep = combo_reports[name]
         assert rep.ok, simulate.render(rep)
         assert rep.faults_by_kind["fetch"] > 0 and rep.faults_by_kind["update"] > 0

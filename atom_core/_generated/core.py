@@ -6141,7 +6141,6 @@ AXIOMS = (
     "blocks_positive",
     "tables_positive",
     "host_cache_needs_prefix_cache",
-    "preemption_without_host",
     "preemption_with_tables",
     "hybrid_without_host_cache",
     "empty_has_no_tokens",
@@ -6176,12 +6175,8 @@ def check_axioms(c: Consts) -> list[str]:
     # host_cache_needs_prefix_cache
     if HOST and not c.PREFIX:
         bad.append("host_cache_needs_prefix_cache")
-    PREEMPT = c.PREEMPT
-    # preemption_without_host
-    if PREEMPT and HOST:
-        bad.append("preemption_without_host")
     # preemption_with_tables
-    if PREEMPT and T <= 1:
+    if c.PREEMPT and T <= 1:
         bad.append("preemption_with_tables")
     # hybrid_without_host_cache
     if c.HYBRID and HOST:
