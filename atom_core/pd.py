@@ -64,6 +64,7 @@ import json
 import math
 import operator
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,10 +94,19 @@ _HEADER_FIELDS = ("request_id", "prompt", "first_token", "dtype", "fingerprint",
                   "mac", "shape")
 
 
+# A SHA-256 / HMAC-SHA256 digest as the header carries it: checked by this pattern before it is
+# decoded, so a surrogate or a non-hex character is a malformed header, not an exception.
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
+# Bounds on the header's strings: ids and names, never data.
+_MAX_ID_CHARS = 256
+_MAX_NAME_CHARS = 1024
+
+
 class PayloadError(ValueError):
     """One request's payload is unusable; `field` names what was wrong ("mac", "checksum",
     "fingerprint", "request_id", "length", "prompt", "first_token", "shape", "dtype",
-    "local_kv", "header"). The message says what was expected, what arrived and what to do."""
+    "local_kv", "kv", "header"). The message says what was expected, what arrived and what to
+    do. Parsing and validation are total: whatever a peer sends, they raise nothing else."""
 
     field: str
 
@@ -335,6 +345,29 @@ def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fing
             raise ValueError(f"local_layout is (sliding_layers, 2, kv_heads, sliding_window, "
                              f"head_dim), got {local_layout}")
     rid = request_id
+    try:
+        _validate(payload, rid, expected, fingerprint, layout, dtype, vocab_size, key,
+                  local_layout)
+    except PayloadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - total: whatever the payload holds
+        raise PayloadError("header", f"the payload for request {rid!r} is malformed "
+                                     f"({type(exc).__name__}): it is discarded") from None
+
+
+def _digest_bytes(value: Any) -> bytes | None:
+    """The digest of a header's hex string, or None when it is not 64 lowercase hex digits."""
+    if not isinstance(value, str) or not _HEX_DIGEST.match(value):
+        return None
+    return bytes.fromhex(value)
+
+
+def _validate(payload: KVPayload, rid: str, expected: tuple[int, ...], fingerprint: str,
+              layout: tuple[int, ...], dtype: str, vocab_size: int, key: bytes | None,
+              local_layout: tuple[int, ...] | None) -> None:
+    if not isinstance(payload, KVPayload):
+        raise PayloadError("header", f"expected a KVPayload for request {rid!r}, got "
+                                     f"{type(payload).__name__}")
     checksum, mac = _digests(payload, key)
     if key is not None:
         if payload.mac is None:
@@ -342,14 +375,18 @@ def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fing
                                       "decode worker requires authenticated KV: configure the "
                                       "same shared key on the prefill worker")
         assert mac is not None
-        if not hmac.compare_digest(payload.mac.encode(), mac.encode()):
+        got = _digest_bytes(payload.mac)
+        # constant time over the digests' bytes; a malformed mac compares against zeros
+        if not hmac.compare_digest(got or bytes(32), bytes.fromhex(mac)) or got is None:
             raise PayloadError("mac", f"the payload for request {rid!r} failed authentication "
                                       "(HMAC mismatch): it was altered or signed with another "
                                       "key. It is discarded; if the sender is legitimate, give "
                                       "both workers the same shared key")
-    if not hmac.compare_digest(payload.checksum.encode(), checksum.encode()):
+    got = _digest_bytes(payload.checksum)
+    if got is None or not hmac.compare_digest(got, bytes.fromhex(checksum)):
+        shown = payload.checksum[:16] if got is not None else "(not a SHA-256 hex digest)"
         raise PayloadError("checksum", f"the KV payload for request {rid!r} is corrupt: its "
-                                       f"checksum is {payload.checksum[:16]!r}..., its content "
+                                       f"checksum is {shown!r}..., its content "
                                        f"hashes to {checksum[:16]!r}...; the transfer damaged "
                                        "it: re-run the prefill for this request")
     if payload.fingerprint != fingerprint:
@@ -400,6 +437,13 @@ def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fing
                                     f"{kv_dtype}), this runtime's KV cache is {dtype}: start "
                                     "both workers with the same cache dtype")
     _validate_local(payload.local_kv, rid, local_layout, dtype)
+    for name, t in (("kv", payload.kv), ("local_kv", payload.local_kv)):
+        # NaN or inf in a cache poisons every later token of the lane (softmax over NaN), and
+        # a valid checksum says only that it was sent that way
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise PayloadError(name, f"the {name} of request {rid!r} holds non-finite values "
+                                     "(NaN or inf): the prefill worker's model diverged or its "
+                                     "cache is damaged; it is discarded")
 
 
 def _validate_local(local: torch.Tensor | None, rid: str,
@@ -483,11 +527,37 @@ def to_wire(payload: KVPayload) -> tuple[dict[str, Any], torch.Tensor]:
     return header, torch.cat([payload.kv.detach().reshape(-1), local.detach().reshape(-1)])
 
 
-def from_wire(header: Mapping[str, Any], tensor: torch.Tensor) -> KVPayload:
+def from_wire(header: Mapping[str, Any], tensor: Any) -> KVPayload:
     """The payload of a received header and tensor. Checks only that the header is well formed
     (PayloadError "header") and agrees with the tensor's shape ("shape"); everything else is
     `validate`'s job. Unknown header keys are ignored: nothing outside the checksummed fields
-    changes what is imported."""
+    changes what is imported. Total: any header and any object as the tensor give a payload or
+    PayloadError, never another exception."""
+    try:
+        return _from_wire(header, tensor)
+    except PayloadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - total: whatever a peer sends
+        raise PayloadError("header", f"the payload header is malformed ({type(exc).__name__}): "
+                                     "the message is discarded") from None
+
+
+def _text_ok(v: Any, limit: int) -> bool:
+    """A str a header may carry: bounded, and encodable (a lone surrogate is not)."""
+    if not isinstance(v, str) or len(v) > limit:
+        return False
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _dims_ok(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 5 and all(_is_int(d) and d >= 0 for d in v)
+
+
+def _from_wire(header: Mapping[str, Any], tensor: Any) -> KVPayload:
     if not isinstance(header, Mapping):
         raise PayloadError("header", f"the payload header must be a JSON object, got "
                                      f"{type(header).__name__}")
@@ -496,23 +566,30 @@ def from_wire(header: Mapping[str, Any], tensor: torch.Tensor) -> KVPayload:
         raise PayloadError("header", f"the payload header lacks {missing}: the sender speaks "
                                      "another protocol version; upgrade both workers together")
     bad = []
-    for k in ("request_id", "dtype", "fingerprint", "checksum"):
+    for k, limit in (("request_id", _MAX_ID_CHARS), ("dtype", _MAX_ID_CHARS),
+                     ("fingerprint", _MAX_NAME_CHARS)):
         if not isinstance(header[k], str):
             bad.append(f"{k} must be a string")
+        elif not _text_ok(header[k], limit):
+            bad.append(f"{k} must be valid text of at most {limit} characters")
+    if not isinstance(header["checksum"], str):
+        bad.append("checksum must be a string")
+    elif not _HEX_DIGEST.match(header["checksum"]):
+        bad.append("checksum must be 64 lowercase hex digits (SHA-256)")
     if not _is_int(header["first_token"]):
         bad.append("first_token must be an integer")
     if header["mac"] is not None and not isinstance(header["mac"], str):
         bad.append("mac must be a string or null")
+    elif header["mac"] is not None and not _HEX_DIGEST.match(header["mac"]):
+        bad.append("mac must be 64 lowercase hex digits (HMAC-SHA256) or null")
     for k in ("prompt", "shape"):
         v = header[k]
         if not isinstance(v, list) or not all(_is_int(t) for t in v):
             bad.append(f"{k} must be a list of integers")
     local_shape = header.get("local_shape")
-    if local_shape is not None:
-        for k in ("shape", "local_shape"):
-            v = header[k]
-            if not isinstance(v, list) or not all(_is_int(d) and d >= 0 for d in v):
-                bad.append(f"{k} must be a list of non-negative integers")
+    for k in ("shape",) + (("local_shape",) if local_shape is not None else ()):
+        if not _dims_ok(header[k]):
+            bad.append(f"{k} must be a list of 5 non-negative integers")
     if bad:
         raise PayloadError("header", "the payload header is malformed: " + "; ".join(bad))
     if not isinstance(tensor, torch.Tensor):

@@ -441,6 +441,7 @@ class GlooTransport:
         self._pending = 0
         self._flushed = threading.Condition(self._lock)
         self._receiving = False  # a message is partly received (tests observe it)
+        self.reserved_dropped = 0  # reserved kinds that came from the wire
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"gloo-transport-send-r{rank}")
         self._receiver = threading.Thread(target=self._recv_loop, daemon=True,
@@ -606,7 +607,8 @@ class GlooTransport:
                 self._receiving = False
                 if message is None:
                     return
-                self._inbox.put(message)
+                if message[1] is not _DROP:
+                    self._inbox.put(message)
         except _ProtocolError as exc:
             self._lose(f"protocol error, the peer speaks another wire format: {exc}")
         except Exception as exc:
@@ -622,12 +624,7 @@ class GlooTransport:
                 (code != 0 and code not in _CODE_DTYPES) or (code == 0 and tensor_nbytes):
             raise _ProtocolError(f"bad meta {[header_nbytes, tensor_nbytes, code, ndim]}")
         raw = self._recv(torch.empty(header_nbytes, dtype=torch.uint8))
-        try:
-            header = json.loads(ctypes.string_at(raw.data_ptr(), header_nbytes))
-        except ValueError as exc:
-            raise _ProtocolError(f"header is not JSON: {exc}") from exc
-        if not isinstance(header, dict):
-            raise _ProtocolError(f"header is a {type(header).__name__}, not an object")
+        header = parse_header(ctypes.string_at(raw.data_ptr(), header_nbytes))
         tensor = None
         if code:
             dtype = _CODE_DTYPES[code]
@@ -654,8 +651,32 @@ class GlooTransport:
                 self._inbox.end(lost="peer closed the connection")
             return None
         self._stats.add("received", header_nbytes + tensor_nbytes)
+        if header.get("kind") == PEER_LOST:
+            # only this end reports a loss: one from the wire is dropped, never believed
+            self.reserved_dropped += 1
+            return header, _DROP
         return header, tensor
 
 
 class _ProtocolError(Exception):
     """The byte stream is not this wire format; the link cannot be resynchronized."""
+
+
+# A received message that is not handed over (see _recv_rest).
+_DROP: Any = object()
+
+
+def parse_header(raw: bytes) -> dict[str, Any]:
+    """A received header's JSON object. Total: any bytes give a dict or `_ProtocolError`
+    (invalid UTF-8, lone surrogates, deep nesting, non-objects included), never another
+    exception; the strings it holds are valid text."""
+    try:
+        text = raw.decode("utf-8")  # strict: refuses encoded surrogates too
+        header = json.loads(text)
+        # "\ud800" escapes decode to lone surrogates: refuse them here, once, for every reader
+        json.dumps(header, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError, TypeError) as exc:
+        raise _ProtocolError(f"header is not UTF-8 JSON text: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise _ProtocolError(f"header is a {type(header).__name__}, not an object")
+    return header

@@ -70,7 +70,8 @@ class PrefillStats:
     exports: int = 0
     failures: int = 0  # reported to the decode worker as prefill_failed
     cancelled: int = 0
-    ignored: int = 0  # malformed, duplicate or unknown-kind messages
+    ignored: int = 0  # duplicate or unknown-kind messages
+    bad_messages: int = 0  # malformed: dropped (their handler raised nothing further)
 
 
 class PrefillWorker:
@@ -101,7 +102,10 @@ class PrefillWorker:
         """One round; False when there was nothing to do."""
         msgs = self.transport.poll()
         for header, _tensor in msgs:
-            self._on_message(header)
+            try:
+                self._on_message(header)
+            except Exception:  # noqa: BLE001 - a bad message never stops the serving loop
+                self.stats.bad_messages += 1
         if not msgs and not self.transport.alive and not self.done:
             # killed or closed on this side: no peer_lost will come
             self.done, self.ended_by = True, "transport closed"
@@ -123,7 +127,8 @@ class PrefillWorker:
         elif kind == "prefill":
             self._on_prefill(header.get("id"), header.get("prompt"))
         elif kind == "cancel":
-            rid = self._local.get(header.get("id"))  # type: ignore[arg-type]
+            wire = header.get("id")
+            rid = self._local.get(wire) if isinstance(wire, str) else None
             if rid is not None and self.batcher.abort(rid):
                 self.stats.cancelled += 1
                 # The decode side may hold a block draining for this transfer: end it.
@@ -140,10 +145,11 @@ class PrefillWorker:
             return
         self.stats.requests += 1
         try:
-            if not isinstance(prompt, list):
-                raise ValueError("prompt must be a list of token ids")
+            if not isinstance(prompt, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt must be a list of integer token ids")
             rid = self.batcher.submit(prompt, 1, export=True)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - refuse this request, keep serving
             self.stats.failures += 1
             _send(self.transport, {"kind": "prefill_failed", "id": wire,
                                    "error": f"prefill worker refused the request: {exc}"})
@@ -253,6 +259,7 @@ class DecodeWorker:
         self.payload_errors: Counter[str] = Counter()  # by PayloadError.field
         self.auth_failures = 0
         self.stale_messages = 0  # late, duplicate or unknown: ignored
+        self.bad_messages = 0  # malformed: dropped without touching any request
         self.drained = 0  # late answers that freed a block draining after an abort
         self.local_fallbacks = 0
         self.overlapped_steps = 0  # decode calls made while a transfer was outstanding
@@ -299,7 +306,10 @@ class DecodeWorker:
         self._progress = False
         for header, tensor in self.transport.poll():
             self._progress = True
-            self._on_message(header, tensor, out)
+            try:
+                self._on_message(header, tensor, out)
+            except Exception:  # noqa: BLE001 - a bad message never stops the serving loop
+                self.bad_messages += 1
         self._expire(out)
         st = self.batcher.stats
         in_flight = self._in_flight()
@@ -369,6 +379,7 @@ class DecodeWorker:
             "auth_failures": self.auth_failures,
             "payload_errors": dict(sorted(self.payload_errors.items())),
             "stale_messages": self.stale_messages,
+            "bad_messages": self.bad_messages,
             "bytes_received": ts["bytes_received"],
             "bytes_sent": ts["bytes_sent"],
             "prefetch": self.prefetch,
@@ -403,8 +414,11 @@ class DecodeWorker:
             self._end_transfer(req.brid, "late answer", out)
             return
         if kind == "prefill_failed":
-            self._fail(wid, "prefill_failed",
-                       f"the prefill worker failed this request: {header.get('error')}", out)
+            why = header.get("error")
+            # the peer's text, bounded and printable: it ends up in results and logs
+            why = ascii(why)[:300] if not isinstance(why, str) else ascii(why)[1:-1][:300]
+            self._fail(wid, "prefill_failed", f"the prefill worker failed this request: {why}",
+                       out)
             return
         try:
             payload = pd.from_wire(header, tensor)
