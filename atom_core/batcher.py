@@ -168,6 +168,9 @@ class AtomBatcher:
         self._next_id = 0
         self._transfers: dict[int, int] = {}  # request -> block of its unfinished transfer
         self._asked: set[int] = set()  # imports whose "import" event went out
+        # (host buffer shape, dtype, (local slot shape, dtype) or None): import_kv's layout,
+        # asked of the runtime on the first import
+        self._import_ref: tuple[Any, ...] | None = None
         self._exports: dict[int, int] = {}  # request -> first token, KV not yet taken
         # each lane's block table in token order, kept from the core's effects (admit, grow,
         # release): what the runtime's block_tables rows hold
@@ -300,12 +303,13 @@ class AtomBatcher:
                                   "sliding-window layers: the prefill side runs another model",
                                   events)
             return events
-        shape = list(getattr(host_kv, "shape", ()))
-        if len(shape) != 5 or shape[3] < len(ids):
-            self._transfer_failed(request_id, "import rejected (host_kv): it must be [layers, 2, "
-                                  f"kv_heads, >= {len(ids)} positions, head_dim] for this "
-                                  f"prompt, got shape {shape}; write the payload into "
-                                  "new_import_buffer()", events)
+        try:
+            bad_kv = self._import_mismatch(host_kv, local_kv, len(ids))
+        except Exception as exc:  # noqa: BLE001 - the runtime could not say its layout
+            bad_kv = f"the runtime's host buffer layout is unavailable ({exc!r})"
+        if bad_kv is not None:
+            field = "local_kv" if bad_kv.startswith("local_kv") else "host_kv"
+            self._transfer_failed(request_id, f"import rejected ({field}): {bad_kv}", events)
             return events
         lane = self.state.req_lane.get(request_id)
         try:
@@ -388,6 +392,45 @@ class AtomBatcher:
         if self.config.blocks_per_table == 1:
             return one
         return one.new_zeros((*one.shape[:3], self.config.max_seq_len, one.shape[4]))
+
+    def _import_mismatch(self, host_kv: Any, local_kv: Any, n: int) -> str | None:
+        """Why `host_kv` (and `local_kv`) is not exactly what import_kv takes, naming the field;
+        None if it is. `host_kv` has the layout and dtype of `runtime.new_host_buffer()` with n
+        to max_seq_len positions, `local_kv` exactly those of `new_local_host_buffer()`: no
+        broadcasting (a [1, ...] tensor would fill every layer), no silent casting."""
+        if self._import_ref is None:
+            one = self.runtime.new_host_buffer()
+            local = self.runtime.new_local_host_buffer() if self._hybrid else None
+            self._import_ref = (tuple(one.shape), one.dtype,
+                                None if local is None else (tuple(local.shape), local.dtype))
+        (layers, kv, heads, _, dim), dtype, local_ref = self._import_ref
+        if not isinstance(host_kv, torch.Tensor):
+            return f"host_kv must be a torch.Tensor, got {type(host_kv).__name__}"
+        shape = tuple(host_kv.shape)
+        if len(shape) != 5:
+            return (f"host_kv must be [layers, 2, kv_heads, positions, head_dim], got shape "
+                    f"{list(shape)}; write the payload into new_import_buffer()")
+        for name, got, want in (("layers", shape[0], layers), ("K/V", shape[1], kv),
+                                ("kv_heads", shape[2], heads), ("head_dim", shape[4], dim)):
+            if got != want:
+                return (f"host_kv {name} is {got}, this runtime's host buffer has {want} "
+                        f"(shape {list(shape)}); write the payload into new_import_buffer()")
+        if not n <= shape[3] <= self.config.max_seq_len:
+            return (f"host_kv positions is {shape[3]} (shape {list(shape)}), it must cover the "
+                    f"prompt's {n} tokens and at most max_seq_len={self.config.max_seq_len}")
+        if host_kv.dtype != dtype:
+            return (f"host_kv dtype is {host_kv.dtype}, this runtime's cache is {dtype}: no "
+                    "silent casting; ship KV in the cache dtype")
+        if local_kv is not None and local_ref is not None:
+            if not isinstance(local_kv, torch.Tensor):
+                return f"local_kv must be a torch.Tensor, got {type(local_kv).__name__}"
+            if tuple(local_kv.shape) != local_ref[0]:
+                return (f"local_kv shape is {list(local_kv.shape)}, this runtime's local slot "
+                        f"is {list(local_ref[0])}")
+            if local_kv.dtype != local_ref[1]:
+                return (f"local_kv dtype is {local_kv.dtype}, this runtime's cache is "
+                        f"{local_ref[1]}: no silent casting")
+        return None
 
     def _write_blocks(self, host_kv: Any, n: int, table: list[int]) -> None:
         """Positions [0, n) of `host_kv` into `table`'s blocks, zeros past n: a block then holds

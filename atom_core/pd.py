@@ -73,11 +73,13 @@ import attrs
 import torch
 
 __all__ = [
+    "FrameLimits",
     "KVPayload",
     "PayloadError",
     "compute_checksum",
     "compute_mac",
     "dtype_name",
+    "frame_limits",
     "from_wire",
     "layout_of",
     "load_key",
@@ -256,6 +258,44 @@ def model_fingerprint(runtime: Any) -> str:
              "max_seq_len": getattr(runtime, "max_seq_len", None),
              "host_shape": [int(d) for d in host.shape], "host_dtype": dtype_name(host.dtype)}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+# --- limits ------------------------------------------------------------------------------------
+
+# Header bytes beyond a prompt's token list: ids, names, digests, shapes (the strings' own bounds,
+# _MAX_ID_CHARS and _MAX_NAME_CHARS, with room for JSON escapes).
+_HEADER_OVERHEAD = 16 << 10
+
+
+@attrs.frozen
+class FrameLimits:
+    """The largest message a PD peer may announce, from this side's config and runtime: a
+    larger one is refused before any buffer is allocated for it. `header_bytes`: a header
+    carrying a max_seq_len prompt; `tensor_bytes`: the KV of max_seq_len positions
+    ([layers, 2, kv_heads, max_seq_len, head_dim] x item size) plus a hybrid model's sliding
+    ring ([sliding_layers, 2, kv_heads, W, head_dim])."""
+
+    header_bytes: int
+    tensor_bytes: int
+
+
+def frame_limits(config: Any, runtime: Any) -> FrameLimits:
+    """`FrameLimits` of a worker running `runtime` under `config` (see there). Raises
+    ValueError when the runtime's host buffer is not the PD layout (e.g. RBLN's flat buffer)."""
+    host = runtime.new_host_buffer()
+    if host.dim() != 5:
+        raise ValueError(f"PD needs a host buffer [layers, 2, kv_heads, block_size, head_dim]; "
+                         f"{type(runtime).__name__} gives shape {list(host.shape)}")
+    layers, kv, heads, _, dim = (int(d) for d in host.shape)
+    item = host.element_size()
+    tensor = layers * kv * heads * int(config.max_seq_len) * dim * item
+    if getattr(config, "sliding_window", None) is not None:
+        local = runtime.new_local_host_buffer()
+        tensor += local.numel() * local.element_size()
+    vocab = int(getattr(runtime, "vocab_size", 1 << 31))
+    # a token is at most len(str(vocab - 1)) digits and a comma
+    header = int(config.max_seq_len) * (len(str(max(0, vocab - 1))) + 1) + _HEADER_OVERHEAD
+    return FrameLimits(header_bytes=header, tensor_bytes=tensor)
 
 
 # --- prefill side ------------------------------------------------------------------------------

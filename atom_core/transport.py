@@ -194,19 +194,41 @@ def _lost_message(why: str) -> Message:
     return {"kind": PEER_LOST, "error": why}, None
 
 
-class _Inbox:
-    """Received messages in order, then at most one peer_lost; `wait` wakes on either."""
+# Messages an inbox holds before its receiver waits (gloo: backpressure, the peer's send then
+# times out and the link is lost) or the link is lost (in-process): never unbounded memory.
+INBOX_MESSAGES = 1024
 
-    def __init__(self) -> None:
+
+class _Inbox:
+    """Received messages in order, then at most one peer_lost; `wait` wakes on either. Holds at
+    most `max_messages` (see `put`)."""
+
+    def __init__(self, max_messages: int = INBOX_MESSAGES) -> None:
+        if not max_messages >= 1:
+            raise ValueError(f"an inbox holds at least 1 message, got {max_messages}")
         self._cond = threading.Condition()
         self._items: collections.deque[Message] = collections.deque()
         self._ended = False
+        self._max: float = max_messages
 
-    def put(self, message: Message) -> None:
+    def put(self, message: Message, block: bool = True) -> bool:
+        """Append `message`; when full, wait for the reader (`block`) or return False."""
         with self._cond:
-            if not self._ended:
-                self._items.append(message)
-                self._cond.notify_all()
+            if block:
+                self._cond.wait_for(lambda: len(self._items) < self._max or self._ended)
+            if self._ended:
+                return True
+            if len(self._items) >= self._max:
+                return False
+            self._items.append(message)
+            self._cond.notify_all()
+            return True
+
+    def unbound(self) -> None:
+        """Stop waiting for room (a closing transport must not hang in put)."""
+        with self._cond:
+            self._max = math.inf
+            self._cond.notify_all()
 
     def end(self, lost: str | None = None) -> bool:
         """No more messages; with `lost`, report it (only the first end reports)."""
@@ -223,6 +245,7 @@ class _Inbox:
         with self._cond:
             out = list(self._items)
             self._items.clear()
+            self._cond.notify_all()  # a receiver waiting for room
             return out
 
     def wait(self, timeout: float) -> bool:
@@ -258,11 +281,11 @@ class InProcessTransport:
     sees peer_lost, and neither end is alive any more.
     """
 
-    def __init__(self, _lock: threading.Lock) -> None:
+    def __init__(self, _lock: threading.Lock, inbox_messages: int = INBOX_MESSAGES) -> None:
         # One lock for both ends: delivery, liveness and the hooks change together.
         self._lock = _lock
         self._peer: InProcessTransport | None = None
-        self._inbox = _Inbox()
+        self._inbox = _Inbox(inbox_messages)
         self._stats = _Stats()
         self._alive = True
         self._dead_why = ""
@@ -270,9 +293,12 @@ class InProcessTransport:
         self._drop = 0
 
     @classmethod
-    def pair(cls) -> tuple[InProcessTransport, InProcessTransport]:
+    def pair(cls, inbox_messages: int = INBOX_MESSAGES
+             ) -> tuple[InProcessTransport, InProcessTransport]:
+        """Two joined ends; each holds at most `inbox_messages` unread messages, and one more
+        loses the link (a reader that never keeps up must not grow memory without bound)."""
         lock = threading.Lock()
-        a, b = cls(lock), cls(lock)
+        a, b = cls(lock, inbox_messages), cls(lock, inbox_messages)
         a._peer, b._peer = b, a
         return a, b
 
@@ -304,8 +330,15 @@ class InProcessTransport:
         peer = self._peer
         assert peer is not None
         if peer._alive:
+            if not peer._inbox.put((json.loads(raw), tensor), block=False):
+                # both ends see the loss: the sender's inbox reports it too
+                why = f"inbox full ({peer._inbox._max:g} unread messages): the reader did not " \
+                      "keep up"
+                self._alive, self._dead_why = False, f"the peer is gone ({why})"
+                self._inbox.end(lost=why)
+                self._end(self_why=why, peer_why=why)
+                return
             peer._stats.add("received", len(raw) + _nbytes(tensor))
-            peer._inbox.put((json.loads(raw), tensor))
 
     def poll(self) -> list[Message]:
         return self._inbox.drain()
@@ -400,14 +433,28 @@ class GlooTransport:
     docstring for the wire format, threads, binding and failure semantics."""
 
     def __init__(self, rank: int, *, host: str = "127.0.0.1", port: int = 29500,
-                 timeout: float = 30.0, local_host: str | None = None) -> None:
+                 timeout: float = 30.0, local_host: str | None = None,
+                 max_header_bytes: int = _MAX_HEADER_BYTES,
+                 max_tensor_bytes: int = _MAX_TENSOR_BYTES,
+                 inbox_messages: int = INBOX_MESSAGES) -> None:
+        """`max_header_bytes` / `max_tensor_bytes`: the largest header and tensor the peer may
+        announce (`atom_core.pd.frame_limits` of the worker's config); a larger announcement
+        is a protocol error that ends the link before anything is allocated for it.
+        `inbox_messages`: unread messages held before the receiver stops reading
+        (backpressure)."""
         if rank not in (0, 1):
             raise ValueError(f"rank must be 0 (decode worker, hosts the rendezvous) or 1 "
                              f"(prefill worker), got {rank!r}")
         if not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535, got {port}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be finite positive seconds, got {timeout!r}")
+        for name, v in (("max_header_bytes", max_header_bytes),
+                        ("max_tensor_bytes", max_tensor_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        self.max_header_bytes, self.max_tensor_bytes = max_header_bytes, max_tensor_bytes
+        self.largest_alloc = 0  # bytes of the largest receive buffer allocated (tests)
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_gloo_available():
@@ -434,7 +481,7 @@ class GlooTransport:
         self._alive = True
         self._closing = False
         self._dead_why = ""
-        self._inbox = _Inbox()
+        self._inbox = _Inbox(inbox_messages)
         self._stats = _Stats()
         # (header bytes, tensor) to send, or None to stop the sender.
         self._outbox: queue.Queue[tuple[bytes, torch.Tensor | None] | None] = queue.Queue()
@@ -524,6 +571,7 @@ class GlooTransport:
             else:
                 self._outbox.put(None)
             self._flushed.notify_all()
+        self._inbox.unbound()  # a receiver waiting for room takes the peer's bye
         # A send part that never completes fails after `timeout` and takes the link down, which
         # frees both threads: the margin lets that happen before giving up on them.
         deadline = time.monotonic() + self.timeout + 1.0
@@ -594,6 +642,12 @@ class GlooTransport:
                 self._pending = max(0, self._pending - 1)
                 self._flushed.notify_all()
 
+    def _alloc(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Every receive buffer comes from here (tests assert on `largest_alloc`)."""
+        t = torch.empty(n, dtype=dtype)
+        self.largest_alloc = max(self.largest_alloc, t.numel() * t.element_size())
+        return t
+
     def _recv(self, tensor: torch.Tensor) -> torch.Tensor:
         self._pg.recv([tensor], self.peer_rank, _TAG_BASE + self.peer_rank).wait(_IDLE_WAIT)
         return tensor
@@ -601,7 +655,7 @@ class GlooTransport:
     def _recv_loop(self) -> None:
         try:
             while True:
-                meta = self._recv(torch.empty(4, dtype=torch.int64))
+                meta = self._recv(self._alloc(4, torch.int64))
                 self._receiving = True
                 message = self._recv_rest(*meta.tolist())
                 self._receiving = False
@@ -619,22 +673,29 @@ class GlooTransport:
     def _recv_rest(self, header_nbytes: int, tensor_nbytes: int, code: int,
                    ndim: int) -> Message | None:
         """The rest of a message after its meta; None when it was the peer's bye."""
-        if not 2 <= header_nbytes <= _MAX_HEADER_BYTES or not 0 <= tensor_nbytes <= \
-                _MAX_TENSOR_BYTES or not 0 <= ndim <= _MAX_NDIM or \
-                (code != 0 and code not in _CODE_DTYPES) or (code == 0 and tensor_nbytes):
+        # Every announced size is checked against the limits before anything is allocated.
+        if not 2 <= header_nbytes <= self.max_header_bytes:
+            raise _ProtocolError(f"the peer announced a header of {header_nbytes} bytes, the "
+                                 f"limit is {self.max_header_bytes}")
+        if not 0 <= tensor_nbytes <= self.max_tensor_bytes:
+            raise _ProtocolError(f"the peer announced a tensor of {tensor_nbytes} bytes, the "
+                                 f"limit is {self.max_tensor_bytes} (the largest KV this "
+                                 "worker's config can take)")
+        if not 0 <= ndim <= _MAX_NDIM or (code != 0 and code not in _CODE_DTYPES) or \
+                (code == 0 and tensor_nbytes):
             raise _ProtocolError(f"bad meta {[header_nbytes, tensor_nbytes, code, ndim]}")
-        raw = self._recv(torch.empty(header_nbytes, dtype=torch.uint8))
+        raw = self._recv(self._alloc(header_nbytes, torch.uint8))
         header = parse_header(ctypes.string_at(raw.data_ptr(), header_nbytes))
         tensor = None
         if code:
             dtype = _CODE_DTYPES[code]
-            shape = self._recv(torch.empty(ndim, dtype=torch.int64)).tolist() if ndim else []
+            shape = self._recv(self._alloc(ndim, torch.int64)).tolist() if ndim else []
             itemsize = torch.empty((), dtype=dtype).element_size()
             if any(d < 0 for d in shape) or math.prod(shape) * itemsize != tensor_nbytes:
                 raise _ProtocolError(f"{tensor_nbytes} bytes do not make a {dtype} tensor of "
                                      f"shape {shape}")
             if tensor_nbytes:
-                data = self._recv(torch.empty(tensor_nbytes, dtype=torch.uint8))
+                data = self._recv(self._alloc(tensor_nbytes, torch.uint8))
                 tensor = data.view(dtype).reshape(shape)
             else:
                 tensor = torch.empty(shape, dtype=dtype)

@@ -82,7 +82,17 @@ class PrefillWorker:
     this shared key (`pd.load_key`)."""
 
     def __init__(self, config: Config, runtime: Any, transport: Transport, *,
-                 key: bytes | None = None, ghost: bool = False) -> None:
+                 key: bytes | None = None, ghost: bool = False,
+                 max_queued: int | None = None) -> None:
+        """`max_queued`: prefill requests held at once (default: 4 per lane plus 16, above
+        what a decode worker with a prefetch of a few per lane asks for); one more is answered
+        prefill_failed at once (backpressure), so a peer cannot grow this worker's queue
+        without bound."""
+        if max_queued is None:
+            max_queued = 4 * config.lanes + 16
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+            raise ValueError(f"max_queued must be a positive integer, got {max_queued!r}")
+        self.max_queued = max_queued
         self.batcher = AtomBatcher(config, runtime, ghost=ghost)
         self.transport = transport
         self.key = key
@@ -145,6 +155,9 @@ class PrefillWorker:
             return
         self.stats.requests += 1
         try:
+            if len(self._local) >= self.max_queued:
+                raise ValueError(f"it holds {len(self._local)} requests already (max_queued); "
+                                 "ask again once some are answered")
             if not isinstance(prompt, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise ValueError("prompt must be a list of integer token ids")
