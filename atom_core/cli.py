@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import socket
@@ -292,23 +291,48 @@ def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
 def _pd_key(args: argparse.Namespace) -> bytes | None:
     from atom_core import pd
 
+    if args.key == "":
+        raise _Usage("--key is empty: give a key of at least 16 bytes (literal, env:NAME or "
+                     f"file:PATH), or leave --key out and set ${PD_KEY_ENV}")
     value = args.key if args.key is not None else (
         f"env:{PD_KEY_ENV}" if os.environ.get(PD_KEY_ENV) else None)
     try:
         key = pd.load_key(value)
     except ValueError as exc:
         raise _Usage(str(exc)) from None
-    if key is None and not _loopback(args.host):
-        print(f"warning: no PD key (--key or {PD_KEY_ENV}): KV payloads from {args.host} are "
-              "not authenticated; give both workers a shared key", file=sys.stderr)
+    if key is None and not args.insecure:
+        raise _Usage(f"no PD key: pass --key (env:NAME or file:PATH) or set ${PD_KEY_ENV} on "
+                     "both workers; without one anyone who reaches the port, loopback included "
+                     "(any local user), can read prompts and KV or inject KV. --insecure runs "
+                     "without authentication")
+    if key is not None and args.insecure:
+        raise _Usage("--insecure and a PD key exclude each other: drop one")
+    if key is None:
+        print(f"warning: --insecure: the PD link with {args.host} is neither authenticated nor "
+              "encrypted", file=sys.stderr)
     return key
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+def _pd_options(args: argparse.Namespace, decode: bool) -> None:
+    """Option values argparse cannot check by type, before anything connects."""
+    import math
+
+    checks = [("--timeout", args.timeout)]
+    if decode:
+        checks.append(("--transfer-timeout", args.transfer_timeout))
+    for flag, v in checks:
+        if not math.isfinite(v) or v <= 0:
+            raise _Usage(f"{flag} must be finite positive seconds, got {v:g}")
+    if decode and args.prefetch is not None and args.prefetch < 0:
+        raise _Usage(f"--prefetch must be >= 0 (0: ask for KV only once a lane waits), got "
+                     f"{args.prefetch}")
+    if args.runtime == "rbln":
+        # the RBLN host buffer is a flat aligned byte buffer; the KV payload ships the
+        # [layers, 2, kv_heads, positions, head_dim] layout, which it does not expose
+        raise _Usage("PD does not support --runtime rbln yet: its host KV buffer is a flat "
+                     "aligned buffer, not the [layers, 2, kv_heads, block_size, head_dim] "
+                     "layout a KV payload ships; run PD on --runtime reference, or serve an "
+                     "RBLN model colocated")
 
 
 def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
@@ -338,19 +362,29 @@ def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
 
 def _pd_setup(args: argparse.Namespace, decode: bool) -> tuple[Any, Any, bytes | None]:
     cfg = _pd_config(args, decode)
+    _pd_options(args, decode)
     key = _pd_key(args)
     if decode and args.check and args.runtime != "reference":
         raise _Usage("--check needs the reference runtime (its oracle); pass --no-check")
     return cfg, _pd_runtime(args, cfg), key
 
 
-def _connect(args: argparse.Namespace, rank: int) -> Any:
+def _connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any) -> Any:
     from atom_core.transport import GlooTransport
 
     role = "decode worker: waiting for the prefill worker on" if rank == 0 else \
         "prefill worker: connecting to the decode worker at"
     print(f"{role} {args.host}:{args.port}", file=sys.stderr, flush=True)
-    return GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout)
+    return GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout,
+                         **_wire_limits(cfg, rt))
+
+
+def _wire_limits(cfg: Any, rt: Any) -> dict[str, int]:
+    """The transport's frame limits from this worker's config (`pd.frame_limits`)."""
+    from atom_core import pd
+
+    lim = pd.frame_limits(cfg, rt)
+    return {"max_header_bytes": lim.header_bytes, "max_tensor_bytes": lim.tensor_bytes}
 
 
 def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
@@ -360,7 +394,7 @@ def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
 
     try:
         cfg, rt, key = _pd_setup(args, decode=decode)
-        return cfg, rt, key, _connect(args, rank=0 if decode else 1)
+        return cfg, rt, key, _connect(args, 0 if decode else 1, cfg, rt)
     except _Usage as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -377,7 +411,7 @@ def cmd_pd_prefill(args: argparse.Namespace) -> int:
         return started
     cfg, rt, key, transport = started
     with transport:
-        worker = PrefillWorker(cfg, rt, transport, key=key)
+        worker = PrefillWorker(cfg, rt, transport, key=key, insecure=args.insecure)
         worker.serve()
     out = {**attrs.asdict(worker.stats), "ended_by": worker.ended_by,
            **{k: transport.stats[k] for k in ("bytes_sent", "bytes_received")}}
@@ -399,7 +433,8 @@ def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None
     items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
                      cfg.max_seq_len)
     prefetch = cfg.lanes if args.prefetch is None else args.prefetch
-    with DecodeWorker(cfg, rt, transport, key=key, fallback_local=args.fallback_local,
+    with DecodeWorker(cfg, rt, transport, key=key, insecure=key is None,
+                      fallback_local=args.fallback_local,
                       transfer_timeout=args.transfer_timeout, prefetch=prefetch) as worker:
         ids = [worker.submit(it.prompt, it.max_new_tokens) for it in items]
         results = worker.run_until_done()
@@ -508,7 +543,7 @@ def _pd_session(args: argparse.Namespace, prefetch: int) -> dict[str, Any]:
                                  stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             cfg, rt, k = _pd_setup(dec, decode=True)
-            out = run_pd_decode(dec, cfg, rt, k, _connect(dec, rank=0))
+            out = run_pd_decode(dec, cfg, rt, k, _connect(dec, 0, cfg, rt))
             child_out, _ = child.communicate(timeout=30)
         except BaseException:
             child.kill()
@@ -672,6 +707,10 @@ def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--key", default=None,
                    help=f"shared PD key: literal, env:NAME or file:PATH (default: ${PD_KEY_ENV} "
                         "if set); a literal is visible in the process list, prefer env: or file:")
+    p.add_argument("--insecure", action="store_true",
+                   help="run without a key: the link is neither authenticated nor encrypted "
+                        "(anyone who reaches the port, loopback included, can read and inject "
+                        "KV); for tests on a machine you alone use")
     p.add_argument("--lanes", type=_positive, default=4)
     p.add_argument("--kv-blocks", type=_positive, default=None,
                    help="default: the proved minimum" + (

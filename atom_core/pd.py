@@ -664,13 +664,16 @@ def _unpack(shape: list[int], local_shape: list[int], tensor: torch.Tensor
 # --- shared key --------------------------------------------------------------------------------
 
 def load_key(value: str | None) -> bytes | None:
-    """The PD shared key from a CLI or environment value: None or "" -> None (no
-    authentication); "env:NAME" -> the environment variable NAME; "file:PATH" -> the file's
-    content, stripped of surrounding whitespace; anything else -> its UTF-8 bytes. Raises
-    ValueError if the variable or file is missing or the key is shorter than 16 bytes. Messages
-    never contain the key."""
-    if not value:
+    """The PD shared key from a CLI or environment value: None -> None (no key); "env:NAME" ->
+    the environment variable NAME; "file:PATH" -> the file's content, stripped of surrounding
+    whitespace; anything else -> its UTF-8 bytes. Raises ValueError for an empty value, a
+    missing variable or file, a key file that group or others may read (chmod 600 it), or a
+    key shorter than 16 bytes. Messages never contain the key."""
+    if value is None:
         return None
+    if not isinstance(value, str) or not value:
+        raise ValueError("the PD key is empty: give a key of at least 16 bytes (literal, "
+                         "env:NAME or file:PATH)")
     if value.startswith("env:"):
         name = value.removeprefix("env:")
         if name not in os.environ:
@@ -680,13 +683,19 @@ def load_key(value: str | None) -> bytes | None:
     elif value.startswith("file:"):
         path = Path(value.removeprefix("file:"))
         try:
-            key = path.read_bytes().strip()
+            with path.open("rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if mode & 0o077:
+                    raise ValueError(f"the PD key file {str(path)!r} is accessible by group or "
+                                     f"others (mode {mode & 0o777:03o}): anyone who can read it "
+                                     f"can join the link; run `chmod 600 {path}`")
+                key = f.read(1 << 16).strip()
         except OSError as e:
             raise ValueError(f"cannot read the PD key file {str(path)!r}: {e.strerror or e}"
                              ) from e
         origin = f"file {str(path)!r}"
     else:
-        key, origin = value.encode(), "the given value"
+        key, origin = value.encode("utf-8", "surrogateescape"), "the given value"
     if len(key) < MIN_KEY_BYTES:
         raise ValueError(f"the PD key from {origin} is {len(key)} bytes; use at least "
                          f"{MIN_KEY_BYTES} (e.g. `python -c 'import secrets; "

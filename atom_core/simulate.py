@@ -619,9 +619,9 @@ class Disaggregated:
         dconf, pconf = sim.configs["decode"], sim.configs["prefill"]
         # ghost batchers: the checks cover the ghost invariants too
         self.pw = workers.PrefillWorker(pconf, self.runtimes["prefill"], self.links["prefill"],
-                                        ghost=True)
+                                        insecure=True, ghost=True)
         self.dw = workers.DecodeWorker(dconf, self.runtimes["decode"], self.links["decode"],
-                                       fallback_local=bool(cfg.fallback_local),
+                                       insecure=True, fallback_local=bool(cfg.fallback_local),
                                        transfer_timeout=TRANSFER_TIMEOUT,
                                        prefetch=cfg.prefetch or 0, ghost=True, clock=sim.clock)
 

@@ -53,6 +53,24 @@ __all__ = ["DecodeWorker", "PrefillWorker"]
 LOST = "prefill worker lost"
 
 
+# A transfer unanswered this long fails its request (and frees its lane): a silent peer must not
+# hold lanes forever.
+DEFAULT_TRANSFER_TIMEOUT = 30.0
+
+NO_KEY = ("PD workers need a shared key (key=..., `atom_core.pd.load_key`): without one any "
+          "process that reaches the link can take the peer's place and read or inject KV, on "
+          "loopback too (any local user can connect). Pass insecure=True only for tests on a "
+          "machine you alone use")
+
+
+def _need_key(key: bytes | None, insecure: bool) -> None:
+    if key is None and not insecure:
+        raise ValueError(NO_KEY)
+    if key is not None and (not isinstance(key, bytes) or len(key) < pd.MIN_KEY_BYTES):
+        raise ValueError(f"the PD key must be bytes of at least {pd.MIN_KEY_BYTES} "
+                         "(pd.load_key)")
+
+
 def _send(transport: Transport, header: dict[str, Any]) -> bool:
     """Best-effort control message: False when the peer is already gone (its loss reaches the
     caller as a peer_lost message, which is where it is handled)."""
@@ -79,15 +97,16 @@ class PrefillWorker:
 
     `serve()` runs until the decode worker says shutdown or is lost; `step_once()` is one round
     (poll, one batcher step) for single-threaded drivers. `key`: sign every payload (HMAC) with
-    this shared key (`pd.load_key`)."""
+    this shared key (`pd.load_key`); required unless `insecure=True`."""
 
     def __init__(self, config: Config, runtime: Any, transport: Transport, *,
-                 key: bytes | None = None, ghost: bool = False,
+                 key: bytes | None = None, insecure: bool = False, ghost: bool = False,
                  max_queued: int | None = None) -> None:
         """`max_queued`: prefill requests held at once (default: 4 per lane plus 16, above
         what a decode worker with a prefetch of a few per lane asks for); one more is answered
         prefill_failed at once (backpressure), so a peer cannot grow this worker's queue
         without bound."""
+        _need_key(key, insecure)
         if max_queued is None:
             max_queued = 4 * config.lanes + 16
         if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
@@ -234,23 +253,30 @@ class _Req:
 class DecodeWorker:
     """Decodes requests whose prompt KV a prefill worker computes (see the module docstring).
 
-    `key`: require every payload to carry a valid HMAC under this key. `fallback_local`: when
+    `key`: the shared key (required unless `insecure=True`): every payload must carry a valid
+    HMAC under it. `fallback_local`: when
     the prefill worker is lost, requests it has not answered and that hold no lane yet (and new
     ones) are prefilled here. `transfer_timeout`: a transfer unanswered for this many seconds
-    ends (the request fails; a draining block is freed); None waits as long as the link is up.
+    ends (the request fails; a draining block is freed); finite, 30 s by default.
     `prefetch`: ask for the KV of up to this many waiting requests before they get a lane, and
     keep what arrives (validated, in host memory: at most `prefetch` prompts' KV) until they
     do; 0 asks only once a lane and a block wait for it. Prefetching takes the prefill round
     trip off the lane's critical path."""
 
     def __init__(self, config: Config, runtime: Any, transport: Transport, *,
-                 key: bytes | None = None, fallback_local: bool = True,
-                 transfer_timeout: float | None = None, prefetch: int = 0, ghost: bool = False,
+                 key: bytes | None = None, insecure: bool = False, fallback_local: bool = True,
+                 transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT, prefetch: int = 0,
+                 ghost: bool = False,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         """`ghost`: the batcher keeps ghost state (for invariant checks). `clock`: the time
         source of latencies and transfer timeouts (a simulation passes its own)."""
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        _need_key(key, insecure)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, int | float) \
+                or not math.isfinite(transfer_timeout) or transfer_timeout <= 0:
+            raise ValueError(f"transfer_timeout must be finite positive seconds, got "
+                             f"{transfer_timeout!r}: a silent peer must not hold lanes forever")
         self.batcher = AtomBatcher(config, runtime, ghost=ghost)
         self.clock = clock
         self.runtime, self.transport = runtime, transport
@@ -503,8 +529,6 @@ class DecodeWorker:
                 out.append(Event("error", wid, error=req.error))
 
     def _expire(self, out: list[Event]) -> None:
-        if self.transfer_timeout is None:
-            return
         now = self.clock()
         msg = f"the prefill worker did not answer within {self.transfer_timeout:g}s"
         for brid in [*self.batcher.transfers(), *self._next_waiting()]:

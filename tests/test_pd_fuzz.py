@@ -147,8 +147,8 @@ control = st.fixed_dictionaries(
 def test_workers_fed_junk_keep_serving(to_decode: list[dict[str, Any]],
                                        to_prefill: list[dict[str, Any]]) -> None:
     td, tp = InProcessTransport.pair()
-    pw = PrefillWorker(CONFIG, RT, Junk(tp, to_prefill))
-    dw = DecodeWorker(CONFIG, RT, Junk(td, to_decode))
+    pw = PrefillWorker(CONFIG, RT, Junk(tp, to_prefill), insecure=True)
+    dw = DecodeWorker(CONFIG, RT, Junk(td, to_decode), insecure=True)
     prompts = [[5, 6, 7], [9] * 20, list(range(30, 60))]
     wids = [dw.submit(p, 4) for p in prompts]
     for _ in range(400):

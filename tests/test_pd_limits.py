@@ -63,7 +63,7 @@ def test_in_process_inbox_is_bounded() -> None:
 def test_prefill_queue_is_bounded() -> None:
     td, tp = InProcessTransport.pair()
     rt = TorchReferenceRuntime.tiny(CFG)
-    pw = PrefillWorker(CFG, rt, tp, max_queued=2)
+    pw = PrefillWorker(CFG, rt, tp, max_queued=2, insecure=True)
     for i in range(4):
         td.send({"kind": "prefill", "id": str(i), "prompt": [1, 2, 3]})
     pw.step_once()

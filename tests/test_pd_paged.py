@@ -218,8 +218,10 @@ def pump(dw: DecodeWorker, pw: PrefillWorker, rounds: int = 5000) -> None:
 def test_workers_serve_multi_block_prompts_exactly() -> None:
     dcfg, pcfg = paged(2, 4), paged(2, 2, True)  # block sizes may differ between the sides
     td, tp = InProcessTransport.pair()
-    pw = PrefillWorker(pcfg, TorchReferenceRuntime.tiny(pcfg, seed=0), tp)
-    dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1)
+    pw = PrefillWorker(pcfg, TorchReferenceRuntime.tiny(pcfg, seed=0), tp,
+                       insecure=True)
+    dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1,
+                      insecure=True)
     work = prompts_for(64)
     wids = [dw.submit(prompt, n) for prompt, n in work]
     pump(dw, pw)
@@ -300,8 +302,10 @@ def test_prefetched_kv_waits_for_the_whole_table() -> None:
     failing r2), and imported once the table is whole."""
     dcfg, pcfg = paged(2, 4), paged(2, 4, True)
     td, tp = InProcessTransport.pair()
-    pw = PrefillWorker(pcfg, TorchReferenceRuntime.tiny(pcfg, seed=0), tp)
-    dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1)
+    pw = PrefillWorker(pcfg, TorchReferenceRuntime.tiny(pcfg, seed=0), tp,
+                       insecure=True)
+    dw = DecodeWorker(dcfg, TorchReferenceRuntime.tiny(dcfg, seed=0), td, prefetch=1,
+                      insecure=True)
     w0, w1, w2 = dw.submit(_toks(150), 30), dw.submit(_toks(200), 3), dw.submit(_toks(200), 3)
     dw.step()  # w0 (three blocks) and w1 (four) are asked for, w2 prefetched
     b = dw.batcher

@@ -391,13 +391,24 @@ def test_payload_error_pickles_with_its_field() -> None:
 # --- the key -----------------------------------------------------------------------------------
 
 def test_load_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert load_key(None) is None and load_key("") is None
+    assert load_key(None) is None
+    with pytest.raises(ValueError, match="empty"):
+        load_key("")
     assert load_key("a-literal-key-of-24-byte") == b"a-literal-key-of-24-byte"
     monkeypatch.setenv("PD_KEY_TEST", "0123456789abcdef0123")
     assert load_key("env:PD_KEY_TEST") == b"0123456789abcdef0123"
     f = tmp_path / "key"
     f.write_text("  fedcba9876543210fedcba  \n")
+    f.chmod(0o600)
     assert load_key(f"file:{f}") == b"fedcba9876543210fedcba"
+    for mode in (0o640, 0o604, 0o620):  # group or others may read (or write) it: refused
+        f.chmod(mode)
+        with pytest.raises(ValueError, match=f"mode {mode:03o}.*chmod 600") as e:
+            load_key(f"file:{f}")
+        assert "fedcba" not in str(e.value)
+    f.chmod(0o400)
+    assert load_key(f"file:{f}") == b"fedcba9876543210fedcba"
+    f.chmod(0o600)
 
     monkeypatch.delenv("PD_KEY_MISSING", raising=False)
     with pytest.raises(ValueError, match="'PD_KEY_MISSING' is not set"):

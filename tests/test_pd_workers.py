@@ -84,9 +84,11 @@ def rig(dcfg: Config, pcfg: Config | None = None, *, dkey: bytes | None = None,
     td, tp = InProcessTransport.pair()
     rd = TorchReferenceRuntime.tiny(dcfg, seed=0)
     rp = TorchReferenceRuntime.tiny(pcfg, seed=pseed)
-    pw = PrefillWorker(pcfg, rp, wrap(tp) if wrap else tp, key=pkey)
-    dw = DecodeWorker(dcfg, rd, td, key=dkey, fallback_local=fallback_local,
-                      transfer_timeout=transfer_timeout, prefetch=prefetch)
+    # no key: an unauthenticated link, explicitly (the workers refuse it otherwise)
+    pw = PrefillWorker(pcfg, rp, wrap(tp) if wrap else tp, key=pkey, insecure=pkey is None)
+    dw = DecodeWorker(dcfg, rd, td, key=dkey, insecure=dkey is None,
+                      fallback_local=fallback_local,
+                      transfer_timeout=transfer_timeout or 1e9, prefetch=prefetch)
     return Rig(dw, pw, td, tp)
 
 
@@ -592,17 +594,63 @@ def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
      "must be a multiple of prefill_chunk"),
     (["pd-decode", "--key", "short"], "at least 16"),
     (["pd-prefill", "--key", "env:ATOM_CORE_PD_TEST_UNSET"], "is not set"),
-    (["pd-prefill", "--runtime", "rbln"], "needs --compiled"),
-    (["pd-decode", "--runtime", "rbln", "--compiled", ".", "--check"],
-     "--check needs the reference"),
-    (["pd-decode", "--runtime", "rbln", "--compiled", "."], "rebel-compiler"),
-    (["pd-prefill", "--runtime", "rbln", "--compiled", "."], "rebel"),
+    (["pd-prefill", "--runtime", "rbln"], "PD does not support --runtime rbln"),
+    (["pd-decode", "--runtime", "rbln", "--compiled", ".", "--insecure"],
+     "PD does not support --runtime rbln"),
+    # a key is required, loopback included
+    (["pd-decode"], "no PD key"),
+    (["pd-prefill", "--host", "127.0.0.1"], "loopback included"),
+    (["pd-decode", "--key", ""], "--key is empty"),
+    (["pd-prefill", "--key", KEY.decode(), "--insecure"], "exclude each other"),
+    # values argparse's types let through, checked before connecting
+    (["pd-decode", "--insecure", "--timeout", "nan"], "--timeout must be finite positive"),
+    (["pd-decode", "--insecure", "--timeout", "inf"], "--timeout must be finite positive"),
+    (["pd-prefill", "--insecure", "--timeout", "0"], "--timeout must be finite positive"),
+    (["pd-decode", "--insecure", "--transfer-timeout", "-1"],
+     "--transfer-timeout must be finite positive"),
+    (["pd-decode", "--insecure", "--transfer-timeout", "inf"],
+     "--transfer-timeout must be finite positive"),
+    (["pd-decode", "--insecure", "--prefetch", "-1"], "--prefetch must be >= 0"),
 ])
 def test_cli_argument_errors_exit_2(capsys: Any, monkeypatch: Any, argv: list[str],
                                     message: str) -> None:
+    """Exit code 2 and one line on stderr, before any connection is tried (the port is free:
+    nothing would answer, so a connection attempt would fail differently and later)."""
     monkeypatch.delenv("ATOM_CORE_PD_KEY", raising=False)
-    assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
+    extra = ["--port", str(_free_port())] + ([] if "--timeout" in argv else ["--timeout", "1"])
+    assert cli.main([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_key_file_readable_by_others_is_refused(capsys: Any, monkeypatch: Any,
+                                                   tmp_path: Path) -> None:
+    monkeypatch.delenv("ATOM_CORE_PD_KEY", raising=False)
+    f = tmp_path / "pd.key"
+    f.write_text(KEY.decode())
+    f.chmod(0o644)
+    assert cli.main(["pd-prefill", "--key", f"file:{f}", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "chmod 600" in err and KEY.decode() not in err
+
+
+def test_workers_need_a_key_unless_insecure() -> None:
+    cfg = config(1)
+    rt = TorchReferenceRuntime.tiny(cfg)
+    td, tp = InProcessTransport.pair()
+    for make in (lambda **k: PrefillWorker(cfg, rt, tp, **k),
+                 lambda **k: DecodeWorker(cfg, rt, td, **k)):
+        with pytest.raises(ValueError, match="loopback too"):
+            make()
+        with pytest.raises(ValueError, match="at least 16"):
+            make(key=b"short")
+        make(insecure=True)
+    for bad in (None, float("inf"), float("nan"), 0, -1.0):
+        with pytest.raises(ValueError, match="transfer_timeout must be finite positive"):
+            DecodeWorker(cfg, rt, td, insecure=True, transfer_timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefetch"):
+        DecodeWorker(cfg, rt, td, insecure=True, prefetch=-1)
 
 
 def test_cli_pd_demo_small(capsys: Any) -> None:
