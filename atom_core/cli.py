@@ -369,22 +369,43 @@ def _pd_setup(args: argparse.Namespace, decode: bool) -> tuple[Any, Any, bytes |
     return cfg, _pd_runtime(args, cfg), key
 
 
-def _connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any) -> Any:
+def _connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
+             key: bytes | None) -> Any:
+    """The worker's transport: gloo with this config's frame limits, and with a key a
+    SecureLink whose handshake has completed (LinkError, a TransportError, if the peer
+    fails it)."""
     from atom_core.transport import GlooTransport
 
     role = "decode worker: waiting for the prefill worker on" if rank == 0 else \
         "prefill worker: connecting to the decode worker at"
     print(f"{role} {args.host}:{args.port}", file=sys.stderr, flush=True)
-    return GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout,
-                         **_wire_limits(cfg, rt))
+    limits = _wire_limits(cfg, rt)
+    transport = GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout,
+                              **limits)
+    if key is None:
+        return transport
+    from atom_core.pdlink import LinkError, SecureLink
+
+    # the key handshake, before either worker handles anything
+    link = SecureLink(transport, key, "decode" if rank == 0 else "prefill",
+                      max_box_bytes=limits["max_tensor_bytes"])
+    try:
+        link.establish(args.timeout)
+    except LinkError as exc:
+        link.close()
+        raise LinkError(f"PD link refused: {exc}") from None
+    return link
 
 
 def _wire_limits(cfg: Any, rt: Any) -> dict[str, int]:
-    """The transport's frame limits from this worker's config (`pd.frame_limits`)."""
+    """The transport's frame limits from this worker's config (`pd.frame_limits`), room for a
+    sealed box's overhead included."""
     from atom_core import pd
+    from atom_core.pdlink import box_limit
 
     lim = pd.frame_limits(cfg, rt)
-    return {"max_header_bytes": lim.header_bytes, "max_tensor_bytes": lim.tensor_bytes}
+    return {"max_header_bytes": lim.header_bytes,
+            "max_tensor_bytes": box_limit(lim.header_bytes, lim.tensor_bytes)}
 
 
 def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
@@ -394,7 +415,7 @@ def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
 
     try:
         cfg, rt, key = _pd_setup(args, decode=decode)
-        return cfg, rt, key, _connect(args, 0 if decode else 1, cfg, rt)
+        return cfg, rt, key, _connect(args, 0 if decode else 1, cfg, rt, key)
     except _Usage as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -543,7 +564,7 @@ def _pd_session(args: argparse.Namespace, prefetch: int) -> dict[str, Any]:
                                  stdout=subprocess.PIPE, stderr=err, text=True)
         try:
             cfg, rt, k = _pd_setup(dec, decode=True)
-            out = run_pd_decode(dec, cfg, rt, k, _connect(dec, 0, cfg, rt))
+            out = run_pd_decode(dec, cfg, rt, k, _connect(dec, 0, cfg, rt, k))
             child_out, _ = child.communicate(timeout=30)
         except BaseException:
             child.kill()

@@ -55,7 +55,7 @@ from typing import Any
 import attrs
 import torch
 
-from atom_core import workers
+from atom_core import pdlink, workers
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, ConfigError, min_kv_blocks
@@ -531,14 +531,15 @@ class SimLink:
         return self.inner.alive
 
     def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
-        fault = next((f for f in self.armed if f != "corrupt" or header.get("kind") == "kv"),
-                     None)
+        # a KV payload travels sealed (kind "sealed", "k": "kv") over the workers' SecureLink
+        is_kv = header.get("kind") == "kv" or header.get("k") == "kv"
+        fault = next((f for f in self.armed if f != "corrupt" or is_kv), None)
         if fault is not None:
             self.armed.remove(fault)
         self.history.append((dict(header), None if tensor is None else tensor.clone()))
         if fault == "corrupt" and tensor is not None:
             tensor = tensor.clone()
-            tensor.reshape(-1).view(torch.uint8)[7] ^= 0x10  # the checksum must catch it
+            tensor.reshape(-1).view(torch.uint8)[7] ^= 0x10  # the AEAD tag must catch it
         if fault == "drop":
             self.inner.drop_next(1)
         self.inner.send(header, tensor)
@@ -554,6 +555,10 @@ class SimLink:
         except TransportError:
             return False
         return True
+
+
+# The simulation's PD key (its links are authenticated and encrypted, as in production).
+SIM_KEY = b"atom-core simulation pd key 0001"
 
 
 class SimClock:
@@ -618,10 +623,15 @@ class Disaggregated:
                          for side in ("decode", "prefill")}
         dconf, pconf = sim.configs["decode"], sim.configs["prefill"]
         # ghost batchers: the checks cover the ghost invariants too
-        self.pw = workers.PrefillWorker(pconf, self.runtimes["prefill"], self.links["prefill"],
-                                        insecure=True, ghost=True)
-        self.dw = workers.DecodeWorker(dconf, self.runtimes["decode"], self.links["decode"],
-                                       insecure=True, fallback_local=bool(cfg.fallback_local),
+        # the workers' links are SecureLinks over the SimLinks (faults act on the sealed boxes),
+        # their handshake done here, before any fault can be armed
+        dlink = pdlink.SecureLink(self.links["decode"], SIM_KEY, "decode", clock=sim.clock)
+        plink = pdlink.SecureLink(self.links["prefill"], SIM_KEY, "prefill", clock=sim.clock)
+        pdlink.establish_pair(dlink, plink)
+        self.pw = workers.PrefillWorker(pconf, self.runtimes["prefill"], plink, key=SIM_KEY,
+                                        ghost=True)
+        self.dw = workers.DecodeWorker(dconf, self.runtimes["decode"], dlink, key=SIM_KEY,
+                                       fallback_local=bool(cfg.fallback_local),
                                        transfer_timeout=TRANSFER_TIMEOUT,
                                        prefetch=cfg.prefetch or 0, ghost=True, clock=sim.clock)
 

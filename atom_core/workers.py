@@ -33,8 +33,11 @@ The single-thread simulation (tests) steps both workers alternately over an
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import math
+import re
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -69,6 +72,29 @@ def _need_key(key: bytes | None, insecure: bool) -> None:
     if key is not None and (not isinstance(key, bytes) or len(key) < pd.MIN_KEY_BYTES):
         raise ValueError(f"the PD key must be bytes of at least {pd.MIN_KEY_BYTES} "
                          "(pd.load_key)")
+
+
+_NONCE = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def _secure(transport: Transport, key: bytes | None, role: str,
+            **link: Any) -> tuple[Transport, bytes | None]:
+    """(the transport to use, the payload MAC key): with a key, a transport that is not secure
+    already is wrapped in a `pdlink.SecureLink` (handshake, AEAD, replay window), and payloads
+    carry an HMAC under a key derived for that purpose."""
+    if key is None:
+        return transport, None
+    from atom_core import pdlink  # needs `cryptography` (the pd extra)
+
+    if not getattr(transport, "secure", False):
+        transport = pdlink.SecureLink(transport, key, role, **link)
+    return transport, pdlink.derive_key(key, "payload mac")
+
+
+def _same_nonce(got: Any, want: str | None) -> bool:
+    """`got` is the per-request nonce `want` (constant time)."""
+    return want is not None and isinstance(got, str) and bool(_NONCE.match(got)) and \
+        hmac.compare_digest(got.encode(), want.encode())
 
 
 def _send(transport: Transport, header: dict[str, Any]) -> bool:
@@ -113,14 +139,14 @@ class PrefillWorker:
             raise ValueError(f"max_queued must be a positive integer, got {max_queued!r}")
         self.max_queued = max_queued
         self.batcher = AtomBatcher(config, runtime, ghost=ghost)
-        self.transport = transport
-        self.key = key
+        self.transport, self.key = _secure(transport, key, "prefill")
         self.fingerprint = pd.model_fingerprint(runtime)
         self.stats = PrefillStats()
         self.done = False
         self.ended_by: str | None = None  # "shutdown", or why the link ended
         self._wire: dict[int, str] = {}  # local request -> wire id
         self._local: dict[str, int] = {}  # wire id -> local request, while in flight
+        self._nonce: dict[str, str] = {}  # wire id -> its request nonce, while in flight
 
     def serve(self, idle_wait: float = 0.5) -> None:
         while not self.done:
@@ -154,10 +180,12 @@ class PrefillWorker:
                 self.ended_by = "shutdown" if kind == "shutdown" else \
                     f"decode worker lost: {header.get('error')}"
         elif kind == "prefill":
-            self._on_prefill(header.get("id"), header.get("prompt"))
+            self._on_prefill(header.get("id"), header.get("prompt"), header.get("nonce"))
         elif kind == "cancel":
             wire = header.get("id")
             rid = self._local.get(wire) if isinstance(wire, str) else None
+            if rid is not None and not _same_nonce(header.get("nonce"), self._nonce.get(wire)):
+                rid = None  # a cancel of another request (or of an earlier one of this id)
             if rid is not None and self.batcher.abort(rid):
                 self.stats.cancelled += 1
                 # The decode side may hold a block draining for this transfer: end it.
@@ -167,9 +195,11 @@ class PrefillWorker:
         else:
             self.stats.ignored += 1
 
-    def _on_prefill(self, wire: Any, prompt: Any) -> None:
-        if not isinstance(wire, str) or wire in self._local:
-            # No id to answer to, or a duplicate: answering would fail the original request.
+    def _on_prefill(self, wire: Any, prompt: Any, nonce: Any) -> None:
+        if not isinstance(wire, str) or len(wire) > 64 or wire in self._local or \
+                not isinstance(nonce, str) or not _NONCE.match(nonce):
+            # No id or nonce to answer with, or a duplicate: answering would fail the original
+            # request.
             self.stats.ignored += 1
             return
         self.stats.requests += 1
@@ -183,11 +213,12 @@ class PrefillWorker:
             rid = self.batcher.submit(prompt, 1, export=True)
         except Exception as exc:  # noqa: BLE001 - refuse this request, keep serving
             self.stats.failures += 1
-            _send(self.transport, {"kind": "prefill_failed", "id": wire,
+            _send(self.transport, {"kind": "prefill_failed", "id": wire, "nonce": nonce,
                                    "error": f"prefill worker refused the request: {exc}"})
             return
         self._wire[rid] = wire
         self._local[wire] = rid
+        self._nonce[wire] = nonce
 
     def _on_event(self, ev: Event) -> None:
         rid = ev.request_id
@@ -206,7 +237,7 @@ class PrefillWorker:
                                       self.fingerprint, self.key, local_host=exp.local_host)
             header, kv = pd.to_wire(payload)
             # send copies the tensor, so the block may be released as soon as it returns
-            self.transport.send({**header, "kind": "kv"}, kv)
+            self.transport.send({**header, "kind": "kv", "nonce": self._nonce[wire]}, kv)
         except Exception as exc:  # noqa: BLE001 - this export failed, the worker goes on
             for ev in self.batcher.export_done(rid, f"export failed: {exc!r}"):
                 self._on_event(ev)
@@ -220,13 +251,15 @@ class PrefillWorker:
         if wire is None:
             return
         self.stats.failures += 1
-        _send(self.transport, {"kind": "prefill_failed", "id": wire, "error": error})
+        _send(self.transport, {"kind": "prefill_failed", "id": wire,
+                               "nonce": self._nonce.get(wire, ""), "error": error})
         self._forget(rid)
 
     def _forget(self, rid: int) -> None:
         wire = self._wire.pop(rid, None)
         if wire is not None:
             self._local.pop(wire, None)
+            self._nonce.pop(wire, None)
 
 
 # --------------------------------------------------------------------------- decode side
@@ -241,6 +274,7 @@ class _Req:
     brid: int | None
     t_submit: float
     wire: str | None = None  # set once its prefill request is sent
+    nonce: str | None = None  # fresh per prefill request; every answer must echo it
     t_sent: float | None = None
     answered: bool = False  # its KV (or a failure) arrived
     payload: pd.KVPayload | None = None  # prefetched KV, validated, until it gets a lane
@@ -279,8 +313,9 @@ class DecodeWorker:
                              f"{transfer_timeout!r}: a silent peer must not hold lanes forever")
         self.batcher = AtomBatcher(config, runtime, ghost=ghost)
         self.clock = clock
-        self.runtime, self.transport = runtime, transport
-        self.key, self.fallback_local = key, fallback_local
+        self.runtime = runtime
+        self.transport, self.key = _secure(transport, key, "decode")
+        self.fallback_local = fallback_local
         self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
         self.fingerprint = pd.model_fingerprint(runtime)
         # One host tensor for every import, a whole table long: import_kv writes it into the
@@ -299,6 +334,7 @@ class DecodeWorker:
         self.auth_failures = 0
         self.stale_messages = 0  # late, duplicate or unknown: ignored
         self.bad_messages = 0  # malformed: dropped without touching any request
+        self.misdirected = 0  # an answer without its request's nonce: dropped
         self.drained = 0  # late answers that freed a block draining after an abort
         self.local_fallbacks = 0
         self.overlapped_steps = 0  # decode calls made while a transfer was outstanding
@@ -333,7 +369,7 @@ class DecodeWorker:
             return False
         req.t_end, req.kind, req.payload = self.clock(), "aborted", None
         if req.wire is not None and not req.answered:
-            _send(self.transport, {"kind": "cancel", "id": req.wire})
+            _send(self.transport, {"kind": "cancel", "id": req.wire, "nonce": req.nonce})
         return True
 
     def busy(self) -> bool:
@@ -419,6 +455,8 @@ class DecodeWorker:
             "payload_errors": dict(sorted(self.payload_errors.items())),
             "stale_messages": self.stale_messages,
             "bad_messages": self.bad_messages,
+            "misdirected": self.misdirected,
+            "link_dropped": dict(sorted(getattr(self.transport, "dropped", {}).items())),
             "bytes_received": ts["bytes_received"],
             "bytes_sent": ts["bytes_sent"],
             "prefetch": self.prefetch,
@@ -447,6 +485,10 @@ class DecodeWorker:
             return
         req = self.requests[wid]
         assert req.brid is not None
+        if not _same_nonce(header.get("nonce"), req.nonce):
+            # an answer to another request (or to an earlier life of this id): not this one's
+            self.misdirected += 1
+            return
         phase = self.batcher.state.phase.get(req.brid)
         if req.answered or phase not in (core.PHASE_IMPORTING, core.PHASE_WAITING):
             # Late or duplicate: ends the transfer of a block draining after an abort, if any.
@@ -540,7 +582,7 @@ class DecodeWorker:
             if self._importing(brid) or self.batcher.state.phase.get(brid) == \
                     core.PHASE_WAITING:
                 self._fail(wid, "timeout", msg, out)  # type: ignore[arg-type]
-                _send(self.transport, {"kind": "cancel", "id": req.wire})
+                _send(self.transport, {"kind": "cancel", "id": req.wire, "nonce": req.nonce})
             else:
                 req.answered = True
                 self._end_transfer(brid, msg, out)
@@ -587,10 +629,11 @@ class DecodeWorker:
 
     def _send_prefill(self, wid: int, out: list[Event]) -> None:
         req = self.requests[wid]
-        req.wire, req.t_sent = str(wid), self.clock()
+        req.wire, req.t_sent, req.nonce = str(wid), self.clock(), secrets.token_hex(16)
         self._by_wire[req.wire] = wid
         try:
-            self.transport.send({"kind": "prefill", "id": req.wire, "prompt": req.prompt})
+            self.transport.send({"kind": "prefill", "id": req.wire, "nonce": req.nonce,
+                                 "prompt": req.prompt})
         except TransportError as exc:
             self._on_lost(str(exc), out)
 

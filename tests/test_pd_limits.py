@@ -65,7 +65,7 @@ def test_prefill_queue_is_bounded() -> None:
     rt = TorchReferenceRuntime.tiny(CFG)
     pw = PrefillWorker(CFG, rt, tp, max_queued=2, insecure=True)
     for i in range(4):
-        td.send({"kind": "prefill", "id": str(i), "prompt": [1, 2, 3]})
+        td.send({"kind": "prefill", "id": str(i), "prompt": [1, 2, 3], "nonce": f"{i:032x}"})
     pw.step_once()
     answers = [h for h, _ in td.poll() if h["kind"] == "prefill_failed"]
     assert [(h["kind"], h["id"]) for h in answers] == [("prefill_failed", "2"),

@@ -25,6 +25,7 @@ from atom_core import cli, pd
 from atom_core._generated import core
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for
+from atom_core.pdlink import SecureLink, derive_key
 from atom_core.runtime.reference import TorchReferenceRuntime
 from atom_core.transport import GlooTransport, InProcessTransport
 from atom_core.workers import DecodeWorker, PrefillWorker
@@ -84,8 +85,10 @@ def rig(dcfg: Config, pcfg: Config | None = None, *, dkey: bytes | None = None,
     td, tp = InProcessTransport.pair()
     rd = TorchReferenceRuntime.tiny(dcfg, seed=0)
     rp = TorchReferenceRuntime.tiny(pcfg, seed=pseed)
-    # no key: an unauthenticated link, explicitly (the workers refuse it otherwise)
-    pw = PrefillWorker(pcfg, rp, wrap(tp) if wrap else tp, key=pkey, insecure=pkey is None)
+    # no key: an unauthenticated link, explicitly (the workers refuse it otherwise). With a key
+    # the prefill end is a SecureLink, and `wrap` acts above it (on what the worker sends).
+    ptr: Any = tp if pkey is None else SecureLink(tp, pkey, "prefill")
+    pw = PrefillWorker(pcfg, rp, wrap(ptr) if wrap else ptr, key=pkey, insecure=pkey is None)
     dw = DecodeWorker(dcfg, rd, td, key=dkey, insecure=dkey is None,
                       fallback_local=fallback_local,
                       transfer_timeout=transfer_timeout or 1e9, prefetch=prefetch)
@@ -149,15 +152,30 @@ def test_authenticated_run_is_exact_and_unsigned_payloads_never_import() -> None
     for w in wids:
         r.exact(w, 4)
     assert r.dw.auth_failures == 0
-    # A prefill worker without the key: every payload fails authentication, nothing imports.
-    r = rig(config(2), dkey=KEY, pkey=None)
-    wids = [r.dw.submit(p, 4) for p in prompts(3)]
-    r.pump()
-    res = r.dw.results()
-    assert all("(mac)" in (res[w].error or "") for w in wids)
-    assert r.dw.auth_failures == 3 and r.dw.batcher.stats.imported_tokens == 0
-    assert r.dw.summary()["errors_by_kind"] == {"payload:mac": 3}
-    settle(r)
+    assert r.dw.summary()["link_dropped"] == {}
+    # A prefill worker without the key never answers the handshake: the decode side sends it
+    # nothing but its hello and drops the link when the handshake times out: the requests
+    # holding a lane fail as on any loss, the waiting one is prefilled locally.
+    now = [0.0]
+    td, tp = InProcessTransport.pair()
+    cfg = config(2)
+    rt = TorchReferenceRuntime.tiny(cfg)
+    dw = DecodeWorker(cfg, rt, SecureLink(td, KEY, "decode", handshake_timeout=5.0,
+                                          clock=lambda: now[0]), key=KEY)
+    pw = PrefillWorker(cfg, TorchReferenceRuntime.tiny(cfg), tp, insecure=True)
+    wids = [dw.submit(p, 4) for p in prompts(3)]
+    for _ in range(20):
+        dw.step()
+        pw.step_once()
+    assert pw.stats.requests == 0 and pw.stats.ignored == 1  # the hello, nothing else
+    assert dw.batcher.stats.imported_tokens == 0 and dw.lost is None
+    now[0] = 6.0
+    r2 = Rig(dw, pw, td, tp)
+    r2.pump()
+    assert "key handshake" in (dw.lost or "") and dw.local_fallbacks == 1
+    assert dw.summary()["errors_by_kind"] == {"peer_lost": 2}
+    r2.exact(wids[2], 4)
+    assert dw.batcher.stats.imported_tokens == 0
 
 
 def test_prefill_worker_with_another_model_is_refused() -> None:
@@ -199,7 +217,7 @@ class Tamper:
     """The prefill worker's end of the link, rewriting the kv message for one wire id once
     (`fault(header, tensor)` returns the messages to send instead); records what it sent."""
 
-    def __init__(self, inner: InProcessTransport, target: str,
+    def __init__(self, inner: Any, target: str,
                  fault: Callable[[dict[str, Any], torch.Tensor], list[Any]]) -> None:
         self.inner, self.target, self.fault = inner, target, fault
         self.sent: list[tuple[dict[str, Any], Any]] = []
@@ -210,7 +228,9 @@ class Tamper:
         if header.get("kind") == "kv" and header["request_id"] == self.target and \
                 not self.fired:
             self.fired = True
-            msgs = self.fault(header, tensor)  # type: ignore[arg-type]
+            # the rewritten messages answer the same request (its nonce)
+            msgs = [({**h, "nonce": header["nonce"]}, t)
+                    for h, t in self.fault(header, tensor)]  # type: ignore[arg-type]
         for h, t in msgs:
             self.sent.append((h, t))
             self.inner.send(h, t)
@@ -224,7 +244,8 @@ def _resend(payload: pd.KVPayload, key: bytes | None = KEY, *,
     """`payload` with a correct checksum (and mac under `key`), as the kv message."""
     p = attrs.evolve(payload, checksum="", mac=None)
     p = attrs.evolve(p, checksum=pd.compute_checksum(p),
-                     mac=pd.compute_mac(p, key) if sign and key else None)
+                     mac=pd.compute_mac(p, derive_key(key, "payload mac")) if sign and key
+                     else None)
     header, kv = pd.to_wire(p)
     return [({**header, "kind": "kv"}, kv)]
 
@@ -292,10 +313,14 @@ def test_duplicate_late_and_unknown_kv_are_stale() -> None:
     kv_msgs = [m for m in r.pw.transport.sent if m[0]["kind"] == "kv"]
     r.to_decode.send(*kv_msgs[1])  # late: its request has finished
     r.to_decode.send({**kv_msgs[2][0], "request_id": "999"}, kv_msgs[2][1])  # unknown id
-    r.to_decode.send({"kind": "prefill_failed", "id": "2", "error": "late"})
+    r.to_decode.send({"kind": "prefill_failed", "id": "2", "error": "late",
+                      "nonce": r.dw.requests[2].nonce})
+    # an answer naming request 2 with request 1's nonce is not request 2's
+    r.to_decode.send({"kind": "prefill_failed", "id": "2", "error": "misdirected",
+                      "nonce": r.dw.requests[1].nonce})
     r.to_decode.send({"kind": "what"})
     r.dw.step()
-    assert r.dw.stale_messages == 5
+    assert r.dw.stale_messages == 5 and r.dw.misdirected == 1
     assert core.describe_state(r.dw.batcher.state) == before
     assert r.dw.batcher.stats.imported_tokens == imported
     assert all(r.dw.results()[w].error is None for w in wids)

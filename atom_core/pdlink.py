@@ -1,0 +1,439 @@
+"""An authenticated, encrypted PD link: `SecureLink` wraps a `Transport` end and is one itself.
+
+Threat model: anyone may reach the link's port (loopback included: any local user) and read,
+drop, replay or alter what travels on it. Only a holder of the shared key may take part; nothing
+either worker acts on comes from anyone else, and prompts and KV are not readable on the wire.
+What is not hidden: message sizes, timing and kinds (the envelope), and a peer on the path can
+still drop messages or cut the link (a request then times out or fails; never a wrong token).
+
+Handshake, right after the rendezvous and before any message is handled (the decode worker
+starts it):
+
+    decode -> prefill   hello(nonce_d)                      32 fresh random bytes
+    prefill -> decode   hello(nonce_p, proof_p)             proof_p = HMAC(k_proof, "prefill"
+                                                            || nonce_d || nonce_p)
+    decode -> prefill   proof(proof_d)                      proof_d = HMAC(k_proof, "decode"
+                                                            || nonce_d || nonce_p)
+
+Each side checks the other's proof (constant time) and drops a peer that fails with a clear
+message; a peer without the key learns fresh nonces and (as a fake decode side) one HMAC over
+them, nothing else. Every key is derived with HKDF-SHA256 from the user's key, salted with both
+nonces, one per purpose: the proof key, one AEAD key per direction, and the 16-byte session id.
+
+After it, every message (control messages included) travels as one ChaCha20-Poly1305 box: the
+clear envelope `{"kind": "sealed", "k": kind, "rn": request nonce, "seq": n}` and a uint8
+tensor holding the ciphertext of (the header's JSON, the tensor's dtype and shape, its bytes).
+The associated data binds the box to the session id, the direction, the kind, the per-request
+nonce (which the decode worker puts in its prefill request and the prefill worker echoes) and
+the sequence number; the AEAD nonce is the sequence number under a per-direction key. A box
+that fails to open (altered, from another session, another direction or request) is dropped and
+counted; a sequence number already seen, or older than the replay window, is dropped unopened.
+A box larger than the frame limits (`pd.frame_limits`) is dropped before it is opened. The
+reserved kinds (peer_lost, bye) are refused on send and dropped on receive: only the local
+transport reports a loss.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import struct
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from atom_core.transport import (
+    _CODE_DTYPES,
+    _DTYPE_CODES,
+    PEER_LOST,
+    Message,
+    Transport,
+    TransportError,
+    _ProtocolError,
+    parse_header,
+)
+
+__all__ = ["LinkError", "SecureLink", "box_limit", "derive_key", "establish_pair"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "atom-core/pd-link/v1"
+_NONCE_BYTES = 32
+_RESERVED = frozenset({PEER_LOST, "bye"})
+_HANDSHAKE = frozenset({"hello", "proof"})
+ROLES = ("decode", "prefill")
+# A per-request nonce as the workers make it (secrets.token_hex(16)); "" for messages of no
+# request.
+_REQUEST_NONCE = re.compile(r"(?:[0-9a-f]{32})?\Z")
+_HEX = re.compile(r"[0-9a-f]{64}\Z")
+# Sequence numbers within this distance of the highest seen are remembered (the transports
+# deliver in order, so a window this size only ever holds what a reordering could need).
+REPLAY_WINDOW = 1024
+# Envelope and inner-header bytes beyond the frame limits' header and tensor.
+_BOX_OVERHEAD = 4 + 16 + 512
+_NAMES = {str(d).removeprefix("torch."): d for d in _DTYPE_CODES}
+
+
+class LinkError(TransportError):
+    """The handshake failed: the peer does not hold the key, speaks another protocol, or did
+    not answer in time. The link is closed; nothing was handled."""
+
+
+def derive_key(key: bytes, purpose: str, salt: bytes | None = None, length: int = 32) -> bytes:
+    """A key for one `purpose` from the user's key (HKDF-SHA256)."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt,
+                info=f"{PROTOCOL} {purpose}".encode()).derive(key)
+
+
+def _proof(k_proof: bytes, role: str, nonce_d: bytes, nonce_p: bytes) -> bytes:
+    return hmac.new(k_proof, role.encode() + b"\0" + nonce_d + nonce_p, "sha256").digest()
+
+
+def _hex_bytes(v: Any, pattern: re.Pattern[str] = _HEX) -> bytes | None:
+    return bytes.fromhex(v) if isinstance(v, str) and pattern.match(v) else None
+
+
+class SecureLink:
+    """One end of an authenticated, encrypted link over `inner` (see the module docstring).
+
+    `role`: "decode" (starts the handshake) or "prefill". The handshake runs inside `poll`
+    (single-threaded drivers) or `establish(timeout)` (blocks until done or raises LinkError);
+    messages sent before it completes wait, in order, and are sealed once it does.
+    `max_box_bytes`: the largest box accepted (`pd.frame_limits`: header + tensor bytes; see
+    `box_limit`); None: the transport's own limit. `handshake_timeout`: seconds (on `clock`)
+    after which an unfinished handshake fails the link. Stats: `dropped` (Counter by reason:
+    auth, replay, malformed, oversized, reserved, unsealed), `auth_failures`."""
+
+    secure = True  # workers use a transport that says so as is
+
+    def __init__(self, inner: Transport, key: bytes, role: str, *,
+                 max_box_bytes: int | None = None, handshake_timeout: float = 30.0,
+                 replay_window: int = REPLAY_WINDOW,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise ValueError("the PD key must be bytes of at least 16 (pd.load_key)")
+        if not (math.isfinite(handshake_timeout) and handshake_timeout > 0):
+            raise ValueError(f"handshake_timeout must be finite positive seconds, got "
+                             f"{handshake_timeout!r}")
+        self.inner, self.role = inner, role
+        self._key = key
+        self.max_box_bytes = max_box_bytes
+        self._clock, self._deadline = clock, clock() + handshake_timeout
+        self._window = replay_window
+        self._nonce = os.urandom(_NONCE_BYTES)
+        self._peer_nonce: bytes | None = None
+        self.established = False
+        self.failed: str | None = None
+        self.session_id: bytes | None = None
+        self._send_key: ChaCha20Poly1305 | None = None
+        self._recv_key: ChaCha20Poly1305 | None = None
+        self._send_seq = 0
+        self._recv_max = -1
+        self._recv_seen: set[int] = set()
+        self._queued: list[tuple[dict[str, Any], torch.Tensor | None]] = []
+        self._early: list[Message] = []  # what arrived in the same poll as the last proof
+        self.dropped: Counter[str] = Counter()
+        if role == "decode":
+            self._raw_send({"kind": "hello", "v": PROTOCOL, "role": "decode",
+                            "nonce": self._nonce.hex()})
+
+    # ------------------------------------------------------------------ Transport
+    @property
+    def alive(self) -> bool:
+        return self.failed is None and self.inner.alive
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self.inner.stats, "auth_failures": self.dropped["auth"],
+                "dropped": sum(self.dropped.values())}
+
+    @property
+    def auth_failures(self) -> int:
+        return self.dropped["auth"]
+
+    def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        if not isinstance(header, dict):
+            raise TypeError(f"a message header must be a dict, got {type(header).__name__}")
+        kind = header.get("kind")
+        if not isinstance(kind, str) or kind in _RESERVED | _HANDSHAKE | {"sealed"}:
+            raise ValueError(f"header kind {kind!r} is reserved for the link and transport: "
+                             "use another kind")
+        if self.failed is not None:
+            raise TransportError(f"cannot send: {self.failed}")
+        if not self.established:
+            self._queued.append((dict(header), None if tensor is None else tensor.clone()))
+            return
+        self._seal_and_send(header, tensor)
+
+    def poll(self) -> list[Message]:
+        out, self._early = self._early, []
+        for header, tensor in self.inner.poll():
+            if header.get("kind") == PEER_LOST:  # the local transport's own report
+                if not self.established and self.failed is None:
+                    self.failed = f"the peer left during the handshake: {header.get('error')}"
+                out.append((header, tensor))
+            elif self.failed is not None:
+                continue
+            elif not self.established:
+                self._handshake(header)
+            else:
+                opened = self._open(header, tensor)
+                if opened is not None:
+                    out.append(opened)
+        if not self.established and self.failed is None and self._clock() > self._deadline:
+            self._fail("the peer did not complete the key handshake in time: it does not speak "
+                       "this protocol or is not a PD worker")
+        if self.failed is not None and not any(h.get("kind") == PEER_LOST for h, _ in out) \
+                and not self._reported:
+            self._reported = True
+            out.append(({"kind": PEER_LOST, "error": self.failed}, None))
+        return out
+
+    _reported = False
+
+    def wait(self, timeout: float) -> bool:
+        return bool(self._early) or self.inner.wait(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:  # flush, largest_alloc, ... of the transport
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def establish(self, timeout: float) -> None:
+        """Run the handshake until it completes; LinkError if it fails or `timeout` passes.
+        What arrives meanwhile after the handshake is kept for the next `poll`."""
+        deadline = time.monotonic() + timeout
+        while not self.established:
+            if self.failed is not None:
+                raise LinkError(self.failed)
+            if time.monotonic() > deadline:
+                self._fail(f"no key handshake within {timeout:g}s: the peer is not a PD worker "
+                           "of this version")
+                raise LinkError(self.failed or "")
+            self.inner.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            self._early.extend(self.poll())
+        if self.failed is not None:
+            raise LinkError(self.failed)
+
+    # ------------------------------------------------------------------ handshake
+    def _raw_send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        try:
+            self.inner.send(header, tensor)
+        except TransportError as exc:
+            self._fail(f"the link broke during the key handshake: {exc}")
+
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            self._queued.clear()  # never sent: the peer was not authenticated
+            log.warning("PD link (%s side): %s", self.role, why)
+            try:
+                self.inner.close()
+            except Exception:  # noqa: BLE001 - closing a broken link is best effort
+                pass
+
+    def _handshake(self, h: dict[str, Any]) -> None:
+        kind, want = h.get("kind"), ("hello" if self.role == "decode" or
+                                     self._peer_nonce is None else "proof")
+        if kind != want or h.get("v", PROTOCOL) != PROTOCOL:
+            self._fail(f"the peer sent {str(kind)[:32]!r} where the key handshake expects "
+                       f"{want!r}: it is not a PD worker of this version, or has no key "
+                       "(start both workers with the same --key)")
+            return
+        if kind == "hello":
+            nonce = _hex_bytes(h.get("nonce"))
+            peer_role = "prefill" if self.role == "decode" else "decode"
+            if nonce is None or h.get("role") != peer_role or nonce == self._nonce:
+                self._fail("the peer's hello is malformed (nonce or role): dropped")
+                return
+            self._peer_nonce = nonce
+            nd, np_ = self._nonces()
+            k_proof = derive_key(self._key, "handshake proof", nd + np_)
+            if self.role == "prefill":
+                self._raw_send({"kind": "hello", "v": PROTOCOL, "role": "prefill",
+                                "nonce": self._nonce.hex(),
+                                "proof": _proof(k_proof, "prefill", nd, np_).hex()})
+                return
+            if not self._check_proof(h.get("proof"), k_proof, "prefill"):
+                return
+            self._raw_send({"kind": "proof", "proof": _proof(k_proof, "decode", nd, np_).hex()})
+            self._ready()
+        else:
+            nd, np_ = self._nonces()
+            k_proof = derive_key(self._key, "handshake proof", nd + np_)
+            if self._check_proof(h.get("proof"), k_proof, "decode"):
+                self._ready()
+
+    def _nonces(self) -> tuple[bytes, bytes]:
+        assert self._peer_nonce is not None
+        return (self._nonce, self._peer_nonce) if self.role == "decode" else \
+            (self._peer_nonce, self._nonce)
+
+    def _check_proof(self, got: Any, k_proof: bytes, peer_role: str) -> bool:
+        nd, np_ = self._nonces()
+        want = _proof(k_proof, peer_role, nd, np_)
+        got_b = _hex_bytes(got)
+        if got_b is None or not hmac.compare_digest(got_b, want):
+            self._fail(f"the {peer_role} worker failed the key challenge: it does not hold "
+                       "this key (or is not who it claims to be); dropped. Give both workers "
+                       "the same --key")
+            return False
+        return True
+
+    def _ready(self) -> None:
+        nd, np_ = self._nonces()
+        salt = nd + np_
+        self.session_id = derive_key(self._key, "session id", salt, 16)
+        d2p = ChaCha20Poly1305(derive_key(self._key, "aead decode->prefill", salt))
+        p2d = ChaCha20Poly1305(derive_key(self._key, "aead prefill->decode", salt))
+        self._send_key, self._recv_key = (d2p, p2d) if self.role == "decode" else (p2d, d2p)
+        self.established = True
+        queued, self._queued = self._queued, []
+        for header, tensor in queued:
+            self._seal_and_send(header, tensor)
+
+    # ------------------------------------------------------------------ boxes
+    def _ad(self, direction: str, kind: str, rn: str, seq: int) -> bytes:
+        assert self.session_id is not None
+        return json.dumps([PROTOCOL, self.session_id.hex(), direction, kind, rn, seq],
+                          separators=(",", ":")).encode()
+
+    def _seal_and_send(self, header: dict[str, Any], tensor: torch.Tensor | None) -> None:
+        assert self._send_key is not None
+        kind = header["kind"]
+        rn = header.get("nonce", "")
+        if not isinstance(rn, str) or not _REQUEST_NONCE.match(rn):
+            raise ValueError("a header's nonce must be 32 lowercase hex digits "
+                             "(secrets.token_hex(16)) or absent")
+        meta: list[Any] | None = None
+        data: Any = b""
+        if tensor is not None:
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPE_CODES:
+                raise TypeError("a message tensor must be a torch.Tensor of a supported dtype")
+            t = tensor.detach().cpu().contiguous()
+            meta = [str(t.dtype).removeprefix("torch."), [int(d) for d in t.shape]]
+            data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        try:
+            inner = json.dumps({"h": header, "t": meta}, separators=(",", ":"),
+                               ensure_ascii=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"a message header must be JSON-serializable text ({exc})") from exc
+        seq = self._send_seq
+        self._send_seq += 1
+        plain = b"".join([struct.pack(">I", len(inner)), inner, data])
+        box = self._send_key.encrypt(struct.pack(">4xQ", seq), plain,
+                                     self._ad(self.role, kind, rn, seq))
+        with warnings.catch_warnings():  # the transport copies it; nothing writes it here
+            warnings.simplefilter("ignore", UserWarning)
+            wire = torch.frombuffer(box, dtype=torch.uint8)
+        self.inner.send({"kind": "sealed", "k": kind, "rn": rn, "seq": seq}, wire)
+
+    def _open(self, env: dict[str, Any], box: Any) -> Message | None:
+        """The message in a received box, or None (dropped and counted)."""
+        if env.get("kind") != "sealed":
+            self.dropped["unsealed"] += 1  # a handshake message again, or a plain message
+            return None
+        kind, rn, seq = env.get("k"), env.get("rn"), env.get("seq")
+        if set(env) != {"kind", "k", "rn", "seq"} or not isinstance(kind, str) \
+                or len(kind) > 64 or not isinstance(rn, str) or not _REQUEST_NONCE.match(rn) \
+                or isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2 ** 63 \
+                or not isinstance(box, torch.Tensor) or box.dtype != torch.uint8 \
+                or box.dim() != 1:
+            self.dropped["malformed"] += 1
+            return None
+        if kind in _RESERVED:
+            self.dropped["reserved"] += 1
+            return None
+        if self.max_box_bytes is not None and box.numel() > self.max_box_bytes:
+            self.dropped["oversized"] += 1
+            return None
+        if seq in self._recv_seen or seq <= self._recv_max - self._window:
+            self.dropped["replay"] += 1
+            return None
+        assert self._recv_key is not None
+        peer = "prefill" if self.role == "decode" else "decode"
+        try:
+            plain = self._recv_key.decrypt(struct.pack(">4xQ", seq), box.numpy().tobytes(),
+                                           self._ad(peer, kind, rn, seq))
+        except InvalidTag:
+            self.dropped["auth"] += 1
+            return None
+        # only an authentic box moves the window: forged numbers cannot burn real ones
+        self._recv_seen.add(seq)
+        if seq > self._recv_max:
+            self._recv_max = seq
+            if len(self._recv_seen) > 2 * self._window:
+                self._recv_seen = {s for s in self._recv_seen if s > seq - self._window}
+        try:
+            return self._unpack(plain, kind, rn)
+        except (_ProtocolError, ValueError, TypeError, KeyError, struct.error, RuntimeError):
+            self.dropped["malformed"] += 1  # authentic but malformed: a broken peer
+            return None
+
+    @staticmethod
+    def _unpack(plain: bytes, kind: str, rn: str) -> Message:
+        (n,) = struct.unpack_from(">I", plain)
+        if n > len(plain) - 4:
+            raise ValueError("inner header overruns the box")
+        inner = parse_header(plain[4:4 + n])
+        header, meta = inner.get("h"), inner.get("t")
+        if not isinstance(header, dict) or header.get("kind") != kind or \
+                header.get("nonce", "") != rn:
+            raise ValueError("the box's header disagrees with its envelope")
+        data = memoryview(plain)[4 + n:]
+        if meta is None:
+            if len(data):
+                raise ValueError("bytes after a message without a tensor")
+            return header, None
+        name, shape = meta
+        dtype = _NAMES[name]
+        if dtype not in _CODE_DTYPES.values() or not isinstance(shape, list) or \
+                len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool)
+                                          and d >= 0 for d in shape):
+            raise ValueError("bad tensor meta")
+        item = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * item != len(data):
+            raise ValueError("tensor bytes disagree with its shape")
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
+            torch.empty(0, dtype=torch.uint8)
+        return header, t.view(dtype).reshape(shape)
+
+
+def box_limit(header_bytes: int, tensor_bytes: int) -> int:
+    """The largest box a message within these frame limits makes (`pd.frame_limits`)."""
+    return header_bytes + tensor_bytes + _BOX_OVERHEAD
+
+
+def establish_pair(a: SecureLink, b: SecureLink, rounds: int = 8) -> None:
+    """Run both ends' handshake in one thread (in-process pairs); LinkError if it fails."""
+    for _ in range(rounds):
+        for end in (a, b):
+            end._early.extend(end.poll())
+        if a.established and b.established:
+            return
+    raise LinkError(a.failed or b.failed or "the key handshake did not complete")
