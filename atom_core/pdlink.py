@@ -236,7 +236,8 @@ class SecureLink:
                            "of this version")
                 raise LinkError(self.failed or "")
             self.inner.wait(min(0.1, max(0.0, deadline - time.monotonic())))
-            self._early.extend(self.poll())
+            got = self.poll()  # (poll replaces _early: read it after)
+            self._early.extend(got)
         if self.failed is not None:
             raise LinkError(self.failed)
 
@@ -433,7 +434,10 @@ def establish_pair(a: SecureLink, b: SecureLink, rounds: int = 8) -> None:
     """Run both ends' handshake in one thread (in-process pairs); LinkError if it fails."""
     for _ in range(rounds):
         for end in (a, b):
-            end._early.extend(end.poll())
+            got = end.poll()  # (poll replaces _early: read it after)
+            end._early.extend(got)
+            if end.failed is not None:
+                raise LinkError(end.failed)
         if a.established and b.established:
             return
     raise LinkError(a.failed or b.failed or "the key handshake did not complete")
