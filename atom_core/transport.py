@@ -39,9 +39,13 @@ transports one after another and the rest of the process's torch.distributed use
 - Two hosts: on the decode host `GlooTransport(0, host=<decode host's address>, port=P)`, on
   the prefill host `GlooTransport(1, host=<the same address>, port=P)`, and open P plus the
   ephemeral ports gloo listens on between the two hosts only. Nothing here authenticates the
-  peer: anyone who reaches the port during the rendezvous can take rank 1's place, so give both
-  workers a shared key and let the payload layer (`atom_core.pd`, HMAC) reject what it did not
-  sign; keep the link on a private network.
+  peer: anyone who reaches the port during the rendezvous can take rank 1's place, so the
+  workers run over `atom_core.pdlink.SecureLink` (a key handshake, then every message sealed).
+- Limits: a received meta announcing a header above `max_header_bytes` or a tensor above
+  `max_tensor_bytes` (the worker's `pd.frame_limits`) ends the link before anything is allocated
+  for it; the inbox holds at most `inbox_messages` (gloo: the receiver then stops reading, so the
+  peer's send times out; in-process: the link is lost). A "peer_lost" header from the wire is
+  dropped (`reserved_dropped`): only this end reports a loss.
 - Wire format, per message, each part a gloo send on tag 1000 + sender's rank (one tag per
   direction): an int64 tensor `[header_nbytes, tensor_nbytes, dtype_code, ndim]` (dtype_code 0:
   no tensor), the header's UTF-8 JSON as uint8, then if there is a tensor its shape as int64

@@ -2,11 +2,11 @@
 
 The decode worker owns the requests. Each is submitted to its batcher as `remote`: once it has a
 lane and blocks for its whole prompt (an "import" event) the decode worker asks the prefill
-worker for its KV with
-`{"kind": "prefill", "id", "prompt"}`. The prefill worker prefills it as an `export` request and
-answers with the payload (`{"kind": "kv", ...}`, see `atom_core.pd`) or with
-`{"kind": "prefill_failed", "id", "error"}`. The decode worker validates every payload before
-anything is written into a block; a bad one fails that request alone. Meanwhile the other lanes
+worker for its KV with `{"kind": "prefill", "id", "nonce", "prompt"}`. The prefill worker
+prefills it as an `export` request and answers with the payload (`{"kind": "kv", "nonce",
+...}`, see `atom_core.pd`) or with `{"kind": "prefill_failed", "id", "nonce", "error"}`. The
+decode worker validates every payload before anything is written into a block; a bad one fails
+that request alone. Meanwhile the other lanes
 keep decoding: nothing waits for the transport except an idle loop. With `prefetch=N` the decode
 worker also asks for the KV of the next N waiting requests before they get a lane and keeps it,
 validated, in host memory until they do (the round trip then overlaps other requests' decode);
@@ -23,8 +23,12 @@ Wire ids are the decode worker's request ids as strings; each request has at mos
 so a message for an id whose transfer is over is late or duplicated: counted, never imported.
 When the prefill worker is lost, transfers into a lane fail; requests holding no lane are
 prefilled locally (`fallback_local`) or fail at once; prefetched KV that arrived is still used.
-Control messages are not authenticated: a peer that can reach the link can fail or cancel
-requests, but only a payload with a valid MAC (when a key is set) is ever imported.
+With a key (required unless `insecure=True`) the transport is wrapped in a
+`pdlink.SecureLink`: a key handshake, then every message, control messages included, sealed and
+bound to its session, direction, kind, request nonce and sequence number. Each prefill request
+carries a fresh nonce that every answer (kv, prefill_failed) and cancel must echo: one that does
+not is another request's and is dropped (`misdirected`). A message handler never raises into the
+serving loop: a malformed message is counted (`bad_messages`) and dropped.
 
 The single-thread simulation (tests) steps both workers alternately over an
 `InProcessTransport.pair()`; two processes use `GlooTransport` (see `atom-core pd-prefill` and
