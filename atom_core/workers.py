@@ -81,17 +81,21 @@ def _need_key(key: bytes | None, insecure: bool) -> None:
 _NONCE = re.compile(r"[0-9a-f]{32}\Z")
 
 
-def _secure(transport: Transport, key: bytes | None, role: str,
-            **link: Any) -> tuple[Transport, bytes | None]:
+def _secure(transport: Transport, key: bytes | None, role: str, config: Config, runtime: Any,
+            tensors: bool, **link: Any) -> tuple[Transport, bytes | None]:
     """(the transport to use, the payload MAC key): with a key, a transport that is not secure
-    already is wrapped in a `pdlink.SecureLink` (handshake, AEAD, replay window), and payloads
-    carry an HMAC under a key derived for that purpose."""
+    already is wrapped in a `pdlink.SecureLink` (handshake, AEAD, replay window; boxes above
+    this side's frame limits dropped unopened: `tensors` False takes headers only), and
+    payloads carry an HMAC under a key derived for that purpose."""
     if key is None:
         return transport, None
     from atom_core import pdlink  # needs `cryptography` (the pd extra)
 
     if not getattr(transport, "secure", False):
-        transport = pdlink.SecureLink(transport, key, role, **link)
+        lim = pd.frame_limits(config, runtime)
+        transport = pdlink.SecureLink(
+            transport, key, role, **link,
+            max_box_bytes=pdlink.box_limit(lim.header_bytes, lim.tensor_bytes if tensors else 0))
     return transport, pdlink.derive_key(key, "payload mac")
 
 
@@ -143,7 +147,9 @@ class PrefillWorker:
             raise ValueError(f"max_queued must be a positive integer, got {max_queued!r}")
         self.max_queued = max_queued
         self.batcher = AtomBatcher(config, runtime, ghost=ghost)
-        self.transport, self.key = _secure(transport, key, "prefill")
+        # it takes prefill requests and control messages, never a tensor
+        self.transport, self.key = _secure(transport, key, "prefill", config, runtime,
+                                           tensors=False)
         self.fingerprint = pd.model_fingerprint(runtime)
         self.stats = PrefillStats()
         self.done = False
@@ -318,7 +324,8 @@ class DecodeWorker:
         self.batcher = AtomBatcher(config, runtime, ghost=ghost)
         self.clock = clock
         self.runtime = runtime
-        self.transport, self.key = _secure(transport, key, "decode")
+        self.transport, self.key = _secure(transport, key, "decode", config, runtime,
+                                           tensors=True, clock=clock)
         self.fallback_local = fallback_local
         self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
         self.fingerprint = pd.model_fingerprint(runtime)

@@ -120,8 +120,9 @@ class Junk:
     """An in-process end whose poll also hands over `junk` (what a peer could send), one
     message per poll, interleaved with the real traffic."""
 
-    def __init__(self, inner: InProcessTransport, junk: list[dict[str, Any]]) -> None:
-        self.inner, self.junk = inner, list(junk)
+    def __init__(self, inner: InProcessTransport, junk: list[dict[str, Any]],
+                 after: int = 0) -> None:
+        self.inner, self.junk, self.after = inner, list(junk), after
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -131,7 +132,8 @@ class Junk:
         return self.inner.alive
 
     def poll(self) -> list[Any]:
-        extra = [(self.junk.pop(0), None)] if self.junk else []
+        self.after -= 1
+        extra = [(self.junk.pop(0), None)] if self.junk and self.after < 0 else []
         return extra + self.inner.poll()
 
 
@@ -167,3 +169,37 @@ def test_workers_fed_junk_keep_serving(to_decode: list[dict[str, Any]],
         if str(w) not in named and not any(m.get("kind") == "shutdown" for m in to_prefill):
             assert r.error is None, r.error
             assert r.tokens == oracle.generate(p, 4)
+
+
+sealed = st.fixed_dictionaries(
+    {"kind": st.just("sealed") | any_text},
+    optional={"k": st.sampled_from(["kv", "prefill", "cancel", "peer_lost", "bye"]) | any_text,
+              "rn": any_text | st.just("0" * 32), "seq": st.integers(-5, 2 ** 64) | json_value,
+              "error": json_value})
+
+
+@settings(max_examples=10, suppress_health_check=[HealthCheck.too_slow])
+@given(to_decode=st.lists(control | sealed, max_size=5),
+       to_prefill=st.lists(control | sealed, max_size=5))
+def test_keyed_workers_fed_junk_on_the_wire_serve_everything(
+        to_decode: list[dict[str, Any]], to_prefill: list[dict[str, Any]]) -> None:
+    """With a key, junk on the wire after the handshake (what someone on the path could
+    inject) never reaches a worker: the link drops it, and every request is served exactly."""
+    key = b"fuzz-key-0123456789abcdef"
+    td, tp = InProcessTransport.pair()
+    pw = PrefillWorker(CONFIG, RT, Junk(tp, to_prefill, after=2), key=key)
+    dw = DecodeWorker(CONFIG, RT, Junk(td, to_decode, after=2), key=key)
+    prompts = [[5, 6, 7], [9] * 20, list(range(30, 60))]
+    wids = [dw.submit(p, 4) for p in prompts]
+    for _ in range(400):
+        if not dw.busy():
+            break
+        dw.step()
+        pw.step_once()
+    oracle = oracle_for(RT)
+    for w, p in zip(wids, prompts, strict=True):
+        r = dw.results()[w]
+        assert r.error is None and r.tokens == oracle.generate(p, 4), r
+    assert dw.bad_messages == dw.misdirected == dw.stale_messages == 0
+    assert sum(dw.transport.dropped.values()) == len(to_decode)
+    assert sum(pw.transport.dropped.values()) == len(to_prefill)

@@ -690,3 +690,16 @@ def test_cli_pd_demo_small(capsys: Any) -> None:
         assert run["prefetch"] == prefetch and run["completed"] == 4
         assert run["prefill_worker"]["exports"] == 4 and run["prefill_exit_code"] == 0
         assert run["bytes_received"] > 0 and run["auth_failures"] == 0
+
+
+def test_cli_workers_with_different_keys_refuse_each_other(prefill_proc: Any,
+                                                          capsys: Any) -> None:
+    """pd-prefill with the test key (its environment), pd-decode with another: the decode side
+    refuses the handshake (exit 1, one clear line), the prefill side sees the peer leave."""
+    proc, port = prefill_proc([*GLOO_CFG, "--timeout", "20"])
+    code = cli.main(["pd-decode", *GLOO_CFG, "--port", str(port), "--timeout", "20",
+                     "--key", OTHER_KEY.decode(), "--requests", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "PD link refused" in err and "failed the key challenge" in err, err
+    out, perr = proc.communicate(timeout=20)
+    assert proc.returncode == 1 and "PD link refused" in perr and "handshake" in perr, perr
