@@ -32,7 +32,13 @@ otherwise go unnoticed:
 - mac: an unauthenticated peer must not inject KV into a lane (it would steer the output of
   someone else's request). With a key configured, the HMAC is checked first and nothing in the
   payload is trusted before it passes. A checksum alone does not help here: anyone can recompute
-  it.
+  it. (The workers also run over `atom_core.pdlink.SecureLink`, which encrypts and authenticates
+  every message; their payload MAC key is derived from the shared key with HKDF.)
+
+Parsing and validation are total: whatever a peer sends, `from_wire` and `validate` raise
+`PayloadError` or nothing; hex digests are checked by pattern and compared as bytes in constant
+time, and non-finite KV is refused. `frame_limits(config, runtime)` bounds what a peer may
+announce, checked before anything is allocated.
 - checksum: bytes damaged in transit (a torn write, a buggy transport) would decode as garbage.
 - fingerprint: KV computed by a different model (other weights, other seed, other cache dtype)
   has the right shape and is still garbage for this one.

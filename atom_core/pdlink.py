@@ -82,6 +82,8 @@ _HEX = re.compile(r"[0-9a-f]{64}\Z")
 # Sequence numbers within this distance of the highest seen are remembered (the transports
 # deliver in order, so a window this size only ever holds what a reordering could need).
 REPLAY_WINDOW = 1024
+# Messages sent before the handshake completes wait, at most this many.
+MAX_QUEUED = 4096
 # Envelope and inner-header bytes beyond the frame limits' header and tensor.
 _BOX_OVERHEAD = 4 + 16 + 512
 _NAMES = {str(d).removeprefix("torch."): d for d in _DTYPE_CODES}
@@ -176,6 +178,9 @@ class SecureLink:
         if self.failed is not None:
             raise TransportError(f"cannot send: {self.failed}")
         if not self.established:
+            if len(self._queued) >= MAX_QUEUED:
+                raise TransportError(f"{MAX_QUEUED} messages already wait for the key "
+                                     "handshake: the peer does not answer it")
             self._queued.append((dict(header), None if tensor is None else tensor.clone()))
             return
         self._seal_and_send(header, tensor)
