@@ -82,6 +82,8 @@ _HEX = re.compile(r"[0-9a-f]{64}\Z")
 # Sequence numbers within this distance of the highest seen are remembered (the transports
 # deliver in order, so a window this size only ever holds what a reordering could need).
 REPLAY_WINDOW = 1024
+# The largest plaintext one box holds (the AEAD's limit per call, 2**31 - 1 bytes).
+MAX_BOX_PLAINTEXT = 2 ** 31 - 1
 # Messages sent before the handshake completes wait, at most this many.
 MAX_QUEUED = 4096
 # Envelope and inner-header bytes beyond the frame limits' header and tensor.
@@ -349,6 +351,11 @@ class SecureLink:
                                ensure_ascii=False).encode()
         except (TypeError, ValueError) as exc:
             raise TypeError(f"a message header must be JSON-serializable text ({exc})") from exc
+        size = 4 + len(inner) + (len(data) if isinstance(data, bytes) else data.nbytes)
+        if size > MAX_BOX_PLAINTEXT:
+            # the AEAD takes at most 2**31 - 1 bytes per call; chunked boxes are not done yet
+            raise ValueError(f"a message of {size} bytes does not fit one sealed box (at most "
+                             f"{MAX_BOX_PLAINTEXT}): ship KV of fewer positions per message")
         seq = self._send_seq
         self._send_seq += 1
         plain = b"".join([struct.pack(">I", len(inner)), inner, data])

@@ -80,7 +80,8 @@ class Rig:
 def rig(dcfg: Config, pcfg: Config | None = None, *, dkey: bytes | None = None,
         pkey: bytes | None = None, pseed: int = 0, fallback_local: bool = True,
         transfer_timeout: float | None = None, prefetch: int = 0,
-        wrap: Callable[[InProcessTransport], Any] | None = None) -> Rig:
+        wrap: Callable[[InProcessTransport], Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter) -> Rig:
     pcfg = pcfg or config(2, prefix=True)
     td, tp = InProcessTransport.pair()
     rd = TorchReferenceRuntime.tiny(dcfg, seed=0)
@@ -91,7 +92,8 @@ def rig(dcfg: Config, pcfg: Config | None = None, *, dkey: bytes | None = None,
     pw = PrefillWorker(pcfg, rp, wrap(ptr) if wrap else ptr, key=pkey, insecure=pkey is None)
     dw = DecodeWorker(dcfg, rd, td, key=dkey, insecure=dkey is None,
                       fallback_local=fallback_local,
-                      transfer_timeout=transfer_timeout or 1e9, prefetch=prefetch)
+                      transfer_timeout=transfer_timeout or 1e9, prefetch=prefetch,
+                      clock=clock)
     return Rig(dw, pw, td, tp)
 
 
@@ -342,11 +344,12 @@ def test_prefill_side_failure_is_reported_not_waited_for() -> None:
 
 
 def test_lost_kv_times_out_and_frees_the_lane() -> None:
-    r = rig(config(2), transfer_timeout=0.05)
+    now = [0.0]  # the decode worker's clock: a loaded machine cannot time the others out
+    r = rig(config(2), transfer_timeout=0.05, clock=lambda: now[0])
     r.to_decode.drop_next(1)  # the first kv message vanishes
     wids = [r.dw.submit(p, 3) for p in prompts(3, seed=9)]
     r.pump(lambda: r.pw.stats.exports == 3)
-    time.sleep(0.06)
+    now[0] = 0.06
     r.pump()
     res = r.dw.results()
     assert "did not answer within 0.05s" in (res[0].error or "")
