@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import operator
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import attrs
@@ -106,6 +106,8 @@ class Request:
     tokens: list[int] = attrs.Factory(list)
     error: str | None = None
     ended: bool = False
+    # picks the request's next token from its logits [V]; None: greedy (argmax)
+    sampler: Callable[[torch.Tensor], int] | None = None
 
 
 class InvariantViolation(AssertionError):
@@ -182,9 +184,13 @@ class AtomBatcher:
     # --------------------------------------------------------------- client API
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
                eos_token_id: int | None = None, *, remote: bool = False,
-               export: bool = False) -> int:
+               export: bool = False,
+               sampler: Callable[[torch.Tensor], int] | None = None) -> int:
         """Queue a request; returns its id. `remote`: its prompt's KV comes from a prefill worker
-        (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`)."""
+        (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`).
+        `sampler`: called with the logits [V] of each token this request generates here, returns
+        the token (host-side sampling; called once per token, in order, so a seeded sampler
+        repeats); None: greedy."""
         try:  # integers only: int() would truncate 1.7 and parse "5"
             prompt = [operator.index(t) for t in prompt_ids]
         except TypeError:
@@ -211,7 +217,7 @@ class AtomBatcher:
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
-                                     export=export)
+                                     export=export, sampler=sampler)
         self.waiting.append(rid)
         return rid
 
@@ -746,6 +752,8 @@ class AtomBatcher:
             logits = self.runtime.prefill(ids, pos, table, local,
                                           torch.tensor(len(chunk) - 1, dtype=torch.int16))
             tok = int(torch.argmax(logits[0, -1]))
+            if req.sampler is not None and eff.end == len(prompt):  # (a token is emitted)
+                tok = int(req.sampler(logits[0, -1]))
         except Exception as exc:  # noqa: BLE001
             self._end(lane, events, f"prefill failed: {exc!r}")
             return
@@ -799,6 +807,9 @@ class AtomBatcher:
         try:
             logits = self.runtime.decode(ids, pos, tables, local)
             toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
+            for ln in lanes:
+                if (sampler := self.requests[s.lane_req[ln]].sampler) is not None:
+                    toks[ln] = int(sampler(logits[ln, -1]))
         except Exception as exc:  # noqa: BLE001
             # Every row was computed, so every row's target may be half-written.
             for ln in lanes:

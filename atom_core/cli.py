@@ -833,6 +833,12 @@ def build_parser() -> argparse.ArgumentParser:
     pdemo.set_defaults(fn=cmd_pd_demo)
 
     _simulate_parser(sub)
+
+    from atom_core.serve.main import add_arguments, cmd_serve  # (no web stack imported here)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    add_arguments(srv)
+    srv.set_defaults(fn=cmd_serve)
     return ap
 
 
