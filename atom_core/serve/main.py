@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -107,7 +108,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"atom-core serve: model '{settings.model_name}' on {args.runtime}, lanes={cfg.lanes}, "
           f"kv_blocks={cfg.kv_blocks}, max_seq_len={cfg.max_seq_len}, block_size="
           f"{cfg.block_size} ({cfg.rule}); http://{args.host}:{args.port}/v1", file=sys.stderr)
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown: the app's lifespan then ends every
-    # request in flight and stops the engine, and we return 0
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the app's lifespan then ends every
+    # request in flight and stops the engine) and afterwards raises the signal again for the
+    # handler it found installed: with this one, that ends nothing and we exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
