@@ -390,12 +390,74 @@ def test_cli_serves_and_exits_0_on_sigterm():
         c = openai.OpenAI(api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)
         assert c.completions.create(model=MODEL, prompt="hi", max_tokens=3,
                                     temperature=0).usage.completion_tokens == 3
-        proc.send_signal(signal.SIGTERM)
+        # SIGTERM mid-stream: the stream is drained to its end, then the server exits 0
+        body = {"model": MODEL, "prompt": "occupy the only lane", "max_tokens": 230,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_request_timeout_aborts_the_request():
+    with Server(tiny_config(), delay=0.01, request_timeout=0.3) as s:
+        with pytest.raises(openai.InternalServerError) as exc:
+            s.client().completions.create(model=MODEL, prompt="occupy the only lane",
+                                          max_tokens=230, temperature=0)
+        assert exc.value.status_code == 504 and "0.3 s" in exc.value.body["message"]
+        st = s.wait_at_rest()
+        assert all(own in ("free", "cache") for own in st["blocks"])
+        assert s.engine.call(lambda b: b.requests[0].error) == "aborted"
+
+
+def test_shutdown_ends_requests_in_flight():
+    """Stopping the engine (the app's shutdown) ends a request still running: its stream gets
+    an error event and [DONE] instead of hanging."""
+    with Server(tiny_config(), delay=0.01) as s:
+        body = {"model": MODEL, "prompt": "occupy the only lane", "max_tokens": 230,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.base + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            s.engine.stop()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert httpx.get(s.base + "/health").status_code == 503
+        with pytest.raises(openai.APIStatusError) as exc:
+            s.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert exc.value.status_code == 503
+
+
+def test_batcher_sampler_hook_under_preemption():
+    """The hook itself: each generated token comes from the request's sampler, once per token,
+    also across a preemption (the recomputed prefill's last chunk draws the next token)."""
+    cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, False, "dynamic", 4, True), max_seq_len=256,
+                 block_size=64, prefill_chunk=64, preemption=True)
+    rt = TorchReferenceRuntime.tiny(cfg, seed=0)
+    b = AtomBatcher(cfg, rt)
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=s) for s in (1, 2)]
+    prompts = [[(7 * i + 3) % 128 for i in range(70)], [(5 * i + 1) % 128 for i in range(90)]]
+    rids = [b.submit(p, 120, sampler=Sampler(sp)) for p, sp in zip(prompts, params, strict=True)]
+    out = b.run_until_done()
+    assert b.stats.preemptions > 0  # both tables cannot grow at once
+    for rid, p, sp in zip(rids, prompts, params, strict=True):
+        sampler, seq, want = Sampler(sp), list(p), []
+        while len(want) < 120 and len(seq) <= cfg.max_seq_len:
+            t = sampler(rt.oracle_logits(seq))
+            want.append(t)
+            seq.append(t)
+        assert out[rid].error is None and out[rid].tokens == want
 
 
 def test_cli_refuses_to_serve_without_a_key(capsys):

@@ -61,6 +61,22 @@ class _Job:
     sampling: SamplingParams
     stop: list[str]
     stop_ids: set[int]
+    reserved: bool = False  # holds one of the in-flight places `_admit` counts
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that gives its request's in-flight place back however it ends, even when
+    the client left before the body was ever iterated."""
+
+    def __init__(self, body: AsyncIterator[str], release: Any) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 class RequestTimedOut(Exception):
@@ -190,7 +206,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                                   top_k=max(body.top_k, 0), seed=body.seed)
         return _Job(prompt, max_tokens if max_tokens is not None else room, sampling, stop, ids)
 
-    def _admit() -> None:
+    def _release(job: _Job) -> None:
+        if job.reserved:
+            job.reserved = False
+            state["in_flight"] -= 1
+
+    def _admit(job: _Job) -> None:
         if not engine.running:
             metrics.outcomes.labels("rejected").inc()
             raise ApiError(503, "the engine is not running: " + (engine.failure or "shut down"),
@@ -201,7 +222,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             raise ApiError(429, f"server busy: {state['in_flight']} requests in flight (lanes "
                                 f"{cfg.lanes} + queue {settings.max_queue}); retry later",
                            type_="rate_limit_exceeded", code="queue_full")
-        state["in_flight"] += 1  # released by `generate` when the request ends
+        state["in_flight"] += 1  # released when the request ends (`_release`)
+        job.reserved = True
 
     # ------------------------------------------------------------------ generation
     async def generate(job: _Job) -> AsyncIterator[tuple[str, list[int], str | None]]:
@@ -255,7 +277,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                     raise RequestFailed(ev.error or "the request was aborted")
                 # "preempted": it resumes where it stopped; nothing to tell the client
         finally:
-            state["in_flight"] -= 1
+            _release(job)
             metrics.outcomes.labels(outcome).inc()
             if not handle.ended:
                 engine.abort(handle)  # a disconnect, a stop string, a timeout: free its lane
@@ -287,6 +309,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             raise ApiError(504, str(exc), type_="timeout", code="timeout") from None
         except RequestFailed as exc:
             raise ApiError(500, f"the request failed: {exc}", type_="server_error") from None
+        finally:
+            _release(job)  # (if the task was cancelled before it ever ran)
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -331,7 +355,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         prompt = tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
         job = _job(body, prompt, body.max_tokens if body.max_tokens is not None else
                    min(16, cfg.max_seq_len - len(prompt) + 1), "prompt")
-        _admit()
+        _admit(job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str | None, toks: list[int], why: str | None,
@@ -347,8 +371,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(job, chunk, usage, None, body.return_token_ids),
-                                     media_type="text/event-stream")
+            return _Stream(stream(job, chunk, usage, None, body.return_token_ids),
+                           lambda: _release(job))
         text, ids, why = await until_disconnect(request, job)
         return chunk(text, ids, why, usage=_usage(len(prompt), len(ids)))
 
@@ -363,7 +387,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                      else "".join(part.text for part in m.content)} for m in body.messages]
         prompt = tokenizer.chat(messages)
         job = _job(body, prompt, max_tokens, "messages")
-        _admit()
+        _admit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str | None, toks: list[int], why: str | None,
@@ -383,8 +407,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                      "model": settings.model_name, "choices": [{
                          "index": 0, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}]}
-            return StreamingResponse(stream(job, chunk, usage, first, body.return_token_ids),
-                                     media_type="text/event-stream")
+            return _Stream(stream(job, chunk, usage, first, body.return_token_ids),
+                           lambda: _release(job))
         text, ids, why = await until_disconnect(request, job)
         return {"id": rid, "object": "chat.completion", "created": created,
                 "model": settings.model_name,

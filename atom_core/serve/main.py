@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting beyond the lanes before new ones get 429")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request is ended (0: never)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
+                        "they are aborted")
     p.add_argument("--log-level", default="info")
 
 
@@ -113,5 +116,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # handler it found installed: with this one, that ends nothing and we exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
     return 0

@@ -23,7 +23,7 @@ class _Sampling(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
