@@ -48,6 +48,7 @@ bench: install
 	$(PY) -m bench.stateful
 	$(PY) -m bench.prefix
 	$(PY) -m bench.preempt
+	$(PY) -m bench.serve
 
 demo: install
 	.venv/bin/atom-core demo
