@@ -140,14 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             bar = None
     rows = []
-    try:
+
+    async def run_all() -> None:
         client = openai.AsyncOpenAI(api_key=key, base_url=f"http://127.0.0.1:{port}/v1",
                                     max_retries=0, timeout=600)
-        # one warm-up request (imports, first graphs)
-        asyncio.run(client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2,
-                                              temperature=0))
-        if bar is not None:
-            bar.start()
+        # one warm-up request (the server's first calls are slower)
+        await client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2,
+                                        temperature=0)
         for c in levels:
             task = bar.add_task(f"concurrency {c}", total=len(items)) if bar else None
 
@@ -155,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
                 if bar is not None:
                     bar.advance(task)
 
-            client = openai.AsyncOpenAI(api_key=key, base_url=f"http://127.0.0.1:{port}/v1",
-                                        max_retries=0, timeout=600)
-            row = asyncio.run(run_level(client, items, c, advance))
+            row = await run_level(client, items, c, advance)
             got = row.pop("_tokens")
             row["exact"] = all(got[i] == want[i] for i in range(len(items)))
             row["overhead_per_token_pct"] = round(
                 100.0 * ((row["wall_s"] / row["tokens"]) / (direct_wall / direct_tokens) - 1), 1)
             rows.append(row)
+        await client.close()
+
+    try:
+        if bar is not None:
+            bar.start()
+        asyncio.run(run_all())
     finally:
         if bar is not None:
             bar.stop()

@@ -14,7 +14,6 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Strict):
