@@ -96,6 +96,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def fan_out(batch: list[tuple[Handle, Event]]) -> None:  # on the event loop
+            for h, ev in batch:
+                h.sink(ev)
+
+        # one wake-up of the loop per engine step; sinks run on the loop (plain put_nowait)
+        engine.deliver = lambda batch: loop.call_soon_threadsafe(fan_out, batch)
         if not engine.running:
             engine.start()
         try:
@@ -230,8 +238,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         """(text delta, token ids, finish_reason or None); the last item has a reason."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Event] = asyncio.Queue()
+        # (the engine hands events over through `engine.deliver`, on this loop)
         handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling),
-                        sink=lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+                        sink=q.put_nowait)
         text = IncrementalText(tokenizer, job.stop)
         t0 = last = time.perf_counter()
         n = 0

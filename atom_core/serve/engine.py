@@ -21,6 +21,9 @@ import attrs
 from atom_core.batcher import AtomBatcher, Event
 
 Sink = Callable[[Event], None]
+# hands a batch of (request, event) pairs to the clients' side at once; None: each event goes
+# to its request's sink from the engine thread
+Deliver = Callable[[list[tuple["Handle", Event]]], None]
 
 
 @attrs.define(eq=False)
@@ -41,8 +44,13 @@ class EngineStopped(RuntimeError):
 
 
 class Engine:
-    def __init__(self, batcher: AtomBatcher, *, idle_wait: float = 0.05) -> None:
+    def __init__(self, batcher: AtomBatcher, *, idle_wait: float = 0.05,
+                 deliver: Deliver | None = None) -> None:
         self.batcher = batcher
+        # the HTTP server sets this to one call_soon_threadsafe per step (not one per token):
+        # fewer wake-ups of the event loop, each taking the GIL from the engine
+        self.deliver = deliver
+        self._out: list[tuple[Handle, Event]] = []
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._live: dict[int, Handle] = {}
         self._idle_wait = idle_wait
@@ -96,6 +104,7 @@ class Engine:
                         wait = False
                         if cmd[0] == "stop":
                             self._abort_all("the server is shutting down")
+                            self._flush()
                             return
                         self._apply(*cmd)
                 except queue.Empty:
@@ -105,10 +114,12 @@ class Engine:
                     self.steps += 1
                     for ev in events:
                         self._deliver(ev)
+                self._flush()
         except Exception as exc:  # noqa: BLE001 - a bug in the batcher or the core
             self.failure = f"engine stopped: {exc!r}"
             self._abort_all(self.failure, abort_in_batcher=False)
         finally:
+            self._flush()
             self.running = False
             self._drain_after_stop()
 
@@ -120,7 +131,7 @@ class Engine:
                                             sampler=h.sampler)
             except ValueError as exc:  # the HTTP layer validates first; this is a backstop
                 h.ended = True
-                h.sink(Event("error", -1, error=str(exc)))
+                self._emit(h, Event("error", -1, error=str(exc)))
                 return
             self._live[h.rid] = h
         elif kind == "abort":
@@ -141,12 +152,25 @@ class Engine:
         if ev.kind in ("finished", "error"):
             self._end(h, ev)
         else:  # token, preempted
-            h.sink(ev)
+            self._emit(h, ev)
 
     def _end(self, h: Handle, ev: Event) -> None:
         h.ended = True
         self._live.pop(h.rid, None)  # type: ignore[arg-type]
-        h.sink(ev)
+        self._emit(h, ev)
+
+    def _emit(self, h: Handle, ev: Event) -> None:
+        self._out.append((h, ev))
+
+    def _flush(self) -> None:
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        if self.deliver is not None:
+            self.deliver(out)
+        else:
+            for h, ev in out:
+                h.sink(ev)
 
     def _abort_all(self, why: str, abort_in_batcher: bool = True) -> None:
         for h in list(self._live.values()):
@@ -166,6 +190,8 @@ class Engine:
                 return
             if kind == "submit" and not arg.ended:
                 arg.ended = True
-                arg.sink(Event("error", -1, error=self.failure or "the server is shutting down"))
+                self._emit(arg, Event("error", -1,
+                                      error=self.failure or "the server is shutting down"))
+                self._flush()
             elif kind == "call":
                 arg[1].set_result(arg[0](self.batcher))
