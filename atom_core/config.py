@@ -286,6 +286,13 @@ def rbln_fields(rbln_config: Any) -> dict[str, Any]:
                               f"{field}); keep one of them")
         if given:
             fields[field] = given[0][1]
+    cache_impl = data.get("cache_impl")
+    if cache_impl == "static":  # every layer global: a window elsewhere in the file is not ours
+        fields.pop("sliding_window", None)
+    elif cache_impl == "sliding_window":
+        raise ConfigError(f"{where}: cache_impl='sliding_window' (every layer sliding, no global "
+                          "block tables) is not supported; atom-core serves 'static' and "
+                          "'hybrid' artifacts")
     sizes = data.get("decoder_batch_sizes")
     if sizes and "lanes" in fields and max(sizes) != fields["lanes"]:
         raise ConfigError(f"{where}: decoder_batch_sizes={sizes} must have its largest equal to "

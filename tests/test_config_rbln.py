@@ -57,3 +57,11 @@ def test_cli_rbln_config(tmp_path, capsys):
         main(["check-config", "--lanes", "2"])
     assert exc.value.code == 2
     assert "--kv-blocks required" in capsys.readouterr().err
+
+
+def test_from_rbln_sliding_window_follows_cache_impl():
+    hybrid = {**ARTIFACT, "cache_impl": "hybrid", "sliding_window": 64}
+    assert Config.from_rbln(hybrid).sliding_window == 64
+    assert Config.from_rbln({**hybrid, "cache_impl": "static"}).sliding_window is None
+    with pytest.raises(ConfigError, match="cache_impl='sliding_window'"):
+        Config.from_rbln({**hybrid, "cache_impl": "sliding_window"})
