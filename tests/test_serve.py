@@ -470,3 +470,23 @@ def test_cli_refuses_to_serve_without_a_key(capsys):
         if env is not None:
             os.environ["ATOM_CORE_API_KEY"] = env
     assert "no API key" in capsys.readouterr().err
+
+
+def test_cli_model_directory_builds_its_tokenizer_and_a_matching_runtime(tmp_path):
+    from atom_core.cli import build_parser
+    from atom_core.serve.main import build
+
+    model = build_tiny_tokenizer(tmp_path / "model")
+    args = build_parser().parse_args(["serve", "--model", str(model), "--api-key", KEY,
+                                      "--lanes", "2", "--no-prefix-cache"])
+    _app, engine, settings = build(args)
+    assert settings.model_name == "model"
+    assert engine.batcher.runtime.vocab_size == 320
+    cfg = engine.batcher.config
+    assert (cfg.lanes, cfg.prefix_cache, cfg.kv_blocks) == \
+        (2, False, min_kv_blocks(2, False, "dynamic", cfg.blocks_per_table))
+    with pytest.raises(ValueError, match="not a directory"):
+        build(build_parser().parse_args(["serve", "--model", str(tmp_path / "nope"),
+                                         "--api-key", KEY]))
+    with pytest.raises(ValueError, match="unknown runtime"):
+        build(build_parser().parse_args(["serve", "--runtime", "cuda", "--api-key", KEY]))
