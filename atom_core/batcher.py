@@ -108,6 +108,13 @@ class Request:
     ended: bool = False
 
 
+def _token(t: Any) -> int:
+    """A token id: an integer (numpy and torch integer scalars included), never a bool."""
+    if isinstance(t, bool):
+        raise TypeError("bool")
+    return operator.index(t)
+
+
 class InvariantViolation(AssertionError):
     def __init__(self, names: list[str]) -> None:
         super().__init__(f"core state violates invariants: {', '.join(names)}")
@@ -186,16 +193,22 @@ class AtomBatcher:
         """Queue a request; returns its id. `remote`: its prompt's KV comes from a prefill worker
         (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`)."""
         try:  # integers only: int() would truncate 1.7 and parse "5"
-            prompt = [operator.index(t) for t in prompt_ids]
+            prompt = [_token(t) for t in prompt_ids]
         except TypeError:
-            raise ValueError("prompt token ids must be integers") from None
+            raise ValueError("prompt token ids must be integers (not bool, float or str)") \
+                from None
         vocab = getattr(self.runtime, "vocab_size", None)
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt has token ids outside the vocabulary 0..{vocab - 1}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool)
+                                         or not isinstance(eos_token_id, int)):
+            raise ValueError(f"eos_token_id must be a token id (int) or None, got "
+                             f"{eos_token_id!r}")
         s = self.config.max_seq_len
         if len(prompt) >= s:
             raise ValueError(
@@ -217,6 +230,9 @@ class AtomBatcher:
 
     def abort(self, request_id: int) -> bool:
         """End a request early. False (and nothing changes) for an unknown or ended request."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            # 1.0 == 1 as a dict key: a float would abort request 1
+            raise ValueError(f"request ids are integers (from submit), got {request_id!r}")
         req = self.requests.get(request_id)
         if req is None or req.ended:
             return False
@@ -263,8 +279,8 @@ class AtomBatcher:
             self._stale_or_drained(request_id)
             return events
         try:  # integers only, as in submit: int() would turn 1.9 into 1
-            ids = [operator.index(t) for t in prompt_ids]
-            first_token = operator.index(first_token)
+            ids = [_token(t) for t in prompt_ids]
+            first_token = _token(first_token)
         except TypeError:
             self._transfer_failed(request_id, "import rejected: token ids must be integers",
                                   events)
@@ -342,7 +358,8 @@ class AtomBatcher:
     def take_export(self, request_id: int) -> Export:
         """The prompt, first token and host KV buffer of an exported request, read from its
         pinned block, and for a hybrid model its lane's local slot (the lane stays the request's
-        until `export_done`). Call `export_done` once the KV is handed to the transport."""
+        until `export_done`). Call `export_done` once the KV is handed to the transport, or
+        `export_done(request_id, error)` if this raises (a runtime read or allocation failed)."""
         if request_id not in self._exports:
             raise KeyError(f"request {request_id} has no export pending")
         host = self._read_blocks(self._tables[self.state.req_lane.get(request_id)])
@@ -472,11 +489,11 @@ class AtomBatcher:
         if evict:
             self._apply("host_evict", h=slot)
         self._apply("spill", b=block, h=slot)
-        if slot not in self._host:
-            self._host[slot] = self.runtime.new_host_buffer()
-        try:
+        try:  # the allocation too: host memory can run out, and the store must still end
+            if slot not in self._host:
+                self._host[slot] = self.runtime.new_host_buffer()
             self.runtime.fetch_kv_cache(self._host[slot], block)
-        except Exception:  # noqa: BLE001 - a read of the device: only this entry is lost
+        except Exception:  # noqa: BLE001 - only this entry is lost; its block is free either way
             self._apply("store_fail", h=slot)
             self.stats.host_store_failures += 1
             return True
@@ -572,8 +589,8 @@ class AtomBatcher:
         fetch costs only later hits their snapshot (the core then allows no later one)."""
         if self._snaps is None or not self.policy.snapshot(self.state, lane):
             return
-        host = self.runtime.new_local_host_buffer()
-        try:
+        try:  # allocation included: a snapshot is an optimisation, never worth a request
+            host = self.runtime.new_local_host_buffer()
             self.runtime.fetch_local_cache(host, lane)
         except Exception:  # noqa: BLE001 - a read: the lane's state is intact, it just has no copy
             self.stats.snapshot_failures += 1

@@ -225,11 +225,11 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
-    from atom_core.replay import replay
+    from atom_core.replay import read_lines, replay
 
     try:
-        with open(args.file) as f:
-            v = replay(f)
+        with open(args.file, "rb") as f:
+            v = replay(read_lines(f))
     except OSError as exc:
         print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -638,7 +638,7 @@ def _simulate_parser(sub: Any) -> None:
     sim.add_argument("--steps", type=int, default=200,
                      help="ticks with fault injection before the drain (default 200)")
     sim.add_argument("--faults", default=None,
-                     help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
+                     help="comma-separated fault kinds (prefill, decode, copy, fetch, update, alloc, "
                           "delay, drop, corrupt, duplicate, late, kill, abort), all (default) "
                           "or none")
     sim.add_argument("--mode", choices=("colocated", "pd"), default=None,
