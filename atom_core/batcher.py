@@ -93,6 +93,7 @@ class Stats:
     table_grows: int = 0  # blocks appended to lanes' tables (paged tables: T > 1)
     preemptions: int = 0  # requests sent back to the waiting queue to free their blocks
     recomputed_tokens: int = 0  # tokens whose KV a preemption dropped (computed again)
+    forgotten: int = 0  # ended requests dropped past `keep_ended` (the core's `forget`)
 
 
 @attrs.define
@@ -160,7 +161,16 @@ def check_runtime(cfg: Config, rt: Any) -> None:
 
 class AtomBatcher:
     def __init__(self, config: Config, runtime: Any, *, policy: Policy | None = None,
-                 ghost: bool = False, trace: IO[str] | None = None) -> None:
+                 ghost: bool = False, trace: IO[str] | None = None,
+                 keep_ended: int | None = 10_000) -> None:
+        """`keep_ended`: how many ended requests keep their `requests` entry (tokens, error)
+        for the caller to read; older ones are forgotten (the core's `forget`), so memory does
+        not grow with the requests served. None keeps every one."""
+        if keep_ended is not None and (isinstance(keep_ended, bool)
+                                       or not isinstance(keep_ended, int) or keep_ended < 0):
+            raise ValueError(f"keep_ended must be an integer >= 0 or None, got {keep_ended!r}")
+        self.keep_ended = keep_ended
+        self._ended: deque[int] = deque()  # ended requests in the order they ended
         self.config, self.runtime = config, runtime
         check_runtime(config, runtime)
         self._hybrid = config.sliding_window is not None
@@ -248,6 +258,7 @@ class AtomBatcher:
                 self._apply("transfer_end", r=request_id, b=self._transfers.pop(request_id))
         self._exports.pop(request_id, None)
         req.ended, req.error = True, "aborted"
+        self._ended_now(request_id)
         return True
 
     # --------------------------------------------------------------- PD
@@ -385,6 +396,7 @@ class AtomBatcher:
         self.requests[request_id].ended = True
         self.stats.exports += 1
         events.append(Event("finished", request_id))
+        self._ended_now(request_id)
         return events
 
     def awaits_kv(self, request_id: int) -> bool:
@@ -437,6 +449,7 @@ class AtomBatcher:
         req = self.requests[rid]
         req.ended, req.error = True, error
         events.append(Event("error", rid, error=error))
+        self._ended_now(rid)
 
     def _stale_or_drained(self, rid: int) -> None:
         block = self._transfers.get(rid)
@@ -444,8 +457,24 @@ class AtomBatcher:
             del self._transfers[rid]
             self._asked.discard(rid)
             self._apply("transfer_end", r=rid, b=block)
+            self._trim_ended()  # it may have held back older ones
         else:
             self.stats.stale_events += 1
+
+    def _ended_now(self, rid: int) -> None:
+        self._ended.append(rid)
+        self._trim_ended()
+
+    def _trim_ended(self) -> None:
+        """Forget the oldest ended requests past `keep_ended`; one whose blocks still drain
+        (its transfer's end will name it) holds back the rest until that end."""
+        if self.keep_ended is None:
+            return
+        while len(self._ended) > self.keep_ended and self._ended[0] not in self._transfers:
+            rid = self._ended.popleft()
+            self._apply("forget", r=rid)
+            del self.requests[rid]
+            self.stats.forgotten += 1
 
     def step(self) -> list[Event]:
         events: list[Event] = []
@@ -611,6 +640,7 @@ class AtomBatcher:
             req.error = error
             events.append(Event("error", rid, error=error))
         req.ended = True
+        self._ended_now(rid)
 
     def _emit_token(self, lane: int, tok: int, events: list[Event]) -> None:
         rid = self.state.lane_req[lane]

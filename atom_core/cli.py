@@ -638,9 +638,9 @@ def _simulate_parser(sub: Any) -> None:
     sim.add_argument("--steps", type=int, default=200,
                      help="ticks with fault injection before the drain (default 200)")
     sim.add_argument("--faults", default=None,
-                     help="comma-separated fault kinds (prefill, decode, copy, fetch, update, alloc, "
-                          "delay, drop, corrupt, duplicate, late, kill, abort), all (default) "
-                          "or none")
+                     help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
+                          "alloc, delay, drop, corrupt, duplicate, late, kill, abort), all "
+                          "(default) or none")
     sim.add_argument("--mode", choices=("colocated", "pd"), default=None,
                      help="fix the serving mode (default: the seed picks)")
     sim.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,

@@ -202,3 +202,49 @@ def test_config_refuses_ids_the_runtime_int16_tables_cannot_hold() -> None:
         Config(lanes=2, kv_blocks=8, prefix_cache=True, host_cache_blocks=40000)
     # the largest addressable: block ids 0..32767
     assert Config(lanes=2, kv_blocks=2**15, scratch="reserved").scratch_id == 2**15 - 1
+
+
+# --------------------------------------------------------------------------- long-running
+@pytest.mark.parametrize("keep", [0, 3])
+def test_memory_does_not_grow_with_requests_served(keep: int) -> None:
+    """A batcher keeps the last `keep_ended` ended requests: older ones are forgotten through
+    the core (their prompts leave the core's state), and the trace still replays."""
+    import io
+
+    from atom_core.replay import replay
+
+    cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, True, "dynamic") + 1, max_seq_len=256,
+                 prefill_chunk=C, prefix_cache=True)
+    inner = TorchReferenceRuntime.tiny(cfg)
+    trace = io.StringIO()
+    b = AtomBatcher(cfg, inner, ghost=True, trace=trace, keep_ended=keep)
+    oracle = oracle_for(inner)
+    work = workload(21, 40, cfg.max_seq_len)
+    ended: set[int] = set()
+    streamed: dict[int, list[int]] = {}
+    for p, n in work:
+        rid = b.submit(p, n)
+        if rid % 3 == 1:
+            b.abort(rid - 1)
+        for _ in range(3):
+            for ev in b.step():  # a server streams tokens from the events
+                if ev.kind == "token":
+                    streamed.setdefault(ev.request_id, []).append(ev.token)
+                elif ev.kind == "finished":
+                    ended.add(ev.request_id)
+        assert len([r for r in b.requests.values() if r.ended]) <= keep
+        assert len(b.state.prompt) <= keep + cfg.lanes + len(b.waiting)
+    while b.busy():
+        for ev in b.step():
+            if ev.kind == "token":
+                streamed.setdefault(ev.request_id, []).append(ev.token)
+            elif ev.kind == "finished":
+                ended.add(ev.request_id)
+    assert len(b.requests) == keep and b.stats.forgotten == len(work) - keep
+    assert len(b.state.prompt) == keep and len(b.state.phase) == keep
+    assert len(ended) > len(work) // 2
+    for rid in ended:
+        assert streamed[rid] == oracle.generate(work[rid][0], work[rid][1])
+    assert replay(trace.getvalue().splitlines()).ok
+    with pytest.raises(ValueError, match="keep_ended"):
+        AtomBatcher(cfg, inner, keep_ended=-1)
