@@ -260,11 +260,11 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
-    from atom_core.replay import replay
+    from atom_core.replay import read_lines, replay
 
     try:
-        with open(args.file) as f:
-            v = replay(f)
+        with open(args.file, "rb") as f:
+            v = replay(read_lines(f))
     except OSError as exc:
         print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -674,8 +674,8 @@ def _simulate_parser(sub: Any) -> None:
                      help="ticks with fault injection before the drain (default 200)")
     sim.add_argument("--faults", default=None,
                      help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
-                          "delay, drop, corrupt, duplicate, late, kill, abort), all (default) "
-                          "or none")
+                          "alloc, delay, drop, corrupt, duplicate, late, kill, abort), all "
+                          "(default) or none")
     sim.add_argument("--mode", choices=("colocated", "pd"), default=None,
                      help="fix the serving mode (default: the seed picks)")
     sim.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,

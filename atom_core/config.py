@@ -19,6 +19,12 @@ from atom_core._generated import core as g
 SCRATCH_MODES = ("reserved", "dynamic")
 
 
+# The runtime's id tensors (atom_core/runtime/protocol.py): block_tables, local_block_tables
+# and query_position are int16, cache_position int32. Ids run from 0, so at most 2**15 of each.
+INT16_IDS = 2**15
+INT32_POSITIONS = 2**31
+
+
 class ConfigError(ValueError):
     """A configuration the proofs do not cover; the message says what to change."""
 
@@ -72,6 +78,17 @@ class Config:
                 or self.host_cache_blocks < 0):
             raise ConfigError(f"host_cache_blocks must be an integer >= 0 (0: no host tier), "
                               f"got {self.host_cache_blocks!r}")
+        too_big = [f"{name}={value} (at most {limit})" for name, value, limit in (
+            ("kv_blocks", self.kv_blocks, INT16_IDS), ("lanes", self.lanes, INT16_IDS),
+            ("host_cache_blocks", self.host_cache_blocks, INT16_IDS),
+            ("prefill_chunk", self.prefill_chunk, INT16_IDS),
+            ("max_seq_len", self.max_seq_len, INT32_POSITIONS)) if value > limit]
+        if too_big:
+            raise ConfigError(
+                "rule 'int16-ids': the runtime addresses blocks, host slots and lanes (local "
+                "block tables) with int16 ids, a position within a chunk with an int16 and a "
+                f"position with an int32; too large: {', '.join(too_big)}; use fewer, larger "
+                "blocks or a smaller artifact")
         if self.scratch not in SCRATCH_MODES:
             raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
         if self.prefill_chunk % 64:

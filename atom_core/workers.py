@@ -232,7 +232,8 @@ class DecodeWorker:
         source of latencies and transfer timeouts (a simulation passes its own)."""
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        self.batcher = AtomBatcher(config, runtime, ghost=ghost)
+        # (every request's batcher entry stays: results() reads them by the worker's ids)
+        self.batcher = AtomBatcher(config, runtime, ghost=ghost, keep_ended=None)
         self.clock = clock
         self.runtime, self.transport = runtime, transport
         self.key, self.fallback_local = key, fallback_local
