@@ -799,11 +799,15 @@ class AtomBatcher:
             logits = self.runtime.prefill(ids, pos, table, local,
                                           torch.tensor(len(chunk) - 1, dtype=torch.int16))
             tok = int(torch.argmax(logits[0, -1]))
-            if req.sampler is not None and eff.end == len(prompt):  # (a token is emitted)
-                tok = int(req.sampler(logits[0, -1]))
         except Exception as exc:  # noqa: BLE001
             self._end(lane, events, f"prefill failed: {exc!r}")
             return
+        if req.sampler is not None and eff.end == len(prompt):  # (a token is emitted)
+            try:
+                tok = self._sample(req, logits[0, -1])
+            except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
+                self._end(lane, events, f"sampler failed: {exc!r}")
+                return
         self.stats.prefill_tokens += len(chunk)
         self._apply("prefill", l=lane, tok=tok)
         self._snapshot(lane)
@@ -854,9 +858,6 @@ class AtomBatcher:
         try:
             logits = self.runtime.decode(ids, pos, tables, local)
             toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
-            for ln in lanes:
-                if (sampler := self.requests[s.lane_req[ln]].sampler) is not None:
-                    toks[ln] = int(sampler(logits[ln, -1]))
         except Exception as exc:  # noqa: BLE001
             # Every row was computed, so every row's target may be half-written.
             for ln in lanes:
@@ -864,8 +865,30 @@ class AtomBatcher:
             if not all(eff.live):
                 self._apply("discard", b=pad)
             return
+        # a request's own sampler failing fails that request alone, after the step (its row's
+        # KV was written like every other row's)
+        bad: dict[int, str] = {}
+        for ln in lanes:
+            req = self.requests[s.lane_req[ln]]
+            if req.sampler is not None:
+                try:
+                    toks[ln] = self._sample(req, logits[ln, -1])
+                except Exception as exc:  # noqa: BLE001
+                    bad[ln] = f"sampler failed: {exc!r}"
         self.stats.decode_steps += 1
         self.stats.decode_rows_padding += b - len(lanes)
         self._apply("decode", pad=pad, tok=tuple(int(t) for t in toks))
         for ln in lanes:
-            self._emit_token(ln, int(toks[ln]), events)
+            if ln in bad:
+                self._end(ln, events, bad[ln])
+            else:
+                self._emit_token(ln, int(toks[ln]), events)
+
+    def _sample(self, req: Request, logits: Any) -> int:
+        """The request's sampler's token, checked: a token outside the vocabulary would fail
+        the next decode call for every lane."""
+        tok = _token(req.sampler(logits))  # type: ignore[misc]
+        vocab = logits.shape[-1]
+        if not 0 <= tok < vocab:
+            raise ValueError(f"token {tok} outside the vocabulary 0..{vocab - 1}")
+        return tok

@@ -248,3 +248,40 @@ def test_memory_does_not_grow_with_requests_served(keep: int) -> None:
     assert replay(trace.getvalue().splitlines()).ok
     with pytest.raises(ValueError, match="keep_ended"):
         AtomBatcher(cfg, inner, keep_ended=-1)
+
+
+@pytest.mark.parametrize("when", [0, 2])
+def test_a_failing_sampler_fails_only_its_request(when: int) -> None:
+    """A request's host-side sampler raising (at its first token: prefill, or later: decode)
+    or returning a token outside the vocabulary ends that request alone."""
+    cfg = Config(lanes=3, kv_blocks=min_kv_blocks(3, True, "dynamic") + 1, max_seq_len=256,
+                 prefill_chunk=C, prefix_cache=True)
+    inner = TorchReferenceRuntime.tiny(cfg)
+    calls = {"raise": 0, "range": 0}
+
+    def bad(kind: str):
+        def sampler(logits: Any) -> int:
+            calls[kind] += 1
+            if calls[kind] > when:
+                if kind == "raise":
+                    raise RuntimeError("sampler bug")
+                return 10**6
+            return int(logits.argmax())
+        return sampler
+
+    b = AtomBatcher(cfg, inner, ghost=True)
+    work = workload(8, 6, cfg.max_seq_len)
+    rids = [b.submit(p, 6, sampler=bad("raise") if i == 1 else bad("range") if i == 4 else None)
+            for i, (p, _) in enumerate(work)]
+    while b.busy():
+        b.step()
+        b.check_invariants()
+    oracle = oracle_for(inner)
+    for i, rid in enumerate(rids):
+        r = b.requests[rid]
+        want = oracle.generate(work[i][0], 6)
+        if i in (1, 4):
+            assert r.error.startswith("sampler failed") and r.tokens == want[:when], r
+        else:
+            assert r.error is None and r.tokens == want
+    at_rest(b)
