@@ -49,6 +49,7 @@ bench: install
 	$(PY) -m bench.prefix
 	$(PY) -m bench.preempt
 	$(PY) -m bench.pd_crypto
+	$(PY) -m bench.serve
 
 demo: install
 	.venv/bin/atom-core demo

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import operator
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import attrs
@@ -93,6 +93,7 @@ class Stats:
     table_grows: int = 0  # blocks appended to lanes' tables (paged tables: T > 1)
     preemptions: int = 0  # requests sent back to the waiting queue to free their blocks
     recomputed_tokens: int = 0  # tokens whose KV a preemption dropped (computed again)
+    forgotten: int = 0  # ended requests dropped past `keep_ended` (the core's `forget`)
 
 
 @attrs.define
@@ -106,6 +107,15 @@ class Request:
     tokens: list[int] = attrs.Factory(list)
     error: str | None = None
     ended: bool = False
+    # picks the request's next token from its logits [V]; None: greedy (argmax)
+    sampler: Callable[[torch.Tensor], int] | None = None
+
+
+def _token(t: Any) -> int:
+    """A token id: an integer (numpy and torch integer scalars included), never a bool."""
+    if isinstance(t, bool):
+        raise TypeError("bool")
+    return operator.index(t)
 
 
 class InvariantViolation(AssertionError):
@@ -153,7 +163,16 @@ def check_runtime(cfg: Config, rt: Any) -> None:
 
 class AtomBatcher:
     def __init__(self, config: Config, runtime: Any, *, policy: Policy | None = None,
-                 ghost: bool = False, trace: IO[str] | None = None) -> None:
+                 ghost: bool = False, trace: IO[str] | None = None,
+                 keep_ended: int | None = 10_000) -> None:
+        """`keep_ended`: how many ended requests keep their `requests` entry (tokens, error)
+        for the caller to read; older ones are forgotten (the core's `forget`), so memory does
+        not grow with the requests served. None keeps every one."""
+        if keep_ended is not None and (isinstance(keep_ended, bool)
+                                       or not isinstance(keep_ended, int) or keep_ended < 0):
+            raise ValueError(f"keep_ended must be an integer >= 0 or None, got {keep_ended!r}")
+        self.keep_ended = keep_ended
+        self._ended: deque[int] = deque()  # ended requests in the order they ended
         self.config, self.runtime = config, runtime
         check_runtime(config, runtime)
         self._hybrid = config.sliding_window is not None
@@ -185,20 +204,30 @@ class AtomBatcher:
     # --------------------------------------------------------------- client API
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
                eos_token_id: int | None = None, *, remote: bool = False,
-               export: bool = False) -> int:
+               export: bool = False,
+               sampler: Callable[[torch.Tensor], int] | None = None) -> int:
         """Queue a request; returns its id. `remote`: its prompt's KV comes from a prefill worker
-        (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`)."""
+        (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`).
+        `sampler`: called with the logits [V] of each token this request generates here, returns
+        the token (host-side sampling; called once per token, in order, so a seeded sampler
+        repeats); None: greedy."""
         try:  # integers only: int() would truncate 1.7 and parse "5"
-            prompt = [operator.index(t) for t in prompt_ids]
+            prompt = [_token(t) for t in prompt_ids]
         except TypeError:
-            raise ValueError("prompt token ids must be integers") from None
+            raise ValueError("prompt token ids must be integers (not bool, float or str)") \
+                from None
         vocab = getattr(self.runtime, "vocab_size", None)
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt has token ids outside the vocabulary 0..{vocab - 1}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool)
+                                         or not isinstance(eos_token_id, int)):
+            raise ValueError(f"eos_token_id must be a token id (int) or None, got "
+                             f"{eos_token_id!r}")
         s = self.config.max_seq_len
         if len(prompt) >= s:
             raise ValueError(
@@ -214,12 +243,15 @@ class AtomBatcher:
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
-                                     export=export)
+                                     export=export, sampler=sampler)
         self.waiting.append(rid)
         return rid
 
     def abort(self, request_id: int) -> bool:
         """End a request early. False (and nothing changes) for an unknown or ended request."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            # 1.0 == 1 as a dict key: a float would abort request 1
+            raise ValueError(f"request ids are integers (from submit), got {request_id!r}")
         req = self.requests.get(request_id)
         if req is None or req.ended:
             return False
@@ -235,6 +267,7 @@ class AtomBatcher:
                 self._apply("transfer_end", r=request_id, b=self._transfers.pop(request_id))
         self._exports.pop(request_id, None)
         req.ended, req.error = True, "aborted"
+        self._ended_now(request_id)
         return True
 
     # --------------------------------------------------------------- PD
@@ -266,8 +299,8 @@ class AtomBatcher:
             self._stale_or_drained(request_id)
             return events
         try:  # integers only, as in submit: int() would turn 1.9 into 1
-            ids = [operator.index(t) for t in prompt_ids]
-            first_token = operator.index(first_token)
+            ids = [_token(t) for t in prompt_ids]
+            first_token = _token(first_token)
         except TypeError:
             self._transfer_failed(request_id, "import rejected: token ids must be integers",
                                   events)
@@ -346,7 +379,8 @@ class AtomBatcher:
     def take_export(self, request_id: int) -> Export:
         """The prompt, first token and host KV buffer of an exported request, read from its
         pinned block, and for a hybrid model its lane's local slot (the lane stays the request's
-        until `export_done`). Call `export_done` once the KV is handed to the transport."""
+        until `export_done`). Call `export_done` once the KV is handed to the transport, or
+        `export_done(request_id, error)` if this raises (a runtime read or allocation failed)."""
         if request_id not in self._exports:
             raise KeyError(f"request {request_id} has no export pending")
         host = self._read_blocks(self._tables[self.state.req_lane.get(request_id)])
@@ -372,6 +406,7 @@ class AtomBatcher:
         self.requests[request_id].ended = True
         self.stats.exports += 1
         events.append(Event("finished", request_id))
+        self._ended_now(request_id)
         return events
 
     def awaits_kv(self, request_id: int) -> bool:
@@ -463,6 +498,7 @@ class AtomBatcher:
         req = self.requests[rid]
         req.ended, req.error = True, error
         events.append(Event("error", rid, error=error))
+        self._ended_now(rid)
 
     def _stale_or_drained(self, rid: int) -> None:
         block = self._transfers.get(rid)
@@ -470,8 +506,24 @@ class AtomBatcher:
             del self._transfers[rid]
             self._asked.discard(rid)
             self._apply("transfer_end", r=rid, b=block)
+            self._trim_ended()  # it may have held back older ones
         else:
             self.stats.stale_events += 1
+
+    def _ended_now(self, rid: int) -> None:
+        self._ended.append(rid)
+        self._trim_ended()
+
+    def _trim_ended(self) -> None:
+        """Forget the oldest ended requests past `keep_ended`; one whose blocks still drain
+        (its transfer's end will name it) holds back the rest until that end."""
+        if self.keep_ended is None:
+            return
+        while len(self._ended) > self.keep_ended and self._ended[0] not in self._transfers:
+            rid = self._ended.popleft()
+            self._apply("forget", r=rid)
+            del self.requests[rid]
+            self.stats.forgotten += 1
 
     def step(self) -> list[Event]:
         events: list[Event] = []
@@ -515,11 +567,11 @@ class AtomBatcher:
         if evict:
             self._apply("host_evict", h=slot)
         self._apply("spill", b=block, h=slot)
-        if slot not in self._host:
-            self._host[slot] = self.runtime.new_host_buffer()
-        try:
+        try:  # the allocation too: host memory can run out, and the store must still end
+            if slot not in self._host:
+                self._host[slot] = self.runtime.new_host_buffer()
             self.runtime.fetch_kv_cache(self._host[slot], block)
-        except Exception:  # noqa: BLE001 - a read of the device: only this entry is lost
+        except Exception:  # noqa: BLE001 - only this entry is lost; its block is free either way
             self._apply("store_fail", h=slot)
             self.stats.host_store_failures += 1
             return True
@@ -615,8 +667,8 @@ class AtomBatcher:
         fetch costs only later hits their snapshot (the core then allows no later one)."""
         if self._snaps is None or not self.policy.snapshot(self.state, lane):
             return
-        host = self.runtime.new_local_host_buffer()
-        try:
+        try:  # allocation included: a snapshot is an optimisation, never worth a request
+            host = self.runtime.new_local_host_buffer()
             self.runtime.fetch_local_cache(host, lane)
         except Exception:  # noqa: BLE001 - a read: the lane's state is intact, it just has no copy
             self.stats.snapshot_failures += 1
@@ -637,6 +689,7 @@ class AtomBatcher:
             req.error = error
             events.append(Event("error", rid, error=error))
         req.ended = True
+        self._ended_now(rid)
 
     def _emit_token(self, lane: int, tok: int, events: list[Event]) -> None:
         rid = self.state.lane_req[lane]
@@ -792,6 +845,12 @@ class AtomBatcher:
         except Exception as exc:  # noqa: BLE001
             self._end(lane, events, f"prefill failed: {exc!r}")
             return
+        if req.sampler is not None and eff.end == len(prompt):  # (a token is emitted)
+            try:
+                tok = self._sample(req, logits[0, -1])
+            except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
+                self._end(lane, events, f"sampler failed: {exc!r}")
+                return
         self.stats.prefill_tokens += len(chunk)
         self._apply("prefill", l=lane, tok=tok)
         self._snapshot(lane)
@@ -849,8 +908,30 @@ class AtomBatcher:
             if not all(eff.live):
                 self._apply("discard", b=pad)
             return
+        # a request's own sampler failing fails that request alone, after the step (its row's
+        # KV was written like every other row's)
+        bad: dict[int, str] = {}
+        for ln in lanes:
+            req = self.requests[s.lane_req[ln]]
+            if req.sampler is not None:
+                try:
+                    toks[ln] = self._sample(req, logits[ln, -1])
+                except Exception as exc:  # noqa: BLE001
+                    bad[ln] = f"sampler failed: {exc!r}"
         self.stats.decode_steps += 1
         self.stats.decode_rows_padding += b - len(lanes)
         self._apply("decode", pad=pad, tok=tuple(int(t) for t in toks))
         for ln in lanes:
-            self._emit_token(ln, int(toks[ln]), events)
+            if ln in bad:
+                self._end(ln, events, bad[ln])
+            else:
+                self._emit_token(ln, int(toks[ln]), events)
+
+    def _sample(self, req: Request, logits: Any) -> int:
+        """The request's sampler's token, checked: a token outside the vocabulary would fail
+        the next decode call for every lane."""
+        tok = _token(req.sampler(logits))  # type: ignore[misc]
+        vocab = logits.shape[-1]
+        if not 0 <= tok < vocab:
+            raise ValueError(f"token {tok} outside the vocabulary 0..{vocab - 1}")
+        return tok

@@ -147,7 +147,40 @@ def _tables(args: argparse.Namespace) -> int:
 TRACE_LANE_BLOCKS = 8
 
 
+# flag -> (Config field, default without --rbln-config)
+_ARTIFACT_FLAGS = {"lanes": ("lanes", None), "kv_blocks": ("kv_blocks", None),
+                   "max_seq_len": ("max_seq_len", 4096), "block_size": ("block_size", None),
+                   "prefill_chunk": ("prefill_chunk", 128),
+                   "prefix_cache": ("prefix_cache", False)}
+
+
+def _artifact_args(args: argparse.Namespace) -> int | None:
+    """Fill the artifact's settings from --rbln-config where no flag gave them, then the
+    defaults; 2 (a usage error, printed) when something required is missing."""
+    fields: dict[str, Any] = {}
+    if args.rbln_config is not None:
+        from atom_core.config import rbln_fields
+
+        try:
+            fields = rbln_fields(args.rbln_config)
+        except ConfigError as exc:
+            print(f"INVALID: {exc}", file=sys.stderr)
+            return 2
+    for flag, (field, default) in _ARTIFACT_FLAGS.items():
+        if hasattr(args, flag) and getattr(args, flag) is None:
+            setattr(args, flag, fields.get(field, default))
+    missing = [f"--{flag.replace('_', '-')}" for flag in ("lanes", "kv_blocks")
+               if hasattr(args, flag) and getattr(args, flag) is None]
+    if missing:
+        print(f"{args.command}: {' and '.join(missing)} required (or --rbln-config PATH with "
+              "batch_size and kvcache_num_blocks)", file=sys.stderr)
+        raise SystemExit(2)  # a usage error, as argparse's own
+    return None
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
+    if (bad := _artifact_args(args)) is not None:
+        return bad
     t = _tables(args)
     need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
     rule = rule_for(args.prefix_cache, args.scratch, t, args.preemption)
@@ -208,6 +241,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_min_blocks(args: argparse.Namespace) -> int:
+    if (bad := _artifact_args(args)) is not None:
+        return bad
     t = _tables(args)
     need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
     error = _artifact_error(args, need)
@@ -224,11 +259,11 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
-    from atom_core.replay import replay
+    from atom_core.replay import read_lines, replay
 
     try:
-        with open(args.file) as f:
-            v = replay(f)
+        with open(args.file, "rb") as f:
+            v = replay(read_lines(f))
     except OSError as exc:
         print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -695,8 +730,8 @@ def _simulate_parser(sub: Any) -> None:
                      help="ticks with fault injection before the drain (default 200)")
     sim.add_argument("--faults", default=None,
                      help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
-                          "delay, drop, corrupt, duplicate, late, kill, abort), all (default) "
-                          "or none")
+                          "alloc, delay, drop, corrupt, duplicate, late, kill, abort), all "
+                          "(default) or none")
     sim.add_argument("--mode", choices=("colocated", "pd"), default=None,
                      help="fix the serving mode (default: the seed picks)")
     sim.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
@@ -801,18 +836,24 @@ def build_parser() -> argparse.ArgumentParser:
             ("check-config", cmd_check_config, "is this configuration safe? if not, show why"),
             ("min-blocks", cmd_min_blocks, "the fewest KV blocks for a lane count")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--lanes", type=_positive, required=True)
+        p.add_argument("--rbln-config", default=None, metavar="PATH",
+                       help="a compiled artifact's rbln_config.json (or its directory): its "
+                            "batch_size, kvcache_num_blocks, kvcache_block_size, max_seq_len, "
+                            "prefill_chunk_size, ...; flags given here win over it")
+        p.add_argument("--lanes", type=_positive, default=None,
+                       help="required unless --rbln-config gives batch_size")
         if name == "check-config":
-            p.add_argument("--kv-blocks", type=_positive, required=True)
-        p.add_argument("--prefix-cache", action="store_true")
+            p.add_argument("--kv-blocks", type=_positive, default=None,
+                           help="required unless --rbln-config gives kvcache_num_blocks")
+        p.add_argument("--prefix-cache", action="store_true", default=None)
         p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                        help="reserved: a fixed scratch block; dynamic: padding rows write into a "
                             "free block (default)")
-        p.add_argument("--max-seq-len", type=_positive, default=4096)
+        p.add_argument("--max-seq-len", type=_positive, default=None, help="default 4096")
         p.add_argument("--block-size", type=_positive, default=None,
                        help="KV block size; max_seq_len / block_size blocks per lane's table "
                             "(default: max_seq_len, the eager artifact: one block per lane)")
-        p.add_argument("--prefill-chunk", type=_positive, default=128)
+        p.add_argument("--prefill-chunk", type=_positive, default=None, help="default 128")
         p.add_argument("--host-cache-blocks", type=int, default=0,
                        help="host cache slots below the prefix cache (default 0: none)")
         p.add_argument("--preemption", action="store_true",
@@ -852,6 +893,12 @@ def build_parser() -> argparse.ArgumentParser:
     pdemo.set_defaults(fn=cmd_pd_demo)
 
     _simulate_parser(sub)
+
+    from atom_core.serve.main import add_arguments, cmd_serve  # (no web stack imported here)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    add_arguments(srv)
+    srv.set_defaults(fn=cmd_serve)
     return ap
 
 

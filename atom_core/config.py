@@ -7,6 +7,8 @@ proves the rule sufficient and shows, with a stuck trace, that one block fewer i
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -15,6 +17,12 @@ from atom_core._generated import capacity
 from atom_core._generated import core as g
 
 SCRATCH_MODES = ("reserved", "dynamic")
+
+
+# The runtime's id tensors (atom_core/runtime/protocol.py): block_tables, local_block_tables
+# and query_position are int16, cache_position int32. Ids run from 0, so at most 2**15 of each.
+INT16_IDS = 2**15
+INT32_POSITIONS = 2**31
 
 
 class ConfigError(ValueError):
@@ -70,6 +78,17 @@ class Config:
                 or self.host_cache_blocks < 0):
             raise ConfigError(f"host_cache_blocks must be an integer >= 0 (0: no host tier), "
                               f"got {self.host_cache_blocks!r}")
+        too_big = [f"{name}={value} (at most {limit})" for name, value, limit in (
+            ("kv_blocks", self.kv_blocks, INT16_IDS), ("lanes", self.lanes, INT16_IDS),
+            ("host_cache_blocks", self.host_cache_blocks, INT16_IDS),
+            ("prefill_chunk", self.prefill_chunk, INT16_IDS),
+            ("max_seq_len", self.max_seq_len, INT32_POSITIONS)) if value > limit]
+        if too_big:
+            raise ConfigError(
+                "rule 'int16-ids': the runtime addresses blocks, host slots and lanes (local "
+                "block tables) with int16 ids, a position within a chunk with an int16 and a "
+                f"position with an int32; too large: {', '.join(too_big)}; use fewer, larger "
+                "blocks or a smaller artifact")
         if self.scratch not in SCRATCH_MODES:
             raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
         if self.prefill_chunk % 64:
@@ -97,6 +116,11 @@ class Config:
                              self.blocks_per_table, self.preemption)
         if self.kv_blocks < need:
             raise ConfigError(capacity_message(self, need))
+
+    @classmethod
+    def from_rbln(cls, rbln_config: Any, **overrides: Any) -> Config:
+        """From optimum-rbln / vllm-rbln settings (see `from_rbln` below)."""
+        return from_rbln(rbln_config, **overrides)
 
     def consts(self) -> g.Consts:
         """The spec's configuration constants for this artifact."""
@@ -222,3 +246,88 @@ def capacity_message(cfg: Config, need: int) -> str:
             f"{features(cfg.prefix_cache, cfg.scratch)}: rule '{rule}' "
             f"needs {need}, {missing} block{'s' if missing > 1 else ''} missing "
             f"(`atom-core check-config` shows the stuck run). Fix: " + "; or ".join(fixes) + ".")
+
+
+# --------------------------------------------------------------------------- rbln_config.json
+# The names optimum-rbln writes into a compiled artifact's rbln_config.json, and the ones
+# vllm-rbln users pass on its command line, for each Config field: (field, aliases).
+RBLN_ALIASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("lanes", ("batch_size", "max_num_seqs")),
+    ("kv_blocks", ("kvcache_num_blocks", "num_gpu_blocks_override")),
+    ("block_size", ("kvcache_block_size", "block_size")),
+    ("max_seq_len", ("max_seq_len", "max_model_len")),
+    ("prefill_chunk", ("prefill_chunk_size",)),
+    ("prefix_cache", ("enable_prefix_caching",)),
+    ("sliding_window", ("sliding_window",)),
+)
+
+
+def _load_rbln(rbln_config: Any) -> tuple[dict[str, Any], str]:
+    """The settings dict and where it came from (for messages)."""
+    if isinstance(rbln_config, dict):
+        data, where = rbln_config, "rbln_config"
+    else:
+        path = Path(rbln_config)
+        if path.is_dir():
+            path = path / "rbln_config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} does not exist: give a compiled artifact's directory or "
+                              "its rbln_config.json") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        where = str(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a JSON object, got {type(data).__name__}")
+    if "max_seq_len" not in data and "max_model_len" not in data:
+        # a causal LM nested in a multimodal artifact (e.g. {"language_model": {...}})
+        nested = [v for v in data.values()
+                  if isinstance(v, dict) and ("max_seq_len" in v or "max_model_len" in v)]
+        if len(nested) == 1:
+            data = nested[0]
+    return data, where
+
+
+def rbln_fields(rbln_config: Any) -> dict[str, Any]:
+    """The Config fields that optimum-rbln / vllm-rbln settings give (a dict, a compiled
+    artifact's directory or its rbln_config.json), by Config field name; nothing is validated
+    beyond the names (the CLI's check-config reports an unsafe artifact instead of raising)."""
+    data, where = _load_rbln(rbln_config)
+    fields: dict[str, Any] = {}
+    for field, aliases in RBLN_ALIASES:
+        given = [(a, data[a]) for a in aliases if data.get(a) is not None]
+        if len({repr(v) for _, v in given}) > 1:
+            (a, va), (b, vb) = given[0], given[1]
+            raise ConfigError(f"{where}: {a}={va!r} and {b}={vb!r} conflict (both set "
+                              f"{field}); keep one of them")
+        if given:
+            fields[field] = given[0][1]
+    cache_impl = data.get("cache_impl")
+    if cache_impl == "static":  # every layer global: a window elsewhere in the file is not ours
+        fields.pop("sliding_window", None)
+    elif cache_impl == "sliding_window":
+        raise ConfigError(f"{where}: cache_impl='sliding_window' (every layer sliding, no global "
+                          "block tables) is not supported; atom-core serves 'static' and "
+                          "'hybrid' artifacts")
+    sizes = data.get("decoder_batch_sizes")
+    if sizes and "lanes" in fields and max(sizes) != fields["lanes"]:
+        raise ConfigError(f"{where}: decoder_batch_sizes={sizes} must have its largest equal to "
+                          f"the batch size {fields['lanes']} (the lanes the scheduler fills); "
+                          f"recompile, or set batch_size={max(sizes)}")
+    if sizes and "lanes" not in fields:
+        fields["lanes"] = max(sizes)
+    return fields
+
+
+def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
+    """A Config from optimum-rbln / vllm-rbln settings (see `rbln_fields`). `overrides` are
+    Config field names and win over the file (e.g. `prefix_cache=True`, `preemption=True`).
+    Keys the scheduler does not use (the model's id, tensor_parallel_size, ...) are ignored."""
+    fields = {**rbln_fields(rbln_config), **overrides}
+    where = rbln_config if not isinstance(rbln_config, dict) else "rbln_config"
+    for field, names in (("lanes", "batch_size (or max_num_seqs)"),
+                         ("kv_blocks", "kvcache_num_blocks (or num_gpu_blocks_override)")):
+        if field not in fields:
+            raise ConfigError(f"{where} has no {names}: give it in the file or as {field}=")
+    return Config(**fields)

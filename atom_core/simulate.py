@@ -418,7 +418,8 @@ def make_workload(cfg: SimConfig, n: int) -> list[Item]:
 # runtime call -> fault kind
 _CALL_KIND = {"prefill": "prefill", "decode": "decode", "copy_kv_cache": "copy",
               "fetch_kv_cache": "fetch", "fetch_local_cache": "fetch",
-              "update_kv_cache": "update", "update_local_cache": "update"}
+              "update_kv_cache": "update", "update_local_cache": "update",
+              "new_host_buffer": "alloc", "new_local_host_buffer": "alloc"}
 
 
 class FaultyRuntime:
@@ -492,6 +493,15 @@ class FaultyRuntime:
     def copy_kv_cache(self, src: int, dst: int, num_tokens: int) -> None:
         self._fire("copy_kv_cache", lambda: self._scribble_block(int(dst)))
         self.inner.copy_kv_cache(src, dst, num_tokens)
+
+    # host memory running out: the allocation raises before anything is written
+    def new_host_buffer(self) -> Any:
+        self._fire("new_host_buffer", lambda: None)
+        return self.inner.new_host_buffer()
+
+    def new_local_host_buffer(self) -> Any:
+        self._fire("new_local_host_buffer", lambda: None)
+        return self.inner.new_local_host_buffer()
 
     def fetch_kv_cache(self, host_tensor: Any, block: int) -> None:
         self._fire("fetch_kv_cache", lambda: host_tensor.copy_(self._noise(host_tensor)))
@@ -881,6 +891,17 @@ def _moves(cfg: SimConfig, pd_side: str, what: str) -> list[tuple[str, str]]:
     return out
 
 
+def _allocs(cfg: SimConfig) -> list[tuple[str, str]]:
+    """Who allocates host buffers while serving: a PD export (every table block, and the local
+    slot of a hybrid model) and a paged import, a host tier's store, a hybrid snapshot."""
+    out = [(side, "new_host_buffer")
+           for side in dict.fromkeys((["prefill", "decode"] if cfg.pd else []) + _with_host(cfg))]
+    if cfg.sliding_window is not None:
+        sides = (["prefill"] if cfg.pd else []) + _with_cache(cfg)
+        out += [(side, "new_local_host_buffer") for side in dict.fromkeys(sides)]
+    return out
+
+
 def _draw_abort(sim: Sim, rng: random.Random) -> dict[str, Any] | None:
     if not sim.submitted:
         return None
@@ -969,6 +990,7 @@ _decode = _runtime_fault(lambda c: [("decode" if c.pd else "local", "decode")])
 _copy = _runtime_fault(lambda c: [(side, "copy_kv_cache") for side in _with_cache(c)])
 _fetch = _runtime_fault(lambda c: _moves(c, "prefill", "fetch"))
 _update = _runtime_fault(lambda c: _moves(c, "decode", "update"))
+_alloc = _runtime_fault(_allocs)
 
 FAULTS: dict[str, FaultKind] = {f.name: f for f in (
     FaultKind("prefill", "a prefill call raises (after scribbling its block)",
@@ -983,6 +1005,9 @@ FAULTS: dict[str, FaultKind] = {f.name: f for f in (
     FaultKind("update", "update_kv_cache / update_local_cache (PD import, host load, hybrid "
               "hit) raises",
               lambda c: bool(_moves(c, "decode", "update")), *_update),
+    FaultKind("alloc", "new_host_buffer / new_local_host_buffer (PD export and import, host "
+              "store, hybrid snapshot) raises: host memory ran out",
+              lambda c: bool(_allocs(c)), *_alloc),
     FaultKind("delay", "PD: an end's messages are held, then released in order", _pd,
               _draw_delay, _apply_delay, rate=0.15),
     FaultKind("drop", "PD: the next message an end sends is lost", _pd,

@@ -321,7 +321,8 @@ class DecodeWorker:
                 or not math.isfinite(transfer_timeout) or transfer_timeout <= 0:
             raise ValueError(f"transfer_timeout must be finite positive seconds, got "
                              f"{transfer_timeout!r}: a silent peer must not hold lanes forever")
-        self.batcher = AtomBatcher(config, runtime, ghost=ghost)
+        # (every request's batcher entry stays: results() reads them by the worker's ids)
+        self.batcher = AtomBatcher(config, runtime, ghost=ghost, keep_ended=None)
         self.clock = clock
         self.runtime = runtime
         self.transport, self.key = _secure(transport, key, "decode", config, runtime,

@@ -879,6 +879,19 @@ def export_done(r: Req, keep: BOOL):
     emit("release", lane=l, block=tail(l))
 
 
+@m.action
+def forget(r: Req):
+    """The adapter drops an ended request it no longer reports: its id reads as never
+    submitted again (a map keeps no entry at the initial value), so a long-running server does
+    not keep every prompt it has served. Not while a block still drains for r (its transfer's
+    end names r)."""
+    require("request_ended", ended(r))
+    require("no_transfer_of_request", forall(Block, lambda b: implies(
+        owner(b) == Owner.DRAINING, transfer_req(b) != r)))
+    assign(phase(r), Phase.NONE)
+    assign(prompt(r), empty())
+
+
 # ---------------------------------------------------------------- PD: both sides
 @m.action
 def transfer_fail(r: Req):
@@ -1100,8 +1113,10 @@ inv("one_scratch_block_when_reserved",
     bounded=True)
 
 # ---------------------------------------------------------------- transition invariants
+# An ended request never runs or waits again: it stays ended until forgotten (reads as new).
 m.transition_invariant("ended_is_final", forall(Req, lambda r: implies(
-    ended(r), phase.post(r) == phase(r))))
+    ended(r), (phase.post(r) == phase(r))
+    | ((phase.post(r) == Phase.NONE) & (prompt.post(r) == empty())))))
 # Without preemption a running request's work is never thrown away: it never waits again.
 m.transition_invariant("requeued_only_by_preemption", forall(Req, lambda r: implies(
     running(r) & ~PREEMPT, phase.post(r) != Phase.WAITING)))

@@ -587,6 +587,11 @@ class Life:
             return "keep_needs_prefix_cache" if keep and not c.PREFIX else None
         if name == "abort_waiting":
             return None if self.status.get(args[0]) == "waiting" else "request_waiting"
+        if name == "forget":
+            r = args[0]
+            if self.status.get(r) not in ENDED:
+                return "request_ended"
+            return None if r not in self.draining.values() else "no_transfer_of_request"
         if name in ("abort_running", "fail"):
             return None if self.lane[args[0]] is not None else "lane_busy"
         if name == "discard":
@@ -857,6 +862,11 @@ class Life:
             self.lane[l], self.snap[l], self.tables[l] = None, 0, []
         elif name == "abort_waiting":
             self._end(args[0], "aborted")
+            assert kinds == []
+        elif name == "forget":  # the id reads as never submitted
+            del self.status[args[0]], self.prompt[args[0]]
+            self.ends.pop(args[0], None)  # (a new request may take the id)
+            Stats.events["request forgotten"] += 1
             assert kinds == []
         elif name == "discard":
             if args[0] in self.entries:
@@ -3083,6 +3093,18 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             assert not any(self.s.busy) and self.quiescent() and not any(self.s.transfer)
             assert set(life.slot_state) <= {"EMPTY", "STORED"}, life.slot_state
             assert not any(self.s.lane_snap), self.s.lane_snap  # idle lanes have no snapshots
+            self.forget_all()
+
+        def forget_all(self) -> None:
+            """After the drain, without draws: a request never submitted is refused, every
+            ended one is forgotten, and then the core holds no request at all (a long-running
+            scheduler's state does not grow with the requests it served)."""
+            if "forget" not in core.ACTIONS:
+                return
+            assert self.apply("forget", self.next_id + 3).rejected == "request_ended"
+            for r in sorted(self.life.status):
+                assert self.apply("forget", r).rejected is None
+            assert len(self.s.phase) == 0 and len(self.s.prompt) == 0, self.s.phase
 
         def paged_transfers(self) -> None:
             """After the drain (every lane idle, nothing in flight), with paged tables (T > 1),
@@ -3134,6 +3156,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             while True:
                 if life.draining:
                     b = min(life.draining)
+                    if "forget" in core.ACTIONS:  # its transfer's end will name it
+                        assert self.apply("forget", life.draining[b]).rejected == \
+                            "no_transfer_of_request"
                     self.misdirected_transfer_end(b)
                     self.apply("transfer_end", life.draining[b], b)
                 elif life.slot_block:

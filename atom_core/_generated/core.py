@@ -5065,6 +5065,91 @@ def export_done_plan(s: State, r: int, keep: bool) -> tuple[Any, ...] | str:
     return (Release(_m0, s.tail[_m0]),)
 
 
+def forget_guard(s: State, r: int) -> str | None:
+    """The first failing guard conjunct of `forget`, or None."""
+    _m0 = s.phase.get(r)
+    # request_ended
+    if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
+        return "request_ended"
+    transfer_req = s.transfer_req
+    owner = s.owner
+    # no_transfer_of_request
+    for b in range(s.consts.K):
+        if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
+            return "no_transfer_of_request"
+    return None
+
+
+def forget(s: State, r: int) -> Step:
+    """The adapter drops an ended request it no longer reports: its id reads as never
+    submitted again (a map keeps no entry at the initial value), so a long-running server does
+    not keep every prompt it has served. Not while a block still drains for r (its transfer's
+    end names r).
+    """
+    phase = s.phase
+    _m0 = phase.get(r)
+    # request_ended
+    if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
+        return Step(s, (), "request_ended")
+    transfer_req = s.transfer_req
+    owner = s.owner
+    # no_transfer_of_request
+    for b in range(s.consts.K):
+        if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
+            return Step(s, (), "no_transfer_of_request")
+    new_phase = phase.set(r, PHASE_NONE)
+    new_prompt = s.prompt.set(r, empty())
+    new = State(
+        s.consts,
+        s.ghost,
+        owner,
+        s.owner_lane,
+        s.key,
+        s.head,
+        s.holds,
+        s.junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        s.snap_upto,
+        s.lane_snap_junk,
+        s.snap_junk,
+        s.lane_snap_taken,
+        s.snap_taken,
+        s.busy,
+        s.lane_req,
+        s.tail,
+        s.nblocks,
+        s.start,
+        s.length,
+        s.lane_seq,
+        s.lane_plen,
+        s.copying,
+        s.copy_src,
+        s.copy_host,
+        s.copy_slot,
+        s.transfer,
+        transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_start,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        new_phase,
+        s.req_lane,
+        new_prompt,
+    )
+    return Step(new, (), None)
+
+
 def transfer_fail_guard(s: State, r: int) -> str | None:
     """The first failing guard conjunct of `transfer_fail`, or None."""
     _m0 = s.phase.get(r)
@@ -5333,6 +5418,7 @@ ACTIONS = {
     "import_done": (import_done, import_done_guard, ("r", "p", "tok"), ("Req", "Seq", "Int")),
     "export": (export, export_guard, ("l",), ("Lane",)),
     "export_done": (export_done, export_done_guard, ("r", "keep"), ("Req", "Bool")),
+    "forget": (forget, forget_guard, ("r",), ("Req",)),
     "transfer_fail": (transfer_fail, transfer_fail_guard, ("r",), ("Req",)),
     "transfer_end": (transfer_end, transfer_end_guard, ("r", "b"), ("Req", "Block")),
 }
@@ -5458,6 +5544,7 @@ GUARD_READS = {
     },
     "export": {"lane_prefilled": ("l",)},
     "export_done": {"request_exporting": ("r",), "keep_needs_prefix_cache": ("keep",)},
+    "forget": {"request_ended": ("r",), "no_transfer_of_request": ("r",)},
     "transfer_fail": {"request_transferring": ("r",)},
     "transfer_end": {"block_draining": ("b",), "transfer_of_request": ("r", "b")},
 }
@@ -6064,6 +6151,7 @@ def check_transition(pre: State, post: State) -> list[str]:
     req_ids = _req_ids(pre, post)
     post_phase = post.phase
     pre_phase = pre.phase
+    post_prompt = post.prompt
     # ended_is_final
     if not all(
         not (
@@ -6072,6 +6160,7 @@ def check_transition(pre: State, post: State) -> list[str]:
             or pre_phase.get(r) == PHASE_FAILED
         )
         or post_phase.get(r) == pre_phase.get(r)
+        or (post_phase.get(r) == PHASE_NONE and post_prompt.get(r) == empty())
         for r in req_ids
     ):
         bad.append("ended_is_final")

@@ -1,0 +1,429 @@
+"""The FastAPI application: OpenAI-compatible endpoints over an `Engine`.
+
+Every /v1 endpoint, /metrics and /state need `Authorization: Bearer <api key>` unless the server
+was started without a key on purpose (`--insecure-no-auth`); /health is open. Errors use the
+OpenAI error shape `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from atom_core.batcher import Event
+from atom_core.serve.engine import Engine, EngineStopped, Handle
+from atom_core.serve.metrics import Metrics
+from atom_core.serve.protocol import ChatRequest, CompletionRequest
+from atom_core.serve.sampling import SamplingParams, sampler_for
+from atom_core.serve.tokenizer import IncrementalText, Tokenizer
+
+
+@attrs.frozen
+class ServerSettings:
+    model_name: str
+    api_key: str | None  # None: no authentication (only ever on purpose)
+    max_queue: int = 64  # requests waiting beyond the lanes; past that: 429
+    request_timeout: float | None = 600.0  # seconds; None: no limit
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = \
+            status, message, param, type_, code
+
+
+def _error(status: int, message: str, param: str | None = None,
+           type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
+                                   "code": code}}, status_code=status)
+
+
+@attrs.define
+class _Job:
+    """What one request asked for, after validation."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    stop_ids: set[int]
+    reserved: bool = False  # holds one of the in-flight places `_admit` counts
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that gives its request's in-flight place back however it ends, even when
+    the client left before the body was ever iterated."""
+
+    def __init__(self, body: AsyncIterator[str], release: Any) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+class RequestTimedOut(Exception):
+    pass
+
+
+class RequestFailed(Exception):
+    pass
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
+    metrics = Metrics(engine)
+    cfg = engine.batcher.config
+    vocab = getattr(engine.batcher.runtime, "vocab_size", None)
+    eos = tokenizer.eos_token_id
+    state = {"in_flight": 0}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def fan_out(batch: list[tuple[Handle, Event]]) -> None:  # on the event loop
+            for h, ev in batch:
+                h.sink(ev)
+
+        # one wake-up of the loop per engine step; sinks run on the loop (plain put_nowait)
+        engine.deliver = lambda batch: loop.call_soon_threadsafe(fan_out, batch)
+        if not engine.running:
+            engine.start()
+        try:
+            yield
+        finally:  # shutdown (SIGINT/SIGTERM): every request in flight ends, then the thread
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="atom-core", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+
+    # ------------------------------------------------------------------ errors and auth
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, exc: ApiError) -> JSONResponse:
+        if exc.status == 400:
+            metrics.outcomes.labels("invalid").inc()
+        return _error(exc.status, exc.message, exc.param, exc.type, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.outcomes.labels("invalid").inc()
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # the parameter is the first name in the location (e.g. messages.0.role -> messages)
+        param = next((x for x in loc if not x.isdigit()), None)
+        where = ".".join(loc) or "body"
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            msg = "this parameter is not supported by this server"
+        return _error(400, f"{where}: {msg}", param)
+
+    async def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                "with the key the server was started with",
+                           code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+
+    # ------------------------------------------------------------------ plain endpoints
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "down", "reason": engine.failure or "stopped"},
+                            status_code=503)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": settings.model_name, "object": "model", "created": 0, "owned_by": "atom-core",
+            "max_model_len": cfg.max_seq_len}]}
+
+    @app.get("/state", dependencies=auth)
+    async def server_state() -> dict[str, Any]:
+        """The batcher's lanes, blocks by owner and queue (taken between two steps)."""
+        view = await asyncio.to_thread(engine.call, lambda b: b.describe())
+        return {**view, "in_flight": state["in_flight"], "engine_running": engine.running}
+
+    # ------------------------------------------------------------------ validation
+    def _check_common(body: Any) -> None:
+        if body.model != settings.model_name:
+            raise ApiError(404, f"model '{body.model}' does not exist; this server serves "
+                                f"'{settings.model_name}' (GET /v1/models)", "model",
+                           code="model_not_found")
+        if body.n != 1:
+            raise ApiError(400, "n: only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise ApiError(400, f"{name}: not supported (only 0)", name)
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: only with stream=true", "stream_options")
+
+    def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str) -> _Job:
+        if not prompt:
+            raise ApiError(400, f"{param}: the prompt is empty (no tokens)", param)
+        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+            raise ApiError(400, f"{param}: token ids must be in 0..{vocab - 1}", param)
+        s = cfg.max_seq_len
+        if len(prompt) >= s:
+            raise ApiError(400, f"{param}: the prompt has {len(prompt)} tokens, but this "
+                                f"model's context (max_seq_len) is {s} tokens: at most {s - 1} "
+                                "prompt tokens; shorten it", param,
+                           code="context_length_exceeded")
+        room = s - len(prompt) + 1  # the last token comes from position max_seq_len - 1
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) \
+            else "max_tokens"
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(400, f"{name}: {max_tokens} tokens after a {len(prompt)}-token "
+                                f"prompt exceed the context (max_seq_len={s}): at most {room}",
+                           name, code="context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4 or any(not x for x in stop):
+            raise ApiError(400, "stop: up to 4 non-empty strings", "stop")
+        ids = set(body.stop_token_ids or [])
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            raise ApiError(400, f"stop_token_ids: ids must be in 0..{vocab - 1}",
+                           "stop_token_ids")
+        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p,
+                                  top_k=max(body.top_k, 0), seed=body.seed)
+        return _Job(prompt, max_tokens if max_tokens is not None else room, sampling, stop, ids)
+
+    def _release(job: _Job) -> None:
+        if job.reserved:
+            job.reserved = False
+            state["in_flight"] -= 1
+
+    def _admit(job: _Job) -> None:
+        if not engine.running:
+            metrics.outcomes.labels("rejected").inc()
+            raise ApiError(503, "the engine is not running: " + (engine.failure or "shut down"),
+                           type_="server_error", code="engine_down")
+        limit = cfg.lanes + settings.max_queue
+        if state["in_flight"] >= limit:
+            metrics.outcomes.labels("rejected").inc()
+            raise ApiError(429, f"server busy: {state['in_flight']} requests in flight (lanes "
+                                f"{cfg.lanes} + queue {settings.max_queue}); retry later",
+                           type_="rate_limit_exceeded", code="queue_full")
+        state["in_flight"] += 1  # released when the request ends (`_release`)
+        job.reserved = True
+
+    # ------------------------------------------------------------------ generation
+    async def generate(job: _Job) -> AsyncIterator[tuple[str, list[int], str | None]]:
+        """(text delta, token ids, finish_reason or None); the last item has a reason."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        # (the engine hands events over through `engine.deliver`, on this loop)
+        handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling),
+                        sink=q.put_nowait)
+        text = IncrementalText(tokenizer, job.stop)
+        t0 = last = time.perf_counter()
+        n = 0
+        metrics.prompt_tokens.inc(len(job.prompt))
+        outcome = "aborted"  # unless it ends otherwise (a disconnect cancels us mid-wait)
+        try:
+            try:
+                engine.submit(handle)
+            except EngineStopped as exc:
+                raise ApiError(503, str(exc), type_="server_error") from None
+            deadline = None if settings.request_timeout is None \
+                else loop.time() + settings.request_timeout
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        ev = await q.get()
+                except TimeoutError:
+                    outcome = "timeout"
+                    raise RequestTimedOut(f"the request did not finish within "
+                                          f"{settings.request_timeout} s") from None
+                if ev.kind == "token":
+                    now = time.perf_counter()
+                    (metrics.itl if n else metrics.ttft).observe(now - (last if n else t0))
+                    last, n = now, n + 1
+                    metrics.completion_tokens.inc()
+                    if ev.token in job.stop_ids:
+                        outcome = "stop"
+                        yield text.finish(), [ev.token], "stop"
+                        return
+                    delta = text.add(ev.token)
+                    if text.stopped:
+                        outcome = "stop"
+                        yield delta, [ev.token], "stop"
+                        return
+                    yield delta, [ev.token], None
+                elif ev.kind == "finished":
+                    last_tok = text.ids[-1] if text.ids else None
+                    outcome = "stop" if eos is not None and last_tok == eos else "length"
+                    yield text.finish(), [], outcome
+                    return
+                elif ev.kind in ("error", "aborted"):
+                    outcome = "error"
+                    raise RequestFailed(ev.error or "the request was aborted")
+                # "preempted": it resumes where it stopped; nothing to tell the client
+        finally:
+            _release(job)
+            metrics.outcomes.labels(outcome).inc()
+            if not handle.ended:
+                engine.abort(handle)  # a disconnect, a stop string, a timeout: free its lane
+
+    async def collect(job: _Job) -> tuple[str, list[int], str]:
+        parts, ids, reason = [], [], "length"
+        async for delta, toks, why in generate(job):
+            parts.append(delta)
+            ids.extend(toks)
+            if why is not None:
+                reason = why
+        return "".join(parts), ids, reason
+
+    async def until_disconnect(request: Request, job: _Job) -> tuple[str, list[int], str]:
+        """`collect`, cancelled (so its request aborted) if the client goes away first."""
+        task = asyncio.create_task(collect(job))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                break
+        try:
+            return await task
+        except asyncio.CancelledError:
+            raise ApiError(499, "the client disconnected") from None
+        except RequestTimedOut as exc:
+            raise ApiError(504, str(exc), type_="timeout", code="timeout") from None
+        except RequestFailed as exc:
+            raise ApiError(500, f"the request failed: {exc}", type_="server_error") from None
+        finally:
+            _release(job)  # (if the task was cancelled before it ever ran)
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    async def stream(job: _Job, make_chunk: Any, usage_at_end: bool,
+                     first: dict[str, Any] | None, want_ids: bool) -> AsyncIterator[str]:
+        n = 0
+        if first is not None:
+            yield sse(first)
+        try:
+            async for delta, toks, why in generate(job):
+                n += len(toks)
+                if delta or why is not None or (toks and want_ids):
+                    yield sse(make_chunk(delta, toks, why))
+        except RequestTimedOut as exc:
+            yield sse({"error": {"message": str(exc), "type": "timeout", "param": None,
+                                 "code": "timeout"}})
+        except RequestFailed as exc:
+            yield sse({"error": {"message": f"the request failed: {exc}", "type":
+                                 "server_error", "param": None, "code": None}})
+        if usage_at_end:
+            yield sse(make_chunk(None, [], None, usage=_usage(len(job.prompt), n)))
+        yield "data: [DONE]\n\n"
+
+    def _usage(prompt: int, completion: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    # ------------------------------------------------------------------ /v1/completions
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_common(body)
+        if body.echo:
+            raise ApiError(400, "echo: not supported", "echo")
+        if body.logprobs:
+            raise ApiError(400, "logprobs: not supported", "logprobs")
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, "prompt: one prompt per request (a list of one)", "prompt")
+            p = p[0]
+        prompt = tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        job = _job(body, prompt, body.max_tokens if body.max_tokens is not None else
+                   min(16, cfg.max_seq_len - len(prompt) + 1), "prompt")
+        _admit(job)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str | None, toks: list[int], why: str | None,
+                  usage: dict[str, int] | None = None) -> dict[str, Any]:
+            choices = [] if text is None else [{
+                "index": 0, "text": text, "logprobs": None, "finish_reason": why,
+                **({"token_ids": toks} if body.return_token_ids else {})}]
+            out = {"id": rid, "object": "text_completion", "created": created,
+                   "model": settings.model_name, "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _Stream(stream(job, chunk, usage, None, body.return_token_ids),
+                           lambda: _release(job))
+        text, ids, why = await until_disconnect(request, job)
+        return chunk(text, ids, why, usage=_usage(len(prompt), len(ids)))
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        _check_common(body)
+        if body.logprobs or body.top_logprobs:
+            raise ApiError(400, "logprobs: not supported", "logprobs")
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else "".join(part.text for part in m.content)} for m in body.messages]
+        prompt = tokenizer.chat(messages)
+        job = _job(body, prompt, max_tokens, "messages")
+        _admit(job)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str | None, toks: list[int], why: str | None,
+                  usage: dict[str, int] | None = None) -> dict[str, Any]:
+            choices = [] if text is None else [{
+                "index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": why,
+                **({"token_ids": toks} if body.return_token_ids else {})}]
+            out = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                   "model": settings.model_name, "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            first = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                     "model": settings.model_name, "choices": [{
+                         "index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}]}
+            return _Stream(stream(job, chunk, usage, first, body.return_token_ids),
+                           lambda: _release(job))
+        text, ids, why = await until_disconnect(request, job)
+        return {"id": rid, "object": "chat.completion", "created": created,
+                "model": settings.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": why,
+                             **({"token_ids": ids} if body.return_token_ids else {})}],
+                "usage": _usage(len(prompt), len(ids))}
+
+    return app

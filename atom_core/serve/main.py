@@ -1,0 +1,121 @@
+"""`atom-core serve`: build the runtime, the batcher, the engine and the app; run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+from atom_core.config import SCRATCH_MODES, ConfigError
+
+API_KEY_ENV = "ATOM_CORE_API_KEY"
+NEEDS_SERVE = "atom-core serve needs the serve extra: pip install 'atom-core[serve]'"
+
+# flag -> Config field, for the artifact settings given on the command line
+_FIELDS = {"lanes": "lanes", "kv_blocks": "kv_blocks", "max_seq_len": "max_seq_len",
+           "block_size": "block_size", "prefill_chunk": "prefill_chunk",
+           "prefix_cache": "prefix_cache", "scratch": "scratch",
+           "sliding_window": "sliding_window", "host_cache_blocks": "host_cache_blocks",
+           "preemption": "preemption"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (the built-in seeded reference model, byte tokenizer) or a "
+                        "model directory (its tokenizer, loaded offline)")
+    p.add_argument("--runtime", default="reference",
+                   help="reference (torch, default), rbln (--compiled PATH) or another "
+                        "registered runtime")
+    p.add_argument("--compiled", default=None, help="rbln: the compiled artifact's directory")
+    p.add_argument("--rbln-config", default=None, metavar="PATH",
+                   help="an rbln_config.json (or its directory): batch_size, "
+                        "kvcache_num_blocks, kvcache_block_size, max_seq_len, "
+                        "prefill_chunk_size, ...; the flags below win over it")
+    g = p.add_argument_group("artifact settings (Config fields)")
+    g.add_argument("--lanes", type=int, default=None, help="alias of batch_size")
+    g.add_argument("--kv-blocks", type=int, default=None,
+                   help="default: the proved minimum for the other settings")
+    g.add_argument("--max-seq-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--prefill-chunk", type=int, default=None)
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--scratch", choices=SCRATCH_MODES, default=None)
+    g.add_argument("--sliding-window", type=int, default=None)
+    g.add_argument("--host-cache-blocks", type=int, default=None)
+    g.add_argument("--preemption", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--seed", type=int, default=0, help="reference runtime: the model's seed")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the --model value's last part)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"the Bearer key clients must send (default: ${API_KEY_ENV}); "
+                        "required unless --insecure-no-auth")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve without any authentication (anyone who reaches the port can "
+                        "use the model)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the lanes before new ones get 429")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before a request is ended (0: never)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
+                        "they are aborted")
+    p.add_argument("--log-level", default="info")
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(app, engine, settings) from parsed arguments; ValueError/ConfigError on bad input."""
+    from atom_core.batcher import AtomBatcher
+    from atom_core.serve.app import ServerSettings, create_app
+    from atom_core.serve.engine import Engine
+    from atom_core.serve.runtimes import ServeOptions, build
+
+    key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if key is None and not args.insecure_no_auth:
+        raise ValueError(f"no API key: pass --api-key KEY or set ${API_KEY_ENV} (clients send "
+                         "'Authorization: Bearer KEY'); --insecure-no-auth serves without one")
+    if key is not None and args.insecure_no_auth:
+        raise ValueError("--api-key and --insecure-no-auth contradict each other: pick one")
+    overrides = {field: getattr(args, flag) for flag, field in _FIELDS.items()
+                 if getattr(args, flag) is not None}
+    opts = ServeOptions(model=args.model, runtime=args.runtime, compiled=args.compiled,
+                        rbln_config=args.rbln_config, overrides=overrides, seed=args.seed)
+    cfg, rt, tok = build(opts)
+    name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+    settings = ServerSettings(model_name=name, api_key=key, max_queue=args.max_queue,
+                              request_timeout=args.request_timeout or None)
+    engine = Engine(AtomBatcher(cfg, rt))
+    return create_app(engine, tok, settings), engine, settings
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        print(NEEDS_SERVE, file=sys.stderr)
+        return 2
+    try:
+        app, engine, settings = build(args)
+    except ImportError as exc:
+        print(f"{exc}\n{NEEDS_SERVE}", file=sys.stderr)
+        return 2
+    except (ValueError, ConfigError) as exc:
+        print(f"atom-core serve: {exc}", file=sys.stderr)
+        return 2
+    if settings.api_key is None:
+        print("warning: serving WITHOUT authentication (--insecure-no-auth)", file=sys.stderr)
+    cfg = engine.batcher.config
+    print(f"atom-core serve: model '{settings.model_name}' on {args.runtime}, lanes={cfg.lanes}, "
+          f"kv_blocks={cfg.kv_blocks}, max_seq_len={cfg.max_seq_len}, block_size="
+          f"{cfg.block_size} ({cfg.rule}); http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the app's lifespan then ends every
+    # request in flight and stops the engine) and afterwards raises the signal again for the
+    # handler it found installed: with this one, that ends nothing and we exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    return 0
