@@ -511,8 +511,22 @@ class AtomBatcher:
             self.stats.stale_events += 1
 
     def _ended_now(self, rid: int) -> None:
-        self._ended.append(rid)
-        self._trim_ended()
+        if self.keep_ended is not None:
+            self._ended.append(rid)
+            self._trim_ended()
+
+    def forget(self, request_id: int) -> bool:
+        """Drop an ended request now (its `requests` entry and the core's record of it). False,
+        and nothing changes, for a request that has not ended or whose blocks still drain."""
+        req = self.requests.get(request_id)
+        if req is None or not req.ended or request_id in self._transfers:
+            return False
+        self._apply("forget", r=request_id)
+        del self.requests[request_id]
+        if request_id in self._ended:  # (rare: callers that forget use keep_ended=None)
+            self._ended.remove(request_id)
+        self.stats.forgotten += 1
+        return True
 
     def _trim_ended(self) -> None:
         """Forget the oldest ended requests past `keep_ended`; one whose blocks still drain

@@ -43,7 +43,7 @@ import math
 import re
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -311,17 +311,27 @@ class DecodeWorker:
                  key: bytes | None = None, insecure: bool = False, fallback_local: bool = True,
                  transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT, prefetch: int = 0,
                  ghost: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 keep_ended: int | None = 10_000) -> None:
         """`ghost`: the batcher keeps ghost state (for invariant checks). `clock`: the time
-        source of latencies and transfer timeouts (a simulation passes its own)."""
+        source of latencies and transfer timeouts (a simulation passes its own). `keep_ended`:
+        how many ended requests `results()` and `summary()` still report; older ones are
+        forgotten here and in the batcher (None: every one), so a long-running worker's memory
+        does not grow with the requests it served."""
         _need_key(key, insecure)
+        if keep_ended is not None and (isinstance(keep_ended, bool)
+                                       or not isinstance(keep_ended, int) or keep_ended < 0):
+            raise ValueError(f"keep_ended must be an integer >= 0 or None, got {keep_ended!r}")
+        self.keep_ended = keep_ended
+        self._ended: deque[int] = deque()  # worker ids, in the order they ended
+        self._next_wid = 0
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         if isinstance(transfer_timeout, bool) or not isinstance(transfer_timeout, int | float) \
                 or not math.isfinite(transfer_timeout) or transfer_timeout <= 0:
             raise ValueError(f"transfer_timeout must be finite positive seconds, got "
                              f"{transfer_timeout!r}: a silent peer must not hold lanes forever")
-        # (every request's batcher entry stays: results() reads them by the worker's ids)
+        # (the worker forgets the batcher's entries itself: results() reads them by its ids)
         self.batcher = AtomBatcher(config, runtime, ghost=ghost, keep_ended=None)
         self.clock = clock
         self.runtime = runtime
@@ -358,7 +368,7 @@ class DecodeWorker:
         """Queue a request; its KV comes from the prefill worker (or from local prefill once
         that worker is lost, with fallback_local). Raises ValueError like `AtomBatcher.submit`."""
         prompt = list(prompt)
-        wid = len(self.requests)
+        wid = self._next_wid
         req = _Req(prompt, max_new_tokens, eos, None, self.clock())
         if self.lost is not None and not self.fallback_local:
             # Nothing can prefill it: it fails now instead of waiting forever.
@@ -368,7 +378,10 @@ class DecodeWorker:
             req.brid = self.batcher.submit(prompt, max_new_tokens, eos,
                                            remote=self.lost is None)
             self._by_brid[req.brid] = wid
+        self._next_wid += 1
         self.requests[wid] = req
+        if req.t_end is not None:
+            self._ended_now(wid)
         return wid
 
     def abort(self, wid: int) -> bool:
@@ -380,6 +393,7 @@ class DecodeWorker:
         if not self.batcher.abort(req.brid):
             return False
         req.t_end, req.kind, req.payload = self.clock(), "aborted", None
+        self._ended_now(wid)
         if req.wire is not None and not req.answered:
             _send(self.transport, {"kind": "cancel", "id": req.wire, "nonce": req.nonce})
         return True
@@ -408,7 +422,28 @@ class DecodeWorker:
             self._progress = True
         self._handle(events, out)
         self._prefetch(out)
+        self._trim_ended()
         return out
+
+    def _ended_now(self, wid: int) -> None:
+        self._ended.append(wid)
+
+    def _trim_ended(self) -> None:
+        """Forget the oldest ended requests past `keep_ended` (after the step that reported
+        them). One whose blocks still drain holds back the rest until its transfer ends."""
+        if self.keep_ended is None:
+            return
+        while len(self._ended) > self.keep_ended:
+            wid = self._ended[0]
+            req = self.requests[wid]
+            if req.brid is not None and not self.batcher.forget(req.brid):
+                return
+            self._ended.popleft()
+            del self.requests[wid]
+            if req.brid is not None:
+                self._by_brid.pop(req.brid, None)
+            if req.wire is not None:  # a late answer for it is now unknown: stale
+                self._by_wire.pop(req.wire, None)
 
     def run_until_done(self, timeout: float | None = None,
                        idle_wait: float = 0.05) -> dict[int, Result]:
@@ -551,6 +586,7 @@ class DecodeWorker:
             self._handle(self.batcher.transfer_ended(req.brid, error), out)
         elif self.batcher.abort(req.brid):  # prefetched, still waiting: no block to free
             req.error, req.t_end = error, self.clock()
+            self._ended_now(wid)
             out.append(Event("error", wid, error=error))
 
     def _on_lost(self, why: str, out: list[Event]) -> None:
@@ -580,6 +616,7 @@ class DecodeWorker:
                 self.batcher.abort(brid)
                 req.error = f"{LOST}: {why}; not served (no local fallback)"
                 req.kind, req.t_end = "peer_lost", self.clock()
+                self._ended_now(wid)
                 out.append(Event("error", wid, error=req.error))
 
     def _expire(self, out: list[Event]) -> None:
@@ -623,6 +660,7 @@ class DecodeWorker:
                 req.t_first = now
             elif ev.kind in ("finished", "error"):
                 req.t_end = now
+                self._ended_now(wid)
             out.append(Event(ev.kind, wid, ev.token, ev.error))
 
     def _on_import(self, wid: int, out: list[Event]) -> None:

@@ -706,3 +706,39 @@ def test_cli_workers_with_different_keys_refuse_each_other(prefill_proc: Any,
     assert code == 1 and "PD link refused" in err and "failed the key challenge" in err, err
     out, perr = proc.communicate(timeout=20)
     assert proc.returncode == 1 and "PD link refused" in perr and "handshake" in perr, perr
+
+
+# --------------------------------------------------------------------------- long-running
+def test_a_long_running_decode_worker_keeps_a_bounded_number_of_results() -> None:
+    """keep_ended=K: results and the batcher's and core's records cover the last K ended
+    requests; memory does not grow with the requests served; streamed tokens stay exact; a
+    late answer for a forgotten request is stale, not an error."""
+    r = rig(config(2), config(2, prefix=True))
+    r.dw.keep_ended = 3
+    oracle = oracle_for(r.dw.runtime)
+    streamed: dict[int, list[int]] = {}
+    work = prompts(12, 7)
+    wids = []
+    for i, p in enumerate(work):
+        wids.append(r.dw.submit(p, 4))
+        if i == 5:
+            r.dw.abort(wids[-1])  # an abort mid-flight: its blocks drain first
+        for _ in range(4):
+            for ev in r.dw.step():
+                if ev.kind == "token":
+                    streamed.setdefault(ev.request_id, []).append(ev.token)
+            r.pw.step_once()
+        assert len(r.dw.requests) <= 3 + 2 + len(r.dw.batcher.waiting) + len(r.dw._by_wire)
+    while r.dw.busy() or r.pw.batcher.busy():
+        for ev in r.dw.step():
+            if ev.kind == "token":
+                streamed.setdefault(ev.request_id, []).append(ev.token)
+        r.pw.step_once()
+    assert len(r.dw.requests) == 3 and len(r.dw.results()) == 3
+    assert len(r.dw.batcher.requests) == 3 and len(r.dw.batcher.state.prompt) == 3
+    assert r.dw.batcher.stats.forgotten == len(work) - 3
+    for i, wid in enumerate(wids):
+        if i != 5:
+            assert streamed[wid] == oracle.generate(work[i], 4), i
+    assert r.dw.summary()["requests"] == 3
+    assert_clean(r.dw)
