@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from atom_core.runtime.paged import gather_blocks, write_blocks
 from atom_core.runtime.protocol import (
     RuntimeInputError,
     check_block,
@@ -401,18 +402,14 @@ class TorchReferenceRuntime:
         """K, V [R, kv_heads, length, d] (float64) of global layer store j, positions
         0..length-1, through block tables tab [R, T]. Out-of-range entries past the validated
         positions are clamped (masked)."""
-        bs = self.block_size
-        kpos = torch.arange(length)
-        blk = torch.clamp(tab[:, kpos // bs], 0, self.num_blocks - 1)          # [R, L]
-        off = (kpos % bs)[None, :].expand_as(blk)
-        k = self.k_cache[j][blk, :, off, :].permute(0, 2, 1, 3)
-        v = self.v_cache[j][blk, :, off, :].permute(0, 2, 1, 3)
+        k = gather_blocks(self.k_cache[j], tab, length, self.block_size)
+        v = gather_blocks(self.v_cache[j], tab, length, self.block_size)
         return _sane(k), _sane(v)
 
     def _write(self, j: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
-        self.k_cache[j][blk, :, off, :] = k.to(self.dtype)
-        self.v_cache[j][blk, :, off, :] = v.to(self.dtype)
+        write_blocks(self.k_cache[j], blk, off, k)
+        write_blocks(self.v_cache[j], blk, off, v)
 
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
                 local_block_tables: Any, query_position: Any) -> torch.Tensor:
