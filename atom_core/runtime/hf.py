@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from atom_core.serve.runtimes import ServeOptions
 
 __all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "HFRuntime", "UnsupportedModelError",
-           "serve_factory"]
+           "seed_weights", "serve_factory"]
 
 ATTENTION = "atom_paged"
 # model_type -> what it is; each uses the standard attention interface like Llama
@@ -214,6 +214,23 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def seed_weights(model: Any, seed: int) -> Any:
+    """Overwrite every parameter of `model` from `torch.Generator().manual_seed(seed)`, in name
+    order (independent of transformers' own init): norms ~ 1 + N(0, 0.1^2), embeddings ~ N(0, 1),
+    other weights and biases ~ N(0, 1/fan_in), so the logits are spread out enough for greedy
+    decoding to be a stable check. Returns the model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in sorted(model.named_parameters()):
+            x = torch.randn(prm.shape, generator=gen, dtype=torch.float64)
+            if "norm" in name:
+                x = 1.0 + 0.1 * x
+            elif "embed" not in name:
+                x = x / math.sqrt(prm.shape[-1])
+            prm.copy_(x)
+    return model
+
+
 # --- the runtime -------------------------------------------------------------------------------
 
 class HFRuntime:
@@ -287,25 +304,15 @@ class HFRuntime:
     def tiny_llama_model(seed: int = 0, *, vocab_size: int = 128, max_position: int = 256,
                          dtype: torch.dtype = torch.float32, **fields: Any) -> Any:
         """A tiny LlamaForCausalLM with weights drawn from `torch.Generator().manual_seed(seed)`
-        (2 layers, hidden 64, 4 query and 2 KV heads of head_dim 32 unless `fields` override).
-        Linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 + N(0, 0.1^2), so the
-        logits are spread out enough for greedy decoding to be a stable check."""
+        (2 layers, hidden 64, 4 query and 2 KV heads of head_dim 32 unless `fields` override;
+        weights by `seed_weights`)."""
         base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=32, max_position_embeddings=max_position, rms_norm_eps=1e-5,
                     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                     pad_token_id=None)
         base.update(fields)
-        model = LlamaForCausalLM(LlamaConfig(**base))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, prm in sorted(model.named_parameters()):
-                x = torch.randn(prm.shape, generator=gen, dtype=torch.float64)
-                if "norm" in name:
-                    x = 1.0 + 0.1 * x
-                elif "embed" not in name:
-                    x = x / math.sqrt(prm.shape[-1])
-                prm.copy_(x)
+        model = seed_weights(LlamaForCausalLM(LlamaConfig(**base)), seed)
         return model.to(dtype)
 
     @classmethod
