@@ -283,10 +283,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ImportError as exc:  # torch is an extra
         print(f"the demo needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
         return 2
-    out = run_demo(lanes=args.lanes, requests=args.requests,
-                   max_new_tokens=args.max_new_tokens, seed=args.seed,
-                   prefix_cache=not args.no_prefix_cache, scratch=args.scratch,
-                   progress=not args.json)
+    try:
+        out = run_demo(lanes=args.lanes, requests=args.requests,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       prefix_cache=not args.no_prefix_cache, scratch=args.scratch,
+                       progress=not args.json, runtime=args.runtime, model=args.model)
+    except ImportError as exc:  # transformers is an extra
+        print(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})",
+              file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a bad --model (not a directory, an unsupported model)
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         _emit(out)
     else:
@@ -828,6 +836,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
                         "free block (default)")
+    d.add_argument("--runtime", choices=("reference", "hf"), default="reference",
+                   help="hf: a transformers model (--model) checked against its own generate()")
+    d.add_argument("--model", default=None, metavar="DIR|tiny-llama",
+                   help="hf: a local checkpoint directory, or tiny-llama (seeded random "
+                        "weights, saved to a temporary directory and loaded back)")
     d.add_argument("--json", action="store_true",
                    help="one JSON object on stdout (no progress bar)")
     d.set_defaults(fn=cmd_demo)

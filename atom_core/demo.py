@@ -1,4 +1,5 @@
-"""`atom-core demo`: serve a built-in workload through `AtomBatcher` on the torch reference runtime.
+"""`atom-core demo`: serve a built-in workload through `AtomBatcher` on the torch reference runtime
+(or, with `--runtime hf`, on a transformers model checked against its own `generate`).
 
 The workload has more requests than lanes; most share a long system prompt (so later ones are
 prefix hits once an earlier one is cached), a few are unrelated. Every request is then checked
@@ -178,13 +179,34 @@ class _Progress:
 
 def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed: int = 0,
              prefix_cache: bool = True, scratch: str = "dynamic", kv_blocks: int | None = None,
-             progress: bool = True) -> dict[str, Any]:
-    """Serve the workload, check it against the oracle; the summary as a JSON-able dict."""
+             progress: bool = True, runtime: str = "reference",
+             model: str | None = None) -> dict[str, Any]:
+    """Serve the workload, check it against the oracle; the summary as a JSON-able dict.
+
+    runtime "reference": the tiny reference model and its oracle. runtime "hf": a transformers
+    model (`model` a local checkpoint directory, or "tiny-llama": seeded random weights saved
+    and loaded back) in float64 on HFRuntime, checked against transformers' own greedy
+    `generate` of the same weights."""
     cfg = demo_config(lanes, prefix_cache, scratch, kv_blocks)
-    rt = TorchReferenceRuntime.tiny(cfg, seed=MODEL_SEED)
+    rt: Any
+    oracle: Any
+    if runtime == "hf":
+        from atom_core.runtime.hf import TINY_LLAMA, GenerateOracle, HFRuntime
+
+        name = model or TINY_LLAMA
+        rt = (HFRuntime.tiny_llama(cfg, seed=MODEL_SEED, dtype=torch.float64)
+              if name == TINY_LLAMA else
+              HFRuntime.from_pretrained(name, cfg, dtype=torch.float64))
+        oracle = GenerateOracle(rt)
+    elif runtime == "reference":
+        if model is not None:
+            raise ValueError("--model is for --runtime hf (the reference model is built in)")
+        rt = TorchReferenceRuntime.tiny(cfg, seed=MODEL_SEED)
+        oracle = oracle_for(rt)
+    else:
+        raise ValueError(f"unknown runtime {runtime!r}: reference or hf")
     items = workload(requests, max_new_tokens, seed, rt.vocab_size, cfg.max_seq_len)
     batcher = AtomBatcher(cfg, rt)
-    oracle = oracle_for(rt)
     with _Progress(progress) as bar:
         bar.task("serving", len(items))
         results, wall = serve(batcher, items, lambda _rid: bar.advance())
@@ -199,6 +221,7 @@ def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed:
     st = batcher.stats
     prompt_tokens = sum(len(it.prompt) for it in items)
     return {
+        "runtime": runtime if model is None else f"{runtime} ({model})",
         "config": {"lanes": cfg.lanes, "kv_blocks": cfg.kv_blocks,
                    "max_seq_len": cfg.max_seq_len, "prefill_chunk": cfg.prefill_chunk,
                    "prefix_cache": cfg.prefix_cache, "scratch": cfg.scratch,
@@ -246,11 +269,11 @@ def print_summary(out: dict[str, Any]) -> None:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print("atom-core demo (torch reference runtime)")
+        print(f"atom-core demo ({out['runtime']} runtime)")
         for k, v in rows:
             print(f"  {k:<26}{v}")
         return
-    t = Table(title="atom-core demo (torch reference runtime)", show_header=False)
+    t = Table(title=f"atom-core demo ({out['runtime']} runtime)", show_header=False)
     t.add_column("", style="bold")
     t.add_column("")
     for k, v in rows:

@@ -11,10 +11,10 @@ from atom_core.demo import Oracle, oracle_for, workload
 from atom_core.runtime import TorchReferenceRuntime
 
 QUICK = ["demo", "--lanes", "2", "--requests", "6", "--max-new-tokens", "3", "--seed", "5"]
-KEYS = {"config", "requests", "shared_prefix_requests", "completed", "errors", "prompt_tokens",
-        "prefix_hit_tokens", "prefill_tokens", "prefill_tokens_saved", "prefill_saved_pct",
-        "decode_steps", "decode_rows_padding", "generated_tokens", "wall_s", "tokens_per_s",
-        "exact", "mismatches"}
+KEYS = {"runtime", "config", "requests", "shared_prefix_requests", "completed", "errors",
+        "prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_tokens_saved",
+        "prefill_saved_pct", "decode_steps", "decode_rows_padding", "generated_tokens",
+        "wall_s", "tokens_per_s", "exact", "mismatches"}
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:

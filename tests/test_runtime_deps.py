@@ -22,3 +22,11 @@ def test_batcher_needs_no_z3_or_hypothesis():
                            "from atom_core.runtime import TorchReferenceRuntime")
     assert "torch" in mods
     assert not {"z3", "hypothesis"} & mods
+
+
+def test_batcher_and_runtimes_need_no_transformers():
+    """Only atom_core.runtime.hf imports transformers (the `hf` extra)."""
+    mods = _imported_after("from atom_core import AtomBatcher\n"
+                           "import atom_core.runtime, atom_core.workers, atom_core.demo")
+    assert "transformers" not in mods
+    assert "transformers" in _imported_after("import atom_core.runtime.hf")

@@ -12,6 +12,7 @@ rounding, and a scheduler or runtime bug that feeds the model the wrong KV chang
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,40 @@ def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match="attn_implementation"):
         HFRuntime(plain, num_blocks=4, block_size=B, max_seq_len=S, prefill_chunk=C,
                   batch_size=2)
+
+
+# --------------------------------------------------------------------------- CLI and serve
+def test_demo_runtime_hf_tiny_llama_is_exact(capsys: Any) -> None:
+    from atom_core import cli
+
+    code = cli.main(["demo", "--runtime", "hf", "--model", "tiny-llama", "--lanes", "2",
+                     "--requests", "3", "--max-new-tokens", "3", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["exact"] is True and out["completed"] == 3
+    assert out["runtime"] == "hf (tiny-llama)" and out["generated_tokens"] == 9
+
+
+def test_demo_refuses_a_bad_model(tmp_path: Path, capsys: Any) -> None:
+    from atom_core import cli
+
+    assert cli.main(["demo", "--runtime", "hf", "--model", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_serve_builds_hf_from_a_checkpoint_directory(tmp_path: Path) -> None:
+    """`serve --runtime hf --model DIR`: the directory's tokenizer and weights."""
+    from atom_core.cli import build_parser
+    from atom_core.serve.main import build
+    from atom_core.serve.tokenizer import build_tiny_tokenizer
+
+    d = build_tiny_tokenizer(tmp_path / "model")
+    HFRuntime.tiny_llama_model(SEED, vocab_size=320, max_position=S).save_pretrained(d)
+    args = build_parser().parse_args(["serve", "--runtime", "hf", "--model", str(d),
+                                      "--api-key", "k" * 32, "--lanes", "2"])
+    _app, engine, _settings = build(args)
+    rt = engine.batcher.runtime
+    assert isinstance(rt, HFRuntime) and rt.vocab_size == 320 and rt.batch_size == 2
+    args = build_parser().parse_args(["serve", "--runtime", "hf", "--model", "tiny-llama",
+                                      "--api-key", "k" * 32, "--lanes", "2"])
+    _app, engine, _settings = build(args)
+    assert engine.batcher.runtime.vocab_size == 257  # the byte tokenizer's

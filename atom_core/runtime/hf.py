@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import hashlib
 import json
 import math
@@ -65,13 +66,14 @@ from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
 )
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 if TYPE_CHECKING:
     from atom_core.config import Config
     from atom_core.serve.runtimes import ServeOptions
 
-__all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "HFRuntime", "UnsupportedModelError",
-           "seed_weights", "serve_factory"]
+__all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "GenerateOracle", "HFRuntime",
+           "UnsupportedModelError", "seed_weights", "serve_factory"]
 
 ATTENTION = "atom_paged"
 # model_type -> what it is; each uses the standard attention interface like Llama
@@ -167,6 +169,18 @@ def _threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No transformers progress bars (a tiny model's save and load take milliseconds)."""
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -322,7 +336,7 @@ class HFRuntime:
         served from there through `from_pretrained` (the real loading path)."""
         model = cls.tiny_llama_model(seed, vocab_size=vocab_size,
                                      max_position=config.max_seq_len, dtype=dtype, **fields)
-        with tempfile.TemporaryDirectory(prefix="atom-tiny-llama-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="atom-tiny-llama-") as tmp, _quiet():
             model.save_pretrained(tmp)
             return cls.from_pretrained(tmp, config, dtype=dtype)
 
@@ -435,3 +449,32 @@ def serve_factory(opts: ServeOptions) -> tuple[Config, HFRuntime, Any]:
         tok: Any = ByteTokenizer()
         return cfg, HFRuntime.tiny_llama(cfg, seed=opts.seed, vocab_size=tok.vocab_size), tok
     return cfg, HFRuntime.from_pretrained(opts.model, cfg), tokenizer_for(opts.model)
+
+
+class GenerateOracle:
+    """transformers' own greedy `generate(do_sample=False)` on a copy of a runtime's model with
+    transformers' default attention (no block tables, its own cache), memoised by prompt; the
+    same `generate(prompt, n, eos)` as `atom_core.demo.Oracle`."""
+
+    def __init__(self, rt: HFRuntime, attn_implementation: str = "sdpa") -> None:
+        self.model = copy.deepcopy(rt.model)
+        self.model.set_attn_implementation(attn_implementation)
+        self._memo: dict[tuple[int, ...], list[int]] = {}
+
+    def generate(self, prompt: Iterable[int], max_new_tokens: int,
+                 eos_token_id: int | None = None) -> list[int]:
+        key = tuple(int(t) for t in prompt)
+        have = self._memo.get(key, [])
+        if len(have) < max_new_tokens:
+            ids = torch.tensor([key])
+            with torch.inference_mode():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                          max_new_tokens=max_new_tokens,
+                                          min_new_tokens=max_new_tokens, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)
+            have = out[0, len(key):].tolist()
+            self._memo[key] = have
+        cut = have[:max_new_tokens]
+        if eos_token_id is not None and eos_token_id in cut:
+            cut = cut[:cut.index(eos_token_id) + 1]
+        return cut

@@ -7,7 +7,6 @@ checks the runtime against the Config (`check_runtime`) when the batcher is buil
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,12 +100,14 @@ def _rbln(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
 
 
 def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
+    """--model DIR (a local checkpoint with its tokenizer) or tiny-llama (seeded random weights,
+    the byte tokenizer); see atom_core.runtime.hf."""
     try:
-        hf = importlib.import_module("atom_core.runtime.hf")
-    except ImportError:
-        raise ValueError("--runtime hf: the transformers runtime (atom_core.runtime.hf) is not "
-                         "built in this version; use --runtime reference or rbln") from None
-    return hf.serve_factory(opts)  # type: ignore[no-any-return]
+        from atom_core.runtime import hf
+    except ImportError as exc:
+        raise ValueError(f"--runtime hf needs transformers and torch: pip install "
+                         f"'atom-core[hf]' ({exc})") from None
+    return hf.serve_factory(opts)
 
 
 register_runtime("reference", _reference)
