@@ -145,6 +145,7 @@ def test_check_config_above_proved_lanes_safe_mentions_cutoff(capsys):
     ["check-config", "--lanes", "1"],  # --kv-blocks is required
     ["check-config", "--lanes", "1", "--kv-blocks", "-2"],
     ["min-blocks", "--lanes", "1", "--scratch", "fixed"],
+    ["verify", "--jobs", "0"],
     [],
 ])
 def test_bad_arguments_exit_2(capsys, argv):
@@ -197,6 +198,17 @@ def test_verify_json_ok(capsys):
     assert all(c["status"] == "proved" for c in out["checks"])
     assert out["stale_witnesses"] == [] and "capacity-tight-search" not in out["tasks_by_kind"]
     assert any(c["invariant"] == "witnesses-current" for c in out["checks"])
+
+
+def test_verify_progress_bar_only_when_shown(capsys):
+    """The progress callback exists only when shown (a terminal, no --json/--quiet), and then
+    draws on stderr, never on stdout (which --json keeps to one object)."""
+    with cli._task_progress(False) as on_task:
+        assert on_task is None
+    with cli._task_progress(True) as on_task:
+        on_task("capacity", 1, 2)
+        on_task("capacity", 2, 2)
+    assert capsys.readouterr().out == ""
 
 
 def test_console_script_help():
