@@ -11,7 +11,7 @@ TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
-.PHONY: install generate check-generated verify test lint bench demo pd-demo simulate simulate-deep mutants mutants-source
+.PHONY: install generate generate-core check-generated verify test lint bench demo pd-demo simulate simulate-deep mutants mutants-source
 
 install: $(STAMP)
 
@@ -20,12 +20,17 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-input -e '.[dev]'
 	touch $(STAMP)
 
-# The core from the spec, then the capacity table from the proofs (Config validates with it).
-generate: install
-	$(PY) -m atom_core.spec.codegen
-	$(PY) -m atom_core.proofs.capacity --write atom_core/_generated/capacity.py
+# The core from the spec, then the capacity table from the proofs (Config validates with it) and
+# the stuck runs that certify each row tight (`verify` replays them). The one way to refresh both.
+generate: generate-core
+	$(PY) -m atom_core.proofs.generate
 
-check-generated: generate
+generate-core: install
+	$(PY) -m atom_core.spec.codegen
+
+# Only the core is regenerated here: `verify` checks the capacity table and the witnesses
+# itself (capacity-table-matches-proofs, witnesses-current), so CI runs the proofs once.
+check-generated: generate-core
 	git diff --exit-code -- atom_core/_generated
 	@if [ -n "$$(git status --porcelain -- atom_core/_generated)" ]; then \
 		echo "atom_core/_generated has uncommitted or untracked files (run make generate and commit):"; \

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -50,12 +52,35 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 # --------------------------------------------------------------------------- verify
+@contextlib.contextmanager
+def _task_progress(show: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A progress bar on stderr over verify's tasks (none when `show` is false)."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("verify {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        tid = bar.add_task("", total=None)
+
+        def on_task(kind: str, done: int, total: int) -> None:
+            bar.update(tid, completed=done, total=total, description=kind)
+
+        yield on_task
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     _z3_or_exit()
-    from atom_core.proofs.run import verify
+    from atom_core.proofs.run import DEEP_BLOCKS, DEEP_LANES, verify
     from atom_core.spec.model import MODEL
 
-    report = verify(MODEL, args.max_lanes, args.max_blocks)
+    lanes = args.max_lanes or (DEEP_LANES if args.deep else 4)
+    blocks = args.max_blocks or (DEEP_BLOCKS if args.deep else 8)
+    show = not (args.json or args.quiet) and sys.stderr.isatty()
+    with _task_progress(show) as on_task:
+        report = verify(MODEL, lanes, blocks, jobs=args.jobs, on_task=on_task)
     if args.json:
         _emit(report.as_json())
         return 0 if report.ok else 1
@@ -95,8 +120,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
           for case, tr in report.single_block]
     _table("single-block mode (block 0 serves the only lane)",
            ["case", "size", "prefix cache", "role", "result"], sb)
+    _table(f"where the time went ({report.jobs} jobs)",
+           ["kind", "tasks", "CPU seconds"],
+           [[k, str(report.tasks.get(k, "")), f"{v:.1f}"] for k, v in report.cpu.items()])
+    if report.stale:
+        print("stale witnesses (run `make generate`): " + "; ".join(report.stale))
     n_bad = sum(1 for c in report.checks if c.status != "proved")
-    print(f"{len(report.checks)} checks, {n_bad} not proved, {report.seconds:.1f} s: "
+    print(f"{len(report.checks)} checks, {n_bad} not proved, {report.seconds:.1f} s wall, "
+          f"{sum(report.cpu.values()):.1f} s CPU: "
           + ("OK" if report.ok else "FAILED"))
     return 0 if report.ok else 1
 
@@ -817,8 +848,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="prove every invariant, progress property and capacity rule")
     v.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    v.add_argument("--max-lanes", type=_positive, default=4, help="cutoff for bounded proofs")
-    v.add_argument("--max-blocks", type=_positive, default=8, help="cutoff for bounded proofs")
+    v.add_argument("--max-lanes", type=_positive, default=None,
+                   help="cutoff for bounded proofs (default 4; 5 with --deep)")
+    v.add_argument("--max-blocks", type=_positive, default=None,
+                   help="cutoff for bounded proofs (default 8; 10 with --deep)")
+    v.add_argument("--deep", action="store_true",
+                   help="larger cutoffs (slow; CI runs the default)")
+    v.add_argument("-j", "--jobs", type=_positive, default=os.cpu_count() or 1,
+                   help="worker processes (default: one per CPU); the output is the same "
+                        "for any number")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
     v.set_defaults(fn=cmd_verify)
 
     t = sub.add_parser("check-trace", help="replay a batcher trace (JSONL) through the spec")

@@ -20,6 +20,7 @@ import attrs
 
 from atom_core.proofs import bmc, search
 from atom_core.proofs.checks import CHUNK, SEQ_LEN, Check, bounded_universe, progress
+from atom_core.proofs.witness import Witness, replay
 from atom_core.spec import lang as L
 
 SCRATCH_MODES = ("reserved", "dynamic")
@@ -141,43 +142,78 @@ class Row:
 
 
 
+def assemble(f: Features, results: dict[tuple[int, int], dict[Features, list[Check]]],
+             max_lanes: int, max_blocks: int) -> Row:
+    """The row of `f` from the progress results per size: the minimum per lane count, and the
+    checks that prove it sufficient (tightness is added by the caller)."""
+    minimum: dict[int, int | None] = {}
+    checks: list[Check] = []
+    for b in range(1, f.max_lanes(max_lanes) + 1):
+        k_min = None
+        for k in range(1, max_blocks + 1):
+            cs = results[(b, k)][f]
+            ok = all(c.status == "proved" for c in cs)
+            if ok and k_min is None:
+                k_min = k
+            if k_min is not None:
+                checks += cs  # sufficiency at K_min and every K above it
+                if not ok:  # not monotone: report, never hide
+                    checks.append(Check("monotone", "*", "capacity", "counterexample", 0.0,
+                                        f"B={b},K={k},{f.name}"))
+            elif any(c.status == "unknown" for c in cs):
+                checks += [c for c in cs if c.status == "unknown"]
+        minimum[b] = k_min
+    offsets = {k - b * f.tables for b, k in minimum.items() if k is not None}
+    offset = offsets.pop() if len(offsets) == 1 and None not in minimum.values() else None
+    return Row(f, offset, minimum, checks, {})
+
+
+def in_table(f: Features, max_blocks: int) -> bool:
+    """(a block cutoff below one table and a block checks nothing for preemption)"""
+    return not (f.preempt and f.tables + 1 > max_blocks)
+
+
+def tight_check(f: Features, lanes: int, blocks: int, tr: bmc.Trace | None, seconds: float,
+                how: str) -> Check:
+    """`how`: "replayed" (a committed witness) or "searched"."""
+    return Check(f"tight:{f.rule_name}", "*", "capacity-tight",
+                 "proved" if tr is not None else "counterexample", seconds,
+                 f"B={lanes},K={blocks},{f.name}",
+                 how if tr else "no stuck run one block below the minimum")
+
+
+def expect(f: Features, lanes: int, blocks: int) -> dict[str, Any]:
+    """The core constants a witness for `f` at this size must have."""
+    return {"B": lanes, "K": blocks, "T": f.tables, "PREFIX": f.prefix_cache,
+            "RESERVED": f.scratch == "reserved", "SCRATCH": 0, "HYBRID": f.hybrid,
+            "HOST": f.host, "PREEMPT": f.preempt}
+
+
+def find_witness(f: Features, lanes: int, blocks: int) -> Witness | None:
+    """A stuck run (not yet confirmed: `witness.replay`); see `stuck_trace`."""
+    return search.find_witness(lanes, blocks, f.prefix_cache, f.scratch == "reserved",
+                               hybrid=f.hybrid, host=f.host, tables=f.tables,
+                               preempt=f.preempt, requests=1 if f.preempt else None)
+
+
 def table(model: L.Model, max_lanes: int = 4, max_blocks: int = 8,
           traces: bool = True) -> Iterator[Row]:
+    """Rows one after the other, in this process (`verify` runs the same work as tasks);
+    `traces`: search each tight run."""
     results = {(b, k): progress_by_features(model, b, k, max_lanes)
                for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)}
     for f in COMBINATIONS:
-        if f.preempt and f.tables + 1 > max_blocks:
-            continue  # (a block cutoff below one table and a block checks nothing there)
-        minimum: dict[int, int | None] = {}
-        checks: list[Check] = []
-        found: dict[int, bmc.Trace | None] = {}
-        for b in range(1, f.max_lanes(max_lanes) + 1):
-            k_min = None
-            for k in range(1, max_blocks + 1):
-                cs = results[(b, k)][f]
-                ok = all(c.status == "proved" for c in cs)
-                if ok and k_min is None:
-                    k_min = k
-                if k_min is not None:
-                    checks += cs  # sufficiency at K_min and every K above it
-                    if not ok:  # not monotone: report, never hide
-                        checks.append(Check("monotone", "*", "capacity", "counterexample", 0.0,
-                                            f"B={b},K={k},{f.name}"))
-                elif any(c.status == "unknown" for c in cs):
-                    checks += [c for c in cs if c.status == "unknown"]
-            minimum[b] = k_min
+        if not in_table(f, max_blocks):
+            continue
+        row = assemble(f, results, max_lanes, max_blocks)
+        for b, k_min in row.minimum.items():
             if traces and k_min is not None and k_min > 1:
                 t0 = time.perf_counter()
                 tr = stuck_trace(model, f, b, k_min - 1)
-                found[b] = tr
-                status = "proved" if tr is not None else "counterexample"
-                checks.append(Check(f"tight:{f.rule_name}", "*",
-                                    "capacity-tight", status, time.perf_counter() - t0,
-                                    f"B={b},K={k_min - 1},{f.name}",
-                                    "" if tr else "no stuck run one block below the minimum"))
-        offsets = {k - b * f.tables for b, k in minimum.items() if k is not None}
-        offset = offsets.pop() if len(offsets) == 1 and None not in minimum.values() else None
-        yield Row(f, offset, minimum, checks, found)
+                row.traces[b] = tr
+                row.checks.append(tight_check(f, b, k_min - 1, tr, time.perf_counter() - t0,
+                                              "searched"))
+        yield row
 
 
 @attrs.frozen
@@ -197,12 +233,25 @@ class SingleBlockCase:
         t0 = time.perf_counter()
         tr = search.stuck_run(model, self.lanes, 1, self.prefix_cache, False, self.role,
                               self.want)
+        return self.result(tr, time.perf_counter() - t0), tr
+
+    def find_witness(self) -> Witness | None:
+        return search.find_witness(self.lanes, 1, self.prefix_cache, False, self.role, self.want)
+
+    def replay(self, model: L.Model, w: Witness) -> bmc.Trace | str:
+        """A committed stuck run of this case, replayed (`witness.replay`), or why it fails."""
+        return replay(model, w, {"B": self.lanes, "K": 1, "PREFIX": self.prefix_cache,
+                                 "RESERVED": False, "SCRATCH": 0, "T": 1, "HYBRID": False,
+                                 "HOST": False, "PREEMPT": False},
+                      avoid=search.ROLES[self.role], want=self.want)
+
+    def result(self, tr: bmc.Trace | None, seconds: float, how: str = "") -> Check:
         ok = (tr is not None) == self.stuck
-        detail = "" if ok else ("unexpected stuck run" if tr else "expected a stuck run")
+        detail = how if ok else ("unexpected stuck run" if tr else "expected a stuck run")
         return Check(f"single-block:{self.name}", "*", "capacity-single-block",
-                     "proved" if ok else "counterexample", time.perf_counter() - t0,
+                     "proved" if ok else "counterexample", seconds,
                      f"B={self.lanes},K=1,{'prefix cache' if self.prefix_cache else 'no cache'},"
-                     f"{self.role}", detail), tr
+                     f"{self.role}", detail)
 
 
 SINGLE_BLOCK = (
@@ -352,22 +401,18 @@ def render(rows: list[Row], max_lanes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the table the proofs give (`make generate` writes it, with its witnesses:
+    proofs/generate.py)."""
     import argparse
-    import pathlib
 
     from atom_core.spec.model import MODEL
 
-    ap = argparse.ArgumentParser(description="prove the capacity rules and write the table")
-    ap.add_argument("--write", type=pathlib.Path, help="write the generated table module here")
+    ap = argparse.ArgumentParser(description="prove the capacity rules and print the table")
     ap.add_argument("--lanes", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=8)
     args = ap.parse_args(argv)
     rows = list(table(MODEL, args.lanes, args.blocks, traces=False))
-    text = render(rows, args.lanes)
-    if args.write:
-        args.write.write_text(text)
-    else:
-        print(text)
+    print(render(rows, args.lanes))
     return 0
 
 

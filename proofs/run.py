@@ -1,31 +1,60 @@
-"""Every proof `atom-core verify` runs, as one report."""
+"""Every proof `atom-core verify` runs, as one report.
+
+The obligations are independent tasks (`plan`): relational base, step and transition
+obligations per action, bounded invariants per size, progress per size (every feature
+combination), a replay per committed witness, the single-block cases. They run over a process
+pool (`jobs`), each task in a fresh z3 context, and the report lists their checks in plan order,
+whatever the number of jobs and whichever task finishes first. Tight capacity rows are
+certified by replaying the committed witnesses (proofs/witness.py); only a witness that does
+not replay is searched for again, and `witnesses-current` then fails.
+"""
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing
+import os
+import pickle
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
 import attrs
 import z3
 
-from atom_core.proofs import capacity, checks
+from atom_core.proofs import capacity, checks, witness
+from atom_core.proofs.bmc import Trace
 from atom_core.proofs.checks import Check
+from atom_core.proofs.witness import Witness
 from atom_core.spec import lang as L
 
 MAX_LANES, MAX_BLOCKS = 4, 8  # the cutoff for bounded invariants and capacity
+DEEP_LANES, DEEP_BLOCKS = 5, 10  # `verify --deep`
+MODEL_REF = "atom_core.spec.model:MODEL"
+KINDS = ("relational", "bounded", "capacity", "capacity-tight", "capacity-tight-search",
+         "capacity-single-block")  # of tasks, for the CPU seconds spent on each
 
 
 @attrs.frozen
 class Report:
     ok: bool
-    seconds: float
+    seconds: float  # wall
     checks: list[Check]
     rows: list[capacity.Row]
     single_block: list[tuple[capacity.SingleBlockCase, Any]] = attrs.field(factory=list)
+    jobs: int = 1
+    cpu: dict[str, float] = attrs.field(factory=dict)  # CPU seconds by kind of task
+    tasks: dict[str, int] = attrs.field(factory=dict)  # tasks by kind
+    stale: list[str] = attrs.field(factory=list)  # witnesses that did not replay
+    found: dict[str, dict[Any, Witness]] = attrs.field(factory=dict)  # searched this run
 
     def as_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "seconds": round(self.seconds, 3),
+        return {"ok": self.ok, "seconds": round(self.seconds, 3), "jobs": self.jobs,
+                "cpu_seconds_by_kind": {k: round(v, 3) for k, v in self.cpu.items()},
+                "tasks_by_kind": dict(self.tasks),
+                "stale_witnesses": list(self.stale),
                 "checks": [c.as_json() for c in self.checks],
                 "capacity": [row_json(r) for r in self.rows],
                 "single_block": [
@@ -67,37 +96,321 @@ def row_json(r: capacity.Row) -> dict[str, Any]:
             "tight": {str(b): (t is not None) for b, t in r.traces.items()}}
 
 
-def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLOCKS,
-           on_check: Callable[[Check], None] | None = None) -> Report:
-    t0 = time.perf_counter()
-    # z3's search depends on every declaration its context has seen: a query that proves in
-    # 0.3 s in a fresh process can time out after unrelated queries in the same process (see
-    # tests/test_proofs.py). Nothing keeps z3 terms across runs, so each run starts afresh.
-    z3.z3._main_ctx = None
-    out: list[Check] = []
+# --------------------------------------------------------------------------- tasks
+# Each task is a module-level function of the model and plain arguments, so that a worker
+# process runs it from its name; it returns plain data (checks, traces, witnesses).
 
-    def add(c: Check) -> None:
-        out.append(c)
+def t_relational(model: L.Model, part: str, action: str) -> list[Check]:
+    if part == "base":
+        return list(checks.relational(model, steps=(), transition=()))
+    if part == "step":
+        return list(checks.relational(model, base=False, steps=(action,), transition=()))
+    return list(checks.relational(model, base=False, steps=(), transition=(action,)))
+
+
+def t_bounded(model: L.Model, lanes: int, blocks: int) -> list[Check]:
+    bnd = [i for i in model.invariants if i.kind == "bounded"]
+    u = checks.bounded_universe(model, lanes, blocks, {"C": checks.CHUNK, "S": checks.SEQ_LEN})
+    return list(checks.induction(model, bnd, u, model.invariants, size=f"B={lanes},K={blocks}",
+                                 timeout_ms=checks.BOUNDED_TIMEOUT_MS))
+
+
+def t_progress(model: L.Model, lanes: int, blocks: int,
+               cutoff: int) -> dict[capacity.Features, list[Check]]:
+    return capacity.progress_by_features(model, lanes, blocks, cutoff)
+
+
+def t_replay_tight(model: L.Model, f: capacity.Features, lanes: int,
+                   w: Witness) -> Trace | str:
+    return witness.replay(model, w, capacity.expect(f, lanes, w.consts.get("K")))
+
+
+def t_search_tight(model: L.Model, f: capacity.Features, lanes: int,
+                   blocks: int) -> tuple[Trace | None, Witness | None]:
+    w = capacity.find_witness(f, lanes, blocks)
+    if w is None:
+        return None, None
+    tr = witness.replay(model, w, capacity.expect(f, lanes, blocks))
+    if isinstance(tr, str):
+        raise RuntimeError(f"the stuck run for {f.name}, B={lanes}, K={blocks} does not "
+                           f"replay: {tr}")
+    return tr, w
+
+
+def t_single(model: L.Model, case: capacity.SingleBlockCase,
+             w: Witness | None) -> tuple[Trace | str | None, Witness | None]:
+    """With a witness: its replay. Without: the search (for a case without a stuck run, the
+    breadth-first search over every reachable state is the proof)."""
+    if w is not None:
+        return case.replay(model, w), w
+    found = case.find_witness()
+    if found is None:
+        return None, None
+    tr = case.replay(model, found)
+    if isinstance(tr, str):
+        raise RuntimeError(f"the stuck run of {case.name} does not replay: {tr}")
+    return tr, found
+
+
+@attrs.frozen
+class Task:
+    kind: str  # what `Report.cpu` sums it under
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    weight: float = 1.0  # a guess of its cost: heavier tasks start first
+
+
+_MODEL: Any = None
+
+
+def _init_worker(ref: Any) -> None:
+    global _MODEL
+    if isinstance(ref, str):
+        mod, _, attr = ref.partition(":")
+        _MODEL = getattr(importlib.import_module(mod), attr)
+    else:
+        _MODEL = ref
+
+
+def _run(task: Task) -> tuple[Any, float, float]:
+    """(result, CPU seconds, wall seconds). z3's search depends on every declaration its context
+    has seen: a query that proves in 0.3 s in a fresh process can time out after unrelated
+    queries in the same process (see tests/test_proofs.py), so each task starts afresh."""
+    z3.z3._main_ctx = None
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = task.fn(_MODEL, *task.args)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    z3.z3._main_ctx = None
+    return out, cpu, wall
+
+
+class Runner:
+    """Runs tasks in this process (jobs = 1) or over a process pool; `run` returns results in
+    the order given."""
+
+    def __init__(self, model: L.Model, jobs: int,
+                 on_task: Callable[[str, int, int], None] | None = None) -> None:
+        self.model, self.jobs, self.on_task = model, jobs, on_task
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self.done = self.total = 0
+        self.pool: ProcessPoolExecutor | None = None
+        ref: Any = MODEL_REF if model is _registered() else model
+        if jobs > 1 and not isinstance(ref, str):
+            try:
+                pickle.dumps(ref)
+            except Exception:  # (a model with lambdas: run here rather than fail)
+                self.jobs = 1
+        if self.jobs > 1:
+            ctx = multiprocessing.get_context("forkserver")
+            # (z3 keeps native state that a plain fork would share with the parent)
+            ctx.set_forkserver_preload(["atom_core.proofs.run"])
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=ctx,
+                                            initializer=_init_worker, initargs=(ref,))
+        else:
+            _init_worker(model)
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def _account(self, task: Task, cpu: float) -> None:
+        self.cpu[task.kind] += cpu
+        self.count[task.kind] += 1
+        self.done += 1
+        if self.on_task:
+            self.on_task(task.kind, self.done, self.total)
+
+    def run(self, tasks: list[Task]) -> list[Any]:
+        self.total += len(tasks)
+        results: list[Any] = [None] * len(tasks)
+        if self.pool is None:
+            for i, t in enumerate(tasks):
+                results[i], cpu, _ = _run(t)
+                self._account(t, cpu)
+            return results
+        order = sorted(range(len(tasks)), key=lambda i: -tasks[i].weight)
+        futures: dict[Future, int] = {self.pool.submit(_run, tasks[i]): i for i in order}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = futures[fut]
+                results[i], cpu, _ = fut.result()
+                self._account(tasks[i], cpu)
+        return results
+
+
+def _registered() -> L.Model:
+    mod, _, attr = MODEL_REF.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def default_jobs() -> int:
+    return os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- the plan
+def _relational_tasks(model: L.Model) -> list[Task]:
+    out = [Task("relational", t_relational, ("base", ""))]
+    out += [Task("relational", t_relational, ("step", a.name), 2.0) for a in model.actions]
+    if model.transition_invariants:
+        out += [Task("relational", t_relational, ("transition", a.name))
+                for a in model.actions]
+    return out
+
+
+def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLOCKS,
+           on_check: Callable[[Check], None] | None = None, *, jobs: int = 1,
+           on_task: Callable[[str, int, int], None] | None = None,
+           witnesses: tuple[dict[tuple[str, int], Witness], dict[str, Witness]] | None = None,
+           parts: tuple[str, ...] = ("relational", "bounded", "capacity")) -> Report:
+    """`witnesses`: (tight, single-block) to replay, default the committed ones; an empty pair
+    searches every run (`make generate`). `parts`: what to run (generate needs only capacity)."""
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    tight_w, single_w = witnesses if witnesses is not None else witness.committed()
+    with Runner(model, jobs, on_task) as runner:
+        # Phase one: everything that needs no other result.
+        rel = _relational_tasks(model) if "relational" in parts else []
+        bnd = ([Task("bounded", t_bounded, (b, k), b * k / 4)
+                for b, k in checks.sizes(max_lanes, max_blocks)] if "bounded" in parts else [])
+        sizes = [(b, k) for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)]
+        feats = [f for f in capacity.COMBINATIONS if capacity.in_table(f, max_blocks)]
+        cap = "capacity" in parts
+        prog = ([Task("capacity", t_progress, (b, k, max_lanes), b * k) for b, k in sizes]
+                if cap else [])
+        replays = [(f, b, tight_w[(f.name, b)]) for f in feats
+                   for b in range(1, f.max_lanes(max_lanes) + 1)
+                   if (f.name, b) in tight_w] if cap else []
+        rep = [Task("capacity-tight", t_replay_tight, (f, b, w), 0.5) for f, b, w in replays]
+        cases = capacity.SINGLE_BLOCK if cap else ()
+        sb = [Task("capacity-single-block", t_single, (c, single_w.get(c.name) if c.stuck
+                                                        else None), 0.5) for c in cases]
+        res = runner.run(rel + bnd + prog + rep + sb)
+        it = iter(res)
+        rel_r = [next(it) for _ in rel]
+        bnd_r = [next(it) for _ in bnd]
+        prog_r = [next(it) for _ in prog]
+        rep_r = {(f.name, b): next(it) for f, b, _w in replays}
+        sb_r = [next(it) for _ in sb]
+
+        # Phase two: rows from the progress results; a search for every tight run whose
+        # witness is missing or does not replay, and for every stuck single-block case alike.
+        rows = []
+        stale: list[str] = []
+        results = dict(zip(sizes, prog_r, strict=True))
+        want: list[tuple[capacity.Row, int, int]] = []  # (row, lanes, blocks) to search
+        needed = set()
+        for f in feats if cap else []:
+            row = capacity.assemble(f, results, max_lanes, max_blocks)
+            rows.append(row)
+            for b, k_min in row.minimum.items():
+                if k_min is None or k_min <= 1:
+                    continue
+                needed.add((f.name, b))
+                tr = rep_r.get((f.name, b))
+                w = tight_w.get((f.name, b))
+                if isinstance(tr, Trace) and w is not None and w.consts["K"] == k_min - 1:
+                    row.traces[b] = tr
+                else:
+                    why = (tr if isinstance(tr, str) else "missing" if w is None
+                           else f"it is for K={w.consts['K']}, one below the minimum is "
+                                f"K={k_min - 1}")
+                    # (beyond the default cutoff, e.g. with --deep, nothing is committed)
+                    if w is not None or (b <= MAX_LANES and k_min - 1 <= MAX_BLOCKS):
+                        stale.append(f"tight {f.name}, B={b}: {why}")
+                    want.append((row, b, k_min - 1))
+        # A witness for a row that is no longer tight where this run decided it (a smaller
+        # cutoff leaves the rest undecided) or for features no longer in the table.
+        decided = {(r.features.name, b) for r in rows for b, k in r.minimum.items()
+                   if k is not None}
+        names = {f.name for f in capacity.COMBINATIONS}
+        stale += [f"tight {n}, B={b}: no longer needed" for n, b in tight_w
+                  if cap and (n not in names or ((n, b) in decided and (n, b) not in needed))]
+        # (a stuck case without a witness was searched in phase one already)
+        redo = [i for i, (c, (tr, _w)) in enumerate(zip(cases, sb_r, strict=True))
+                if c.stuck and c.name in single_w and not isinstance(tr, Trace)]
+        stale += [f"single-block {c.name}: " + (str(sb_r[i][0]) if i in redo else "missing")
+                  for i, c in enumerate(cases)
+                  if c.stuck and (i in redo or c.name not in single_w)]
+        stale += [f"single-block {n}: no longer needed" for n in single_w
+                  if cap and n not in {c.name for c in cases if c.stuck}]
+        searched = runner.run(
+            [Task("capacity-tight-search", t_search_tight, (row.features, b, k), 2.0)
+             for row, b, k in want]
+            + [Task("capacity-single-block", t_single, (cases[i], None), 1.0) for i in redo])
+        found_tight: dict[Any, Witness] = {}
+        for (row, b, _k), (tr, w) in zip(want, searched[:len(want)], strict=True):
+            row.traces[b] = tr
+            if w is not None:
+                found_tight[(row.features.name, b)] = w
+        found_single: dict[Any, Witness] = {}
+        for i, (tr, w) in zip(redo, searched[len(want):], strict=True):
+            sb_r[i] = (tr, w)
+        for c, (tr, w) in zip(cases, sb_r, strict=True):
+            if isinstance(tr, Trace) and w is not None:
+                found_single[c.name] = w
+        # (in plan order, whichever finished first)
+        cpu = {k: runner.cpu[k] for k in KINDS if k in runner.cpu}
+        count = {k: runner.count[k] for k in KINDS if k in runner.count}
+        jobs = runner.jobs
+        in_here = sum(cpu.values()) if runner.pool is None else 0.0  # (tasks ran here)
+
+    out: list[Check] = [c for cs in rel_r for c in cs] + [c for cs in bnd_r for c in cs]
+    searched_keys = {(row.features.name, b) for row, b, _k in want}
+    for row in rows:
+        out += row.checks
+        f = row.features
+        for b, k_min in row.minimum.items():
+            if k_min is not None and k_min > 1:
+                how = "searched" if (f.name, b) in searched_keys else "witness replayed"
+                tr = row.traces.get(b)
+                out.append(capacity.tight_check(f, b, k_min - 1, tr,
+                                                tr.seconds if tr else 0.0, how))
+        if row.offset is None and not f.preempt:  # (preemption: fit_preempt)
+            out.append(Check(f"rule:{f.name}", "*", "capacity", "counterexample", 0.0,
+                             detail=f"no single rule kv_blocks >= lanes * T + c fits "
+                                    f"{row.minimum}"))
+    single = []
+    if cap:
+        out.append(table_matches(rows))
+        out.append(Check("witnesses-current", "*", "capacity-tight",
+                         "counterexample" if stale else "proved", 0.0,
+                         detail=("stale: " + "; ".join(stale) + ". Run `make generate` and "
+                                 "commit atom_core/_generated/witnesses.py") if stale else ""))
+        for i, (c, (tr, _w)) in enumerate(zip(cases, sb_r, strict=True)):
+            trace = tr if isinstance(tr, Trace) else None
+            how = ("witness replayed" if c.stuck and c.name in single_w and i not in redo
+                   else "searched")
+            out.append(c.result(trace, trace.seconds if trace else 0.0, how))
+            single.append((c, trace))
+    for c in out:
         if on_check:
             on_check(c)
-
-    for c in checks.relational(model):
-        add(c)
-    for c in checks.bounded(model, max_lanes, max_blocks):
-        add(c)
-    rows = []
-    for row in capacity.table(model, max_lanes, max_blocks):
-        rows.append(row)
-        for c in row.checks:
-            add(c)
-        if row.offset is None and not row.features.preempt:  # (preemption: fit_preempt)
-            add(Check(f"rule:{row.features.name}", "*", "capacity", "counterexample", 0.0,
-                      detail=f"no single rule kv_blocks >= lanes * T + c fits {row.minimum}"))
-    add(table_matches(rows))
-    single = []
-    for case in capacity.SINGLE_BLOCK:
-        c, tr = case.check(model)
-        add(c)
-        single.append((case, tr))
+    cpu["main"] = max(0.0, time.process_time() - c0 - in_here)  # planning, merging
     ok = all(c.status == "proved" for c in out)
-    return Report(ok, time.perf_counter() - t0, out, rows, single)
+    return Report(ok, time.perf_counter() - t0, out, rows, single, jobs, cpu, count, stale,
+                  {"tight": found_tight, "single": found_single})
+
+
+# --------------------------------------------------------------------------- make generate
+def generate(model: L.Model, max_lanes: int, max_blocks: int, jobs: int,
+             on_task: Callable[[str, int, int], None] | None = None) -> tuple[str, str]:
+    """(capacity.py, witnesses.py): the capacity table from the progress proofs, and every
+    stuck run searched afresh (ignoring the committed ones)."""
+    report = verify(model, max_lanes, max_blocks, jobs=jobs, on_task=on_task,
+                    witnesses=({}, {}), parts=("capacity",))
+    missing = [c for c in report.checks if c.kind == "capacity-tight" and c.status != "proved"
+               and c.invariant != "witnesses-current"]
+    if missing:
+        raise RuntimeError("a capacity row is not tight: " + "; ".join(
+            f"{c.invariant} ({c.size})" for c in missing))
+    order = {(f.name, b): i for i, (f, b) in enumerate(
+        (r.features, b) for r in report.rows for b in r.minimum)}
+    tight = dict(sorted(report.found["tight"].items(), key=lambda kv: order[kv[0]]))
+    return capacity.render(report.rows, max_lanes), witness.render(tight,
+                                                                   report.found["single"])

@@ -970,6 +970,9 @@ inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, head(b) == take(key(b), C))))
 inv("unsubmitted_request_has_no_prompt", forall(Req, lambda r: implies(
     phase(r) == Phase.NONE, prompt(r) == empty())))
+# ... and a submitted one keeps its prompt until it is forgotten (results and replays name it).
+inv("submitted_request_has_prompt", forall(Req, lambda r: implies(
+    phase(r) != Phase.NONE, slen(prompt(r)) > 0)))
 
 # Fit: a prompt that could never fit a block is never accepted.
 inv("waiting_prompt_fits", forall(Req, lambda r: implies(

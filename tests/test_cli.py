@@ -145,6 +145,7 @@ def test_check_config_above_proved_lanes_safe_mentions_cutoff(capsys):
     ["check-config", "--lanes", "1"],  # --kv-blocks is required
     ["check-config", "--lanes", "1", "--kv-blocks", "-2"],
     ["min-blocks", "--lanes", "1", "--scratch", "fixed"],
+    ["verify", "--jobs", "0"],
     [],
 ])
 def test_bad_arguments_exit_2(capsys, argv):
@@ -155,8 +156,13 @@ def test_bad_arguments_exit_2(capsys, argv):
 
 
 def check_verify_json(out: dict) -> None:
-    assert {"ok", "seconds", "checks"} <= set(out)
+    assert {"ok", "seconds", "checks", "jobs", "cpu_seconds_by_kind", "tasks_by_kind"} <= set(out)
     assert isinstance(out["seconds"], (int, float))
+    # where the time went: every kind of task that ran, with its CPU seconds
+    assert {"relational", "bounded", "capacity", "capacity-single-block"} <= set(
+        out["tasks_by_kind"])
+    assert set(out["tasks_by_kind"]) <= set(out["cpu_seconds_by_kind"])
+    assert all(v >= 0 for v in out["cpu_seconds_by_kind"].values())
     assert out["checks"]
     for c in out["checks"]:
         assert {"invariant", "action", "kind", "status", "seconds"} <= set(c)
@@ -185,10 +191,24 @@ def test_verify_json_small_cutoff(capsys):
 
 
 def test_verify_json_ok(capsys):
+    """Every tight row at this cutoff is certified by its committed witness (no search)."""
     code, out = run_json(capsys, "verify", "--max-lanes", "1", "--max-blocks", "3")
     check_verify_json(out)
     assert code == 0 and out["ok"] is True, [c for c in out["checks"] if c["status"] != "proved"]
     assert all(c["status"] == "proved" for c in out["checks"])
+    assert out["stale_witnesses"] == [] and "capacity-tight-search" not in out["tasks_by_kind"]
+    assert any(c["invariant"] == "witnesses-current" for c in out["checks"])
+
+
+def test_verify_progress_bar_only_when_shown(capsys):
+    """The progress callback exists only when shown (a terminal, no --json/--quiet), and then
+    draws on stderr, never on stdout (which --json keeps to one object)."""
+    with cli._task_progress(False) as on_task:
+        assert on_task is None
+    with cli._task_progress(True) as on_task:
+        on_task("capacity", 1, 2)
+        on_task("capacity", 2, 2)
+    assert capsys.readouterr().out == ""
 
 
 def test_console_script_help():

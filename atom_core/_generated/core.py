@@ -5590,6 +5590,7 @@ INVARIANTS = (
     "cache_key_is_content",
     "cache_head_is_first_chunk",
     "unsubmitted_request_has_no_prompt",
+    "submitted_request_has_prompt",
     "waiting_prompt_fits",
     "lane_prompt_fits",
     "lane_seq_length",
@@ -5787,6 +5788,9 @@ def check_invariants(s: State) -> list[str]:
     # unsubmitted_request_has_no_prompt
     if not all(phase.get(r) != PHASE_NONE or prompt.get(r) == empty() for r in req_ids):
         bad.append("unsubmitted_request_has_no_prompt")
+    # submitted_request_has_prompt
+    if not all(phase.get(r) == PHASE_NONE or slen(prompt.get(r)) > 0 for r in req_ids):
+        bad.append("submitted_request_has_prompt")
     # waiting_prompt_fits
     if not all(
         phase.get(r) != PHASE_WAITING or (slen(prompt.get(r)) > 0 and slen(prompt.get(r)) <= T * S)
