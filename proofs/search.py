@@ -58,7 +58,7 @@ def state_key(s: g.State) -> tuple[Any, ...]:
 
 
 def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
-          skip: tuple[str, ...] = PD_ACTIONS) -> Iterator[tuple[str, dict]]:
+          skip: tuple[str, ...] = (*PD_ACTIONS, "forget")) -> Iterator[tuple[str, dict]]:
     c = s.consts
     submitted = sum(1 for r in range(requests) if s.phase.get(r) != g.PHASE_NONE)
     idle = [ln for ln in range(c.B) if not s.busy[ln]]
@@ -119,10 +119,13 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
 
 # Which actions a run may take: colocated serving, a PD decode worker (every request imported),
 # or anything the spec allows (a decode worker that also prefills locally, e.g. as a fallback).
-ROLES = {"colocated": PD_ACTIONS,
+# `forget` is never taken: it only turns an ended request back into an unsubmitted one, a state
+# the search already reaches with that request never submitted (up to its id), and it would let
+# the fixed set of request ids be resubmitted over and over.
+ROLES = {"colocated": PD_ACTIONS + ("forget",),
          "decode": ("admit_miss", "admit_hit", "grow_hit", "copy_done", "prefill", "export",
-                    "export_done"),
-         "any": ()}
+                    "export_done", "forget"),
+         "any": ("forget",)}
 # A decode worker admits only by import: whether a local admission could proceed is moot.
 IGNORED = {"colocated": (), "decode": ("idle_lane_admits",), "any": ()}
 
