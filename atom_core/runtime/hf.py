@@ -55,6 +55,7 @@ from atom_core.runtime.protocol import (
     check_prefill_inputs,
     smallest_decode_batch,
 )
+from atom_core.runtime.reference import _threads
 
 # offline before transformers is imported (it reads the variable at import time)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,19 +157,6 @@ def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
 
 
 AttentionInterface.register(ATTENTION, _paged_attention)
-
-
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
