@@ -344,6 +344,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             yield sse(make_chunk(None, [], None, usage=_usage(len(job.prompt), n)))
         yield "data: [DONE]\n\n"
 
+    def _envelope(rid: str, obj: str, created: int, choices: list[dict[str, Any]],
+                  usage: dict[str, int] | None = None) -> dict[str, Any]:
+        """An OpenAI response or stream chunk around `choices`."""
+        out = {"id": rid, "object": obj, "created": created, "model": settings.model_name,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
     def _usage(prompt: int, completion: int) -> dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
@@ -372,11 +381,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             choices = [] if text is None else [{
                 "index": 0, "text": text, "logprobs": None, "finish_reason": why,
                 **({"token_ids": toks} if body.return_token_ids else {})}]
-            out = {"id": rid, "object": "text_completion", "created": created,
-                   "model": settings.model_name, "choices": choices}
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            return _envelope(rid, "text_completion", created, choices, usage)
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -404,26 +409,20 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             choices = [] if text is None else [{
                 "index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": why,
                 **({"token_ids": toks} if body.return_token_ids else {})}]
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": settings.model_name, "choices": choices}
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            return _envelope(rid, "chat.completion.chunk", created, choices, usage)
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                     "model": settings.model_name, "choices": [{
-                         "index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}]}
+            first = _envelope(rid, "chat.completion.chunk", created, [{
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}])
             return _Stream(stream(job, chunk, usage, first, body.return_token_ids),
                            lambda: _release(job))
         text, ids, why = await until_disconnect(request, job)
-        return {"id": rid, "object": "chat.completion", "created": created,
-                "model": settings.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": why,
-                             **({"token_ids": ids} if body.return_token_ids else {})}],
-                "usage": _usage(len(prompt), len(ids))}
+        return _envelope(rid, "chat.completion", created,
+                         [{"index": 0, "message": {"role": "assistant", "content": text},
+                           "logprobs": None, "finish_reason": why,
+                           **({"token_ids": ids} if body.return_token_ids else {})}],
+                         _usage(len(prompt), len(ids)))
 
     return app
