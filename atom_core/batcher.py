@@ -64,7 +64,7 @@ class Export:
     """What `take_export` hands out: the request's prompt, its first generated token, a host
     tensor holding its blocks in token order (`runtime.new_host_buffer()` for one block, the
     blocks' buffers joined along positions for several), and for a hybrid model its lane's
-    local slot (`runtime.new_local_host_buffer()`: the sliding-window ring), else None."""
+    local slot (`runtime.new_local_host_buffer()`: its sliding window), else None."""
 
     prompt: list[int]
     first_token: int
@@ -290,7 +290,7 @@ class AtomBatcher:
         request's whole prompt and the request's table is in place (after its "import" event);
         otherwise the request fails. Events for requests without a transfer change nothing.
 
-        Hybrid models: `local_kv` is the prompt's sliding-window ring (a local host buffer,
+        Hybrid models: `local_kv` is the prompt's sliding window (a local host buffer,
         `runtime.new_local_host_buffer()` layout), written into the request's lane's local slot;
         without it the request fails like a partial import. A plain model takes none."""
         events: list[Event] = []
@@ -327,7 +327,7 @@ class AtomBatcher:
             # it the lane's sliding layers would attend to its slot's stale content.
             self._transfer_failed(request_id, "import rejected (local_kv): this model is hybrid "
                                   "and the transfer delivered no sliding-window state for the "
-                                  "lane's local slot; ship the prefill lane's local ring "
+                                  "lane's local slot; ship the prefill lane's local window "
                                   "(take_export(...).local_host)", events)
             return events
         if not self._hybrid and local_kv is not None:
@@ -351,8 +351,8 @@ class AtomBatcher:
             self._transfer_failed(request_id, f"update_kv_cache failed: {exc!r}", events)
             return events
         if self._hybrid:
-            # the whole slot: the ring is indexed by position, so the prefill lane's ring is
-            # valid as-is here (and overwrites what this lane's padding rows wrote meanwhile)
+            # the whole slot: the window holds the last min(plen, W) positions in order, as
+            # the prefill lane's did, so it is valid as-is at the same length
             try:
                 self.runtime.update_local_cache(local_kv, lane)
             except Exception as exc:  # noqa: BLE001 - this request's import failed
@@ -880,11 +880,13 @@ class AtomBatcher:
     # --------------------------------------------------------------- decode
     def _decode(self, events: list[Event]) -> None:
         s = self.state
-        pad = self.policy.pad(s)
-        plan = core.decode_plan(s, pad, None)
+        pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
+        plan = core.decode_plan(s, pad, lpad, None)
         if isinstance(plan, str):
             # no lane decodes, or no padding target yet: a prefill comes first, or (with
-            # preemption, every block held by lanes) a lane makes room
+            # preemption, every block held by lanes) a lane makes room; or (hybrid) every lane
+            # is busy and one is not decoding, so no local slot may take padding: that lane
+            # prefills or its transfer ends first
             self._preempt(events)
             return
         (eff,) = plan
@@ -910,8 +912,9 @@ class AtomBatcher:
                     eff.rows[ln], (self._tables[ln], eff)
             else:
                 tables[ln] = eff.rows[ln]
-        # hybrid: every row its own lane's local slot, at the position the spec gives the row
-        local = torch.arange(b, dtype=torch.int16).unsqueeze(1) if self._hybrid else None
+        # hybrid: the local slot the spec gives each row (a decoding lane its own; padding rows
+        # an idle lane's, whose window they may overwrite)
+        local = torch.tensor(eff.local, dtype=torch.int16).unsqueeze(1) if self._hybrid else None
         try:
             logits = self.runtime.decode(ids, pos, tables, local)
             toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
@@ -934,7 +937,7 @@ class AtomBatcher:
                     bad[ln] = f"sampler failed: {exc!r}"
         self.stats.decode_steps += 1
         self.stats.decode_rows_padding += b - len(lanes)
-        self._apply("decode", pad=pad, tok=tuple(int(t) for t in toks))
+        self._apply("decode", pad=pad, lpad=lpad, tok=tuple(int(t) for t in toks))
         for ln in lanes:
             if ln in bad:
                 self._end(ln, events, bad[ln])

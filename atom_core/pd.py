@@ -16,13 +16,14 @@ With paged block tables (max_seq_len = T * block_size, T > 1) a prompt spans sev
 the payload is still the prompt's positions, so it does not depend on either side's blocks.
 
 A hybrid (Gemma3-style) model keeps the KV of its sliding-window layers not in the blocks but in
-a per-lane local ring `[sliding_layers, 2, kv_heads, W, head_dim]` (position p at index p % W),
-and its host buffer covers the global layers only. Its payload also carries `local_kv`, the
-lane's ring after prefill (`runtime.fetch_local_cache(local, lane)`; `make_payload(...,
-local_host=local)`), which the decode side writes into its lane's slot
-(`runtime.update_local_cache(payload.local_kv, lane)`). Without it the decode side's sliding
-layers would attend to whatever its slot held: plausible tokens, wrong ones. The ring is
-position-indexed, so it is valid as-is at the same positions in another lane of another worker.
+a per-lane local window `[sliding_layers, 2, kv_heads, W, head_dim]` (as the RBLN kernel keeps
+it: the last min(p, W) positions in order, oldest first), and its host buffer covers the global
+layers only. Its payload also carries `local_kv`, the lane's window after prefill
+(`runtime.fetch_local_cache(local, lane)`; `make_payload(..., local_host=local)`), which the
+decode side writes into its lane's slot (`runtime.update_local_cache(payload.local_kv,
+lane)`). Without it the decode side's sliding layers would attend to whatever its slot held:
+plausible tokens, wrong ones. The window depends only on the prompt's length, so it is valid
+as-is at the same length in another lane of another worker.
 
 Once KV is in a lane's block nothing downstream can tell good KV from bad: decode attends to
 whatever the block holds and produces plausible-looking tokens either way. So every check runs
@@ -49,7 +50,7 @@ announce, checked before anything is allocated.
 - first_token: a token outside the vocabulary would fail (or index out of range) at the first
   decode step, after the lane was already committed.
 - shape and dtype: a different layout or cache dtype cannot be copied into the device block.
-- local_kv: a hybrid decode side needs the sliding-window ring, of exactly its local slot's
+- local_kv: a hybrid decode side needs the sliding window, of exactly its local slot's
   shape and dtype; a plain one has no slot to put it in (a payload with one comes from a
   different kind of model).
 
@@ -158,7 +159,7 @@ class KVPayload:
     prompt's n positions (the global layers of a hybrid model). `dtype` is `kv`'s dtype without
     "torch.". `checksum` is the SHA-256 hex and `mac` the HMAC-SHA256 hex (or None) of the
     message in the module docstring. `local_kv` (hybrid models only, else None) is the lane's
-    sliding-window ring `[sliding_layers, 2, kv_heads, W, head_dim]`, in `kv`'s dtype.
+    sliding window `[sliding_layers, 2, kv_heads, W, head_dim]`, in `kv`'s dtype.
     `eq=False`: tensors have no boolean equality.
     """
 
@@ -279,7 +280,7 @@ class FrameLimits:
     larger one is refused before any buffer is allocated for it. `header_bytes`: a header
     carrying a max_seq_len prompt; `tensor_bytes`: the KV of max_seq_len positions
     ([layers, 2, kv_heads, max_seq_len, head_dim] x item size) plus a hybrid model's sliding
-    ring ([sliding_layers, 2, kv_heads, W, head_dim])."""
+    window ([sliding_layers, 2, kv_heads, W, head_dim])."""
 
     header_bytes: int
     tensor_bytes: int
@@ -317,12 +318,10 @@ def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
 
     Hybrid models: `local_host` is the lane's local slot `[sliding_layers, 2, kv_heads, W,
     head_dim]` (`runtime.fetch_local_cache`), shipped as `local_kv`: a copy in which only the
-    ring entries of positions max(0, n - W + 1)..n - 1 are kept and every other entry is zeroed.
-    Those are the positions the next query (position n) and later ones can still see; the
-    other entries hold either nothing of this prompt (an earlier request's KV, which must not
-    leave the worker) or position n - W, which no later window reads and which the exporting
-    lane's padding rows may already have overwritten. So `local_kv` is a function of the prompt
-    alone, like `kv`."""
+    window's first min(n, W) entries (positions n - min(n, W) .. n - 1, oldest first) are kept
+    and every other entry is zeroed: those are what the next call (at position n) reads; the
+    others hold nothing of this prompt (an earlier request's KV, which must not leave the
+    worker). So `local_kv` is a function of the prompt alone, like `kv`."""
     tokens = _tokens(prompt)
     if host_block.dim() != 5 or host_block.shape[1] != 2:
         raise PayloadError("shape", f"host_block must be [layers, 2, kv_heads, positions, "
@@ -334,7 +333,7 @@ def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
                                      f"buffer of {block} positions: it must have 1..{block} "
                                      "tokens")
     kv = host_block.detach()[:, :, :, :n].cpu().clone(memory_format=torch.contiguous_format)
-    local = None if local_host is None else _shipped_ring(local_host, n, kv.dtype)
+    local = None if local_host is None else _shipped_window(local_host, n, kv.dtype)
     unsigned = KVPayload(request_id=request_id, prompt=tokens, first_token=first_token, kv=kv,
                          dtype=dtype_name(kv.dtype), fingerprint=fingerprint, checksum="",
                          local_kv=local)
@@ -342,8 +341,8 @@ def make_payload(request_id: str, prompt: Sequence[int], first_token: int,
     return attrs.evolve(unsigned, checksum=checksum, mac=mac)
 
 
-def _shipped_ring(local_host: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """The local ring of a prompt of n tokens as `make_payload` ships it (see there)."""
+def _shipped_window(local_host: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The local window of a prompt of n tokens as `make_payload` ships it (see there)."""
     if not isinstance(local_host, torch.Tensor) or local_host.dim() != 5 \
             or local_host.shape[1] != 2 or local_host.shape[3] < 1:
         got = list(local_host.shape) if isinstance(local_host, torch.Tensor) else \
@@ -356,11 +355,9 @@ def _shipped_ring(local_host: torch.Tensor, n: int, dtype: torch.dtype) -> torch
                                        f"{dtype_name(dtype)}: both come from the same runtime's "
                                        "cache and must agree")
     w = int(local_host.shape[3])
-    ring = local_host.detach().cpu().clone(memory_format=torch.contiguous_format)
-    keep = torch.zeros(w, dtype=torch.bool)
-    keep[torch.arange(max(0, n - w + 1), n) % w] = True
-    ring[:, :, :, ~keep] = 0
-    return ring
+    window = local_host.detach().cpu().clone(memory_format=torch.contiguous_format)
+    window[:, :, :, min(n, w):] = 0
+    return window
 
 
 # --- decode side -------------------------------------------------------------------------------
@@ -507,7 +504,7 @@ def _validate_local(local: torch.Tensor | None, rid: str,
                                        "sliding-window state (local_kv), and this decode "
                                        "worker's model is hybrid: its sliding layers would "
                                        "attend to whatever the lane's local slot held. The "
-                                       "prefill worker must ship the lane's local ring "
+                                       "prefill worker must ship the lane's local window "
                                        "(make_payload(local_host=...)); upgrade it, or run the "
                                        "same model on both workers")
     shape = tuple(int(d) for d in local.shape)

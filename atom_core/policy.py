@@ -262,6 +262,13 @@ class Policy:
         return (g.snapshot_guard(s, lane) is None
                 and s.length[lane] <= s.lane_plen[lane])
 
+    def local_pad(self, s: g.State) -> int:
+        """Hybrid: whose local slot the padding rows of the next decode call write. Only an
+        idle lane's holds no live window; with none idle, decode waits for the lane that is
+        not decoding (0 is then refused by the guard, never written)."""
+        lane = self.idle_lane(s)
+        return 0 if lane is None else lane
+
     def pad(self, s: g.State) -> int:
         """Where padding rows of the next decode call write."""
         if s.consts.RESERVED:

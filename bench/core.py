@@ -128,7 +128,8 @@ class Driver:
 
     def decode(self, steps: int) -> None:
         for _ in range(steps):
-            self.step("decode", pad=self.policy.pad(self.s), tok=tuple(self.tokens(LANES)))
+            self.step("decode", pad=self.policy.pad(self.s), lpad=self.policy.local_pad(self.s),
+                      tok=tuple(self.tokens(LANES)))
 
     def cache(self, prompt: list[int], steps: int = 8) -> None:
         """Serve `prompt`, decode `steps` tokens and keep the block as a cache entry."""
@@ -212,13 +213,13 @@ def decode_round(ghost: bool, calls: int) -> Round:
     def run() -> float:
         d, pad = decode_state(ghost)
         s0 = s = d.s
-        bad = g.decode_guard(s0, pad, tok)
+        bad = g.decode_guard(s0, pad, 0, tok)
         if bad is not None:
             raise AssertionError(f"benchmarked decode is rejected by {bad}")
         with _NoGC():
             t0 = perf_counter_ns()
             for _ in repeat(None, calls):
-                s = decode(s, pad, tok).state
+                s = decode(s, pad, 0, tok).state
             dt = perf_counter_ns() - t0
         if s.length != tuple(n + calls for n in s0.length):
             raise AssertionError("a chained decode step was rejected")

@@ -109,9 +109,12 @@ junk = m.fn("junk", [Block], BOOL, init=True, ghost=True,
 
 # ---------------------------------------------------------------- state: lanes
 # Hybrid models keep each lane's sliding-window KV in a lane-local slot
-# (local_block_tables[lane] == lane): a ring of the last W positions, read masked by position,
-# so the slot needs no clearing between requests, and a write at the lane's next position only
-# replaces a position already outside every later window.
+# (local_block_tables[lane] == lane) laid out as the RBLN kernel keeps it: a window, the last
+# min(p, W) positions in order, oldest first. A call at position q reads the first min(q, W)
+# entries as positions q - min(q, W) .. q - 1 and appends its own, dropping the oldest once the
+# window is full; so any write that is not the slot's own sequence's next position shifts or
+# overwrites live state. Only a slot whose lane is idle (admission starts it afresh) may take
+# padding rows.
 local_holds = m.fn("local_holds", [Lane], Seq, ghost=True,
                    doc="tokens whose sliding-window state the lane's local slot holds")
 local_junk = m.fn("local_junk", [Lane], BOOL, init=True, ghost=True,
@@ -286,11 +289,21 @@ def row_block(l, pad):
 
 
 def row_position(l):
-    """The position decode row l computes at. A decoding lane: its next token. A busy lane that
-    is not decoding (prefilling, importing, exporting): its next position, whose sliding-window
-    ring entry holds a position already outside every later window, so the padding write into
-    its own local slot is harmless. An idle lane: 0 (its slot has no live state)."""
-    return ite(busy(l), ite(importing(l), lane_plen(l), length(l)), 0)
+    """The position decode row l computes at: a decoding lane's next token; a padding row
+    (its write lands in the padding targets, global and local), 0."""
+    return ite(decoding(l), length(l), 0)
+
+
+def local_row(l, lpad):
+    """The local slot decode row l reads and writes (hybrid): its own for a decoding lane,
+    else `lpad`, the slot of an idle lane (`local_pad_ok`)."""
+    return ite(decoding(l), l, lpad)
+
+
+def local_pad_ok(lpad):
+    """A padding row writes at position 0 of its local slot: that is harmless only in a slot
+    no busy lane's window lives in (it would shift or overwrite it: see the local slots)."""
+    return implies(HYBRID & needs_scratch(), ~busy(lpad))
 
 
 def scratch_ok(pad):
@@ -574,12 +587,16 @@ def preempt(l: Lane):
 
 
 @m.action
-def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
+def decode(pad: Block, lpad: Lane, tok: fn_sort(Lane, ret=INT)):
     """One decode call over every row: decoding lanes append a token, other rows write padding
-    into `pad` (the scratch target)."""
+    into `pad` (the scratch target) and, for a hybrid model, into lane `lpad`'s local slot.
+    With every lane busy and one not decoding there is no such slot: decode waits (the lane
+    that is not decoding prefills, or its transfer ends). B + 1 local slots (a lane left idle)
+    are what a hybrid model needs for decode never to wait."""
     require("no_block_overflow", forall(Lane, lambda l: implies(
         decoding(l), length(l) < start(tail(l)) + S)))
     require("scratch_target_ok", implies(needs_scratch(), scratch_ok(pad)))
+    require("local_pad_ok", local_pad_ok(lpad))
     assign_all(length, lambda l: ite(decoding(l), length(l) + 1, length(l)))
     assign_all(lane_seq, lambda l: ite(decoding(l), push(lane_seq(l), tok(l)), lane_seq(l)))
     # A dynamic scratch target that was a cache entry is evicted by the scribble.
@@ -595,12 +612,16 @@ def decode(pad: Block, tok: fn_sort(Lane, ret=INT)):
         holds(b)))
     assign_all(junk, lambda b: junk(b) | exists(Lane, lambda l: (row_block(l, pad) == b) & ~(
         decoding(l) & (owner(b) == Owner.LANE) & (owner_lane(b) == l))))
-    # Hybrid: row l writes its own local slot (never another lane's) at `row_position(l)`.
+    # Ghost, hybrid: a decoding row appends its token's state to its own window; a padding
+    # row's write into a slot shifts or overwrites whatever window it holds.
     assign_all(local_holds, lambda l: ite(
         decoding(l), take(push(lane_seq(l), tok(l)), length(l) + 1), local_holds(l)))
+    assign_all(local_junk, lambda n: local_junk(n) | (HYBRID & exists(Lane, lambda l: (
+        local_row(l, lpad) == n) & ~decoding(l))))
     emit("decode", rows=vector(Lane, lambda l: row_block(l, pad)),
          positions=vector(Lane, lambda l: row_position(l)),
-         live=vector(Lane, lambda l: decoding(l)))
+         live=vector(Lane, lambda l: decoding(l)),
+         local=vector(Lane, lambda l: local_row(l, lpad)))
 
 
 @m.action

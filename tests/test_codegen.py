@@ -114,7 +114,7 @@ def _run_scenario(ghost: bool) -> list[core.State]:
     assert ends == [4, 8, 10]
     assert s.phase.get(1) == core.PHASE_DECODE
     for tok in (101, 102, 103):
-        (dec,) = step("decode", 0, (tok, 0)).effects
+        (dec,) = step("decode", 0, 1, (tok, 0)).effects
         assert dec.rows == (1, 0)  # lane 1 is idle: its row pads into the scratch block
     assert s.length[0] == 13
     step("finish", 0, True)
@@ -129,7 +129,7 @@ def _run_scenario(ghost: bool) -> list[core.State]:
     assert core.prefill(s, 1, 0).rejected == "no_copy_in_flight"
     step("copy_done", 1)
     step("prefill", 1, 200)
-    step("decode", 0, (0, 201))
+    step("decode", 0, 0, (0, 201))
     assert list(s.lane_seq[1]) == [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 200, 201]
     return states
 

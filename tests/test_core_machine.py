@@ -567,11 +567,15 @@ class Life:
                           ("prefix_matches", lambda: self.slot_key[h][:end] == self.seq[l][:end]),
                           ("dst_reusable", lambda: self.reusable(dst)))
         if name == "decode":
-            pad = args[0]
+            pad, lpad = args[0], args[1]
             return _first(("no_block_overflow", lambda: not any(
                 self.decoding(l) and self.tail_full(l) for l in range(c.B))),
                 ("scratch_target_ok", lambda: not self.needs_scratch() or (
-                    self.owner[pad] == "SCRATCH" if c.RESERVED else self.reusable(pad))))
+                    self.owner[pad] == "SCRATCH" if c.RESERVED else self.reusable(pad))),
+                # hybrid: padding rows write an idle lane's local slot (a busy one's window
+                # would shift)
+                ("local_pad_ok", lambda: not (c.HYBRID and self.needs_scratch())
+                 or self.lane[lpad] is None))
         if name == "preempt":
             l = args[0]
             return _first(("preemption_on", lambda: c.PREEMPT),
@@ -807,19 +811,19 @@ class Life:
             self.length[l] += n
             self.load_slot[l], self.slot_state[h], self.slot_lane[h] = h, "LOADING", l
         elif name == "decode":
-            pad, toks = args
+            pad, lpad, toks = args
             live = tuple(self.decoding(l) for l in range(c.B))
             rows = tuple(self.tail(l) if live[l] else pad for l in range(c.B))
-            # a busy lane's row computes at its next position (an importing lane's is past its
-            # prompt), so that a hybrid model's padding write into its own ring is harmless
-            positions = tuple(
-                0 if self.lane[l] is None
-                else len(self.prompt[self.lane[l]]) if self.status[self.lane[l]] == "importing"
-                else self.length[l] for l in range(c.B))
+            # a decoding row at its next position in its own local slot; a padding row at 0 in
+            # the idle lane lpad's slot (never a busy lane's: its window would shift)
+            positions = tuple(self.length[l] if live[l] else 0 for l in range(c.B))
+            local = tuple(l if live[l] else lpad for l in range(c.B))
             (e,) = effects
             assert kinds == ["Decode"] and (e.rows, e.positions) == (rows, positions), (
                 effects, rows, positions)
-            assert getattr(e, "live", live) == live, (effects, live)
+            assert (e.live, e.local) == (live, local), (effects, live, local)
+            if c.HYBRID and not all(live):
+                assert self.lane[lpad] is None, (lpad, self.lane)
             if not all(live) and not c.RESERVED and pad in self.entries:
                 self._set_free(pad)  # a dynamic padding target that was an entry is evicted
             for l in range(c.B):
@@ -1278,15 +1282,25 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             `preempt`), as the adapter does: when there is no padding target (every block
             held), the policy's victim is preempted (`preempt_by_policy`) and the call is made
             again, while some lane decodes."""
-            pad = self.policy.pad(self.s)
-            if core.decode_guard(self.s, pad, toks) == "scratch_target_ok":
+            pad, lpad = self.policy.pad(self.s), self.policy.local_pad(self.s)
+            why = core.decode_guard(self.s, pad, lpad, toks)
+            if why == "scratch_target_ok":
                 # Refinement the other way: the policy found no target, so none exists
                 # (every block is a lane's, pinned by a copy, draining or spilling).
-                ok = [b for b in range(self.c.K) if core.decode_guard(self.s, b, toks) is None]
+                ok = [b for b in range(self.c.K)
+                      if core.decode_guard(self.s, b, lpad, toks) in (None, "local_pad_ok")]
                 if ok:
                     raise RefinementViolation("decode", f"missed the scratch targets {ok}",
                                               core, self.s)
-            out = self.apply("decode", pad, toks)
+            if why == "local_pad_ok":
+                # ... and no local slot may take the padding rows (every lane is busy)
+                ok = [x for x in range(self.c.B)
+                      if core.decode_guard(self.s, pad, x, toks) is None]
+                if ok:
+                    raise RefinementViolation("decode", f"missed the idle local slots {ok}",
+                                              core, self.s)
+                Stats.events["decode waits for an idle local slot"] += 1
+            out = self.apply("decode", pad, lpad, toks)
             if (out.rejected == "scratch_target_ok" and preempt and self.c.PREEMPT
                     and self.preempt_by_policy(data, "padding target") is not None
                     and any(map(self.life.decoding, range(self.c.B)))):
@@ -1563,7 +1577,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if life.prefilling(l):
                 calls.append(("prefill", (l, 1), "chunk_within_block"))
             else:
-                calls.append(("decode", (0, self.decode_tokens(data)), "no_block_overflow"))
+                calls.append(("decode", (0, 0, self.decode_tokens(data)), "no_block_overflow"))
             call, args, expect = pick(data, calls, "refused")
             assert self.apply(call, *args).rejected == expect, (call, args, expect)
 
@@ -2151,7 +2165,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if coin(data, "policy pad"):
                 self.decode_by_policy(toks)
             else:
-                self.apply("decode", self.block(data, "pad"), toks)
+                self.apply("decode", self.block(data, "pad"), self.policy.local_pad(self.s), toks)
 
         @rule(data=st.data(), keep=st.booleans())
         def finish(self, data: Any, keep: bool) -> None:
@@ -2885,7 +2899,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                           ] if idle and waiting else []
                 calls += [("import_grow", (x, b), "dst_reusable")
                           for x in range(c.B) if life.needs_import_block(x)]
-                calls += [("decode", (b, toks), "scratch_target_ok")] if not all(
+                calls += [("decode", (b, self.policy.local_pad(self.s), toks),
+                           "scratch_target_ok")] if not all(
                     map(life.decoding, range(c.B))) and not any(
                     life.decoding(l) and life.tail_full(l) for l in range(c.B)) else []
                 call, args, expect = pick(data, calls)
@@ -2952,7 +2967,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 call, args, expect = "admit_hit", (l, r, src, dst, n), "hybrid_snapshot_at_n"
             else:  # owned_pad: a padding row must not write a lane's block (any of its table)
                 pad = pick(data, life.tables[pick(data, busy)], "pad")
-                call, args = "decode", (pad, self.decode_tokens(data))
+                call, args = "decode", (pad, self.policy.local_pad(self.s),
+                                        self.decode_tokens(data))
                 overflow = any(life.decoding(l) and life.tail_full(l) for l in range(c.B))
                 if not overflow and all(life.decoding(l) for l in range(c.B)):
                     return  # every row decodes: any pad is fine, nothing to reject
@@ -3483,7 +3499,7 @@ def test_preempt_when_tables_fill_every_block() -> None:
         out = committed.ACTIONS[name][0](s, *args)
         assert out.rejected is None, (name, args, out.rejected)
         s = out.state
-    assert committed.decode_guard(s, 3, (0, 0, 0)) is not None  # no padding target
+    assert committed.decode_guard(s, 3, 0, (0, 0, 0)) is not None  # no padding target
     assert committed.preempt_guard(s, 1) is None
     assert committed.progress_violations(s) == []
 

@@ -1,4 +1,4 @@
-"""Hybrid (Gemma3-style) models: sliding-window layers whose KV lives in a per-lane local ring
+"""Hybrid (Gemma3-style) models: sliding-window layers whose KV lives in a per-lane local window
 next to the global layers' blocks.
 
 - Colocated serving is token-exact against the oracle (`runtime.generate`, memoised) for 1..3
@@ -8,15 +8,15 @@ next to the global layers' blocks.
 - Config and runtime agreement: the window must be a positive int, and a batcher refuses a
   runtime whose window differs from its config's (the prefix cache with a window:
   tests/test_hybrid_prefix.py).
-- PD: the payload carries the prefill lane's local ring (`local_kv`), covered by checksum and MAC
+- PD: the payload carries the prefill lane's local window (`local_kv`), covered by checksum and MAC
   and packed into the one wire tensor. A prefill batcher feeding a decode batcher is token-exact,
-  also while an import is held (the importing lane's padding rows write its own slot) and while
-  an export waits (the exporting lane's padding rows write its slot on the prefill side). A
-  payload without the ring, or with a wrong one, fails only its request; a plain payload is
+  also while an import is held and while an export waits (their padding rows write an idle
+  lane's slot, never theirs; with no idle lane decode waits for the transfer). A
+  payload without the window, or with a wrong one, fails only its request; a plain payload is
   refused by a hybrid decode side and vice versa. Over PD workers and an in-process transport,
   outputs equal the oracle.
-- Why the ring must travel: importing the global KV alone (the local slot zero or holding another
-  prompt's ring) decodes differently from the oracle for a prompt longer than the window.
+- Why the window must travel: importing the global KV alone (the local slot zero or holding another
+  prompt's window) decodes differently from the oracle for a prompt longer than the window.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_colocated_token_exact(lanes: int, scratch: str, window: int) -> None:
     rids = [b.submit(p, n) for p, n in work]
     rng = random.Random(f"{lanes}-{scratch}-{window}")
     # three aborts at random steps, of a request holding a lane (prefilling or decoding: its
-    # slot is left with a partial ring the lane's next request must not see) when there is one
+    # slot is left with a partial window the lane's next request must not see) when there is one
     abort_at = set(rng.sample(range(1, 50), 3))
     aborted: set[int] = set()
     steps = 0
@@ -191,15 +191,16 @@ def check(payload: pd.KVPayload, rt: TorchReferenceRuntime, *, key: bytes | None
 
 
 @pytest.mark.parametrize("n", [5, 16, 40])
-def test_shipped_ring_keeps_exactly_the_positions_later_windows_read(n: int) -> None:
-    """local_kv holds positions max(0, n-W+1)..n-1 at index p % W, as prefill wrote them, and
-    zeros elsewhere: nothing of an earlier request in that lane leaves the worker."""
+def test_shipped_window_keeps_exactly_the_positions_later_windows_read(n: int) -> None:
+    """local_kv holds positions n - min(n, W) .. n - 1 at indices 0.., as prefill left them (the
+    kernel's window), and zeros elsewhere: nothing of an earlier request in that lane leaves
+    the worker."""
     w = 16
     cfg = config(1, w)
     rt = runtime(cfg)
     b = batcher(cfg, rt)
     rng = random.Random(n)
-    # an earlier request leaves its ring in the lane's slot
+    # an earlier request leaves its window in the lane's slot
     first = b.submit(prompt_of(30, rng), 2)
     b.run_until_done()
     assert b.requests[first].error is None
@@ -211,14 +212,14 @@ def test_shipped_ring_keeps_exactly_the_positions_later_windows_read(n: int) -> 
     assert torch.equal(exp.local_host, raw)
     payload = pd.make_payload("r", exp.prompt, exp.first_token, exp.host, rt.fingerprint,
                               local_host=exp.local_host)
-    kept = {p % w for p in range(max(0, n - w + 1), n)}
+    kept = set(range(min(n, w)))
     for i in range(w):
         got = payload.local_kv[:, :, :, i]
         if i in kept:
             assert torch.equal(got, raw[:, :, :, i]) and got.abs().sum() > 0, i
         else:
             assert not got.any(), i
-    if n < w:  # the stale ring really was there: the earlier prompt had 30 > W tokens
+    if n < w:  # the stale window really was there: the earlier prompt had 30 > W tokens
         assert raw[:, :, :, n:].any()
 
 
@@ -293,12 +294,12 @@ def test_wire_refuses_cut_or_malformed_hybrid_messages() -> None:
 def test_local_kv_is_required_exact_and_refused_by_plain_models() -> None:
     rt, p = exported(16, 40)
     host = _host_of(rt, p)
-    # no ring: an old (or buggy) prefill worker of the same model
+    # no window: an old (or buggy) prefill worker of the same model
     stripped = pd.make_payload("r", p.prompt, p.first_token, host, p.fingerprint)
     with pytest.raises(pd.PayloadError, match="carries no sliding-window state") as e:
         check(stripped, rt)
     assert e.value.field == "local_kv"
-    # a ring of another shape (window 8), or dtype
+    # a window of another shape (window 8), or dtype
     for ring in (p.local_kv[:, :, :, :8], p.local_kv.double()):
         other = pd.KVPayload(request_id="r", prompt=p.prompt, first_token=p.first_token,
                              kv=p.kv, dtype=p.dtype, fingerprint=p.fingerprint, checksum="",
@@ -449,35 +450,60 @@ def test_pd_round_trip_token_exact(lanes: int, scratch: str, window: int) -> Non
     assert_idle(p)
 
 
-def test_pd_overlap_importing_lane_padding_writes_its_own_slot() -> None:
-    """While one import is held the other lanes keep decoding; the held lane's padding rows
-    write its own local slot at its lane_plen (ring index lane_plen % W). The delivered ring
-    replaces that slot whole, and every request, the held one included, equals the oracle."""
+def test_pd_overlap_importing_lane_slot_is_never_padded() -> None:
+    """While one import is held the other lanes keep decoding, their padding rows aimed at the
+    idle lane's local slot: the held lane's slot is untouched (the kernel's window would shift
+    under any write), the delivered window fills it, and every request equals the oracle."""
     w = 16
     p = batcher(config(2, w))
-    d = batcher(config(3, w, extra=1))  # a free block for the padding rows of the held lane
+    d = batcher(config(4, w, extra=1))  # a free block for the padding rows of the held lane
     rng = random.Random(7)
-    held_prompt = prompt_of(45, rng)  # > W: the ring matters
+    held_prompt = prompt_of(45, rng)  # > W: the window matters
     held = d.submit(held_prompt, 10, remote=True)
     others = [d.submit(prompt_of(k, rng), 12, remote=True) for k in (30, 70)]
     link = Link(p, d, hold=[held])
     link.step_until(lambda: held in link.ready and all(
         d.state.phase.get(r) == core.PHASE_DECODE for r in others))
     lane = d.state.req_lane.get(held)
-    assert d.state.lane_plen[lane] == len(held_prompt)
-    idx = len(held_prompt) % w
-    # Padding rows of one lane write the same KV every step (token 0 at the same position over
-    # the same ring), so blank the slot to see the next ones land: it stands for whatever an
-    # earlier request left there, which the delivered ring replaces anyway.
-    d.runtime.update_local_cache(d.runtime.new_local_host_buffer(), lane)
-    before = d.runtime.read_local(lane)
+    idle = [ln for ln in range(4) if not d.state.busy[ln]]
+    assert d.state.lane_plen[lane] == len(held_prompt) and len(idle) == 1
+    # padding rows write the same KV every step (token 0 at position 0), so blank the idle
+    # slot to see the next ones land
+    d.runtime.update_local_cache(d.runtime.new_local_host_buffer(), idle[0])
+    before = [d.runtime.read_local(ln) for ln in range(4)]
     steps = d.stats.decode_steps
     for _ in range(5):
         link.step()
     assert d.stats.decode_steps == steps + 5  # the others decoded while the import was held
-    after = d.runtime.read_local(lane)
-    changed = [i for i in range(w) if not torch.equal(before[:, :, :, i], after[:, :, :, i])]
-    assert changed == [idx]  # the padding row wrote its own next position, nothing else
+    after = [d.runtime.read_local(ln) for ln in range(4)]
+    assert torch.equal(before[lane], after[lane])
+    assert not torch.equal(before[idle[0]], after[idle[0]])  # the padding rows went there
+    link.deliver(held)
+    link.run()
+    assert_exact(d, [held, *others])
+    assert_idle(d)
+
+
+def test_pd_decode_waits_while_every_lane_is_busy_and_one_imports() -> None:
+    """The cost of never padding a busy lane's slot: with every lane busy and one importing,
+    no local slot may take the padding row, so decode waits for the transfer (then resumes,
+    exactly). One lane more (an idle one) and it never waits: the test above."""
+    w = 16
+    p = batcher(config(2, w))
+    d = batcher(config(3, w, extra=1))
+    rng = random.Random(7)
+    held = d.submit(prompt_of(45, rng), 10, remote=True)
+    others = [d.submit(prompt_of(k, rng), 12, remote=True) for k in (30, 70)]
+    link = Link(p, d, hold=[held])
+    link.step_until(lambda: held in link.ready and all(
+        d.state.phase.get(r) == core.PHASE_DECODE for r in others))
+    assert all(d.state.busy)
+    steps = d.stats.decode_steps
+    for _ in range(3):
+        link.step()
+    assert d.stats.decode_steps == steps
+    lane = d.state.req_lane.get(held)
+    assert core.decode_guard(d.state, d.policy.pad(d.state), lane, (0,) * 3) == "local_pad_ok"
     link.deliver(held)
     link.run()
     assert_exact(d, [held, *others])
@@ -485,12 +511,11 @@ def test_pd_overlap_importing_lane_padding_writes_its_own_slot() -> None:
 
 
 def test_pd_export_waiting_on_the_prefill_side_stays_exact() -> None:
-    """An export not taken at once: while the prefill side decodes another request, the
-    exporting lane's padding rows write its slot at position n (index n % W, overwriting
-    position n - W). The shipped ring drops that entry, so it is the same as an export taken at
-    once, and the import is exact."""
+    """An export not taken at once: while the prefill side decodes another request, its
+    padding rows go to the idle lane's slot, so the exporting lane's window is untouched and
+    ships the same as an export taken at once; the import is exact."""
     w = 16
-    p = batcher(config(2, w, extra=1))
+    p = batcher(config(3, w, extra=1))
     d = batcher(config(1, w))
     rng = random.Random(11)
     prompt = prompt_of(37, rng)
@@ -501,11 +526,11 @@ def test_pd_export_waiting_on_the_prefill_side_stays_exact() -> None:
     (pid,) = link.waiting_exports
     lane = p.state.req_lane.get(pid)
     before = p.runtime.read_local(lane)
+    steps = p.stats.decode_steps
     for _ in range(4):
         checked_step(p)
-    after = p.runtime.read_local(lane)
-    changed = [i for i in range(w) if not torch.equal(before[:, :, :, i], after[:, :, :, i])]
-    assert changed == [len(prompt) % w]
+    assert p.stats.decode_steps == steps + 4
+    assert torch.equal(before, p.runtime.read_local(lane))
     exp = p.take_export(pid)
     late = pd.make_payload("x", exp.prompt, exp.first_token, exp.host, "f",
                            local_host=exp.local_host)
@@ -515,7 +540,7 @@ def test_pd_export_waiting_on_the_prefill_side_stays_exact() -> None:
     link.run()
     assert_exact(d, [rid])
     assert_exact(p, [local])
-    # the same prompt exported at once by a fresh prefill side ships the same ring
+    # the same prompt exported at once by a fresh prefill side ships the same window
     fresh = batcher(config(1, w))
     x = fresh.submit(prompt, 1, export=True)
     while x not in fresh.transfers():

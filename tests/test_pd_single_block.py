@@ -100,7 +100,7 @@ def test_second_lane_blocks_decode(results: dict[str, Any]) -> None:
     final = replay_trace(case, tr)
     assert final.phase.get(sub["r"]) == core.PHASE_DECODE
     tok = (search.TOKEN,) * case.lanes
-    assert core.decode_guard(final, 0, tok) == "scratch_target_ok"
+    assert core.decode_guard(final, 0, 1, tok) == "scratch_target_ok"
 
 
 def test_second_lane_never_admitted(results: dict[str, Any]) -> None:

@@ -164,6 +164,7 @@ PLANTED = {
     ("guard", "prefill", "no_copy_in_flight"): {
         "copy_only_while_prefilling", "copy_source_holds_prefix"},
     ("guard", "decode", "no_block_overflow"): {"length_within_block"},
+    ("guard", "decode", "local_pad_ok"): {"lane_local_state_is_its_own"},
     ("guard", "finish", "keep_needs_prefix_cache"): {"cache_needs_prefix_cache"},
 }
 
@@ -232,6 +233,9 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
                                "are freed in the same step",
     ("transfer_end", "junk"): "ghost: the drained blocks (every block draining for the "
                               "request) are freed in the same step",
+    # The tripwire for mutants of decode's local_pad_ok (which it catches): with the guard,
+    # padding rows write only idle lanes' local slots, and admission resets those.
+    ("decode", "local_junk"): "ghost: with local_pad_ok, padding only hits idle lanes' slots",
     # Hybrid ghost state where no hybrid run can observe it.
     ("admit_hit", "local_holds"): "ghost: hybrid models have no prefix cache, so no hit",
     ("admit_hit", "local_junk"): "ghost: hybrid models have no prefix cache, so no hit",
@@ -459,6 +463,26 @@ def test_a_full_block_claims_exactly_the_snapshots_its_lane_took():
                              if i.name not in ("entry_snapshots_were_taken",
                                                "lane_snapshots_were_taken")]
     assert refuted_by(to_its_end) == set()
+
+
+def test_a_padding_row_aimed_at_its_own_local_slot_is_refuted():
+    """The rule a ring allowed (a busy lane that is not decoding pads in its own local slot, at
+    its next position) under the kernel's window: the write shifts the lane's live window, so
+    z3 refutes `lane_local_state_is_its_own` at decode. The spec's rule (an idle lane's slot,
+    `local_pad_ok`) proves, and dropping that guard is refuted the same way."""
+    m = MODEL.copy()
+    a = m.get_action("decode")
+
+    def own_slot(u: L.Update) -> L.Update:
+        (n,) = u.args
+        return L.Update(u.fn, u.args, spec.local_junk(n) | (spec.HYBRID & L.exists(
+            spec.Lane, lambda l: (l == n) & ~spec.decoding(l))), u.whole)
+
+    a.updates = [own_slot(u) if u.fn.name == "local_junk" else u for u in a.updates]
+    assert refutes(m, "decode", "lane_local_state_is_its_own").status == "counterexample"
+    assert refutes(MODEL.without_guard("decode", "local_pad_ok"), "decode",
+                   "lane_local_state_is_its_own").status == "counterexample"
+    assert refuted(MODEL, "decode") == set()
 
 
 def test_copy_into_the_source_is_unsafe():

@@ -1,7 +1,7 @@
 """Hybrid (Gemma3-style) reference runtime: sliding-window layers with their KV in per-lane local
-ring slots beside global layers with their KV in the blocks. The cached path (chunked prefill,
-decode, local slots moved through host buffers) must agree bit for bit with the cache-free oracle,
-whatever the chunk size relative to the window."""
+window slots (as the RBLN kernel keeps them) beside global layers with their KV in the blocks.
+The cached path (chunked prefill, decode, local slots moved through host buffers) must agree bit
+for bit with the cache-free oracle, whatever the chunk size relative to the window."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from atom_core.config import Config
 from atom_core.runtime import Runtime, RuntimeInputError, RuntimeSpec, TorchReferenceRuntime
-from atom_core.runtime.reference import _ring_positions, _visible
+from atom_core.runtime.paged import window_positions
+from atom_core.runtime.reference import _visible
 
 C = 64
 S = 256
@@ -84,9 +85,9 @@ def test_masks_select_the_window_by_position() -> None:
     assert torch.nonzero(v[1])[:, 0].tolist() == [0, 1]
     assert torch.equal(_visible(torch.tensor([5]), torch.arange(8), None)[0],
                        torch.arange(8) <= 5)
-    # ring of 4 after position 9: indices 0..3 hold 8, 9, 6, 7; after -1 (empty): none
-    assert _ring_positions(torch.tensor([9, 1, -1]), 4).tolist() == \
-        [[8, 9, 6, 7], [0, 1, -2, -1], [-4, -3, -2, -1]]
+    # a window of 4 read at position 9 holds 5..8 in order; at 2: 0, 1; at 0: nothing
+    assert window_positions(torch.tensor([9, 2, 0]), 4).tolist() == \
+        [[5, 6, 7, 8], [0, 1, -1, -1], [-1, -1, -1, -1]]
 
 
 def test_spec_layers_and_fingerprint() -> None:
@@ -144,10 +145,11 @@ def test_chunked_prefill_then_decode_matches_generate(window: int, n: int) -> No
     assert seq[n:] == expect
 
 
-def test_ring_content_does_not_depend_on_chunking_or_padding() -> None:
-    """After a prompt, the ring holds exactly its last W positions (and nothing else was
-    written), whatever the chunk size (C < W, C == W, C > W) and whatever the padding tokens:
-    padding positions never reach the ring (they do reach the global blocks, as on the device)."""
+def test_window_content_does_not_depend_on_chunking_or_padding() -> None:
+    """After a prompt, the window holds exactly its last min(n, W) positions at indices 0.. (and
+    nothing else was written), whatever the chunk size (C < W, C == W, C > W) and whatever the
+    padding tokens: padding positions never reach the window (they do reach the global blocks,
+    as on the device)."""
     w = 16
     for n in (5, 65, 200):
         p = prompt(n, 40 + n)
@@ -162,7 +164,7 @@ def test_ring_content_does_not_depend_on_chunking_or_padding() -> None:
         assert all(torch.equal(r, rings[0]) for r in rings), n
         assert all(torch.equal(g, globals_[0]) for g in globals_), n
         written = (rings[0] != 0).any(dim=4).any(dim=2).any(dim=1).any(dim=0)   # per index
-        assert torch.nonzero(written)[:, 0].tolist() == sorted({q % w for q in range(n)})
+        assert torch.nonzero(written)[:, 0].tolist() == list(range(min(n, w)))
 
 
 def test_padding_tokens_of_the_last_chunk_change_nothing_later() -> None:
@@ -179,7 +181,7 @@ def test_padding_tokens_of_the_last_chunk_change_nothing_later() -> None:
 def test_sequences_in_different_slots_decode_together_and_slots_are_reused() -> None:
     """Rows and slots are independent (row r may use any slot); two live sequences in one decode
     batch, a smaller decode graph, and a slot reused by a shorter request over a longer one's
-    stale ring all stay exact."""
+    stale window all stay exact."""
     w = 16
     rt = make(w, decoder_batch_sizes=(4, 2, 1))
     a, b = prompt(100, 51), prompt(30, 52)
@@ -200,14 +202,14 @@ def test_sequences_in_different_slots_decode_together_and_slots_are_reused() -> 
             assert torch.equal(logits[1], rt.oracle_logits(sb))
             sb.append(int(torch.argmax(logits[1])))
     assert sa[len(a):] == ea and sb[len(b):] == eb
-    # slot 3 now holds a's ring at positions up to 129; a shorter request reuses it as is
+    # slot 3 now holds a's window of positions 114..129; a shorter request reuses it as is
     c = prompt(9, 53)
     sc = c + [int(torch.argmax(prefill(rt, c, [4], slot=3)))]
     assert continue_decoding(rt, sc, 9 + 25, 4, 3, [0, 1, 2])[9:] == rt.generate(c, 25)
 
 
 def test_junk_in_local_slots_never_matters() -> None:
-    """Slots full of junk (NaN, inf, huge) before a sequence starts change nothing: every ring
+    """Slots full of junk (NaN, inf, huge) before a sequence starts change nothing: every window
     entry a query sees was written by its own sequence, the rest is masked by position."""
     w = 100
     rt = make(w)
@@ -217,7 +219,7 @@ def test_junk_in_local_slots_never_matters() -> None:
         junk[..., ::7, :] = float("nan")
         junk[..., 3::11, :] = float("inf")
         rt.update_local_cache(junk, slot)
-    p = prompt(40, 4)                 # shorter than the window: most of the ring stays junk
+    p = prompt(40, 4)                 # shorter than the window: most of the slot stays junk
     logits = prefill(rt, p, [1], slot=3)
     assert torch.equal(logits, rt.oracle_logits(p))
     seq = continue_decoding(rt, p + [int(torch.argmax(logits))], 40 + 15, 1, 3, [0, 1, 2])
@@ -245,48 +247,27 @@ def test_a_padding_row_in_another_slot_writes_only_there() -> None:
         d = (before[s] != after[s]).any(dim=4).any(dim=2).any(dim=1).any(dim=0)
         return torch.nonzero(d)[:, 0].tolist()
 
-    assert changed(1) == [70 % w]
-    assert (changed(0), changed(2), changed(3)) == ([9 % w], [33 % w], [40 % w])
+    # the live window was full: it shifts by one (positions 55..70 now)
+    assert changed(1) == list(range(w))
+    # empty slots: position 9 lands at index 9; at 33 and 40 (past W) the zeros shift and the
+    # row's own KV lands last
+    assert (changed(0), changed(2), changed(3)) == ([9], [w - 1], [w - 1])
 
 
 def test_a_padding_row_in_a_live_slot_corrupts_it() -> None:
-    """Why the scheduler must not aim a padding row at a live sequence's slot: the row writes
-    its KV at (slot, pos % W) like any row, over a position the sequence still attends to."""
+    """Why the scheduler never aims a padding row at a busy lane's slot: a lane between two
+    prefill chunks (64 positions in, window 16) padded in its own slot at its next position
+    (what a ring allowed: that entry held a dead position) shifts its window, and the next
+    chunk reads the wrong positions. In an idle lane's slot the same row is harmless."""
     w = 16
-    rt = make(w)
-    seq = _live(rt, 70, slot=1)
-    # ring index 3 holds position 67, inside the window 55..70 of the live row
-    logits = decode(rt, [(seq[-1], 70, 2, 1), (5, 3, SCRATCH, 1), idle(rt, 2, 0),
-                         idle(rt, 3, 1)])
-    assert not torch.equal(logits[0], rt.oracle_logits(seq))
-    # the same row in an idle slot: exact (a fresh runtime, same sequence)
-    rt2 = make(w)
-    seq2 = _live(rt2, 70, slot=1)
-    logits = decode(rt2, [(seq2[-1], 70, 2, 1), (5, 3, SCRATCH, 0), idle(rt2, 2, 0),
-                          idle(rt2, 3, 1)])
-    assert torch.equal(logits[0], rt2.oracle_logits(seq2))
-
-
-def test_a_padding_row_at_the_next_position_of_a_live_slot_is_harmless() -> None:
-    """A padding row may share a live sequence's slot if it writes the ring entry of that
-    sequence's next position e (index e % W holds e - W, outside every later window): a lane
-    between two prefill chunks (or one waiting to export) can then pad in its own slot. The
-    entry is rewritten by the sequence before anyone reads it. (A lane that decodes in the call
-    is a live row, never a padding row: two rows writing one entry would collide.)"""
-    w = 16
-    rt = make(w)
     p = prompt(150, 70)
-    expect = rt.generate(p, 10)
-    prefill(rt, p, [2], 1, end=C)                 # chunk 0 only: next position 64
-    decode(rt, [(9, 64 + 3 * w, SCRATCH, 1), idle(rt, 0, 1), idle(rt, 2, 2), idle(rt, 3, 3)])
-    prefill(rt, p, [2], 1, start=C, end=2 * C)    # chunk 1: next position 128
-    decode(rt, [(9, 128, SCRATCH, 1), idle(rt, 0, 1), idle(rt, 2, 2), idle(rt, 3, 3)])
-    logits = prefill(rt, p, [2], 1, start=2 * C)
-    assert torch.equal(logits, rt.oracle_logits(p))
-    # after the prompt (e = 150), as a lane waiting for its export would be padded
-    decode(rt, [(9, 150 % w, SCRATCH, 1), idle(rt, 0, 1), idle(rt, 2, 2), idle(rt, 3, 3)])
-    seq = continue_decoding(rt, p + [int(torch.argmax(logits))], 160, 2, 1, [0, 2, 3])
-    assert seq[150:] == expect
+    for pad_slot, exact in ((1, False), (0, True)):
+        rt = make(w)
+        prefill(rt, p, [2], 1, end=C)                 # chunk 0 only: next position 64
+        decode(rt, [(9, 64, SCRATCH, pad_slot), idle(rt, 0, 1), idle(rt, 2, 2),
+                    idle(rt, 3, 3)])
+        logits = prefill(rt, p, [2], 1, start=C)
+        assert torch.equal(logits, rt.oracle_logits(p)) == exact, pad_slot
 
 
 # --- moving a sequence: global block + local slot ----------------------------------------------

@@ -331,6 +331,7 @@ class Decode(NamedTuple):
     rows: tuple[int, ...]
     positions: tuple[int, ...]
     live: tuple[bool, ...]
+    local: tuple[int, ...]
 
 
 class Release(NamedTuple):
@@ -2292,10 +2293,12 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Preempt(l, lane_req[l]),)
 
 
-def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
+def decode_guard(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> str | None:
     """The first failing guard conjunct of `decode`, or None."""
     if not 0 <= pad < s.consts.K:
         raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
+    if not 0 <= lpad < s.consts.B:
+        raise _bad_index("decode", "lpad", lpad, "Lane", s.consts.B)
     B = s.consts.B
     length = s.length
     tail = s.tail
@@ -2313,8 +2316,9 @@ def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
+    _m1 = not all(_m0)
     # scratch_target_ok
-    if not all(_m0):
+    if _m1:
         if s.consts.RESERVED:
             if owner[pad] != OWNER_SCRATCH:
                 return "scratch_target_ok"
@@ -2324,15 +2328,23 @@ def decode_guard(s: State, pad: int, tok: tuple[int, ...]) -> str | None:
             for l in range(B):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
+    # local_pad_ok
+    if s.consts.HYBRID and _m1 and busy[lpad]:
+        return "local_pad_ok"
     return None
 
 
-def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
+def decode(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     """One decode call over every row: decoding lanes append a token, other rows write padding
-    into `pad` (the scratch target).
+    into `pad` (the scratch target) and, for a hybrid model, into lane `lpad`'s local slot.
+    With every lane busy and one not decoding there is no such slot: decode waits (the lane
+    that is not decoding prefills, or its transfer ends). B + 1 local slots (a lane left idle)
+    are what a hybrid model needs for decode never to wait.
     """
     if not 0 <= pad < s.consts.K:
         raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
+    if not 0 <= lpad < s.consts.B:
+        raise _bad_index("decode", "lpad", lpad, "Lane", s.consts.B)
     B = s.consts.B
     length = s.length
     tail = s.tail
@@ -2341,8 +2353,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m1 = tuple([phase.get(lane_req[l]) for l in range(B)])
-    _m0 = tuple([busy[l] and _m1[l] == PHASE_DECODE for l in range(B)])
+    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
@@ -2352,9 +2363,10 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     copy_host = s.copy_host
     copy_src = s.copy_src
     RESERVED = s.consts.RESERVED
-    _m2 = not all(_m0)
+    _m2 = tuple([not _m0[l] for l in range(B)])
+    _m1 = any(_m2)
     # scratch_target_ok
-    if _m2:
+    if _m1:
         if RESERVED:
             if owner[pad] != OWNER_SCRATCH:
                 return Step(s, (), "scratch_target_ok")
@@ -2364,31 +2376,22 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
             for l in range(B):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return Step(s, (), "scratch_target_ok")
+    HYBRID = s.consts.HYBRID
+    # local_pad_ok
+    if HYBRID and _m1 and busy[lpad]:
+        return Step(s, (), "local_pad_ok")
     new_length = tuple([(length[l] + 1 if _m0[l] else length[l]) for l in range(B)])
     lane_seq = s.lane_seq
     new_lane_seq = tuple([(push(lane_seq[l], tok[l]) if _m0[l] else lane_seq[l]) for l in range(B)])
-    _m3 = _m2 and not RESERVED
+    _m3 = _m1 and not RESERVED
     K = s.consts.K
     new_owner = tuple([
         (OWNER_FREE if (_m3 and b == pad and owner[b] == OWNER_CACHE) else owner[b])
         for b in range(K)
     ])
     _m4 = tuple([(tail[l] if _m0[l] else pad) for l in range(B)])
-    lane_plen = s.lane_plen
-    effects = (
-        Decode(
-            _m4,
-            tuple([
-                (
-                    (lane_plen[l] if (busy[l] and _m1[l] == PHASE_IMPORTING) else length[l])
-                    if busy[l]
-                    else 0
-                )
-                for l in range(B)
-            ]),
-            _m0,
-        ),
-    )
+    _m5 = tuple([(l if _m0[l] else lpad) for l in range(B)])
+    effects = (Decode(_m4, tuple([(length[l] if _m0[l] else 0) for l in range(B)]), _m0, _m5),)
     if s.ghost:
         owner_lane = s.owner_lane
         holds = s.holds
@@ -2419,8 +2422,13 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
             (take(push(lane_seq[l], tok[l]), length[l] + 1) if _m0[l] else local_holds[l])
             for l in range(B)
         ])
+        local_junk = s.local_junk
+        new_local_junk = tuple([
+            local_junk[n] or (HYBRID and any(_m5[l] == n and _m2[l] for l in range(B)))
+            for n in range(B)
+        ])
     else:
-        new_holds = new_junk = new_local_holds = None
+        new_holds = new_junk = new_local_holds = new_local_junk = None
     new = State(
         s.consts,
         s.ghost,
@@ -2431,7 +2439,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         new_holds,
         new_junk,
         new_local_holds,
-        s.local_junk,
+        new_local_junk,
         s.lane_snap,
         s.snap_upto,
         s.lane_snap_junk,
@@ -2445,7 +2453,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
         start,
         new_length,
         new_lane_seq,
-        lane_plen,
+        s.lane_plen,
         copying,
         copy_src,
         copy_host,
@@ -2472,7 +2480,7 @@ def decode(s: State, pad: int, tok: tuple[int, ...]) -> Step:
     return Step(new, effects, None)
 
 
-def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | str:
+def decode_plan(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | str:
     """The effects `decode` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -2480,6 +2488,8 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     """
     if pad is not None and not 0 <= pad < s.consts.K:
         raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
+    if lpad is not None and not 0 <= lpad < s.consts.B:
+        raise _bad_index("decode", "lpad", lpad, "Lane", s.consts.B)
     B = s.consts.B
     length = s.length
     tail = s.tail
@@ -2488,8 +2498,7 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m1 = tuple([phase.get(lane_req[l]) for l in range(B)])
-    _m0 = tuple([busy[l] and _m1[l] == PHASE_DECODE for l in range(B)])
+    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
@@ -2498,8 +2507,9 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
+    _m1 = not all(_m0)
     # scratch_target_ok
-    if not all(_m0):
+    if _m1:
         if s.consts.RESERVED:
             if owner[pad] != OWNER_SCRATCH:
                 return "scratch_target_ok"
@@ -2509,19 +2519,15 @@ def decode_plan(s: State, pad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | s
             for l in range(B):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
-    lane_plen = s.lane_plen
+    # local_pad_ok
+    if s.consts.HYBRID and _m1 and busy[lpad]:
+        return "local_pad_ok"
     return (
         Decode(
             tuple([(tail[l] if _m0[l] else pad) for l in range(B)]),
-            tuple([
-                (
-                    (lane_plen[l] if (busy[l] and _m1[l] == PHASE_IMPORTING) else length[l])
-                    if busy[l]
-                    else 0
-                )
-                for l in range(B)
-            ]),
+            tuple([(length[l] if _m0[l] else 0) for l in range(B)]),
             _m0,
+            tuple([(l if _m0[l] else lpad) for l in range(B)]),
         ),
     )
 
@@ -5389,7 +5395,7 @@ ACTIONS = {
         ("Lane", "Block", "Block", "Int"),
     ),
     "preempt": (preempt, preempt_guard, ("l",), ("Lane",)),
-    "decode": (decode, decode_guard, ("pad", "tok"), ("Block", "(Lane) -> Int")),
+    "decode": (decode, decode_guard, ("pad", "lpad", "tok"), ("Block", "Lane", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
     "abort_waiting": (abort_waiting, abort_waiting_guard, ("r",), ("Req",)),
     "abort_running": (abort_running, abort_running_guard, ("l",), ("Lane",)),
@@ -5482,7 +5488,7 @@ GUARD_READS = {
         "no_block_reusable": (),
         "requeue_fits": ("l",),
     },
-    "decode": {"no_block_overflow": (), "scratch_target_ok": ("pad",)},
+    "decode": {"no_block_overflow": (), "scratch_target_ok": ("pad",), "local_pad_ok": ("lpad",)},
     "finish": {"lane_decoding": ("l",), "keep_needs_prefix_cache": ("keep",)},
     "abort_waiting": {"request_waiting": ("r",)},
     "abort_running": {"lane_busy": ("l",)},
@@ -6351,7 +6357,14 @@ def progress_violations(s: State) -> list[str]:
             or any(copy_done_guard(s, l) is None for l in range(B))
             or any(load_done_guard(s, l) is None for l in range(B))
             or any(store_done_guard(s, h) is None for h in range(H))
-            or (any(_m3) and any(decode_guard(s, pad, (0,) * B) is None for pad in range(K)))
+            or (
+                any(_m3)
+                and any(
+                    decode_guard(s, pad, lpad, (0,) * B) is None
+                    for pad in range(K)
+                    for lpad in range(B)
+                )
+            )
             or any(any(grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
             or any(_m3[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B))
             or any(any(import_grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))

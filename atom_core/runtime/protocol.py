@@ -14,13 +14,16 @@ care about at a block whose content does not matter (the scratch block).
 
 Hybrid models (`uses_local_block_tables`, Gemma3-style: sliding-window layers beside global ones)
 keep the sliding layers' KV outside the blocks, in `batch_size` local slots of `sliding_window`
-(W) positions each, used as a ring: position p lives at ring index p % W of the slot named by
-`local_block_tables` (prefill: the sequence's slot; decode: each row's slot), and a query at q
-sees positions q-W+1..q only. A decode row writes its KV at (its slot, pos % W) whatever the row
-is, like a global block write; a prefill chunk writes only its real positions (those up to
-start + query_position), and of those only the last W. So a padding row must be aimed at a slot
-whose content does not matter, or at a position whose ring entry is dead: for a sequence whose
-next position to write is e, ring index e % W (it holds e - W, outside every later window).
+(W) positions each, named by `local_block_tables` (prefill: the sequence's slot; decode: each
+row's slot). A slot is a window, as the RBLN kernel keeps it (optimum-rbln passes the kernel only
+`cache_seq_len = min(position, W)`): it holds the last min(p, W) positions in order, oldest
+first. A call at position q reads the slot's first min(q, W) entries as positions
+q - min(q, W) .. q - 1, attends to those within q - W + 1 .. q, and appends its own real
+positions (a prefill chunk: those up to start + query_position), dropping the oldest once the
+window is full. So every row writes its slot whatever the row is, and a write at any position
+but the slot's own sequence's next one shifts or overwrites the window there: a padding row must
+be aimed at a slot no live sequence uses (the batcher uses an idle lane's; the spec's
+`local_pad_ok`), never at a busy lane's own slot.
 
 Both runtimes accept any integer tensor (or nested list) of the right shape and convert it to the
 graph's dtype; a wrong shape, a non-integer dtype, a value that does not fit the dtype, or a

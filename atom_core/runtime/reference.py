@@ -4,7 +4,7 @@
 `[num_blocks, kv_heads, block_size, head_dim]`; prefill and decode write KV through the block
 tables for every computed position (padding positions of a chunk and padding rows of a decode
 included) and attend causally by position. A hybrid model (`RuntimeSpec.sliding_window`) has
-sliding-window layers whose KV lives instead in per-lane local ring slots
+sliding-window layers whose KV lives instead in per-lane local window slots
 `[batch_size, kv_heads, sliding_window, head_dim]` (see `TorchReferenceRuntime`). `generate`
 is an independent oracle: greedy decoding by full recompute over the whole sequence, with no
 block table and no cache.
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from atom_core.runtime.paged import gather_blocks, write_blocks
+from atom_core.runtime.paged import gather_blocks, window_append, window_positions, write_blocks
 from atom_core.runtime.protocol import (
     RuntimeInputError,
     check_block,
@@ -100,7 +100,7 @@ class RuntimeSpec:
     norm_eps: float = 1e-5
     # hybrid attention (Gemma3-style): with a window W, layer i is global when
     # (i + 1) % global_every == 0 and sliding (attends to the last W positions, KV in a local
-    # ring per lane) otherwise; None = every layer global, no local KV.
+    # window per lane) otherwise; None = every layer global, no local KV.
     sliding_window: int | None = attrs.field(default=None,
                                              validator=attrs.validators.optional(_positive))
     global_every: int = attrs.field(default=6, validator=_positive)
@@ -235,14 +235,6 @@ def _visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torc
     return valid
 
 
-def _ring_positions(last: torch.Tensor, window: int) -> torch.Tensor:
-    """[R, window]: the position at each ring index of a slot whose latest written position is
-    last[r] (-1 when nothing was written yet): the largest p <= last with p % window == index;
-    negative (no key) where that is below 0."""
-    last = last.long()[:, None]
-    return last - torch.remainder(last - torch.arange(window)[None, :], window)
-
-
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
     if n is None:
@@ -268,10 +260,11 @@ class TorchReferenceRuntime:
     `local_block_tables=None`. Hybrid (a window W): the layers in `spec.sliding_layers` attend
     to the last W positions only and keep their KV not in the blocks but in `batch_size` local
     slots `k_local[j]`, `v_local[j]` [batch_size, kv_heads, W, head_dim] (one per lane), each a
-    ring (position p at index p % W); `k_cache`/`v_cache` then hold the global layers only. The
-    graphs take `local_block_tables` (prefill [1], decode [B,1]: the slot of the sequence, of
-    each row), `uses_local_block_tables` is True, and the local-slot operations
-    (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`, `read_local`) work.
+    window as the RBLN kernel keeps it (`atom_core.runtime.paged`); `k_cache`/`v_cache` then
+    hold the global layers only. The graphs take `local_block_tables` (prefill [1], decode
+    [B,1]: the slot of the sequence, of each row), `uses_local_block_tables` is True, and the
+    local-slot operations (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`,
+    `read_local`) work.
     """
 
     uses_local_block_tables = False
@@ -437,28 +430,24 @@ class TorchReferenceRuntime:
     def _prefill_local(self, p: torch.Tensor, qp: int, slot: int) -> _Attend:
         """Sliding-layer attention of a prefill chunk at positions p [C] in local slot `slot`.
 
-        A query sees the ring's positions before the chunk and the chunk's own positions, both
-        by position (`_visible`), so a chunk longer than the window masks its own old
-        positions. The chunk's KV goes into the ring only after the chunk has attended (its
-        writes overwrite positions its first queries still see), and only for real positions
-        (up to start + query_position: a padding position p would overwrite p - W, which the
-        next query may still need), and of those only the last W (distinct ring indices, and
-        what the ring must hold for the next chunk or decode step)."""
+        A query sees the window's positions before the chunk and the chunk's own positions,
+        both by position (`_visible`), so a chunk longer than the window masks its own old
+        positions. Then the chunk's real positions (up to start + query_position, as the
+        kernel's cache_offset) are appended to the window (`window_append`)."""
         w = self.spec.sliding_window
         assert w is not None
-        start, last = int(p[0]), int(p[0]) + qp
-        kpos = torch.cat([_ring_positions(torch.tensor([start - 1]), w)[0], p])   # [W + C]
+        start = int(p[0])
+        kpos = torch.cat([window_positions(p[:1], w)[0], p])                   # [W + C]
         valid = _visible(p, kpos, w)
-        keep = (p <= last) & (p > last - w)
-        rows, idx = torch.nonzero(keep)[:, 0], p[keep] % w
+        real = qp + 1
 
         def attend(j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kr, vr = self.k_local[j][slot], self.v_local[j][slot]          # [kv_heads, W, d]
             keys = torch.cat([_sane(kr), k.permute(1, 0, 2)], dim=1)[None]
             vals = torch.cat([_sane(vr), v.permute(1, 0, 2)], dim=1)[None]
             out = self._attend(q, valid, keys, vals)
-            kr[:, idx, :] = k[rows].permute(1, 0, 2).to(self.dtype)
-            vr[:, idx, :] = v[rows].permute(1, 0, 2).to(self.dtype)
+            window_append(kr, start, k[:real].permute(1, 0, 2))
+            window_append(vr, start, v[:real].permute(1, 0, 2))
             return out
 
         return attend
@@ -466,25 +455,25 @@ class TorchReferenceRuntime:
     def _decode_local(self, p: torch.Tensor, slots: torch.Tensor) -> _Attend:
         """Sliding-layer attention of decode rows at positions p [B] in local slots [B].
 
-        Every row writes its KV at (its slot, pos % W) first, like a global block write, then
-        reads its slot's ring, keys masked by the positions the ring holds for that row. Rows
-        that share a slot see each other's writes; two rows writing the same ring entry is a
-        scheduler bug (the later row wins, so the result is at least deterministic)."""
+        Each row reads its slot's window as holding positions p - min(p, W) .. p - 1, attends
+        to those and its own key, then appends its key (`window_append`: a full window drops
+        its oldest position). Whatever the row is: a padding row aimed at a live window
+        shifts it, which is why the scheduler aims padding rows at an idle lane's slot. Rows
+        sharing a slot all read it before any writes; the later row's write wins."""
         w = self.spec.sliding_window
         assert w is not None
-        idx = p % w
-        key = slots * w + idx
-        later = torch.triu(key[:, None] == key[None, :], diagonal=1)   # a later row, same entry
-        keep = ~later.any(dim=1)
-        # the ring holds only positions in (q - W, q], so the window term is implied here;
-        # the mask mostly drops indices with no position yet (q < W - 1)
-        valid = _visible(p, _ring_positions(p, w), w)                     # [B, W]
+        kpos = window_positions(p, w)                                         # [B, W]
+        valid = _visible(p, torch.cat([kpos, p[:, None]], dim=1), w)          # [B, W + 1]
 
         def attend(j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_local[j][slots[keep], :, idx[keep], :] = k[keep].to(self.dtype)
-            self.v_local[j][slots[keep], :, idx[keep], :] = v[keep].to(self.dtype)
-            return self._attend(q, valid, _sane(self.k_local[j][slots]),
-                                _sane(self.v_local[j][slots]))
+            kl, vl = self.k_local[j], self.v_local[j]
+            keys = torch.cat([_sane(kl[slots]), k[:, :, None, :]], dim=2)   # [B, kv, W + 1, d]
+            vals = torch.cat([_sane(vl[slots]), v[:, :, None, :]], dim=2)
+            out = self._attend(q, valid, keys, vals)
+            for r in range(p.shape[0]):
+                window_append(kl[int(slots[r])], int(p[r]), k[r][:, None, :])
+                window_append(vl[int(slots[r])], int(p[r]), v[r][:, None, :])
+            return out
 
         return attend
 
@@ -583,7 +572,7 @@ class TorchReferenceRuntime:
 
     def new_local_host_buffer(self) -> torch.Tensor:
         """[sliding layers, 2 (K, V), kv_heads, sliding_window, head_dim] in the cache dtype:
-        one local slot (ring index = position % sliding_window)."""
+        one local slot (a window: the last min(p, W) positions in order)."""
         self._hybrid_only("new_local_host_buffer")
         return torch.zeros(self._local_shape(), dtype=self.dtype)
 
