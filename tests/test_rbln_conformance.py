@@ -44,6 +44,7 @@ def optimum() -> Iterator[dict[str, Any]]:
             from optimum.rbln.transformers.models.gemma3 import (
                 RBLNGemma3ForCausalLM,
                 RBLNGemma3ForCausalLMConfig,
+                RBLNGemma3ForConditionalGenerationConfig,
             )
             from optimum.rbln.transformers.models.llama import (
                 RBLNLlamaForCausalLM,
@@ -53,12 +54,15 @@ def optimum() -> Iterator[dict[str, Any]]:
                 RBLNQwen2ForCausalLM,
                 RBLNQwen2ForCausalLMConfig,
             )
+            from optimum.rbln.transformers.models.siglip import RBLNSiglipVisionModelConfig
         except ImportError as exc:  # pragma: no cover - a setup error, not a skip
             raise RuntimeError("optimum-rbln==0.12.0 is not installed: run `make install` "
                                "(it installs it with --no-deps)") from exc
         yield {"llama": (RBLNLlamaForCausalLM, RBLNLlamaForCausalLMConfig),
                "qwen2": (RBLNQwen2ForCausalLM, RBLNQwen2ForCausalLMConfig),
-               "gemma3": (RBLNGemma3ForCausalLM, RBLNGemma3ForCausalLMConfig)}
+               "gemma3": (RBLNGemma3ForCausalLM, RBLNGemma3ForCausalLMConfig),
+               "gemma3-vl": (RBLNGemma3ForConditionalGenerationConfig,
+                             RBLNSiglipVisionModelConfig)}
 
 
 def model_config(family: str) -> Any:
@@ -91,15 +95,28 @@ MATRIX: dict[str, tuple[str, dict[str, Any], Any, str | None]] = {
     "gemma3": ("gemma3", EAGER, None, None),
     "llama-lora": ("llama", {**EAGER, "lora": True}, "math", None),
     "llama-lora-no-adapter": ("llama", {**EAGER, "lora": True}, None, "lora_config"),
-    "llama-inputs-embeds": ("llama", {**EAGER, "use_inputs_embeds": True}, None,
-                            "use_inputs_embeds"),
+    "llama-inputs-embeds": ("llama", {**EAGER, "use_inputs_embeds": True, "embedding": True},
+                            None, None),
+    "llama-inputs-embeds-no-table": ("llama", {**EAGER, "use_inputs_embeds": True}, None,
+                                     "use_inputs_embeds"),
+    # a Gemma3 vision-language artifact: the language model (inputs_embeds, an image prefill
+    # graph) in its language_model/ sub-folder
+    "gemma3-multimodal": ("gemma3", {**EAGER, "use_inputs_embeds": True, "embedding": True,
+                                     "phases": ["prefill", "image_prefill", "decode"],
+                                     "image_prefill_chunk_size": C, "multimodal": True},
+                          None, None),
 }
 
 
 def compile_artifact(optimum: dict, root: Path, family: str, settings: dict[str, Any]) -> Any:
-    """An artifact directory as optimum-rbln saves one (graph files empty)."""
+    """An artifact directory as optimum-rbln saves one (graph files empty): `root` itself, or
+    with `multimodal` its language_model/ sub-folder, whose config is returned."""
     model_cls, config_cls = optimum[family]
     settings = dict(settings)
+    embedding, multimodal = settings.pop("embedding", False), settings.pop("multimodal", False)
+    top = root
+    if multimodal:
+        root = root / "language_model"
     if settings.pop("lora", False):
         adapter = root.parent / f"{root.name}-adapter"
         adapter.mkdir(parents=True)
@@ -114,7 +131,29 @@ def compile_artifact(optimum: dict, root: Path, family: str, settings: dict[str,
     mc.save_pretrained(root)
     for cc in cfg.compile_cfgs:
         (root / f"{cc.compiled_model_name}.rbln").write_bytes(b"")
+    if embedding:  # optimum-rbln's own save of the input embedding (torch_artifacts.pth)
+        model_cls.save_torch_artifacts(model=EmbeddingHolder(family, mc), save_dir_path=root.parent,
+                                       subfolder=root.name, rbln_config=cfg)
+    if multimodal:
+        parent_cls, vision_cls = optimum["gemma3-vl"]
+        parent_cls(batch_size=cfg.batch_size, language_model=cfg,
+                   vision_tower=vision_cls(batch_size=1)).save(top)
     return cfg
+
+
+class EmbeddingHolder:
+    """The one thing `save_torch_artifacts` asks of a torch model: its input embedding."""
+
+    def __init__(self, family: str, mc: Any) -> None:
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+        torch.manual_seed(1)
+        self.embedding = (
+            Gemma3TextScaledWordEmbedding(V, mc.hidden_size, 0, embed_scale=mc.hidden_size**0.5)
+            if family == "gemma3" else torch.nn.Embedding(V, mc.hidden_size))
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embedding
 
 
 def graphs_of(cfg: Any, root: Path) -> dict[str, FakeGraph]:
@@ -144,9 +183,11 @@ def test_artifact_conformance(optimum: dict, tmp_path: Path, name: str) -> None:
     family, settings, adapter, refused = MATRIX[name]
     root = tmp_path / name
     cfg = compile_artifact(optimum, root, family, settings)
+    lm = root / "language_model" if settings.get("multimodal") else root
     GRAPHS.clear()
-    GRAPHS.update(graphs_of(cfg, root))
+    GRAPHS.update(graphs_of(cfg, lm))
     saved = json.loads((root / "rbln_config.json").read_text())
+    saved = saved.get("language_model", saved)
     with installed(lambda path, kwargs: GRAPHS[path]):
         if refused is not None:
             with pytest.raises(RblnArtifactError, match=refused):
@@ -194,7 +235,7 @@ def test_artifact_conformance(optimum: dict, tmp_path: Path, name: str) -> None:
     table = calls["prefill"][mine[0]][2]
     assert all(torch.equal(calls["prefill"][i][2], table) for i in mine)
 
-    reference = OptimumReference(optimum[family][0], cfg, family)
+    reference = OptimumReference(optimum[family][0], cfg, family, lm)
     out = reference.prefill(prompt, live[0], table, rt.uses_local_block_tables)
     assert_same_calls(reference.calls("prefill"), [by_name["prefill"].calls[i] for i in mine])
     reference.decode(ids, pos, bt, lbt, prefill_mask=getattr(out, "attention_mask", None),
@@ -216,15 +257,17 @@ class OptimumReference:
     """optimum-rbln's runtime models over recording graphs, set up by the model class's own
     `setup_runtime`, driven the way a serving stack with its own block tables drives them."""
 
-    def __init__(self, model_cls: Any, cfg: Any, family: str) -> None:
+    def __init__(self, model_cls: Any, cfg: Any, family: str, root: Path) -> None:
         self.cfg, self.family = cfg, family
         self.recorded: dict[str, list[list[torch.Tensor]]] = {}
         model = object.__new__(model_cls)
         model.rbln_config, model.config = cfg, model_config(family)
         model.dtype = cfg.dtype  # what RBLNBaseModel.__init__ sets
-        model.embed_tokens = None  # use_inputs_embeds=False: never used
         model.model = [self._recorder(cc.compiled_model_name, cc) for cc in cfg.compile_cfgs]
-        model_cls.setup_runtime(model)
+        # the model's own loading step: its embedding from torch_artifacts.pth (inputs_embeds),
+        # then setup_runtime
+        model.model_save_dir, model.subfolder = root.parent, root.name
+        model_cls.__post_init__(model)
         self.model = model
         if cfg.use_lora:  # every row with the adapter the binding was loaded with
             ids = torch.full((cfg.batch_size,), 1, dtype=torch.int32)

@@ -10,15 +10,18 @@ loaded as `rebel.Runtime(rebel.RBLNCompiledModel(file), tensor_type="pt", device
 Graph inputs. rbln_config.json says which inputs each graph was compiled with, in this order
 (the KV caches are bound to the runtime, not passed):
 
-    input_ids, cache_position, block_tables, [local_block_tables] (cache_impl 'hybrid'),
+    input_ids (inputs_embeds with use_inputs_embeds: looked up on the host in the input embedding
+    optimum-rbln saves as torch_artifacts.pth), cache_position, block_tables,
+    [local_block_tables] (cache_impl 'hybrid'),
     [query_position] (prefill only, when hybrid or logits_to_keep == 1),
     [attention_mask] (use_attention_mask: [rows, 1, q, max_seq_len], or [rows, max_seq_len] with
     use_position_ids), [position_ids] (use_position_ids), [lora_int_ids] (lora_config)
 
 `GraphInputs` reads those settings and builds every optional tensor with the values optimum-rbln's
 own runtime model passes for the same tables; an artifact whose inputs it cannot build is refused
-at load time with `RblnArtifactError` naming the setting (inputs_embeds, sliding-window-only
-caches, linear-attention caches, LoRA without a chosen adapter, logits_to_keep > 1). Gemma3 is
+at load time with `RblnArtifactError` naming the setting (inputs_embeds without an embedding
+the binding can compute, sliding-window-only caches, linear-attention caches, LoRA without a
+chosen adapter, logits_to_keep > 1). Gemma3 is
 always compiled with an attention mask and position ids (prefill 7 inputs, decode 6); decode
 position ids equal cache positions because atom-core's text prefill never pads the cache (see
 `GraphInputs.decode_args`).
@@ -47,6 +50,7 @@ import attrs
 import torch
 
 from atom_core.runtime.protocol import (
+    RuntimeInputError,
     check_block,
     check_copy,
     check_decode_inputs,
@@ -55,7 +59,8 @@ from atom_core.runtime.protocol import (
 )
 
 __all__ = ["GraphInputs", "RblnArtifactError", "RblnCapabilityError", "RblnRuntime",
-           "RblnUnavailableError", "graph_inputs", "host_block_bytes", "read_artifact"]
+           "RblnUnavailableError", "graph_inputs", "host_block_bytes", "input_embedding",
+           "read_artifact"]
 
 INSTALL_HINT = (
     "RblnRuntime needs the Rebellions SDK Python package `rebel` (rebel-compiler), which is not "
@@ -122,6 +127,10 @@ class GraphInputs:
     mask_dtype: torch.dtype = torch.float32
     lora_int_id: int | None = None
     batch_sort: bool = False
+    # use_inputs_embeds: the graphs take embeddings [rows, q, hidden] instead of token ids; the
+    # host looks tokens up in this table (the model's input embedding, already scaled as the
+    # model scales it), as optimum-rbln's runtime model does with its embed_tokens
+    embedding: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def prefill_query_position(self) -> bool:
@@ -133,9 +142,22 @@ class GraphInputs:
 
     # --- signatures (name, dtype, shape) -------------------------------------------------------
 
+    def _tokens(self, rows: int, q: int) -> tuple[str, torch.dtype, tuple[int, ...]]:
+        if self.embedding is None:
+            return ("input_ids", i64, (rows, q))
+        return ("inputs_embeds", self.embedding.dtype, (rows, q, self.embedding.shape[1]))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embedding is None:
+            return ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.embedding.shape[0]:
+            raise RuntimeInputError(f"input_ids {ids.tolist()} are outside the embedding's "
+                                    f"vocabulary 0..{self.embedding.shape[0] - 1}")
+        return self.embedding[ids]
+
     def prefill_signature(self) -> Signature:
         c, s = self.prefill_chunk, self.max_seq_len
-        sig: Signature = [("input_ids", i64, (1, c)), ("cache_position", i32, (1, c)),
+        sig: Signature = [self._tokens(1, c), ("cache_position", i32, (1, c)),
                           ("block_tables", i16, (self.blocks_per_table,))]
         if self.local_tables:
             sig.append(("local_block_tables", i16, (1,)))
@@ -153,7 +175,7 @@ class GraphInputs:
 
     def decode_signature(self, rows: int) -> Signature:
         s = self.max_seq_len
-        sig: Signature = [("input_ids", i64, (rows, 1)), ("cache_position", i32, (rows, 1)),
+        sig: Signature = [self._tokens(rows, 1), ("cache_position", i32, (rows, 1)),
                           ("block_tables", i16, (rows, self.blocks_per_table))]
         if self.local_tables:
             sig.append(("local_block_tables", i16, (rows, 1)))
@@ -180,7 +202,11 @@ class GraphInputs:
         # embedding, whose outputs nobody reads
         pos = pos.clone()
         pos[0, real:] = 0
-        args = [ids, pos, bt]
+        tokens = self._embed(ids)
+        if self.embedding is not None:
+            # optimum-rbln embeds the real tokens and pads the chunk with zero vectors
+            tokens[0, real:] = 0
+        args = [tokens, pos, bt]
         if self.local_tables:
             assert lbt is not None
             args.append(lbt)
@@ -206,7 +232,7 @@ class GraphInputs:
                     lbt: torch.Tensor | None) -> list[torch.Tensor]:
         """The decode graph's arguments for checked rows (`check_decode_inputs`)."""
         rows, s = ids.shape[0], self.max_seq_len
-        args = [ids, pos, bt]
+        args = [self._embed(ids), pos, bt]
         if self.local_tables:
             assert lbt is not None
             args.append(lbt)
@@ -257,9 +283,11 @@ def read_artifact(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
-                 lora_adapter: str | int | None = None) -> GraphInputs:
+                 lora_adapter: str | int | None = None,
+                 embedding: torch.Tensor | None = None) -> GraphInputs:
     """The graph inputs of an artifact's settings, or `RblnArtifactError` naming the setting
-    whose inputs the binding cannot build."""
+    whose inputs the binding cannot build. `embedding`: the input embedding table of a
+    use_inputs_embeds artifact (`input_embedding`)."""
 
     def refuse(setting: str, why: str) -> RblnArtifactError:
         return RblnArtifactError(f"{where}: {setting}: {why}")
@@ -268,9 +296,14 @@ def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
     if "prefill" not in phases or "decode" not in phases:
         raise refuse(f"phases={phases}", "atom-core needs a prefill and a decode graph; "
                      "compile the model for generation (phases ['prefill', 'decode'])")
-    if cfg.get("use_inputs_embeds"):
-        raise refuse("use_inputs_embeds=True", "the graphs take embeddings, which the binding "
-                     "does not compute on the host; compile with use_inputs_embeds=False")
+    if cfg.get("use_inputs_embeds") and embedding is None:
+        raise refuse("use_inputs_embeds=True", "the graphs take embeddings and the artifact has "
+                     "no input embedding the binding can compute them with (torch_artifacts.pth "
+                     "of a model whose embedding optimum-rbln builds as a plain or Gemma3 "
+                     "lookup); compile with use_inputs_embeds=False")
+    if embedding is not None and not cfg.get("use_inputs_embeds"):
+        raise refuse("use_inputs_embeds=False", "an embedding table was given, but the graphs "
+                     "take token ids")
     cache_impl = cfg.get("cache_impl") or "static"
     if cache_impl not in ("static", "hybrid"):
         raise refuse(f"cache_impl={cache_impl!r}", "only 'static' and 'hybrid' artifacts have the "
@@ -319,7 +352,38 @@ def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
         local_tables=cache_impl == "hybrid", logits_to_keep=int(keep),
         attention_mask=None if not mask else "2d" if ids else "4d", position_ids=ids,
         mask_dtype=_FLOAT_DTYPES.get(dtype_name, torch.float32), lora_int_id=lora_id,
-        batch_sort=bool(cfg.get("_requires_batch_sort")))
+        batch_sort=bool(cfg.get("_requires_batch_sort")),
+        embedding=None if embedding is None else embedding.to(
+            _FLOAT_DTYPES.get(dtype_name, torch.float32)))
+
+
+# optimum-rbln config classes whose model embeds tokens as Gemma3's scaled lookup (the table
+# times sqrt(hidden_size), in the table's dtype); every other decoder-only class without its own
+# `_create_embedding_layer` uses a plain lookup
+_SCALED_EMBEDDING = ("RBLNGemma3ForCausalLMConfig",)
+# classes whose language model prepares its inputs in ways the binding does not reproduce
+# (Gemma4's per-layer inputs, the Qwen VL models' position embeddings, PaliGemma's bidirectional
+# prefill, ...): their inputs_embeds artifacts are refused
+_OWN_INPUTS = ("RBLNGemma4", "RBLNPaliGemma", "RBLNQwen2_5_VL", "RBLNQwen3_VL", "RBLNPixtral",
+               "RBLNColQwen2")
+
+
+def input_embedding(root: Path, cfg: Mapping[str, Any]) -> torch.Tensor | None:
+    """The input embedding table of a use_inputs_embeds artifact: optimum-rbln saves the
+    model's embedding state in `torch_artifacts.pth` (`embed_tokens`) beside the graphs. None
+    when the artifact has none or builds its embeddings some other way."""
+    f = root / "torch_artifacts.pth"
+    name = str(cfg.get("cls_name", ""))
+    if not cfg.get("use_inputs_embeds") or not f.exists() or name.startswith(_OWN_INPUTS):
+        return None
+    state = torch.load(f, map_location="cpu", weights_only=True).get("embed_tokens") or {}
+    weight = state.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    if name in _SCALED_EMBEDDING:
+        # the same product per element as scaling each looked-up row
+        return weight * torch.tensor(weight.shape[1] ** 0.5).to(weight.dtype)
+    return weight
 
 
 def host_block_bytes(cfg: Mapping[str, Any]) -> int | None:
@@ -428,7 +492,7 @@ class RblnRuntime:
         inputs = graph_inputs({**cfg, "max_seq_len": seq,
                                **({"kvcache_block_size": block_size} if block_size else {}),
                                **({"prefill_chunk_size": prefill_chunk} if prefill_chunk
-                                  else {})}, where, lora_adapter)
+                                  else {})}, where, lora_adapter, input_embedding(root, cfg))
         sizes = decoder_batch_sizes if decoder_batch_sizes is not None else \
             cfg.get("decoder_batch_sizes") or [cfg.get("batch_size", 1)]
         sizes = sorted({int(b) for b in sizes}, reverse=True)
