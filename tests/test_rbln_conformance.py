@@ -235,7 +235,8 @@ def test_artifact_conformance(optimum: dict, tmp_path: Path, name: str) -> None:
     table = calls["prefill"][mine[0]][2]
     assert all(torch.equal(calls["prefill"][i][2], table) for i in mine)
 
-    reference = OptimumReference(optimum[family][0], cfg, family, lm)
+    lora_id = cfg.lora_config.get_adapter_by_name(adapter).lora_int_id if cfg.use_lora else None
+    reference = OptimumReference(optimum[family][0], cfg, family, lm, lora_id)
     out = reference.prefill(prompt, live[0], table, rt.uses_local_block_tables)
     assert_same_calls(reference.calls("prefill"), [by_name["prefill"].calls[i] for i in mine])
     reference.decode(ids, pos, bt, lbt, prefill_mask=getattr(out, "attention_mask", None),
@@ -257,7 +258,8 @@ class OptimumReference:
     """optimum-rbln's runtime models over recording graphs, set up by the model class's own
     `setup_runtime`, driven the way a serving stack with its own block tables drives them."""
 
-    def __init__(self, model_cls: Any, cfg: Any, family: str, root: Path) -> None:
+    def __init__(self, model_cls: Any, cfg: Any, family: str, root: Path,
+                 lora_id: int | None) -> None:
         self.cfg, self.family = cfg, family
         self.recorded: dict[str, list[list[torch.Tensor]]] = {}
         model = object.__new__(model_cls)
@@ -269,8 +271,8 @@ class OptimumReference:
         model.model_save_dir, model.subfolder = root.parent, root.name
         model_cls.__post_init__(model)
         self.model = model
-        if cfg.use_lora:  # every row with the adapter the binding was loaded with
-            ids = torch.full((cfg.batch_size,), 1, dtype=torch.int32)
+        if lora_id is not None:  # every row with the adapter the binding was loaded with
+            ids = torch.full((cfg.batch_size,), lora_id, dtype=torch.int32)
             model.prefill_decoder.lora_int_ids = ids
             for d in model.decoders.values():
                 d.lora_int_ids = ids[: d.batch_size]

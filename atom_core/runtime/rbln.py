@@ -318,9 +318,9 @@ def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
         raise refuse("use_position_ids=True", "needs use_attention_mask=True (optimum-rbln "
                      "compiles position ids only with a mask)")
     dtype_name = cfg.get("dtype", "float32")
-    if mask and dtype_name not in _FLOAT_DTYPES:
-        raise refuse(f"dtype={dtype_name!r}", f"the attention mask's dtype must be one of "
-                     f"{sorted(_FLOAT_DTYPES)}")
+    if (mask or embedding is not None) and dtype_name not in _FLOAT_DTYPES:
+        raise refuse(f"dtype={dtype_name!r}", f"the attention mask's and embeddings' dtype must "
+                     f"be one of {sorted(_FLOAT_DTYPES)}")
     metas = cfg.get("cache_metas") or []
     kinds = sorted({m.get("layer_type") for m in metas} - _KV_LAYERS, key=str)
     if kinds:
