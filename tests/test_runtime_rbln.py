@@ -23,7 +23,7 @@ from atom_core.runtime import (
     RuntimeSpec,
     TorchReferenceRuntime,
 )
-from atom_core.runtime.rbln import RblnArtifactError, RblnCapabilityError
+from atom_core.runtime.rbln import GraphInputs, RblnArtifactError, RblnCapabilityError
 
 C, S, K, V = 64, 256, 6, 128
 SIZES = (4, 2, 1)
@@ -400,3 +400,33 @@ def test_every_table_entry_must_be_a_block(world: dict, tmp_path: Path) -> None:
     rt.prefill(ids, pos, [1, 1, 1, 1], None, 0)   # the row's own block repeated: fine
     assert len(world["runtimes"]["prefill"].calls) == 1
     assert world["runtimes"]["decoder_batch_2"].calls == []
+
+
+def test_sorted_decode_returns_logits_in_the_callers_row_order() -> None:
+    """_requires_batch_sort: the graph gets rows longest first, the caller its own order back."""
+    seen = []
+
+    def graph(ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        seen.append(pos[:, 0].tolist())
+        return pos.float().unsqueeze(-1).expand(-1, 1, V).clone()  # each row: its position
+
+    inputs = GraphInputs(max_seq_len=S, block_size=S, prefill_chunk=C, batch_sort=True)
+    rt = RblnRuntime(prefill=object(), decoders={4: graph}, num_blocks=K, block_size=S,
+                     max_seq_len=S, prefill_chunk=C, vocab_size=V, inputs=inputs)
+    positions = [[3], [0], [9], [5]]
+    logits = rt.decode([[1]] * 4, positions, [[0], [1], [2], [3]], None)
+    assert seen == [[9, 5, 3, 0]]
+    assert logits[:, 0, 0].tolist() == [3.0, 0.0, 9.0, 5.0]
+
+
+def test_logits_to_keep_0_returns_the_query_positions_logits() -> None:
+    """A prefill graph compiled with logits_to_keep=0 takes no query_position and returns every
+    position's logits; the binding hands back the one at query_position."""
+    def graph(ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        return torch.arange(C, dtype=torch.float32).view(1, C, 1).expand(1, C, V).clone()
+
+    inputs = GraphInputs(max_seq_len=S, block_size=S, prefill_chunk=C, logits_to_keep=0)
+    rt = RblnRuntime(prefill=graph, decoders={1: object()}, num_blocks=K, block_size=S,
+                     max_seq_len=S, prefill_chunk=C, vocab_size=V, inputs=inputs)
+    logits = rt.prefill([[1] * C], [list(range(C))], [0], None, 5)
+    assert tuple(logits.shape) == (1, 1, V) and logits[0, 0, 0] == 5.0
