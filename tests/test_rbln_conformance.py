@@ -243,6 +243,15 @@ def test_artifact_conformance(optimum: dict, tmp_path: Path, name: str) -> None:
                      live=live)
     assert_same_calls(reference.calls(f"decoder_batch_{config.lanes}"), decoder.calls[:1])
 
+    # every smaller decode graph too (the batcher fills all lanes' rows; other callers pick
+    # the smallest graph that holds their busy rows): the fake graph checks the signature
+    for b in rt.decoder_batch_sizes:
+        graph = by_name[f"decoder_batch_{b}"]
+        before = len(graph.calls)
+        rt.decode([[1]] * b, [[r] for r in range(b)], [[0] * config.blocks_per_table] * b,
+                  [[r] for r in range(b)] if rt.uses_local_block_tables else None)
+        assert len(graph.calls) == before + 1
+
 
 def assert_same_calls(expected: list[list[torch.Tensor]], got: list[list[torch.Tensor]]) -> None:
     assert len(expected) == len(got)
