@@ -7,14 +7,20 @@ with, minus the KV caches (bound to the runtime, never passed). For each artifac
 
 - the binding loads it, or refuses it naming the setting it cannot build;
 - `Config.from_rbln` reads the fields rbln_config.json holds;
-- the batcher serves a request through the binding, so every graph call atom-core makes meets
-  the compiled signature (the fake graph asserts it);
+- the batcher serves two requests through the binding, and every compiled decode graph is
+  called once more directly, so every graph call atom-core makes meets the compiled signature
+  (the fake graph asserts it);
 - the tensors of one chunked prefill (two chunks, the last padded) and one padded decode (a row
-  for an idle lane) equal those optimum-rbln's own runtime models (`RBLNRuntimeModel`, Gemma3's
-  `RBLNGemma3RuntimeModel`, set up by the model class's own `setup_runtime`) pass to the graphs
-  for the same tokens, positions and block tables.
+  for an idle lane, rows out of length order) equal those optimum-rbln's own runtime models
+  (`RBLNRuntimeModel`, Gemma3's `RBLNGemma3RuntimeModel`, set up by the model class's own
+  `__post_init__`: embedding from torch_artifacts.pth, then `setup_runtime`) pass to the graphs
+  for the same tokens, positions and block tables. Driven as a serving stack with its own
+  tables drives them: the model class's batch sort is applied first, and Gemma3's decode mask
+  is passed the way vllm-rbln builds it (the prefill's mask, plus each row's position).
 
-What this cannot show without the SDK: what the compiled kernels compute from those tensors.
+What this cannot show without the SDK: what the compiled kernels compute from those tensors
+(e.g. that a padding row's write lands only where its table points, or that host block transfers
+move exactly one block).
 """
 
 from __future__ import annotations
