@@ -286,6 +286,10 @@ def test_host_transfers_are_off_unless_asked(rt: RblnRuntime, world: dict) -> No
                  prefix_cache=True, host_cache_blocks=2)
     with pytest.raises(ValueError, match="host_cache_blocks: host KV transfers .* are off"):
         AtomBatcher(cfg, rt)
+    opted_in = RblnRuntime(prefill=object(), decoders={4: object()}, num_blocks=K,
+                           block_size=S, max_seq_len=S, prefill_chunk=C, vocab_size=V,
+                           host_kv_transfers=True, host_block_bytes=64)
+    assert AtomBatcher(cfg, opted_in).config.host_cache_blocks == 2
 
 
 def test_new_host_buffer_holds_one_block_of_every_full_layer(
