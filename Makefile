@@ -15,9 +15,16 @@ SIMULATE_SEED := 0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# optimum-rbln, for the RBLN conformance test (tests/test_rbln_conformance.py) only: its graph
+# signatures and config serializer are pure Python, but its dependencies include the private
+# SDK (`rebel`, faked by the test) and pins (torch+cpu, diffusers) the dev extra cannot take, so
+# it is installed without dependencies and pinned to the version the binding follows.
+OPTIMUM_RBLN := optimum-rbln==0.12.0
+
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install --no-input -e '.[dev]'
+	$(PIP) install --no-input --no-deps $(OPTIMUM_RBLN)
 	touch $(STAMP)
 
 # The core from the spec, then the capacity table from the proofs (Config validates with it) and

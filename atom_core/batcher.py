@@ -142,7 +142,12 @@ def check_runtime(cfg: Config, rt: Any) -> None:
                      + ("has sliding-window layers" if hybrid else "has none"))
     elif hybrid and getattr(rt, "sliding_window", cfg.sliding_window) != cfg.sliding_window:
         wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime {rt.sliding_window}")
-    if cfg.host_cache_blocks and not all(
+    if cfg.host_cache_blocks and getattr(rt, "host_kv_transfers", True) is False:
+        # a runtime whose block transfers to and from the host are not yet trusted (RBLN)
+        from atom_core.runtime.rbln import HOST_KV_REFUSAL
+
+        wrong.append(f"host_cache_blocks: {HOST_KV_REFUSAL}")
+    elif cfg.host_cache_blocks and not all(
             hasattr(rt, op) for op in ("new_host_buffer", "fetch_kv_cache", "update_kv_cache")):
         wrong.append("host_cache_blocks: the host tier stores and loads blocks through host "
                      "buffers (new_host_buffer/fetch_kv_cache/update_kv_cache), which this "

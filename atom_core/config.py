@@ -326,6 +326,11 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
     Keys the scheduler does not use (the model's id, tensor_parallel_size, ...) are ignored."""
     fields = {**rbln_fields(rbln_config), **overrides}
     where = rbln_config if not isinstance(rbln_config, dict) else "rbln_config"
+    if fields.get("kv_blocks") == 0:
+        # optimum-rbln's "estimate when compiling": a compiled artifact records the estimate
+        raise ConfigError(f"{where}: kvcache_num_blocks=0 asks optimum-rbln to estimate the block "
+                          "count when compiling; read the settings of the compiled artifact (its "
+                          "rbln_config.json holds the estimate), or give kv_blocks=")
     for field, names in (("lanes", "batch_size (or max_num_seqs)"),
                          ("kv_blocks", "kvcache_num_blocks (or num_gpu_blocks_override)")):
         if field not in fields:

@@ -65,3 +65,10 @@ def test_from_rbln_sliding_window_follows_cache_impl():
     assert Config.from_rbln({**hybrid, "cache_impl": "static"}).sliding_window is None
     with pytest.raises(ConfigError, match="cache_impl='sliding_window'"):
         Config.from_rbln({**hybrid, "cache_impl": "sliding_window"})
+
+
+def test_from_rbln_refuses_an_uncompiled_block_estimate():
+    """kvcache_num_blocks=0 is optimum-rbln's "estimate when compiling", not a block count."""
+    with pytest.raises(ConfigError, match="kvcache_num_blocks=0 asks optimum-rbln to estimate"):
+        Config.from_rbln({**ARTIFACT, "kvcache_num_blocks": 0})
+    assert Config.from_rbln({**ARTIFACT, "kvcache_num_blocks": 0}, kv_blocks=16).kv_blocks == 16

@@ -150,7 +150,9 @@ def test_lanes_decoded_together_match_generate_exactly() -> None:
 def test_paged_block_tables_match_generate() -> None:
     rt = make(block_size=64, num_blocks=10)   # T = 4 blocks of 64 per sequence
     reqs = [(prompt(150, 7), 30), (prompt(70, 8), 20), (prompt(3, 9), 12)]
-    tables = [[5, 2, 7, 0], [1, 3, -1, -1], [8, -1, -1, -1], [9, 9, 9, 9]]
+    # entries past a sequence's end repeat its last block: every entry a graph sees is a block
+    # id (optimum-rbln never passes -1), and nothing is read or written there
+    tables = [[5, 2, 7, 0], [1, 3, 3, 3], [8, 8, 8, 8], [9, 9, 9, 9]]
     outs = serve(rt, reqs, tables=tables, scratch=9, rows=4)
     for (p, k), out in zip(reqs, outs, strict=True):
         assert out == rt.generate(p, k)
@@ -233,7 +235,7 @@ def test_prefill_writes_the_whole_chunk_and_nothing_else() -> None:
     _fill(rt, 2)
     before = [rt.read_block(b) for b in range(rt.num_blocks)]
     p = prompt(64 + 10, 42)
-    prefill(rt, p, [3, 5, -1, -1])   # chunk 0 -> block 3, chunk 1 (10 valid + 54 padding) -> 5
+    prefill(rt, p, [3, 5, 5, 5])   # chunk 0 -> block 3, chunk 1 (10 valid + 54 padding) -> 5
     after = [rt.read_block(b) for b in range(rt.num_blocks)]
     for b in range(rt.num_blocks):
         if b not in (3, 5):

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from atom_core.batcher import AtomBatcher
+from atom_core.config import Config
 from atom_core.runtime import (
     RblnRuntime,
     RblnUnavailableError,
@@ -21,22 +23,24 @@ from atom_core.runtime import (
     RuntimeSpec,
     TorchReferenceRuntime,
 )
+from atom_core.runtime.rbln import GraphInputs, RblnArtifactError, RblnCapabilityError
 
 C, S, K, V = 64, 256, 6, 128
 SIZES = (4, 2, 1)
 i64, i32, i16 = torch.int64, torch.int32, torch.int16
 
 
-def prefill_signature(hybrid: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def prefill_signature(hybrid: bool, t: int = 1) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     return [("input_ids", i64, (1, C)), ("cache_position", i32, (1, C)),
-            ("block_tables", i16, (S // S,)),
+            ("block_tables", i16, (t,)),
             *([("local_block_tables", i16, (1,))] if hybrid else []),
             ("query_position", i16, ())]
 
 
-def decode_signature(b: int, hybrid: bool) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def decode_signature(b: int, hybrid: bool,
+                     t: int = 1) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     return [("input_ids", i64, (b, 1)), ("cache_position", i32, (b, 1)),
-            ("block_tables", i16, (b, S // S)),
+            ("block_tables", i16, (b, t)),
             *([("local_block_tables", i16, (b, 1))] if hybrid else [])]
 
 
@@ -45,17 +49,17 @@ class FakeRuntime:
 
     def __init__(self, compiled: Any, tensor_type: str = "numpy", device: Any = 0,
                  **kwargs: Any) -> None:
-        self.name = Path(compiled.path).stem
+        self.name, self.path = Path(compiled.path).stem, compiled.path
         self.tensor_type, self.device, self.kwargs = tensor_type, device, kwargs
         self.world = compiled.world
         self.calls: list[tuple[str, tuple]] = []
         hybrid = self.world["hybrid"]
+        t = self.world.get("T", 1)  # blocks per table of the artifact
         if self.name == "prefill":
-            self.signature = prefill_signature(hybrid)
+            self.signature = prefill_signature(hybrid, t)
         else:
-            b = self.world["batch_size"] if self.name == "decoder" else \
-                int(self.name.removeprefix("decoder_batch_"))
-            self.signature = decode_signature(b, hybrid)
+            self.signature = decode_signature(int(self.name.removeprefix("decoder_batch_")),
+                                              hybrid, t)
         self.world["runtimes"][self.name] = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -74,7 +78,11 @@ class FakeRuntime:
             rows = 1 if self.name == "prefill" else self.signature[0][2][0]
             return torch.zeros(rows, 1, V)
         if self.name == "prefill":
-            return ref.prefill(*args[:3], None, args[-1])
+            # the binding zeroes a short chunk's padding positions, as optimum-rbln does (the
+            # kernel reads only the chunk's start); the reference checks them all
+            start = int(args[1][0, 0])
+            pos = torch.arange(start, start + C, dtype=i32).unsqueeze(0)
+            return ref.prefill(args[0], pos, args[2], None, args[-1])
         return ref.decode(*args[:3], None)
 
     # the KV-cache methods vllm-rbln uses on a rebel runtime
@@ -242,7 +250,8 @@ def test_the_fake_graph_fails_loudly_on_a_wrong_input(rt: RblnRuntime, world: di
         world["runtimes"]["prefill"](input_ids=ok[0])
 
 
-def test_block_operations_map_to_the_runtime_kv_methods(rt: RblnRuntime, world: dict) -> None:
+def test_block_operations_map_to_the_runtime_kv_methods(world: dict, tmp_path: Path) -> None:
+    rt = RblnRuntime.from_compiled(write_artifact(tmp_path / "m", ALL), host_kv_transfers=True)
     pre = world["runtimes"]["prefill"]
     rt.copy_kv_cache(1, 2, 64)
     host = world["ref"].new_host_buffer()
@@ -259,12 +268,48 @@ def test_block_operations_map_to_the_runtime_kv_methods(rt: RblnRuntime, world: 
     assert len(pre.calls) == 3
 
 
-def test_new_host_buffer_is_aligned(rt: RblnRuntime, world: dict,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def kv_meta(i: int, layer_type: str, shape: list[int], dtype: str = "float16") -> dict:
+    return {"name": f"past_key_values_{i}", "layer_index": i // 2, "shape": shape,
+            "layer_type": layer_type, "is_auto": False, "dtype": dtype}
+
+
+def test_host_transfers_are_off_unless_asked(rt: RblnRuntime, world: dict) -> None:
+    """No wheel moves single blocks through the host: until a device shows fetch/update move
+    exactly one block's content, the host tier and PD are refused unless opted into."""
+    host = torch.zeros(8)
+    for call in (lambda: rt.fetch_kv_cache(host, 1), lambda: rt.update_kv_cache(host, 1),
+                 rt.new_host_buffer):
+        with pytest.raises(RblnCapabilityError, match="host_kv_transfers=True"):
+            call()
+    assert world["runtimes"]["prefill"].calls == []
+    cfg = Config(lanes=4, kv_blocks=K, max_seq_len=S, block_size=S, prefill_chunk=C,
+                 prefix_cache=True, host_cache_blocks=2)
+    with pytest.raises(ValueError, match="host_cache_blocks: host KV transfers .* are off"):
+        AtomBatcher(cfg, rt)
+    opted_in = RblnRuntime(prefill=object(), decoders={4: object()}, num_blocks=K,
+                           block_size=S, max_seq_len=S, prefill_chunk=C, vocab_size=V,
+                           host_kv_transfers=True, host_block_bytes=64)
+    assert AtomBatcher(cfg, opted_in).config.host_cache_blocks == 2
+
+
+def test_new_host_buffer_holds_one_block_of_every_full_layer(
+        world: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized from cache_metas (one block of each global K/V cache; sliding slots are not
+    blocks), never from the whole KV cache."""
     monkeypatch.setitem(sys.modules, "numpy", types.SimpleNamespace(float16="np.float16"))
-    buf = rt.new_host_buffer()
-    assert buf.numel() == 500
-    assert world["aligned"] == [(500, "np.float16", 0x1000, "pt")]
+    metas = [kv_meta(0, "sliding_attention", [4, 2, 64, 16]),
+             kv_meta(1, "sliding_attention", [4, 2, 64, 16]),
+             kv_meta(2, "full_attention", [K, 2, S, 16]),
+             kv_meta(3, "full_attention", [K, 2, S, 16])]
+    world["hybrid"] = True
+    rt = RblnRuntime.from_compiled(write_artifact(tmp_path / "m", ALL, cache_metas=metas,
+                                                  cache_impl="hybrid", sliding_window=64),
+                                   host_kv_transfers=True)
+    assert rt.new_host_buffer().numel() == 2 * (2 * S * 16 * 2) // 2
+    assert world["aligned"] == [(2 * S * 16 * 2, "np.float16", 0x1000, "pt")]
+    bare = RblnRuntime.from_compiled(write_artifact(tmp_path / "b", ALL), host_kv_transfers=True)
+    with pytest.raises(RblnCapabilityError, match="no cache_metas.*host_block_bytes="):
+        bare.new_host_buffer()
 
 
 def test_hybrid_graphs_take_local_block_tables(world: dict, tmp_path: Path) -> None:
@@ -295,18 +340,41 @@ def test_wrong_logits_shape_is_an_error(world: dict) -> None:
 def test_from_compiled_configuration_errors(world: dict, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="decoder_batch_1.rbln"):
         RblnRuntime.from_compiled(write_artifact(tmp_path / "a", ALL[:3]))
-    with pytest.raises(ValueError, match="use_attention_mask"):
-        RblnRuntime.from_compiled(write_artifact(tmp_path / "b", ALL, use_attention_mask=True))
-    with pytest.raises(ValueError, match="sliding_window"):
-        RblnRuntime.from_compiled(write_artifact(tmp_path / "c", ALL,
-                                                 cache_impl="sliding_window"))
+    for setting, cfg in (("use_inputs_embeds", {"use_inputs_embeds": True}),
+                         ("cache_impl='sliding_window'", {"cache_impl": "sliding_window"}),
+                         ("logits_to_keep=2", {"logits_to_keep": 2}),
+                         ("phases", {"phases": ["prefill"]}),
+                         ("lora_config", {"lora_config": {"adapters": []}}),
+                         ("use_position_ids", {"use_position_ids": True}),
+                         ("layer_type", {"cache_metas": [kv_meta(0, "linear_attention", [1])]})):
+        with pytest.raises(RblnArtifactError, match=setting):
+            RblnRuntime.from_compiled(write_artifact(tmp_path / setting, ALL, **cfg))
     with pytest.raises(FileNotFoundError):
         RblnRuntime.from_compiled(tmp_path / "nothing")
-    # an older artifact: one decoder graph named decoder.rbln; explicit overrides win
+    # the layout before optimum-rbln 0.12.0 (one decoder.rbln) is gone: refused, saying so
     root = write_artifact(tmp_path / "old", ["prefill", "decoder"], decoder_batch_sizes=None)
-    rt = RblnRuntime.from_compiled(root, vocab_size=V, num_blocks=4)
-    assert rt.decoder_batch_sizes == (4,) and rt.num_blocks == 4
-    assert "decoder" in world["runtimes"]
+    with pytest.raises(FileNotFoundError, match="decoder_batch_4.rbln.*recompile"):
+        RblnRuntime.from_compiled(root)
+    # explicit overrides win over the file
+    rt = RblnRuntime.from_compiled(write_artifact(tmp_path / "o", ALL), vocab_size=V,
+                                   num_blocks=4, decoder_batch_sizes=[2, 1])
+    assert rt.decoder_batch_sizes == (2, 1) and rt.num_blocks == 4
+
+
+def test_multimodal_artifact_loads_its_language_model(world: dict, tmp_path: Path) -> None:
+    root = tmp_path / "mm"
+    sub = write_artifact(root / "language_model", ALL)
+    (root / "rbln_config.json").write_text(json.dumps(
+        {"vision_tower": {"batch_size": 1}, "language_model": json.loads(
+            (sub / "rbln_config.json").read_text())}))
+    rt = RblnRuntime.from_compiled(root)
+    assert rt.decoder_batch_sizes == SIZES and rt.vocab_size == V
+    assert {Path(r.path).parent for r in world["runtimes"].values()} == {sub}
+    bad = tmp_path / "mm2"
+    bad.mkdir()
+    (bad / "rbln_config.json").write_text(json.dumps({"language_model": {"max_seq_len": S}}))
+    with pytest.raises(RblnArtifactError, match="language_model.*sub-folder"):
+        RblnRuntime.from_compiled(bad)
 
 
 def test_missing_rebel_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
@@ -316,7 +384,53 @@ def test_missing_rebel_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
         RblnRuntime.from_compiled(tmp_path)
     # binding already-loaded runtime objects needs no rebel
     rt = RblnRuntime(prefill=object(), decoders={2: object(), 1: object()}, num_blocks=K,
-                     block_size=S, max_seq_len=S, prefill_chunk=C, vocab_size=V)
+                     block_size=S, max_seq_len=S, prefill_chunk=C, vocab_size=V,
+                     host_kv_transfers=True, host_block_bytes=64)
     assert rt.decoder_batch_sizes == (2, 1) and rt.batch_size == 2
     with pytest.raises(RblnUnavailableError):
         rt.new_host_buffer()
+
+
+def test_every_table_entry_must_be_a_block(world: dict, tmp_path: Path) -> None:
+    """All T entries of every row the graph sees are block ids, also past a row's position
+    (optimum-rbln never passes -1); checked before any graph runs."""
+    world["ref"], world["T"] = None, 4
+    rt = RblnRuntime.from_compiled(write_artifact(tmp_path / "p", ALL, max_seq_len=4 * S))
+    ids, pos = [[0] * C], [list(range(C))]
+    with pytest.raises(RuntimeInputError, match="block id outside"):
+        rt.prefill(ids, pos, [1, -1, -1, -1], None, 0)
+    with pytest.raises(RuntimeInputError, match=r"block_tables\[1\].*block id outside"):
+        rt.decode([[0], [0]], [[5], [0]], [[1, 1, 1, 1], [2, -1, 2, 2]], None)
+    rt.prefill(ids, pos, [1, 1, 1, 1], None, 0)   # the row's own block repeated: fine
+    assert len(world["runtimes"]["prefill"].calls) == 1
+    assert world["runtimes"]["decoder_batch_2"].calls == []
+
+
+def test_sorted_decode_returns_logits_in_the_callers_row_order() -> None:
+    """_requires_batch_sort: the graph gets rows longest first, the caller its own order back."""
+    seen = []
+
+    def graph(ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        seen.append(pos[:, 0].tolist())
+        return pos.float().unsqueeze(-1).expand(-1, 1, V).clone()  # each row: its position
+
+    inputs = GraphInputs(max_seq_len=S, block_size=S, prefill_chunk=C, batch_sort=True)
+    rt = RblnRuntime(prefill=object(), decoders={4: graph}, num_blocks=K, block_size=S,
+                     max_seq_len=S, prefill_chunk=C, vocab_size=V, inputs=inputs)
+    positions = [[3], [0], [9], [5]]
+    logits = rt.decode([[1]] * 4, positions, [[0], [1], [2], [3]], None)
+    assert seen == [[9, 5, 3, 0]]
+    assert logits[:, 0, 0].tolist() == [3.0, 0.0, 9.0, 5.0]
+
+
+def test_logits_to_keep_0_returns_the_query_positions_logits() -> None:
+    """A prefill graph compiled with logits_to_keep=0 takes no query_position and returns every
+    position's logits; the binding hands back the one at query_position."""
+    def graph(ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+        return torch.arange(C, dtype=torch.float32).view(1, C, 1).expand(1, C, V).clone()
+
+    inputs = GraphInputs(max_seq_len=S, block_size=S, prefill_chunk=C, logits_to_keep=0)
+    rt = RblnRuntime(prefill=graph, decoders={1: object()}, num_blocks=K, block_size=S,
+                     max_seq_len=S, prefill_chunk=C, vocab_size=V, inputs=inputs)
+    logits = rt.prefill([[1] * C], [list(range(C))], [0], None, 5)
+    assert tuple(logits.shape) == (1, 1, V) and logits[0, 0, 0] == 5.0

@@ -177,10 +177,18 @@ def check_copy(src: int, dst: int, num_tokens: int, num_blocks: int,
     return s, d, n
 
 
-def _check_blocks(name: str, entries: torch.Tensor, num_blocks: int, what: str) -> None:
+def _check_table(name: str, entries: torch.Tensor, num_blocks: int) -> None:
+    """Every entry of a table row the graph sees must be a block id, not only those up to the
+    row's position: a compiled graph is given the whole table and nothing says it ignores the
+    entries past a row's position (optimum-rbln itself never passes -1: it replaces empty
+    entries with a free block before every call). An entry past a sequence's end names a block
+    the row never reads or writes there (the batcher repeats the row's last block, or the
+    padding target), never a placeholder."""
     if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
         raise RuntimeInputError(
-            f"{name} {entries.tolist()} has a block id outside 0..{num_blocks - 1} {what}")
+            f"{name} {entries.tolist()} has a block id outside 0..{num_blocks - 1}: every entry "
+            "of a block table row must be a valid block id (past a sequence's end, repeat one "
+            "of its blocks)")
 
 
 def check_prefill_inputs(
@@ -190,8 +198,8 @@ def check_prefill_inputs(
     """Validate and convert prefill arguments to the graph's exact dtypes and shapes.
 
     Besides shapes and dtypes: cache positions must be one chunk start..start+C-1 with start a
-    multiple of C inside max_seq_len, query_position must be inside the chunk, and the block-table
-    entries covering positions 0..start+C-1 (all read or written) must be valid block ids.
+    multiple of C inside max_seq_len, query_position must be inside the chunk, and every entry of
+    the block table must be a valid block id (`_check_table`).
     """
     c, t = rt.prefill_chunk, rt.max_seq_len // rt.block_size
     ids = as_int_tensor("input_ids", input_ids, torch.int64, (1, c))
@@ -210,8 +218,7 @@ def check_prefill_inputs(
             f"cache_position must be {start}..{start + c - 1} in order, got {pos[0].tolist()}")
     if not 0 <= int(qp) < c:
         raise RuntimeInputError(f"query_position {int(qp)} is outside the chunk 0..{c - 1}")
-    _check_blocks("block_tables", bt[: (start + c - 1) // rt.block_size + 1], rt.num_blocks,
-                  f"for positions 0..{start + c - 1}")
+    _check_table("block_tables", bt, rt.num_blocks)
     return ids, pos, bt, lbt, qp
 
 
@@ -221,8 +228,8 @@ def check_decode_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Validate and convert decode arguments for the graph with `input_ids.shape[0]` rows.
 
-    Every row is a computed row: its position must be in 0..max_seq_len-1 and the block-table
-    entries covering positions 0..pos must be valid block ids (padding rows included).
+    Every row is a computed row: its position must be in 0..max_seq_len-1, and every entry of its
+    block table must be a valid block id (padding rows included; `_check_table`).
     """
     ids0 = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids)
     b = int(ids0.shape[0]) if ids0.dim() else -1
@@ -240,9 +247,7 @@ def check_decode_inputs(
         raise RuntimeInputError(
             f"decode cache positions (row, pos) {bad} are outside 0..{rt.max_seq_len - 1}")
     for r in range(b):
-        p = int(pos[r, 0])
-        _check_blocks(f"block_tables[{r}]", bt[r, : p // rt.block_size + 1], rt.num_blocks,
-                      f"for positions 0..{p}")
+        _check_table(f"block_tables[{r}]", bt[r], rt.num_blocks)
     return ids, pos, bt, lbt
 
 
