@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import z3
 
-from atom_core.proofs import capacity, checks, nonvacuity, witness
+from atom_core.proofs import capacity, checks, nonvacuity, search, witness
 from atom_core.proofs.bmc import Trace
 from atom_core.proofs.checks import Check
 from atom_core.proofs.witness import Witness
@@ -159,13 +159,28 @@ def t_single(model: L.Model, case: capacity.SingleBlockCase,
     breadth-first search over every reachable state is the proof)."""
     if w is not None:
         return case.replay(model, w), w
-    found = case.find_witness()
+    try:
+        found = case.find_witness()
+    except search.SearchCutOff as e:  # not a "safe" verdict (`single_check` fails it)
+        return f"{CUT_OFF}: {e}", None
     if found is None:
         return None, None
     tr = case.replay(model, found)
     if isinstance(tr, str):
         raise RuntimeError(f"the stuck run of {case.name} does not replay: {tr}")
     return tr, found
+
+
+CUT_OFF = "search cut off"
+
+
+def single_check(case: capacity.SingleBlockCase, tr: Trace | str | None, how: str) -> Check:
+    """The check of a single-block case from `t_single`'s result. A search the depth cap cut
+    off is no verdict: it fails whatever the case expects."""
+    if isinstance(tr, str) and tr.startswith(CUT_OFF):
+        return attrs.evolve(case.result(None, 0.0), status="counterexample", detail=tr)
+    trace = tr if isinstance(tr, Trace) else None
+    return case.result(trace, trace.seconds if trace else 0.0, how)
 
 
 @attrs.frozen
@@ -408,7 +423,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
             trace = tr if isinstance(tr, Trace) else None
             how = ("witness replayed" if c.stuck and c.name in single_w and i not in redo
                    else "searched")
-            out.append(c.result(trace, trace.seconds if trace else 0.0, how))
+            out.append(single_check(c, tr, how))
             single.append((c, trace))
     for c in out:
         if on_check:
