@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import z3
 
-from atom_core.proofs import capacity, encode, nonvacuity, run
+from atom_core.proofs import capacity, checks, encode, nonvacuity, run
 from atom_core.proofs.capacity import Features
 from atom_core.spec import lang as L
 from atom_core.spec import model as spec
@@ -108,6 +108,24 @@ def test_contradictory_law_fails_verify_naming_it(few_combinations):
     for c in bad:
         assert c.status == "counterexample"
         assert "law push_adds_two_tokens" in c.detail and "law push_adds_a_token" in c.detail
+
+
+def test_the_issue_plant_is_proved_vacuously_and_caught_here(few_combinations):
+    """The audit's finding: with that law and `dst_not_src` dropped from `admit_hit`, the
+    relational check calls the broken step proved (every hypothesis set is contradictory);
+    the non-vacuity section is what fails."""
+    planted = with_law(MODEL.without_guard("admit_hit", "dst_not_src"), "push_adds_two_tokens",
+                       L.forall((spec.Seq, L.INT), lambda q, t:
+                                spec.slen(spec.push(q, t)) == spec.slen(q) + 2))
+    alone = planted.copy()
+    alone.actions = [alone.get_action("admit_hit")]
+    cs = list(checks.relational(alone, base=False, steps=("admit_hit",), transition=(),
+                                goals={"copy_source_cached"}))
+    assert [(c.invariant, c.status) for c in cs] == [("copy_source_cached", "proved")]
+    bad = failing(nonvacuity_report(planted))
+    assert bad and all(c.invariant == nonvacuity.CONSISTENT or "unsatisfiable" in c.detail
+                       for c in bad)
+    assert any("law push_adds_two_tokens" in c.detail for c in bad)
 
 
 def test_law_contradicting_an_axiom_fails_verify(few_combinations):
