@@ -332,10 +332,10 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
         out.append(Check(CONSISTENT, "*", KIND, status, time.perf_counter() - t0, f.name,
                          detail))
         if status != "proved":  # every item is vacuous too; the consistency check says why
+            why = "unsatisfiable" if status == "counterexample" else "undecided"
             for it in todo:
                 out.append(Check(it.check, it.name, KIND, status, 0.0, f.name,
-                                 "the hypotheses alone are unsatisfiable (see "
-                                 f"{CONSISTENT})"))
+                                 f"not asked: the hypotheses alone are {why} ({CONSISTENT})"))
             continue
         for i, sess in enumerate(sessions):
             sp = sess.sp
