@@ -151,7 +151,8 @@ def transitions(model: L.Model, u: Universe, assume: list[L.Named],
 
 def relational(model: L.Model, *, base: bool = True, refine: bool = True,
                steps: Collection[str] | None = None,
-               transition: Collection[str] | None = None) -> Iterator[Check]:
+               transition: Collection[str] | None = None,
+               goals: Collection[str] | None = None) -> Iterator[Check]:
     """Relational invariants and transition invariants, for all sizes. An obligation z3 cannot
     decide over the unbounded sorts is also searched for a counterexample over small finite
     ones (`refute_small`): a model with finitely many lanes, blocks, requests and slots is a
@@ -160,10 +161,17 @@ def relational(model: L.Model, *, base: bool = True, refine: bool = True,
     `base=False` skips the base cases (they read no action: a mutant of an action has the
     model's), `refine=False` the small-sort search (for callers to whom `unknown` and a
     counterexample mean the same: the run fails). `steps`, `transition`: only the step
-    (transition) obligations of these actions (`verify` runs each action as its own task)."""
+    (transition) obligations of these actions (`verify` runs each action as its own task).
+    `goals`: only the obligations of these (transition) invariants, still assuming every
+    invariant (tests that name the obligation a planted bug breaks)."""
     rel = [i for i in model.invariants if i.kind == "relational"]
     u = Universe(model)
-    for c in itertools.chain(induction(model, rel, u, rel, base=base, actions=steps),
+    mine = [i for i in rel if goals is None or i.name in goals]
+    if goals is not None:
+        model = model.copy()
+        model.transition_invariants = [t for t in model.transition_invariants
+                                       if t.name in goals]
+    for c in itertools.chain(induction(model, mine, u, rel, base=base, actions=steps),
                              transitions(model, u, rel, transition)):
         yield refute_small(model, c) if c.status == "unknown" and refine else c
 

@@ -344,7 +344,8 @@ class Universe:
         laws = self.model.laws if self.laws else []
         return [self.tr(a.expr, {}, {}) for a in [*self.model.axioms, *laws]]
 
-    def law_instances(self, facts: list[Any]) -> list[Any]:
+    def law_instances(self, facts: list[Any],
+                      laws: Sequence[L.Named] | None = None) -> list[Any]:
         """Each law instantiated on every ground application of its trigger in `facts`: the
         one operation application in the law's body that mentions all of its variables
         (`slen(push(q, t)) == slen(q) + 1` on each `push(a, b)`). Quantifier-free, so a
@@ -352,7 +353,7 @@ class Universe:
         can be completed to one of the laws (each trigger term is covered, and the others
         are unconstrained)."""
         out: list[Any] = []
-        for law in self.model.laws:
+        for law in self.model.laws if laws is None else laws:
             e, vs = law.expr, []
             while isinstance(e, L.Quant) and e.kind == "forall":
                 vs.append(e.var)

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import z3
 
-from atom_core.proofs import capacity, checks, witness
+from atom_core.proofs import capacity, checks, nonvacuity, search, witness
 from atom_core.proofs.bmc import Trace
 from atom_core.proofs.checks import Check
 from atom_core.proofs.witness import Witness
@@ -33,8 +33,9 @@ from atom_core.spec import lang as L
 MAX_LANES, MAX_BLOCKS = 4, 8  # the cutoff for bounded invariants and capacity
 DEEP_LANES, DEEP_BLOCKS = 5, 10  # `verify --deep`
 MODEL_REF = "atom_core.spec.model:MODEL"
-KINDS = ("relational", "bounded", "capacity", "capacity-tight", "capacity-tight-search",
-         "capacity-single-block")  # of tasks, for the CPU seconds spent on each
+# kinds of tasks, for the CPU seconds spent on each
+KINDS = ("nonvacuity", "relational", "bounded", "capacity", "capacity-tight",
+         "capacity-tight-search", "capacity-single-block")
 
 
 @attrs.frozen
@@ -108,6 +109,21 @@ def t_relational(model: L.Model, part: str, action: str) -> list[Check]:
     return list(checks.relational(model, base=False, steps=(), transition=(action,)))
 
 
+def t_nonvacuity(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check]:
+    return nonvacuity.check(model, features)
+
+
+# Non-vacuity tasks: each translates its universe once for the combinations it checks.
+NONVACUITY_TASKS = 2
+
+
+def _nonvacuity_tasks() -> list[Task]:
+    fs = capacity.COMBINATIONS
+    per = -(-len(fs) // NONVACUITY_TASKS)  # (in order, so the report lists them in order)
+    return [Task("nonvacuity", t_nonvacuity, (fs[i:i + per],), per)
+            for i in range(0, len(fs), per)]
+
+
 def t_bounded(model: L.Model, lanes: int, blocks: int) -> list[Check]:
     bnd = [i for i in model.invariants if i.kind == "bounded"]
     u = checks.bounded_universe(model, lanes, blocks, {"C": checks.CHUNK, "S": checks.SEQ_LEN})
@@ -143,13 +159,28 @@ def t_single(model: L.Model, case: capacity.SingleBlockCase,
     breadth-first search over every reachable state is the proof)."""
     if w is not None:
         return case.replay(model, w), w
-    found = case.find_witness()
+    try:
+        found = case.find_witness()
+    except search.SearchCutOff as e:  # not a "safe" verdict (`single_check` fails it)
+        return f"{CUT_OFF}: {e}", None
     if found is None:
         return None, None
     tr = case.replay(model, found)
     if isinstance(tr, str):
         raise RuntimeError(f"the stuck run of {case.name} does not replay: {tr}")
     return tr, found
+
+
+CUT_OFF = "search cut off"
+
+
+def single_check(case: capacity.SingleBlockCase, tr: Trace | str | None, how: str) -> Check:
+    """The check of a single-block case from `t_single`'s result. A search the depth cap cut
+    off is no verdict: it fails whatever the case expects."""
+    if isinstance(tr, str) and tr.startswith(CUT_OFF):
+        return attrs.evolve(case.result(None, 0.0), status="counterexample", detail=tr)
+    trace = tr if isinstance(tr, Trace) else None
+    return case.result(trace, trace.seconds if trace else 0.0, how)
 
 
 @attrs.frozen
@@ -267,7 +298,8 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
            on_check: Callable[[Check], None] | None = None, *, jobs: int = 1,
            on_task: Callable[[str, int, int], None] | None = None,
            witnesses: tuple[dict[tuple[str, int], Witness], dict[str, Witness]] | None = None,
-           parts: tuple[str, ...] = ("relational", "bounded", "capacity")) -> Report:
+           parts: tuple[str, ...] = ("nonvacuity", "relational", "bounded",
+                                     "capacity")) -> Report:
     """`witnesses`: (tight, single-block) to replay, default the committed ones; an empty pair
     searches every run (`make generate`). `parts`: what to run (generate needs only capacity)."""
     t0 = time.perf_counter()
@@ -275,6 +307,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
     tight_w, single_w = witnesses if witnesses is not None else witness.committed()
     with Runner(model, jobs, on_task) as runner:
         # Phase one: everything that needs no other result.
+        nv = _nonvacuity_tasks() if "nonvacuity" in parts else []
         rel = _relational_tasks(model) if "relational" in parts else []
         bnd = ([Task("bounded", t_bounded, (b, k), b * k / 4)
                 for b, k in checks.sizes(max_lanes, max_blocks)] if "bounded" in parts else [])
@@ -290,8 +323,9 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         cases = capacity.SINGLE_BLOCK if cap else ()
         sb = [Task("capacity-single-block", t_single, (c, single_w.get(c.name) if c.stuck
                                                         else None), 0.5) for c in cases]
-        res = runner.run(rel + bnd + prog + rep + sb)
+        res = runner.run(nv + rel + bnd + prog + rep + sb)
         it = iter(res)
+        nv_r = [next(it) for _ in nv]
         rel_r = [next(it) for _ in rel]
         bnd_r = [next(it) for _ in bnd]
         prog_r = [next(it) for _ in prog]
@@ -302,7 +336,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         # witness is missing or does not replay, and for every stuck single-block case alike.
         rows = []
         stale: list[str] = []
-        results = dict(zip(sizes, prog_r, strict=True))
+        results = dict(zip(sizes if cap else [], prog_r, strict=True))
         want: list[tuple[capacity.Row, int, int]] = []  # (row, lanes, blocks) to search
         needed = set()
         for f in feats if cap else []:
@@ -360,7 +394,10 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         jobs = runner.jobs
         in_here = sum(cpu.values()) if runner.pool is None else 0.0  # (tasks ran here)
 
-    out: list[Check] = [c for cs in rel_r for c in cs] + [c for cs in bnd_r for c in cs]
+    out: list[Check] = [c for cs in nv_r for c in cs]
+    if nv:
+        out += nonvacuity.live_somewhere(model, out, capacity.COMBINATIONS)
+    out += [c for cs in rel_r for c in cs] + [c for cs in bnd_r for c in cs]
     searched_keys = {(row.features.name, b) for row, b, _k in want}
     for row in rows:
         out += row.checks
@@ -386,7 +423,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
             trace = tr if isinstance(tr, Trace) else None
             how = ("witness replayed" if c.stuck and c.name in single_w and i not in redo
                    else "searched")
-            out.append(c.result(trace, trace.seconds if trace else 0.0, how))
+            out.append(single_check(c, tr, how))
             single.append((c, trace))
     for c in out:
         if on_check:

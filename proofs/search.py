@@ -136,13 +136,16 @@ def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth:
                        ) -> tuple[list[tuple[str, dict]], str] | None:
     """Breadth-first: the first stuck state found is at minimal depth. `role` restricts the
     actions (ROLES); `want` counts only states that break that progress property; `prompts`
-    replaces the menu (e.g. a prompt longer than a block, for imports that span blocks)."""
+    replaces the menu (e.g. a prompt longer than a block, for imports that span blocks).
+    None means no reachable state is stuck; if `max_depth` left some state unvisited, the
+    search raises `SearchCutOff` instead (and `max_states` a RuntimeError)."""
     skip = ROLES[role]
     reqs = requests if requests is not None else consts.B + 1
     prompts = prompts if prompts is not None else menu(consts.C)
     start = g.init(consts, ghost=False)
     seen = {state_key(start)}
     frontier: deque[tuple[g.State, tuple]] = deque([(start, ())])
+    cut = 0  # states at the depth cap with a successor never reached
     while frontier:
         s, path = frontier.popleft()
         bad = [p for p in g.progress_violations(s)
@@ -150,6 +153,9 @@ def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth:
         if bad:
             return [step for step in _unwind(path)], bad[0]
         if len(_unwind(path)) >= max_depth:
+            if any(state_key(g.ACTIONS[name][0](s, **args).state) not in seen
+                   for name, args in moves(s, reqs, prompts, skip)):
+                cut += 1
             continue
         for name, args in moves(s, reqs, prompts, skip):
             nxt = g.ACTIONS[name][0](s, **args).state
@@ -159,7 +165,15 @@ def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth:
                 if len(seen) > max_states:
                     raise RuntimeError(f"search exceeded {max_states} states")
                 frontier.append((nxt, (path, (name, args))))
+    if cut:  # "no stuck run" holds only up to the cap: not a verdict
+        raise SearchCutOff(f"no stuck run within {max_depth} steps, but the depth cap cut the "
+                           f"search off ({cut} states at depth {max_depth} have successors "
+                           "never reached): raise max_depth")
     return None
+
+
+class SearchCutOff(RuntimeError):
+    """A breadth-first search found no stuck state but did not visit every reachable state."""
 
 
 def _unwind(path: tuple) -> list[tuple[str, dict]]:

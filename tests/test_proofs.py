@@ -195,6 +195,34 @@ def test_planted_bug_is_caught_by_the_right_obligation(key):
         assert c.status == "counterexample", c
 
 
+# The planted bugs through the check `verify` itself runs (`checks.relational`, as its
+# per-action task does), not only through the small-universe search above: the unbounded
+# query of each named obligation, then, when z3 leaves it undecided, the search over small
+# finite sorts `verify` falls back on. Each must end a counterexample (`unknown` is never
+# caught, and `proved` is what a contradictory law would make of it: tests/test_nonvacuity.py).
+# Over unbounded sorts these queries come back `unknown` (measured: every pair above, after
+# the whole 10 s timeout each), so a short timeout gets there sooner.
+VERIFY_PATH_TIMEOUT_MS = 400
+
+
+@pytest.mark.parametrize("key", [
+    pytest.param(k, marks=[pytest.mark.slow] if k in EXTRA else [],
+                 id=f"{k[1]}-no-{k[0]}-{k[2]}") for k in PLANTED])
+def test_planted_bug_fails_the_check_verify_runs(key, monkeypatch):
+    solve = checks.solve
+    monkeypatch.setattr(checks, "solve", lambda facts, timeout_ms=checks.TIMEOUT_MS,
+                        bounded=False: solve(facts, min(timeout_ms, VERIFY_PATH_TIMEOUT_MS),
+                                             bounded))
+    kind, action, piece = key
+    m = only(mutant(kind, action, piece), action)
+    cs = list(checks.relational(m, base=False, steps=(action,), transition=(action,),
+                                goals=PLANTED[key]))
+    assert {c.invariant for c in cs} == PLANTED[key]
+    assert all(c.action == action for c in cs)
+    bad = [c for c in cs if c.status != "counterexample"]
+    assert bad == [], bad
+
+
 def test_bounded_invariant_mutant_needs_the_bounded_proof():
     """admit_hit copying a non-chunk-multiple prefix (n >= C, no `n % C == 0`) resumes prefill
     off a chunk boundary (and would give the lane a snapshot boundary off the chunk grid):

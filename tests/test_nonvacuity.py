@@ -1,0 +1,188 @@
+"""Non-vacuity (proofs/nonvacuity.py): the hypotheses of the proofs can hold, and `verify`
+fails, naming the culprit, when they cannot (a contradictory law, a dead guard)."""
+
+from __future__ import annotations
+
+import pytest
+import z3
+
+from atom_core.proofs import capacity, checks, encode, nonvacuity, run
+from atom_core.proofs.capacity import Features
+from atom_core.spec import lang as L
+from atom_core.spec import model as spec
+from atom_core.spec.model import MODEL
+
+# A few combinations that between them turn every feature on and off (the full list runs in
+# `verify`): plain, the host tier with paged tables, hybrid with preemption.
+SOME = (Features(False, "reserved"), Features(True, "dynamic", host=True, tables=2),
+        Features(True, "reserved", hybrid=True, tables=3, preempt=True))
+
+
+@pytest.fixture(autouse=True)
+def fresh_z3_context():
+    z3.z3._main_ctx = None
+    encode.reset_names()
+    yield
+
+
+@pytest.fixture
+def few_combinations(monkeypatch):
+    """`verify`'s non-vacuity section over `SOME` only (it runs every combination)."""
+    monkeypatch.setattr(capacity, "COMBINATIONS", SOME)
+
+
+def nonvacuity_report(model: L.Model) -> run.Report:
+    return run.verify(model, parts=("nonvacuity",), jobs=1)
+
+
+@pytest.fixture(scope="module")
+def model_report() -> run.Report:
+    """The unmutated model's section over `SOME` (plain data: shared by the tests below)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(capacity, "COMBINATIONS", SOME)
+        z3.z3._main_ctx = None
+        encode.reset_names()
+        return nonvacuity_report(MODEL)
+
+
+def failing(report: run.Report) -> list:
+    return [c for c in report.checks if c.status != "proved"]
+
+
+def test_model_hypotheses_are_satisfiable(model_report):
+    report = model_report
+    assert failing(report) == []
+    assert report.ok
+    cs = report.checks
+    assert {c.kind for c in cs} == {nonvacuity.KIND}
+    # every combination, action and antecedent was checked, each by name
+    names = {f.name for f in SOME}
+    assert {c.size for c in cs if c.invariant == nonvacuity.CONSISTENT} == names
+    for a in MODEL.actions:
+        assert {c.size for c in cs if c.invariant == nonvacuity.GUARD and c.action == a.name} \
+            == names, a.name
+    with_hyp = [p.name for p in MODEL.progress if nonvacuity.antecedent(p) is not None]
+    assert with_hyp
+    for p in with_hyp:
+        assert {c.size for c in cs if c.invariant == nonvacuity.ANTECEDENT
+                and c.action == p} == names, p
+    assert {c.action for c in cs if c.invariant == nonvacuity.LIVE} == {
+        a.name for a in MODEL.actions}
+
+
+def test_dead_by_configuration_is_derived_from_the_constants(model_report):
+    """Host-tier actions are dead without `HOST` and live with it, PD imports are dead with
+    preemption; nobody listed them: each reason is an unsat core naming a constant."""
+    cs = model_report.checks
+    plain, host, hybrid_preempt = (f.name for f in SOME)
+
+    def guard(action: str, where: str):
+        return next(c for c in cs if c.invariant == nonvacuity.GUARD and c.action == action
+                    and c.size == where)
+
+    for a in spec.HOST_ACTIONS:
+        dead = guard(a, plain)
+        assert dead.detail.startswith(nonvacuity.DEAD), (a, dead.detail)
+        assert "constant " in dead.detail
+        assert guard(a, host).detail.startswith("witness"), a
+    imp = guard("admit_import", hybrid_preempt)
+    assert imp.detail.startswith(nonvacuity.DEAD) and "constant PREEMPT = True" in imp.detail
+    assert guard("admit_import", plain).detail.startswith("witness")
+
+
+def with_law(model: L.Model, name: str, expr: L.Expr) -> L.Model:
+    m = model.copy()
+    m.laws = [*m.laws, L.Named(name, expr, "law", "planted")]
+    return m
+
+
+def test_contradictory_law_fails_verify_naming_it(few_combinations):
+    """The issue's plant: beside `push_adds_a_token`, a law that a push adds two tokens. Every
+    relational obligation is then "proved"; the non-vacuity section fails, naming both."""
+    planted = with_law(MODEL, "push_adds_two_tokens", L.forall(
+        (spec.Seq, L.INT), lambda q, t: spec.slen(spec.push(q, t)) == spec.slen(q) + 2))
+    report = nonvacuity_report(planted)
+    assert not report.ok
+    bad = [c for c in failing(report) if c.invariant == nonvacuity.CONSISTENT]
+    assert {c.size for c in bad} == {f.name for f in SOME}
+    for c in bad:
+        assert c.status == "counterexample"
+        assert "law push_adds_two_tokens" in c.detail and "law push_adds_a_token" in c.detail
+
+
+def test_the_issue_plant_is_proved_vacuously_and_caught_here(few_combinations):
+    """The audit's finding: with that law and `dst_not_src` dropped from `admit_hit`, the
+    relational check calls the broken step proved (every hypothesis set is contradictory);
+    the non-vacuity section is what fails."""
+    planted = with_law(MODEL.without_guard("admit_hit", "dst_not_src"), "push_adds_two_tokens",
+                       L.forall((spec.Seq, L.INT), lambda q, t:
+                                spec.slen(spec.push(q, t)) == spec.slen(q) + 2))
+    alone = planted.copy()
+    alone.actions = [alone.get_action("admit_hit")]
+    cs = list(checks.relational(alone, base=False, steps=("admit_hit",), transition=(),
+                                goals={"copy_source_cached"}))
+    assert [(c.invariant, c.status) for c in cs] == [("copy_source_cached", "proved")]
+    bad = failing(nonvacuity_report(planted))
+    assert bad and all(c.invariant == nonvacuity.CONSISTENT or "unsatisfiable" in c.detail
+                       for c in bad)
+    assert any("law push_adds_two_tokens" in c.detail for c in bad)
+
+
+def test_law_contradicting_an_axiom_fails_verify(few_combinations):
+    """A law no ground term of the state triggers: `empty_has_no_tokens` is an axiom, so a law
+    that every sequence has a token clashes with it through the axiom's own term."""
+    planted = with_law(MODEL, "every_seq_has_a_token",
+                       L.forall(spec.Seq, lambda q: spec.slen(q) > 0))
+    bad = [c for c in failing(nonvacuity_report(planted))
+           if c.invariant == nonvacuity.CONSISTENT]
+    assert bad and all("law every_seq_has_a_token" in c.detail
+                       and "axiom empty_has_no_tokens" in c.detail for c in bad)
+
+
+def with_dead_guard(model: L.Model, action: str) -> tuple[L.Model, str]:
+    """A guard that contradicts an invariant (so the action never runs, and every step
+    obligation of it is vacuous): the negation of the first relational invariant."""
+    inv = next(i for i in model.invariants if i.kind == "relational")
+    m = model.copy()
+    a = m.get_action(action)
+    a.guards = [*a.guards, ("planted_dead", L.Not(inv.expr))]
+    return m, inv.name
+
+
+def test_dead_guard_fails_verify_naming_it(few_combinations):
+    action = "admit_hit"
+    planted, inv = with_dead_guard(MODEL, action)
+    report = nonvacuity_report(planted)
+    assert not report.ok
+    bad = failing(report)
+    assert {(c.invariant, c.action) for c in bad} >= {(nonvacuity.GUARD, action)}
+    assert {c.action for c in bad if c.invariant == nonvacuity.GUARD} == {action}
+    for c in bad:
+        if c.invariant == nonvacuity.GUARD:
+            assert c.status == "counterexample"
+            assert f"guard {action}.planted_dead" in c.detail and f"invariant {inv}" in c.detail
+
+
+def test_configuration_mixed_into_a_state_condition_is_not_expected():
+    """A guard killed by a constant inside a state condition (no invariant involved, not a
+    gate on its own) is reported, not excused as dead by configuration."""
+    m = MODEL.copy()
+    a = m.get_action("decode")
+    a.guards = [*a.guards, ("planted", ~spec.HOST & L.exists(spec.Lane, lambda l: spec.busy(l)))]
+    f = Features(True, "reserved", host=True)
+    cs = nonvacuity.check(m, (f,))
+    c = next(c for c in cs if c.invariant == nonvacuity.GUARD and c.action == "decode")
+    assert c.status == "counterexample", c
+    assert "guard decode.planted" in c.detail and "constant HOST = True" in c.detail
+
+
+def test_action_dead_in_every_combination_fails():
+    m = MODEL.copy()
+    a = m.get_action("decode")
+    a.guards = [*a.guards, ("planted_gate", spec.HOST & ~spec.PREFIX)]
+    fs = SOME[:2]
+    cs = nonvacuity.check(m, fs)
+    cs += nonvacuity.live_somewhere(m, cs, fs)
+    live = next(c for c in cs if c.invariant == nonvacuity.LIVE and c.action == "decode")
+    assert live.status == "counterexample"
+    assert "every combination" in live.detail
