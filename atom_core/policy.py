@@ -30,7 +30,16 @@ def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int, at: int = 0) -> 
 
 
 class Policy:
-    def __init__(self) -> None:
+    """The scheduler's choices among what the spec allows.
+
+    `spare_local_slot` (hybrid models): never admit into the last idle lane while another lane
+    is busy, so that padding rows always have an idle lane's local slot (`local_pad_ok`) and
+    decode never waits for a prefilling or importing lane: B lanes then run at most B - 1
+    requests. Off (the default): every lane runs, and while all are busy and one of them is
+    not decoding, decode waits for it (see `local_pad`)."""
+
+    def __init__(self, spare_local_slot: bool = False) -> None:
+        self.spare_local_slot = spare_local_slot
         self.clock = 0
         self.last_use: dict[int, int] = {}  # block -> time its cache entry was made or hit
         self.slot_use: dict[int, int] = {}  # host slot -> time its entry was stored or hit
@@ -175,6 +184,9 @@ class Policy:
         `remote`: r's KV comes from a prefill worker, into a fresh block (never a cache hit)."""
         lane = self.idle_lane(s)
         if lane is None:
+            return None
+        if self.spare_local_slot and s.consts.HYBRID and any(s.busy) \
+                and sum(not x for x in s.busy) == 1:
             return None
         if remote:
             dst = self.reusable(s)

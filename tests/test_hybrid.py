@@ -36,6 +36,7 @@ from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, ConfigError, min_kv_blocks
 from atom_core.demo import oracle_for
+from atom_core.policy import Policy
 from atom_core.runtime import TorchReferenceRuntime
 from atom_core.transport import InProcessTransport
 from atom_core.workers import DecodeWorker, PrefillWorker
@@ -504,6 +505,66 @@ def test_pd_decode_waits_while_every_lane_is_busy_and_one_imports() -> None:
     assert d.stats.decode_steps == steps
     lane = d.state.req_lane.get(held)
     assert core.decode_guard(d.state, d.policy.pad(d.state), lane, (0,) * 3) == "local_pad_ok"
+    link.deliver(held)
+    link.run()
+    assert_exact(d, [held, *others])
+    assert_idle(d)
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_the_local_slot_rule_is_tight(lanes: int) -> None:
+    """The spec's rule on the generated core: with every lane busy and one prefilling, decode
+    is refused by `local_pad_ok` for every choice of local slot (so B lanes run without decode
+    waiting only while at most B - 1 are busy: B + 1 local slots for B requests); one lane more
+    and the same run decodes, padding in the idle lane's slot. Not stuck either way: the
+    prefilling lane can go on."""
+    from atom_core.seq import seq
+    c = 2
+    for b in (lanes, lanes + 1):
+        s = core.init(core.Consts(B=b, K=b + 1, C=c, S=8, PREFIX=False, RESERVED=False,
+                                  SCRATCH=0, HYBRID=True), ghost=True)
+        run: list[tuple[str, dict]] = []
+        for r in range(lanes):
+            run += [("submit", {"r": r, "p": seq([1 + r] * (c + 1))}),
+                    ("admit_miss", {"l": r, "r": r, "dst": r}), ("prefill", {"l": r, "tok": 5})]
+            if r < lanes - 1:  # all but the last finish their prompt and decode
+                run.append(("prefill", {"l": r, "tok": 5}))
+        for name, args in run:
+            step = core.ACTIONS[name][0](s, **args)
+            assert step.rejected is None, (name, step.rejected)
+            s = step.state
+        assert core.check_invariants(s) == []
+        tok = (5,) * b
+        why = {x: core.decode_guard(s, lanes, x, tok) for x in range(b)}
+        if b == lanes:
+            assert set(why.values()) == {"local_pad_ok"}, why
+            assert core.prefill_guard(s, lanes - 1, 5) is None
+            assert core.progress_violations(s) == []
+        else:
+            assert why[b - 1] is None, why
+            (dec,) = core.decode(s, lanes, b - 1, tok).effects
+            assert dec.local == tuple(range(lanes - 1)) + (b - 1, b - 1)
+
+
+def test_a_spare_local_slot_keeps_decode_from_waiting() -> None:
+    """The price of never waiting: `Policy(spare_local_slot=True)` leaves one lane idle, so the
+    3-lane decode side runs 2 requests at a time, and decodes while an import is held."""
+    w = 16
+    p = batcher(config(2, w))
+    cfg = config(3, w, extra=1)
+    d = AtomBatcher(cfg, runtime(cfg), ghost=True, policy=Policy(spare_local_slot=True))
+    rng = random.Random(7)
+    held = d.submit(prompt_of(45, rng), 10, remote=True)
+    others = [d.submit(prompt_of(k, rng), 12, remote=True) for k in (30, 70)]
+    link = Link(p, d, hold=[held])
+    link.step_until(lambda: held in link.ready
+                    and d.state.phase.get(others[0]) == core.PHASE_DECODE)
+    assert sum(d.state.busy) == 2 and d.state.phase.get(others[1]) == core.PHASE_WAITING
+    steps = d.stats.decode_steps
+    for _ in range(3):
+        link.step()
+        assert sum(d.state.busy) <= 2
+    assert d.stats.decode_steps == steps + 3
     link.deliver(held)
     link.run()
     assert_exact(d, [held, *others])
