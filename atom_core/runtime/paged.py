@@ -12,13 +12,26 @@ holding the last min(p, W) positions in order, oldest first, at indices 0..min(p
 `window_positions` says which position each index holds for a call at position p, and
 `window_append` keeps the window after a call appends n positions: any call at a position that
 is not the slot's own next one shifts or overwrites the window another sequence left there.
+`window_key_positions` and `append_windows` are a call's reads and writes of its rows' slots,
+and `visible` is the attention mask by position (causal, and the window for a sliding layer).
+
+`check_host`, `copy_to_host`, `copy_from_host` and `stack_kv` move one block or one local slot
+(every layer) between a runtime's per-layer K/V tensors and a host buffer
+`[layers, 2 (K, V), kv_heads, n, head_dim]`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
-__all__ = ["block_coords", "gather_blocks", "window_append", "window_positions", "write_blocks"]
+from atom_core.runtime.protocol import RuntimeInputError
+
+__all__ = ["append_windows", "block_coords", "check_host", "copy_from_host", "copy_to_host",
+           "gather_blocks", "stack_kv", "visible", "window_append", "window_key_positions",
+           "window_positions", "write_blocks"]
 
 
 def block_coords(tab: torch.Tensor, pos: torch.Tensor,
@@ -68,3 +81,67 @@ def window_append(slot: torch.Tensor, pos: int, new: torch.Tensor) -> None:
     both = torch.cat([slot[:, :have], new.to(slot.dtype)], dim=1)
     keep = both[:, max(0, both.shape[1] - w):]
     slot[:, :keep.shape[1]] = keep
+
+
+def window_key_positions(pos: torch.Tensor, new_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[R, window + n]: the positions of the keys a sliding layer's row r sees, its slot's
+    window (read for a call at pos[r], `window_positions`) then its own n new positions
+    new_pos [R, n]; -1 where a slot index holds no position."""
+    return torch.cat([window_positions(pos, window), new_pos.long()], dim=1)
+
+
+def append_windows(slots: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+                   new: torch.Tensor) -> None:
+    """Row r appends new[r] [kv_heads, n, head_dim] (positions pos[r] ..) to the window of
+    slot ids[r] of slots [slots, kv_heads, W, head_dim], rows in order: whatever the row is (a
+    padding row aimed at a live window shifts it); rows sharing a slot: the later row's
+    append lands on the window the earlier one left (callers read every row's window first)."""
+    for r in range(ids.shape[0]):
+        window_append(slots[int(ids[r])], int(pos[r]), new[r])
+
+
+def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """valid [Q, L]: which keys each query attends to. Query positions qpos [Q]; key positions
+    kpos [L] (shared) or [Q, L], negative where a slot holds no position. A key is visible when
+    0 <= k <= q and, for a sliding layer, q - k < window (Gemma3, as transformers'
+    `sliding_window_overlay`: the last `window` positions, the query's own included). The mask
+    is by position only, never by where a key is stored, so a cache and a full recompute select
+    the same keys."""
+    kp = kpos if kpos.dim() == 2 else kpos[None, :]
+    q = qpos[:, None]
+    valid = (kp >= 0) & (kp <= q)
+    if window is not None:
+        valid &= kp > q - window
+    return valid
+
+
+def check_host(host: Any, shape: tuple[int, ...], dtype: torch.dtype, maker: str) -> torch.Tensor:
+    """host if it is a `dtype` tensor of `shape` (made by the runtime's `maker()`), else
+    RuntimeInputError saying what it was."""
+    if not isinstance(host, torch.Tensor) or tuple(host.shape) != shape or host.dtype != dtype:
+        got = (list(host.shape), host.dtype) if isinstance(host, torch.Tensor) \
+            else type(host).__name__
+        raise RuntimeInputError(f"host tensor must be {dtype} {list(shape)} ({maker}()), "
+                                f"got {got}")
+    return host
+
+
+def copy_to_host(host: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor],
+                 index: int) -> None:
+    """host[j] = (k[j][index], v[j][index]) for every layer store j (a block or a slot)."""
+    for j in range(len(k)):
+        host[j, 0].copy_(k[j][index])
+        host[j, 1].copy_(v[j][index])
+
+
+def copy_from_host(host: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor],
+                   index: int) -> None:
+    """(k[j][index], v[j][index]) = host[j] for every layer store j (a block or a slot)."""
+    for j in range(len(k)):
+        k[j][index].copy_(host[j, 0])
+        v[j][index].copy_(host[j, 1])
+
+
+def stack_kv(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], index: int) -> torch.Tensor:
+    """A copy of entry `index` of every layer store: [layers, 2 (K, V), kv_heads, n, head_dim]."""
+    return torch.stack([torch.stack([k[j][index], v[j][index]]) for j in range(len(k))])

@@ -45,7 +45,18 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from atom_core.runtime.paged import gather_blocks, window_append, window_positions, write_blocks
+from atom_core.runtime.paged import (
+    append_windows,
+    check_host,
+    copy_from_host,
+    copy_to_host,
+    gather_blocks,
+    stack_kv,
+    window_append,
+    window_key_positions,
+    write_blocks,
+)
+from atom_core.runtime.paged import visible as _visible
 from atom_core.runtime.protocol import (
     RuntimeInputError,
     check_block,
@@ -219,20 +230,6 @@ def _silu(x: torch.Tensor) -> torch.Tensor:
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     ms = (x * x).sum(-1, keepdim=True) / x.shape[-1]
     return _grid(x / torch.sqrt(ms + eps) * w)
-
-
-def _visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """valid [Q, L]: which keys each query attends to. Query positions qpos [Q]; key positions
-    kpos [L] (shared) or [Q, L], negative where a slot holds no position. A key is visible when
-    0 <= k <= q and, for a sliding layer, q - k < window (Gemma3: the last `window` positions,
-    the query's own included). The mask is by position only, never by where a key is stored,
-    so a cache and a full recompute select the same keys."""
-    kp = kpos if kpos.dim() == 2 else kpos[None, :]
-    q = qpos[:, None]
-    valid = (kp >= 0) & (kp <= q)
-    if window is not None:
-        valid &= kp > q - window
-    return valid
 
 
 @contextlib.contextmanager
@@ -437,7 +434,7 @@ class TorchReferenceRuntime:
         w = self.spec.sliding_window
         assert w is not None
         start = int(p[0])
-        kpos = torch.cat([window_positions(p[:1], w)[0], p])                   # [W + C]
+        kpos = window_key_positions(p[:1], p[None], w)[0]                      # [W + C]
         valid = _visible(p, kpos, w)
         real = qp + 1
 
@@ -462,17 +459,15 @@ class TorchReferenceRuntime:
         sharing a slot all read it before any writes; the later row's write wins."""
         w = self.spec.sliding_window
         assert w is not None
-        kpos = window_positions(p, w)                                         # [B, W]
-        valid = _visible(p, torch.cat([kpos, p[:, None]], dim=1), w)          # [B, W + 1]
+        valid = _visible(p, window_key_positions(p, p[:, None], w), w)        # [B, W + 1]
 
         def attend(j: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kl, vl = self.k_local[j], self.v_local[j]
             keys = torch.cat([_sane(kl[slots]), k[:, :, None, :]], dim=2)   # [B, kv, W + 1, d]
             vals = torch.cat([_sane(vl[slots]), v[:, :, None, :]], dim=2)
             out = self._attend(q, valid, keys, vals)
-            for r in range(p.shape[0]):
-                window_append(kl[int(slots[r])], int(p[r]), k[r][:, None, :])
-                window_append(vl[int(slots[r])], int(p[r]), v[r][:, None, :])
+            append_windows(kl, slots, p, k[:, :, None, :])
+            append_windows(vl, slots, p, v[:, :, None, :])
             return out
 
         return attend
@@ -525,35 +520,24 @@ class TorchReferenceRuntime:
         return torch.zeros(self._block_shape(), dtype=self.dtype)
 
     def _host(self, host_tensor: Any, shape: tuple[int, ...], maker: str) -> torch.Tensor:
-        if not isinstance(host_tensor, torch.Tensor) or tuple(host_tensor.shape) != shape \
-                or host_tensor.dtype != self.dtype:
-            got = (list(host_tensor.shape), host_tensor.dtype) \
-                if isinstance(host_tensor, torch.Tensor) else type(host_tensor).__name__
-            raise RuntimeInputError(f"host tensor must be {self.dtype} {list(shape)} "
-                                    f"({maker}()), got {got}")
-        return host_tensor
+        return check_host(host_tensor, shape, self.dtype, maker)
 
     def fetch_kv_cache(self, host_tensor: Any, block: int) -> None:
         host = self._host(host_tensor, self._block_shape(), "new_host_buffer")
         b = self._block("fetch", block)
         self.calls["fetch"] += 1
-        for j in range(len(self.k_cache)):
-            host[j, 0].copy_(self.k_cache[j][b])
-            host[j, 1].copy_(self.v_cache[j][b])
+        copy_to_host(host, self.k_cache, self.v_cache, b)
 
     def update_kv_cache(self, host_tensor: Any, block: int) -> None:
         host = self._host(host_tensor, self._block_shape(), "new_host_buffer")
         b = self._block("update", block)
         self.calls["update"] += 1
-        for j in range(len(self.k_cache)):
-            self.k_cache[j][b].copy_(host[j, 0])
-            self.v_cache[j][b].copy_(host[j, 1])
+        copy_from_host(host, self.k_cache, self.v_cache, b)
 
     def read_block(self, block: int) -> torch.Tensor:
         """A copy of block `block`: [global layers, 2 (K, V), kv_heads, block_size, head_dim]."""
         b = self._block("read_block", block)
-        return torch.stack([torch.stack([self.k_cache[j][b], self.v_cache[j][b]])
-                            for j in range(len(self.k_cache))])
+        return stack_kv(self.k_cache, self.v_cache, b)
 
     # --- local-slot operations (hybrid models) -----------------------------------------------
 
@@ -581,24 +565,19 @@ class TorchReferenceRuntime:
         t = self._slot("fetch_local", slot)
         host = self._host(host_tensor, self._local_shape(), "new_local_host_buffer")
         self.calls["fetch_local"] += 1
-        for j in range(len(self.k_local)):
-            host[j, 0].copy_(self.k_local[j][t])
-            host[j, 1].copy_(self.v_local[j][t])
+        copy_to_host(host, self.k_local, self.v_local, t)
 
     def update_local_cache(self, host_tensor: Any, slot: int) -> None:
         """Copy `host_tensor` (from `fetch_local_cache`) into local slot `slot` on the device."""
         t = self._slot("update_local", slot)
         host = self._host(host_tensor, self._local_shape(), "new_local_host_buffer")
         self.calls["update_local"] += 1
-        for j in range(len(self.k_local)):
-            self.k_local[j][t].copy_(host[j, 0])
-            self.v_local[j][t].copy_(host[j, 1])
+        copy_from_host(host, self.k_local, self.v_local, t)
 
     def read_local(self, slot: int) -> torch.Tensor:
         """A copy of local slot `slot`: [sliding layers, 2 (K, V), kv_heads, W, head_dim]."""
         t = self._slot("read_local", slot)
-        return torch.stack([torch.stack([self.k_local[j][t], self.v_local[j][t]])
-                            for j in range(len(self.k_local))])
+        return stack_kv(self.k_local, self.v_local, t)
 
     # --- the oracle --------------------------------------------------------------------------
 
