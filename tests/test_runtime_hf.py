@@ -260,12 +260,23 @@ def _save_config(tmp_path: Path, name: str, cfg: Any) -> Path:
 
 
 def test_refusals(tmp_path: Path) -> None:
-    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
     cfg = config(2)
-    gemma = _save_config(tmp_path, "gemma3", Gemma3TextConfig(num_hidden_layers=2))
-    with pytest.raises(UnsupportedModelError, match="gemma3.*not supported.*sliding"):
-        HFRuntime.from_pretrained(gemma, cfg)
+    multimodal = _save_config(tmp_path, "gemma3", Gemma3Config())
+    with pytest.raises(UnsupportedModelError, match="'gemma3'.*not supported.*text model"):
+        HFRuntime.from_pretrained(multimodal, cfg)
+    # Gemma3's default pattern makes both of two layers sliding: no global layer
+    only_sliding = _save_config(tmp_path, "g3-sliding", Gemma3TextConfig(num_hidden_layers=2))
+    with pytest.raises(UnsupportedModelError, match="only sliding_attention.*full_attention"):
+        HFRuntime.from_pretrained(only_sliding, cfg)
+    for name, bad, match in (("g3-bidi", dict(use_bidirectional_attention=True), "causal"),
+                             ("g3-cap", dict(attn_logit_softcapping=50.0),
+                              "attn_logit_softcapping")):
+        g = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention",
+                                                               "full_attention"], **bad)
+        with pytest.raises(UnsupportedModelError, match=match):
+            HFRuntime.from_pretrained(_save_config(tmp_path, name, g), cfg)
     q = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=32,
                     max_window_layers=1)
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):

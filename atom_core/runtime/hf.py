@@ -1,19 +1,25 @@
 """A runtime over a Hugging Face transformers causal LM, with RBLN graph semantics.
 
 `HFRuntime` drives a real `transformers` model (Llama, Mistral, Qwen2: decoder-only models whose
-attention goes through transformers' attention-function registry) behind the same interface as
-`TorchReferenceRuntime`: B=1 chunked prefill and B-row decode through the batcher's int16 block
-tables, KV per layer in `[num_blocks, kv_heads, block_size, head_dim]` (`atom_core.runtime.paged`,
-shared with the reference runtime).
+attention goes through transformers' attention-function registry; Gemma3 text, the hybrid
+sliding-window model) behind the same interface as `TorchReferenceRuntime`: B=1 chunked prefill
+and B-row decode through the batcher's int16 block tables, KV per global layer in
+`[num_blocks, kv_heads, block_size, head_dim]` and, for Gemma3's sliding layers, in lane-local
+window slots `[batch_size, kv_heads, W, head_dim]` addressed by `local_block_tables`
+(`atom_core.runtime.paged`, shared with the reference runtime).
 
 How: the model is loaded with `attn_implementation="atom_paged"`, an attention function registered
-through transformers' public `AttentionInterface`. The model computes q, k, v (projections, rotary
-embedding at the given `position_ids`) as it always does and hands them to that function, which
-writes k and v through the block tables and attends over the gathered keys, masked by position
-(causal: a key is visible when its position is <= the query's). The model is called without a
-transformers cache (`use_cache=False`), so the paged cache is the only KV there is. No model
-source is patched; the registry lookup happens at every attention call, so a model built with
-another attention implementation is not affected.
+through transformers' public `AttentionInterface`. The model computes q, k, v (projections, its
+norms, rotary embedding at the given `position_ids`: Gemma3's separate local and global rotary
+bases included) as it always does and hands them to that function with its own scaling (Gemma3's
+`query_pre_attn_scalar`), which writes k and v through the block tables and attends over the
+gathered keys, masked by position (causal: a key is visible when its position is <= the
+query's). A sliding layer instead reads the row's local window, attends to it and the call's own
+keys under transformers' Gemma3 sliding mask (position q sees q - W + 1 .. q) and appends the
+call's real positions to the window. The model is called without a transformers cache
+(`use_cache=False`), so the paged cache and the slots are the only KV there is. No model source
+is patched; the registry lookup happens at every attention call, so a model built with another
+attention implementation is not affected.
 
 Like the device, every computed position writes its KV: the padding positions of a prefill chunk
 and the padding rows of a decode (which the batcher aims at the scratch block). Attention runs in
@@ -21,10 +27,11 @@ the model's dtype (float32 or float64): the result equals transformers' own atte
 floating-point rounding (not bit for bit; the tests compare greedy tokens at steps whose top-1 /
 top-2 logit gap is far above that rounding, and float32 logits with a tolerance).
 
-Refused, each with a message: architectures other than the supported ones (notably Gemma3: its
-sliding-window layers need the local-slot state, not built here yet), configs with
-sliding-window layers or a window shorter than `max_seq_len`, dtypes other than float32/float64,
-and a `max_seq_len` beyond the model's `max_position_embeddings`.
+Refused, each with a message: architectures other than the supported ones (the multimodal
+Gemma3 among them), sliding-window layers in a model other than Gemma3 (Qwen2's, or a Mistral
+window shorter than `max_seq_len`), a Gemma3 config with no global layer, a non-positive window,
+bidirectional attention or attention soft-capping, dtypes other than float32/float64, and a
+`max_seq_len` beyond the model's `max_position_embeddings`.
 
 Nothing touches the network: loading is `from_pretrained(path, local_files_only=True)` and the
 hub is set offline (`HF_HUB_OFFLINE=1`) when this module is imported.
@@ -46,13 +53,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atom_core.runtime.paged import block_coords, gather_blocks, write_blocks
+from atom_core.runtime.paged import (
+    append_windows,
+    block_coords,
+    check_host,
+    copy_from_host,
+    copy_to_host,
+    gather_blocks,
+    stack_kv,
+    visible,
+    window_key_positions,
+    write_blocks,
+)
 from atom_core.runtime.protocol import (
     RuntimeInputError,
     check_block,
     check_copy,
     check_decode_inputs,
     check_prefill_inputs,
+    check_slot,
     smallest_decode_batch,
 )
 from atom_core.runtime.reference import _threads
@@ -64,6 +83,8 @@ from transformers import (  # noqa: E402
     AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
 )
@@ -79,7 +100,10 @@ __all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "GenerateOracle", "HFRuntime",
 ATTENTION = "atom_paged"
 # model_type -> what it is; each uses the standard attention interface like Llama
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM"}
+                         "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# the hybrid ones: 'sliding_attention' layers (config.layer_types) keep their KV in local slots
+HYBRID_MODEL_TYPES = frozenset({"gemma3_text"})
+SLIDING, FULL = "sliding_attention", "full_attention"
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -93,9 +117,13 @@ class _Graph:
     """One prefill or decode call: where each computed position's KV goes and what it sees.
 
     pos [B, Q] positions of the B*Q computed tokens; tab [B, T] each row's block table (a
-    prefill has B = 1); length: keys 0..length-1 are gathered for every row."""
+    prefill has B = 1); length: keys 0..length-1 are gathered for every row. A hybrid model's
+    call also has slots [B] (each row's local slot) and real (how many of a row's Q positions
+    its sliding layers append to the slot's window: a prefill chunk's real positions up to
+    start + query_position, a decode row's one position)."""
 
-    def __init__(self, rt: HFRuntime, pos: torch.Tensor, tab: torch.Tensor) -> None:
+    def __init__(self, rt: HFRuntime, pos: torch.Tensor, tab: torch.Tensor,
+                 slots: torch.Tensor | None = None, real: int = 0) -> None:
         self.rt = rt
         b, q = pos.shape
         self.shape = (b, q)
@@ -106,21 +134,39 @@ class _Graph:
         kpos = torch.arange(self.length)
         # [B, 1, Q, L]: key k visible from a query at q iff k <= q (by position, never by where
         # the key is stored, so junk in a block past a sequence's end is masked)
-        self.valid = (kpos[None, None, :] <= pos.long()[:, :, None])[:, None]
+        self.valid = visible(pos.reshape(-1), kpos, None).view(b, 1, q, self.length)
+        self.slots = None if slots is None else slots.long()
+        if self.slots is not None:
+            w = rt.sliding_window
+            assert w is not None
+            self.start = pos[:, 0].long()
+            self.real = real
+            # a row's keys: its slot's window as read at its first position, then its own Q
+            # positions; [B, 1, Q, W + Q] by position (the window's own mask, the chunk's
+            # causal one: a chunk longer than the window masks its own oldest positions)
+            lpos = window_key_positions(self.start, pos, w).repeat_interleave(q, dim=0)
+            self.local_valid = visible(pos.reshape(-1), lpos, w).view(b, 1, q, w + q)
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float, kwargs: dict[str, Any]) -> torch.Tensor:
         """query [B, H, Q, d], key/value [B, KVH, Q, d] of this call's tokens; [B, Q, H, d]."""
+        layer = module.layer_idx
         window = kwargs.get("sliding_window")
-        if window is not None and window < self.rt.max_seq_len:
-            raise UnsupportedModelError(
-                f"layer {module.layer_idx} asks for sliding-window attention (window {window}), "
-                "which HFRuntime does not implement")
         if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
             raise UnsupportedModelError(
-                f"layer {module.layer_idx} asks for attention logit soft-capping or sinks, which "
+                f"layer {layer} asks for attention logit soft-capping or sinks, which "
                 "HFRuntime does not implement")
-        j = module.layer_idx
+        j = self.rt._store[layer]
+        if layer in self.rt._sliding:
+            if window != self.rt.sliding_window or self.slots is None:
+                raise UnsupportedModelError(
+                    f"sliding layer {layer} asks for window {window}, the runtime keeps "
+                    f"{self.rt.sliding_window}")
+            return self._local(j, query, key, value, scaling)
+        if window is not None and window < self.rt.max_seq_len:
+            raise UnsupportedModelError(
+                f"layer {layer} asks for sliding-window attention (window {window}), "
+                "which HFRuntime does not implement for this model")
         b, q = self.shape
         kvh, d = key.shape[1], key.shape[3]
         k_new = key.transpose(1, 2).reshape(b * q, kvh, d)
@@ -131,13 +177,34 @@ class _Graph:
         # junk past a sequence's end is masked, but NaN * 0 is NaN: make it finite
         k = torch.nan_to_num(gather_blocks(kc, self.tab, self.length, self.rt.block_size))
         v = torch.nan_to_num(gather_blocks(vc, self.tab, self.length, self.rt.block_size))
-        rep = query.shape[1] // kvh
-        k = k.to(query.dtype).repeat_interleave(rep, dim=1)                   # [B, H, L, d]
-        v = v.to(query.dtype).repeat_interleave(rep, dim=1)
-        scores = (query @ k.transpose(2, 3)) * scaling                       # [B, H, Q, L]
-        scores = scores.masked_fill(~self.valid, -math.inf)
-        probs = torch.softmax(scores, dim=-1)
-        return (probs @ v).transpose(1, 2).contiguous()
+        return _softmax_attend(query, k, v, self.valid, scaling)
+
+    def _local(self, j: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """A sliding layer (store j): each row reads its slot's window, attends to it and its
+        own keys, then appends its real keys (`append_windows`, every row alike: a padding row
+        writes the slot it is aimed at, which the batcher makes an idle lane's)."""
+        assert self.slots is not None
+        kl, vl = self.rt.k_local[j], self.rt.v_local[j]
+        k = torch.cat([torch.nan_to_num(kl[self.slots]), key.to(kl.dtype)], dim=2)
+        v = torch.cat([torch.nan_to_num(vl[self.slots]), value.to(vl.dtype)], dim=2)
+        out = _softmax_attend(query, k, v, self.local_valid, scaling)
+        append_windows(kl, self.slots, self.start, key[:, :, :self.real])
+        append_windows(vl, self.slots, self.start, value[:, :, :self.real])
+        return out
+
+
+def _softmax_attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """query [B, H, Q, d] over keys/values [B, KVH, L, d] (grouped-query: each KV head serves
+    H / KVH query heads) where valid [B, 1, Q, L]; [B, Q, H, d]."""
+    rep = query.shape[1] // k.shape[1]
+    k = k.to(query.dtype).repeat_interleave(rep, dim=1)                       # [B, H, L, d]
+    v = v.to(query.dtype).repeat_interleave(rep, dim=1)
+    scores = (query @ k.transpose(2, 3)) * scaling                           # [B, H, Q, L]
+    scores = scores.masked_fill(~valid, -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    return (probs @ v).transpose(1, 2).contiguous()
 
 
 _CURRENT: contextvars.ContextVar[_Graph | None] = contextvars.ContextVar("atom_hf_graph",
@@ -178,17 +245,22 @@ def check_model_config(config: Any, max_seq_len: int) -> None:
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         archs = getattr(config, "architectures", None) or [mt]
-        extra = (" Gemma3's sliding-window layers need the local-slot state, which this runtime "
-                 "does not implement yet." if mt and mt.startswith("gemma") else "")
+        extra = (" For Gemma3 serve the text model (Gemma3ForCausalLM, a Gemma3TextConfig with "
+                 "model_type 'gemma3_text'); the multimodal one is not supported."
+                 if mt == "gemma3" else "")
         raise UnsupportedModelError(
             f"model architecture {archs} (model_type '{mt}') is not supported by HFRuntime: "
             f"supported are {sorted(SUPPORTED_MODEL_TYPES.values())}.{extra}")
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
+    kinds = set(getattr(config, "layer_types", None) or [FULL])
+    allowed = {FULL, SLIDING} if mt in HYBRID_MODEL_TYPES else {FULL}
+    if not kinds <= allowed:
         raise UnsupportedModelError(
-            f"this {mt} config has attention layer types {sorted(kinds)}: HFRuntime serves only "
-            "models whose every layer is 'full_attention' (sliding-window layers need the "
-            "local-slot state, not implemented here)")
+            f"this {mt} config has attention layer types {sorted(kinds)}: HFRuntime serves "
+            f"{mt} models whose layers are {sorted(allowed)} only"
+            + ("" if mt in HYBRID_MODEL_TYPES else " (sliding-window layers have local slots "
+                                                    "for Gemma3 only)"))
+    if mt in HYBRID_MODEL_TYPES:
+        _check_hybrid(config, kinds)
     window = getattr(config, "sliding_window", None) if mt == "mistral" else None
     if window is not None and window < max_seq_len:
         raise UnsupportedModelError(
@@ -199,6 +271,32 @@ def check_model_config(config: Any, max_seq_len: int) -> None:
     if limit is not None and max_seq_len > limit:
         raise UnsupportedModelError(
             f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={limit}")
+
+
+def _check_hybrid(config: Any, kinds: set[str]) -> None:
+    """A Gemma3 text config the local-slot layout can express: causal, both kinds of layer
+    (the sliding ones' window in the local slots, the global ones' KV in the blocks)."""
+    if SLIDING in kinds and FULL not in kinds:
+        raise UnsupportedModelError(
+            "this gemma3_text config has only sliding_attention layers: the RBLN layout keeps a "
+            "hybrid model's global layers in the blocks and needs at least one full_attention "
+            "layer (set layer_types)")
+    window = getattr(config, "sliding_window", None)
+    if SLIDING in kinds and (isinstance(window, bool) or not isinstance(window, int)
+                             or window <= 0):
+        raise UnsupportedModelError(
+            f"this gemma3_text config has sliding layers but sliding_window={window!r}: give "
+            "a positive integer window")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            "this gemma3_text config has use_bidirectional_attention=True: HFRuntime serves "
+            "causal decoders only")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # transformers' Gemma3 attention does not pass it to the attention function, so what it
+        # should mean here is not defined by the model: refuse rather than guess
+        raise UnsupportedModelError(
+            "this gemma3_text config sets attn_logit_softcapping, which HFRuntime does not "
+            "implement; use a config with attn_logit_softcapping=null")
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -236,15 +334,24 @@ def seed_weights(model: Any, seed: int) -> Any:
 # --- the runtime -------------------------------------------------------------------------------
 
 class HFRuntime:
-    """A transformers causal LM behind the RBLN runtime interface (plain models: no local slots).
+    """A transformers causal LM behind the RBLN runtime interface.
 
     Build with `from_pretrained(path, config)` (a local checkpoint directory) or
-    `tiny_llama(config, seed)` (seeded random weights, saved and loaded back through
-    `from_pretrained`); `config` is the `atom_core.config.Config` whose artifact sizes (lanes,
-    kv_blocks, block_size, max_seq_len, prefill_chunk) the runtime takes.
+    `tiny_llama(config, seed)` / `tiny_gemma3(config, seed)` (seeded random weights, saved and
+    loaded back through `from_pretrained`); `config` is the `atom_core.config.Config` whose
+    artifact sizes (lanes, kv_blocks, block_size, max_seq_len, prefill_chunk) the runtime takes.
+
+    Plain models: every layer global, KV in `k_cache`/`v_cache`, `local_block_tables=None`.
+    Gemma3 (hybrid): the config's 'sliding_attention' layers keep their KV in `batch_size`
+    local slots `k_local[j]`/`v_local[j]` [batch_size, kv_heads, W, head_dim] (one per lane; a
+    window as the RBLN kernel keeps it, `atom_core.runtime.paged`, the same code as
+    `TorchReferenceRuntime`), `k_cache`/`v_cache` hold the global layers only;
+    `uses_local_block_tables` is True, `sliding_window` is W, and the local-slot operations
+    (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`, `read_local`) work.
     """
 
     uses_local_block_tables = False
+    sliding_window: int | None = None
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int, max_seq_len: int,
                  prefill_chunk: int, batch_size: int,
@@ -277,10 +384,24 @@ class HFRuntime:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None)
                             or cfg.hidden_size // cfg.num_attention_heads)
+        types = list(getattr(cfg, "layer_types", None) or [FULL] * self.layers)
+        hybrid = cfg.model_type in HYBRID_MODEL_TYPES and SLIDING in types
+        self.sliding_layers = tuple(i for i, t in enumerate(types) if hybrid and t == SLIDING)
+        self.global_layers = tuple(i for i in range(self.layers) if i not in self.sliding_layers)
+        self._sliding = frozenset(self.sliding_layers)
+        self.uses_local_block_tables = hybrid
+        self.sliding_window = int(cfg.sliding_window) if hybrid else None
+        # layer -> its index in k_cache/v_cache (global) or k_local/v_local (sliding)
+        self._store = {layer: j for group in (self.global_layers, self.sliding_layers)
+                       for j, layer in enumerate(group)}
         shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(self.layers)]
-        self.calls = {"prefill": 0, "decode": 0, "copy": 0, "fetch": 0, "update": 0}
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in self.global_layers]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.global_layers]
+        local = (batch_size, self.kv_heads, self.sliding_window or 0, self.head_dim)
+        self.k_local = [torch.zeros(local, dtype=dtype) for _ in self.sliding_layers]
+        self.v_local = [torch.zeros(local, dtype=dtype) for _ in self.sliding_layers]
+        self.calls = {"prefill": 0, "decode": 0, "copy": 0, "fetch": 0, "update": 0,
+                      "fetch_local": 0, "update_local": 0}
         self._fingerprint: str | None = None
 
     # --- construction ----------------------------------------------------------------------
@@ -328,6 +449,41 @@ class HFRuntime:
             model.save_pretrained(tmp)
             return cls.from_pretrained(tmp, config, dtype=dtype)
 
+    @staticmethod
+    def tiny_gemma3_model(seed: int = 0, *, sliding_window: int, vocab_size: int = 128,
+                          max_position: int = 256, dtype: torch.dtype = torch.float32,
+                          **fields: Any) -> Any:
+        """A tiny Gemma3ForCausalLM (text) with weights by `seed_weights(seed)`: 3 layers
+        (sliding, global, sliding), hidden 64, 4 query and 2 KV heads of head_dim 32,
+        query_pre_attn_scalar 24 (not head_dim, so the query scaling is exercised), Gemma3's
+        own local and global rotary bases, unless `fields` override. The LM head is not tied
+        to the embeddings: tied, Gemma3's embedding scale makes a random model repeat one
+        token whatever it attends to, which would check nothing."""
+        base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, query_pre_attn_scalar=24, sliding_window=sliding_window,
+                    layer_types=[SLIDING, FULL, SLIDING], max_position_embeddings=max_position,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
+                    eos_token_id=None, pad_token_id=None)
+        base.update(fields)
+        model = seed_weights(Gemma3ForCausalLM(Gemma3TextConfig(**base)), seed)
+        return model.to(dtype)
+
+    @classmethod
+    def tiny_gemma3(cls, config: Config, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    vocab_size: int = 128, **fields: Any) -> HFRuntime:
+        """`tiny_gemma3_model(seed)` with `config.sliding_window` as its window, saved with
+        `save_pretrained` to a temporary directory and served from there."""
+        if config.sliding_window is None:
+            raise ValueError("tiny-gemma3 is a hybrid model: give a Config with sliding_window "
+                             "(its sliding layers' window)")
+        model = cls.tiny_gemma3_model(seed, sliding_window=config.sliding_window,
+                                      vocab_size=vocab_size, max_position=config.max_seq_len,
+                                      dtype=dtype, **fields)
+        with tempfile.TemporaryDirectory(prefix="atom-tiny-gemma3-") as tmp, _quiet():
+            model.save_pretrained(tmp)
+            return cls.from_pretrained(tmp, config, dtype=dtype)
+
     @property
     def fingerprint(self) -> str:
         """SHA-256 hex of the model config (less bookkeeping fields), the weights and the dtype,
@@ -345,8 +501,9 @@ class HFRuntime:
     # --- the device graphs -----------------------------------------------------------------
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor,
-             keep: int | torch.Tensor) -> torch.Tensor:
-        token = _CURRENT.set(_Graph(self, pos, tab))
+             keep: int | torch.Tensor, slots: torch.Tensor | None = None,
+             real: int = 0) -> torch.Tensor:
+        token = _CURRENT.set(_Graph(self, pos, tab, slots, real))
         try:
             with _threads(self.num_threads), torch.inference_mode():
                 out = self.model(input_ids=ids, position_ids=pos.long(), use_cache=False,
@@ -357,19 +514,22 @@ class HFRuntime:
 
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
                 local_block_tables: Any, query_position: Any) -> torch.Tensor:
-        ids, pos, bt, _lbt, qp = check_prefill_inputs(
+        ids, pos, bt, lbt, qp = check_prefill_inputs(
             self, input_ids, cache_position, block_tables, local_block_tables, query_position)
         self.calls["prefill"] += 1
-        logits = self._run(ids, pos, bt[None, :], qp.long().view(1))
+        # the sliding layers append the chunk's real positions only (start .. start + qp), as
+        # the kernel's cache_offset says; the global layers write every position like the device
+        logits = self._run(ids, pos, bt[None, :], qp.long().view(1), lbt, int(qp) + 1)
         return logits.reshape(1, 1, self.vocab_size)
 
     def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
                local_block_tables: Any) -> torch.Tensor:
-        ids, pos, bt, _lbt = check_decode_inputs(
+        ids, pos, bt, lbt = check_decode_inputs(
             self, input_ids, cache_position, block_tables, local_block_tables)
         self.calls["decode"] += 1
         b = ids.shape[0]
-        return self._run(ids, pos, bt, 0).reshape(b, 1, self.vocab_size)
+        slots = None if lbt is None else lbt[:, 0]
+        return self._run(ids, pos, bt, 0, slots, 1).reshape(b, 1, self.vocab_size)
 
     def decode_batch_size(self, busy_rows: Iterable[int]) -> int:
         return smallest_decode_batch(self.decoder_batch_sizes, busy_rows)
@@ -383,43 +543,67 @@ class HFRuntime:
             cache[d, :, :n] = cache[s, :, :n]
 
     def _block_shape(self) -> tuple[int, ...]:
-        return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+        return (len(self.global_layers), 2, self.kv_heads, self.block_size, self.head_dim)
 
     def new_host_buffer(self) -> torch.Tensor:
-        """[layers, 2 (K, V), kv_heads, block_size, head_dim] in the model dtype."""
+        """[global layers, 2 (K, V), kv_heads, block_size, head_dim] in the model dtype (every
+        layer is global unless the model is hybrid)."""
         return torch.zeros(self._block_shape(), dtype=self.dtype)
 
-    def _host(self, host_tensor: Any) -> torch.Tensor:
-        shape = self._block_shape()
-        if not isinstance(host_tensor, torch.Tensor) or tuple(host_tensor.shape) != shape \
-                or host_tensor.dtype != self.dtype:
-            got = (list(host_tensor.shape), host_tensor.dtype) \
-                if isinstance(host_tensor, torch.Tensor) else type(host_tensor).__name__
-            raise RuntimeInputError(f"host tensor must be {self.dtype} {list(shape)} "
-                                    f"(new_host_buffer()), got {got}")
-        return host_tensor
-
     def fetch_kv_cache(self, host_tensor: Any, block: int) -> None:
-        host = self._host(host_tensor)
+        host = check_host(host_tensor, self._block_shape(), self.dtype, "new_host_buffer")
         b = check_block("fetch", block, self.num_blocks)
         self.calls["fetch"] += 1
-        for j in range(self.layers):
-            host[j, 0].copy_(self.k_cache[j][b])
-            host[j, 1].copy_(self.v_cache[j][b])
+        copy_to_host(host, self.k_cache, self.v_cache, b)
 
     def update_kv_cache(self, host_tensor: Any, block: int) -> None:
-        host = self._host(host_tensor)
+        host = check_host(host_tensor, self._block_shape(), self.dtype, "new_host_buffer")
         b = check_block("update", block, self.num_blocks)
         self.calls["update"] += 1
-        for j in range(self.layers):
-            self.k_cache[j][b].copy_(host[j, 0])
-            self.v_cache[j][b].copy_(host[j, 1])
+        copy_from_host(host, self.k_cache, self.v_cache, b)
 
     def read_block(self, block: int) -> torch.Tensor:
-        """A copy of block `block`: [layers, 2 (K, V), kv_heads, block_size, head_dim]."""
-        b = check_block("read_block", block, self.num_blocks)
-        return torch.stack([torch.stack([self.k_cache[j][b], self.v_cache[j][b]])
-                            for j in range(self.layers)])
+        """A copy of block `block`: [global layers, 2 (K, V), kv_heads, block_size, head_dim]."""
+        return stack_kv(self.k_cache, self.v_cache,
+                        check_block("read_block", block, self.num_blocks))
+
+    # --- local-slot operations (hybrid models) ---------------------------------------------
+
+    def _slot(self, name: str, slot: int) -> int:
+        if not self.uses_local_block_tables:
+            raise RuntimeInputError(f"{name}: this model has no sliding-window layers, so no "
+                                    "local slots")
+        return check_slot(name, slot, self.batch_size)
+
+    def _local_shape(self) -> tuple[int, ...]:
+        return (len(self.sliding_layers), 2, self.kv_heads, self.sliding_window or 0,
+                self.head_dim)
+
+    def new_local_host_buffer(self) -> torch.Tensor:
+        """[sliding layers, 2 (K, V), kv_heads, sliding_window, head_dim] in the model dtype:
+        one local slot (a window: the last min(p, W) positions in order)."""
+        if not self.uses_local_block_tables:
+            raise RuntimeInputError("new_local_host_buffer: this model has no sliding-window "
+                                    "layers, so no local slots")
+        return torch.zeros(self._local_shape(), dtype=self.dtype)
+
+    def fetch_local_cache(self, host_tensor: Any, slot: int) -> None:
+        """Copy local slot `slot` (every sliding layer) from the device into `host_tensor`."""
+        t = self._slot("fetch_local", slot)
+        host = check_host(host_tensor, self._local_shape(), self.dtype, "new_local_host_buffer")
+        self.calls["fetch_local"] += 1
+        copy_to_host(host, self.k_local, self.v_local, t)
+
+    def update_local_cache(self, host_tensor: Any, slot: int) -> None:
+        """Copy `host_tensor` (from `fetch_local_cache`) into local slot `slot` on the device."""
+        t = self._slot("update_local", slot)
+        host = check_host(host_tensor, self._local_shape(), self.dtype, "new_local_host_buffer")
+        self.calls["update_local"] += 1
+        copy_from_host(host, self.k_local, self.v_local, t)
+
+    def read_local(self, slot: int) -> torch.Tensor:
+        """A copy of local slot `slot`: [sliding layers, 2 (K, V), kv_heads, W, head_dim]."""
+        return stack_kv(self.k_local, self.v_local, self._slot("read_local", slot))
 
 
 # --- serving -----------------------------------------------------------------------------------
