@@ -877,9 +877,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "free block (default)")
     d.add_argument("--runtime", choices=("reference", "hf"), default="reference",
                    help="hf: a transformers model (--model) checked against its own generate()")
-    d.add_argument("--model", default=None, metavar="DIR|tiny-llama",
-                   help="hf: a local checkpoint directory, or tiny-llama (seeded random "
-                        "weights, saved to a temporary directory and loaded back)")
+    d.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",
+                   help="hf: a local checkpoint directory, or tiny-llama / tiny-gemma3 (seeded "
+                        "random weights, saved to a temporary directory and loaded back)")
     d.add_argument("--json", action="store_true",
                    help="one JSON object on stdout (no progress bar)")
     d.set_defaults(fn=cmd_demo)

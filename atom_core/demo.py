@@ -184,18 +184,26 @@ def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed:
     """Serve the workload, check it against the oracle; the summary as a JSON-able dict.
 
     runtime "reference": the tiny reference model and its oracle. runtime "hf": a transformers
-    model (`model` a local checkpoint directory, or "tiny-llama": seeded random weights saved
-    and loaded back) in float64 on HFRuntime, checked against transformers' own greedy
+    model (`model` a local checkpoint directory, or "tiny-llama" / "tiny-gemma3": seeded random
+    weights saved and loaded back) in float64 on HFRuntime, checked against transformers' own greedy
     `generate` of the same weights."""
     cfg = demo_config(lanes, prefix_cache, scratch, kv_blocks)
     rt: Any
     oracle: Any
     if runtime == "hf":
-        from atom_core.runtime.hf import TINY_LLAMA, GenerateOracle, HFRuntime
+        from atom_core.runtime.hf import (
+            TINY_LLAMA,
+            TINY_MODELS,
+            GenerateOracle,
+            HFRuntime,
+            tiny_runtime,
+            with_model_window,
+        )
 
         name = model or TINY_LLAMA
-        rt = (HFRuntime.tiny_llama(cfg, seed=MODEL_SEED, dtype=torch.float64)
-              if name == TINY_LLAMA else
+        cfg = with_model_window(cfg, name)  # a Gemma3 model's batcher needs its window
+        rt = (tiny_runtime(name, cfg, seed=MODEL_SEED, dtype=torch.float64)
+              if name in TINY_MODELS else
               HFRuntime.from_pretrained(name, cfg, dtype=torch.float64))
         oracle = GenerateOracle(rt)
     elif runtime == "reference":

@@ -94,8 +94,9 @@ if TYPE_CHECKING:
     from atom_core.config import Config
     from atom_core.serve.runtimes import ServeOptions
 
-__all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "GenerateOracle", "HFRuntime",
-           "UnsupportedModelError", "seed_weights", "serve_factory"]
+__all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "TINY_MODELS", "GenerateOracle", "HFRuntime",
+           "UnsupportedModelError", "seed_weights", "serve_factory", "tiny_runtime",
+           "with_model_window"]
 
 ATTENTION = "atom_paged"
 # model_type -> what it is; each uses the standard attention interface like Llama
@@ -609,17 +610,58 @@ class HFRuntime:
 # --- serving -----------------------------------------------------------------------------------
 
 TINY_LLAMA = "tiny-llama"
+TINY_GEMMA3 = "tiny-gemma3"
+TINY_MODELS = (TINY_LLAMA, TINY_GEMMA3)
+# tiny-gemma3's window when the configuration names none: shorter than a prefill chunk (64), so
+# the local slots decide the tokens of any but the shortest prompts
+TINY_GEMMA3_WINDOW = 32
+
+
+def model_window(model: str) -> int | None:
+    """The sliding window a model's Config must carry: tiny-gemma3's default, a local Gemma3
+    checkpoint's `sliding_window` (when it has sliding layers), else None."""
+    if model == TINY_GEMMA3:
+        return TINY_GEMMA3_WINDOW
+    if model == TINY_LLAMA or not Path(model, "config.json").is_file():
+        return None
+    mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
+    hybrid = getattr(mcfg, "model_type", None) in HYBRID_MODEL_TYPES \
+        and SLIDING in (getattr(mcfg, "layer_types", None) or ())
+    return int(mcfg.sliding_window) if hybrid else None
+
+
+def with_model_window(cfg: Config, model: str) -> Config:
+    """`cfg` with the model's sliding window when it names none (a hybrid model's batcher
+    needs it); a window it names is kept, and the batcher refuses one that differs."""
+    import attrs
+
+    window = model_window(model)
+    if window is None or cfg.sliding_window is not None:
+        return cfg
+    return attrs.evolve(cfg, sliding_window=window)
+
+
+def tiny_runtime(model: str, cfg: Config, seed: int, dtype: torch.dtype = torch.float32,
+                 vocab_size: int = 128) -> HFRuntime:
+    """`tiny-llama` or `tiny-gemma3` for `cfg` (give a hybrid one `with_model_window`)."""
+    if model == TINY_GEMMA3:
+        return HFRuntime.tiny_gemma3(cfg, seed=seed, dtype=dtype, vocab_size=vocab_size)
+    if model == TINY_LLAMA:
+        return HFRuntime.tiny_llama(cfg, seed=seed, dtype=dtype, vocab_size=vocab_size)
+    raise ValueError(f"unknown tiny model {model!r}: one of {TINY_MODELS}")
 
 
 def serve_factory(opts: ServeOptions) -> tuple[Config, HFRuntime, Any]:
-    """`atom-core serve --runtime hf --model DIR|tiny-llama`: (Config, runtime, tokenizer)."""
+    """`atom-core serve --runtime hf --model DIR|tiny-llama|tiny-gemma3`: (Config, runtime,
+    tokenizer). A Gemma3 model's Config gets the model's window unless it names one."""
     from atom_core.serve.runtimes import TINY_DEFAULTS, config_for, tokenizer_for
     from atom_core.serve.tokenizer import ByteTokenizer
 
-    cfg = config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
-    if opts.model == TINY_LLAMA:
+    cfg = with_model_window(config_for(opts, TINY_DEFAULTS if opts.rbln_config is None
+                                       else None), opts.model)
+    if opts.model in TINY_MODELS:
         tok: Any = ByteTokenizer()
-        return cfg, HFRuntime.tiny_llama(cfg, seed=opts.seed, vocab_size=tok.vocab_size), tok
+        return cfg, tiny_runtime(opts.model, cfg, opts.seed, vocab_size=tok.vocab_size), tok
     return cfg, HFRuntime.from_pretrained(opts.model, cfg), tokenizer_for(opts.model)
 
 

@@ -100,8 +100,8 @@ def _rbln(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
 
 
 def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
-    """--model DIR (a local checkpoint with its tokenizer) or tiny-llama (seeded random weights,
-    the byte tokenizer); see atom_core.runtime.hf."""
+    """--model DIR (a local checkpoint with its tokenizer) or tiny-llama / tiny-gemma3 (seeded
+    random weights, the byte tokenizer); see atom_core.runtime.hf."""
     try:
         from atom_core.runtime import hf
     except ImportError as exc:
