@@ -212,7 +212,7 @@ def test_config_window_must_match_the_model(tmp_path: Path) -> None:
     cfg = config(2)
     rt = served(cfg, tmp_path)
     other = hf_config(2, sliding_window=W + 8)
-    with pytest.raises(Exception, match=f"sliding_window: config {W + 8}, runtime {W}"):
+    with pytest.raises(ValueError, match=f"sliding_window: config {W + 8}, runtime {W}"):
         AtomBatcher(other, rt)
     with pytest.raises(ValueError, match="give a Config with sliding_window"):
         HFRuntime.tiny_gemma3(hf_config(2), seed=SEED)

@@ -51,6 +51,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from atom_core.runtime.paged import (
@@ -633,8 +634,6 @@ def model_window(model: str) -> int | None:
 def with_model_window(cfg: Config, model: str) -> Config:
     """`cfg` with the model's sliding window when it names none (a hybrid model's batcher
     needs it); a window it names is kept, and the batcher refuses one that differs."""
-    import attrs
-
     window = model_window(model)
     if window is None or cfg.sliding_window is not None:
         return cfg
