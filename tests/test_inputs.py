@@ -99,7 +99,7 @@ def test_malformed_first_lines(bad: bytes, says: str) -> None:
 
 def test_bad_steps_name_their_line(good_trace: list[bytes]) -> None:
     head = good_trace[0]
-    for step, says in [(b'{"action": "decode", "args": {"pad": 0, "tok": [1, 2, 3]}}',
+    for step, says in [(b'{"action": "decode", "args": {"lpad": 0, "pad": 0, "tok": [1, 2, 3]}}',
                         "one entry per lane"),
                        (b'{"action": "submit", "args": {"r": 0, "p": [1, true]}}',
                         "list of integers"),
