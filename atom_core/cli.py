@@ -341,9 +341,37 @@ class _Usage(Exception):
     """A bad option or configuration: printed, exit 2."""
 
 
+def _hf() -> Any:
+    """atom_core.runtime.hf, or a usage error naming the extra."""
+    try:
+        from atom_core.runtime import hf
+    except ImportError as exc:  # transformers is an extra
+        raise _Usage(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})"
+                     ) from None
+    return hf
+
+
+def _pd_model_window(args: argparse.Namespace) -> int | None:
+    """--runtime hf: the model's sliding window (a Gemma3 model's batcher needs it), else None;
+    checks that --model goes with --runtime hf."""
+    if args.runtime != "hf":
+        if args.model is not None:
+            raise _Usage("--model is for --runtime hf (the reference model is built in; rbln "
+                         "takes --compiled)")
+        return None
+    if args.model is None:
+        raise _Usage("--runtime hf needs --model DIR|tiny-llama|tiny-gemma3 (a local "
+                     "checkpoint directory, or a seeded tiny model)")
+    try:
+        return _hf().model_window(args.model)
+    except (OSError, ValueError) as exc:
+        raise _Usage(f"cannot read the config of {args.model}: {exc}") from None
+
+
 def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
     from atom_core.config import Config, ConfigError
 
+    window = _pd_model_window(args)
     block = args.block_size if args.block_size is not None else args.max_seq_len
     kv = args.kv_blocks
     if kv is None:
@@ -357,7 +385,8 @@ def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
     try:
         return Config(lanes=args.lanes, kv_blocks=kv, max_seq_len=args.max_seq_len,
                       block_size=block, prefill_chunk=args.prefill_chunk,
-                      prefix_cache=args.prefix_cache, scratch=args.scratch)
+                      prefix_cache=args.prefix_cache, scratch=args.scratch,
+                      sliding_window=window)
     except ConfigError as exc:
         raise _Usage(f"invalid configuration: {exc}") from None
 
@@ -416,6 +445,8 @@ def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
         from atom_core.runtime.reference import TorchReferenceRuntime
 
         return TorchReferenceRuntime.tiny(cfg, seed=args.seed)
+    if args.runtime == "hf":
+        return _pd_hf_runtime(args, cfg)
     if not args.compiled:
         raise _Usage("--runtime rbln needs --compiled PATH (an optimum-rbln compiled decoder "
                      "directory)")
@@ -434,12 +465,43 @@ def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
     return rt
 
 
+def _pd_hf_runtime(args: argparse.Namespace, cfg: Any) -> Any:
+    """HFRuntime of --model in float64 (as `atom-core demo --runtime hf`: its tokens are
+    checked against transformers' generate, and float64 keeps the two paths' rounding far
+    below any logit gap); both workers must load the same model, or the decode worker refuses
+    the KV (the fingerprint covers the config, the weights and the dtype)."""
+    import torch
+
+    from atom_core.batcher import check_runtime
+
+    hf = _hf()
+    try:
+        rt = (hf.tiny_runtime(args.model, cfg, seed=args.seed, dtype=torch.float64)
+              if args.model in hf.TINY_MODELS else
+              hf.HFRuntime.from_pretrained(args.model, cfg, dtype=torch.float64))
+        check_runtime(cfg, rt)  # before connecting, as for rbln
+    except (OSError, ValueError) as exc:  # UnsupportedModelError is a ValueError
+        raise _Usage(f"cannot serve {args.model}: {exc}") from None
+    return rt
+
+
+def _pd_oracle(args: argparse.Namespace, rt: Any) -> Any:
+    """The runtime's oracle: the reference model's cache-free generate, or for --runtime hf
+    transformers' own greedy generate() of the same weights."""
+    if args.runtime == "hf":
+        return _hf().GenerateOracle(rt)
+    from atom_core.demo import oracle_for
+
+    return oracle_for(rt)
+
+
 def _pd_setup(args: argparse.Namespace, decode: bool) -> tuple[Any, Any, bytes | None]:
     cfg = _pd_config(args, decode)
     _pd_options(args, decode)
     key = _pd_key(args)
-    if decode and args.check and args.runtime != "reference":
-        raise _Usage("--check needs the reference runtime (its oracle); pass --no-check")
+    if decode and args.check and args.runtime not in ("reference", "hf"):
+        raise _Usage("--check needs an oracle: the reference runtime's or, for --runtime hf, "
+                     "transformers' generate(); an RBLN model has none here, pass --no-check")
     return cfg, _pd_runtime(args, cfg), key
 
 
@@ -522,7 +584,7 @@ def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None
                   transport: Any) -> dict[str, Any]:
     """Serve the demo workload through a DecodeWorker on `transport`; its summary, checked
     against the oracle when `args.check`."""
-    from atom_core.demo import oracle_for, workload
+    from atom_core.demo import workload
     from atom_core.workers import DecodeWorker
 
     items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
@@ -538,7 +600,7 @@ def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None
     out["errors"] = {str(w): results[w].error for w in out["failed_ids"][:10]}
     mismatches = []
     if args.check:
-        oracle = oracle_for(rt)
+        oracle = _pd_oracle(args, rt)
         mismatches = [w for w, it in zip(ids, items, strict=True) if results[w].error is None
                       and results[w].tokens != oracle.generate(it.prompt, it.max_new_tokens)]
     out["checked"], out["mismatches"] = bool(args.check), mismatches
@@ -554,7 +616,7 @@ def _config_json(cfg: Any) -> dict[str, Any]:
 
 def cmd_pd_decode(args: argparse.Namespace) -> int:
     if args.check is None:
-        args.check = args.runtime == "reference"
+        args.check = args.runtime in ("reference", "hf")
     started = _pd_start(args, decode=True)
     if isinstance(started, int):
         return started
@@ -718,6 +780,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             fixed.update(simulate.parse_fixed([f"sliding_window={args.sliding_window}"]))
         if args.lanes is not None:
             fixed["lanes"] = args.lanes
+        if args.runtime is not None:
+            fixed["runtime"] = args.runtime
+        if fixed.get("runtime") == "hf":
+            try:
+                import atom_core.runtime.hf  # noqa: F401
+            except ImportError as exc:  # transformers is an extra
+                print(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})",
+                      file=sys.stderr)
+                return 2
         simulate.draw_config(args.seed, fixed)  # a bad combination is a usage error, now
         if args.minutes is None and args.seeds is None:
             report = simulate.run(args.seed, args.steps, faults, shrink=True, **fixed)
@@ -780,6 +851,11 @@ def _simulate_parser(sub: Any) -> None:
     sim.add_argument("--sliding-window", default=None, metavar="W|none",
                      help="fix the hybrid model's window, or none for a plain model")
     sim.add_argument("--lanes", type=_positive, default=None)
+    sim.add_argument("--runtime", choices=("reference", "hf"), default=None,
+                     help="hf: the same shapes as a transformers model (tiny-llama, or "
+                          "tiny-gemma3 with the seed's window) on HFRuntime, every finished "
+                          "request checked against transformers' generate() (default: "
+                          "reference)")
     sim.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="fix any configuration dimension (e.g. prefetch=2, "
                           "fallback_local=false, host_cache_blocks=2); repeatable")
@@ -819,12 +895,18 @@ def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=64)
     p.add_argument("--prefix-cache", action="store_true")
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic")
-    p.add_argument("--runtime", choices=("reference", "rbln"), default="reference")
+    p.add_argument("--runtime", choices=("reference", "hf", "rbln"), default="reference",
+                   help="hf: a transformers model (--model) on HFRuntime, float64; both workers "
+                        "must give the same model")
+    p.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",
+                   help="hf: a local checkpoint directory, or tiny-llama / tiny-gemma3 (seeded "
+                        "random weights from --seed, saved and loaded back)")
     p.add_argument("--compiled", default=None, help="rbln: the compiled model directory")
     p.add_argument("--fingerprint", default=None,
                    help="rbln: the model's id for PD (e.g. a hash of the artifact); both "
                         "workers must give the same")
-    p.add_argument("--seed", type=int, default=0, help="reference runtime: the model's seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="reference runtime and hf tiny models: the model's seed")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -926,7 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
     _workload_args(pdec)
     pdec.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                       help="check every output against the oracle (default: on for the "
-                           "reference runtime)")
+                           "reference runtime and for hf, against transformers' generate)")
     pdec.add_argument("--fallback-local", action=argparse.BooleanOptionalAction, default=True,
                       help="prefill here the requests not yet sent when the prefill worker is "
                            "lost (default: on)")

@@ -95,9 +95,9 @@ if TYPE_CHECKING:
     from atom_core.config import Config
     from atom_core.serve.runtimes import ServeOptions
 
-__all__ = ["ATTENTION", "SUPPORTED_MODEL_TYPES", "TINY_MODELS", "GenerateOracle", "HFRuntime",
-           "UnsupportedModelError", "seed_weights", "serve_factory", "tiny_runtime",
-           "with_model_window"]
+__all__ = ["ATTENTION", "DEFAULT_THREADS", "SUPPORTED_MODEL_TYPES", "TINY_MODELS",
+           "GenerateOracle", "HFRuntime", "UnsupportedModelError", "seed_weights",
+           "serve_factory", "tiny_model", "tiny_runtime", "with_model_window"]
 
 ATTENTION = "atom_paged"
 # model_type -> what it is; each uses the standard attention interface like Llama
@@ -107,6 +107,12 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCaus
 HYBRID_MODEL_TYPES = frozenset({"gemma3_text"})
 SLIDING, FULL = "sliding_attention", "full_attention"
 DTYPES = (torch.float32, torch.float64)
+# torch intra-op threads during a prefill/decode call (None: torch's own setting). One, from
+# `python -m bench.hf` (README "Benchmarks"): on the 2-core CI machine the tiny models' calls
+# were several to 60 times slower with torch's default of 2 threads (hand-offs cost more than a
+# [B, 64]-wide matmul saves, and a busy core makes each hand-off wait). A real checkpoint on
+# free cores may want more: pass num_threads=None (torch's) or a count.
+DEFAULT_THREADS = 1
 
 
 class UnsupportedModelError(ValueError):
@@ -350,6 +356,9 @@ class HFRuntime:
     `TorchReferenceRuntime`), `k_cache`/`v_cache` hold the global layers only;
     `uses_local_block_tables` is True, `sliding_window` is W, and the local-slot operations
     (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`, `read_local`) work.
+
+    `num_threads`: torch's intra-op threads during each call (restored after it); default
+    `DEFAULT_THREADS` (1, measured by `bench.hf`), None leaves torch's setting.
     """
 
     uses_local_block_tables = False
@@ -358,7 +367,7 @@ class HFRuntime:
     def __init__(self, model: Any, *, num_blocks: int, block_size: int, max_seq_len: int,
                  prefill_chunk: int, batch_size: int,
                  decoder_batch_sizes: Iterable[int] | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = DEFAULT_THREADS) -> None:
         cfg = model.config
         check_model_config(cfg, max_seq_len)
         dtype = next(model.parameters()).dtype
@@ -421,6 +430,12 @@ class HFRuntime:
         check_model_config(mcfg, config.max_seq_len)
         model = AutoModelForCausalLM.from_pretrained(
             p, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION)
+        return cls.for_config(model, config, **kw)
+
+    @classmethod
+    def for_config(cls, model: Any, config: Config, **kw: Any) -> HFRuntime:
+        """A runtime of `config`'s artifact sizes over `model` (loaded with
+        attn_implementation='atom_paged'). Runtimes may share one model: it holds no KV."""
         return cls(model, num_blocks=config.kv_blocks, block_size=config.block_size,
                    max_seq_len=config.max_seq_len, prefill_chunk=config.prefill_chunk,
                    batch_size=config.lanes, **kw)
@@ -640,6 +655,27 @@ def with_model_window(cfg: Config, model: str) -> Config:
     return attrs.evolve(cfg, sliding_window=window)
 
 
+def tiny_model(model: str, max_seq_len: int, *, window: int | None = None, seed: int = 0,
+               dtype: torch.dtype = torch.float32, vocab_size: int = 128) -> Any:
+    """The model of `tiny-llama` (window None) or `tiny-gemma3` (its sliding window), saved with
+    `save_pretrained` and loaded back with the paged attention, for `HFRuntime.for_config`
+    (several runtimes of one model, e.g. both sides of a simulated PD pair)."""
+    if model == TINY_GEMMA3:
+        if window is None:
+            raise ValueError("tiny-gemma3 is a hybrid model: give its sliding window")
+        m = HFRuntime.tiny_gemma3_model(seed, sliding_window=window, vocab_size=vocab_size,
+                                        max_position=max_seq_len, dtype=dtype)
+    elif model == TINY_LLAMA:
+        m = HFRuntime.tiny_llama_model(seed, vocab_size=vocab_size, max_position=max_seq_len,
+                                       dtype=dtype)
+    else:
+        raise ValueError(f"unknown tiny model {model!r}: one of {TINY_MODELS}")
+    with tempfile.TemporaryDirectory(prefix=f"atom-{model}-") as tmp, _quiet():
+        m.save_pretrained(tmp)
+        return AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True, dtype=dtype,
+                                                    attn_implementation=ATTENTION)
+
+
 def tiny_runtime(model: str, cfg: Config, seed: int, dtype: torch.dtype = torch.float32,
                  vocab_size: int = 128) -> HFRuntime:
     """`tiny-llama` or `tiny-gemma3` for `cfg` (give a hybrid one `with_model_window`)."""
@@ -672,19 +708,23 @@ class GenerateOracle:
     def __init__(self, rt: HFRuntime, attn_implementation: str = "sdpa") -> None:
         self.model = copy.deepcopy(rt.model)
         self.model.set_attn_implementation(attn_implementation)
+        self.max_seq_len = rt.max_seq_len
+        self.num_threads = rt.num_threads  # the runtime's: the same cost per call
         self._memo: dict[tuple[int, ...], list[int]] = {}
 
     def generate(self, prompt: Iterable[int], max_new_tokens: int,
                  eos_token_id: int | None = None) -> list[int]:
         key = tuple(int(t) for t in prompt)
+        # the batcher ends a sequence whose last token's KV would not fit: at most
+        # max_seq_len - len(prompt) + 1 tokens (as `atom_core.demo.Oracle`)
+        need = min(max_new_tokens, self.max_seq_len - len(key) + 1)
         have = self._memo.get(key, [])
-        if len(have) < max_new_tokens:
+        if len(have) < need:
             ids = torch.tensor([key])
-            with torch.inference_mode():
+            with _threads(self.num_threads), torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                          max_new_tokens=max_new_tokens,
-                                          min_new_tokens=max_new_tokens, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)
+                                          max_new_tokens=need, min_new_tokens=need,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)
             have = out[0, len(key):].tolist()
             self._memo[key] = have
         cut = have[:max_new_tokens]
