@@ -107,6 +107,9 @@ class SimConfig:
     prefill_host_cache_blocks: int | None = None
     blocks_per_table: int = 1  # T: paged block tables when > 1 (colocated only, for now)
     preemption: bool | None = None  # paged tables: kv_blocks at the preemption rule
+    # "reference": the tiny reference model; "hf": the same shapes as a transformers model
+    # (tiny-llama, or tiny-gemma3 with the window) on HFRuntime, checked against generate()
+    runtime: str = "reference"
 
     @property
     def pd(self) -> bool:
@@ -248,6 +251,11 @@ DIMENSIONS: tuple[Dimension, ...] = (
               _table_choices, open=True),
     Dimension("preemption", "paged tables: a lane waiting for a block preempts the youngest, "
               "with kv_blocks at the (much lower) preemption rule", _preempt_choices),
+    # never drawn (weight 0: a seed's configuration stays what it was before this dimension,
+    # and hf needs the hf extra and is slower); fixed by `--runtime hf` or `--set runtime=hf`
+    Dimension("runtime", "the model: reference (the tiny reference model) or hf (tiny-llama, "
+              "or tiny-gemma3 with the window, on HFRuntime; oracle: transformers' generate)",
+              _always("reference", "hf"), weights=(1, 0)),
 )
 _DIMS = {d.name: d for d in DIMENSIONS}
 
@@ -327,6 +335,31 @@ def _model(cfg: SimConfig) -> dict[str, Any]:
     if cfg.sliding_window is None:
         return {}
     return {"sliding_window": cfg.sliding_window, "layers": 3, "global_every": 3}
+
+
+_HF_ORACLES: dict[tuple[int | None, int], Any] = {}
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(window: int | None, max_seq_len: int) -> Any:
+    """`runtime=hf`'s model, loaded once per shape (HFRuntimes share it: it holds no KV): float64,
+    so transformers' generate and the paged attention differ far below any logit gap."""
+    from atom_core.runtime import hf
+
+    return hf.tiny_model(hf.TINY_LLAMA if window is None else hf.TINY_GEMMA3, max_seq_len,
+                         window=window, seed=MODEL_SEED, dtype=torch.float64, vocab_size=VOCAB)
+
+
+def _hf(window: int | None, max_seq_len: int, conf: Config) -> tuple[Any, Any]:
+    """An HFRuntime for `conf` and the model's oracle (transformers' generate, memoised across
+    seeds like the reference oracle)."""
+    from atom_core.runtime import hf
+
+    rt = hf.HFRuntime.for_config(_hf_model(window, max_seq_len), conf)
+    key = (window, max_seq_len)
+    if key not in _HF_ORACLES:
+        _HF_ORACLES[key] = hf.GenerateOracle(rt)
+    return rt, _HF_ORACLES[key]
 
 
 def _configs(cfg: SimConfig) -> dict[str, Config]:
@@ -1075,7 +1108,12 @@ class Sim:
 
     # ------------------------------------------------------------------ plumbing
     def runtime(self, side: str, conf: Config) -> FaultyRuntime:
-        inner = TorchReferenceRuntime.tiny(conf, seed=MODEL_SEED, **_model(self.cfg))
+        inner: Any
+        if self.cfg.runtime == "hf":
+            inner, oracle = _hf(self.cfg.sliding_window, self.cfg.max_seq_len, conf)
+            self.oracle = self.oracle or oracle
+        else:
+            inner = TorchReferenceRuntime.tiny(conf, seed=MODEL_SEED, **_model(self.cfg))
         if self.oracle is None:
             self.oracle = oracle_for(inner)  # the cache-free reference, never wrapped
         rt = inner if self.wrap_runtime is None else self.wrap_runtime(inner, side)
