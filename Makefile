@@ -62,6 +62,7 @@ bench: install
 	$(PY) -m bench.preempt
 	$(PY) -m bench.pd_crypto
 	$(PY) -m bench.serve
+	$(PY) -m bench.hf
 
 demo: install
 	.venv/bin/atom-core demo
