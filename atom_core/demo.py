@@ -228,12 +228,14 @@ def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed:
             bar.advance()
     st = batcher.stats
     prompt_tokens = sum(len(it.prompt) for it in items)
+    # the threads the runtime's calls ran on (both runtimes default to one), else torch's
+    threads = getattr(rt, "num_threads", None) or torch.get_num_threads()
     return {
         "runtime": runtime if model is None else f"{runtime} ({model})",
         "config": {"lanes": cfg.lanes, "kv_blocks": cfg.kv_blocks,
                    "max_seq_len": cfg.max_seq_len, "prefill_chunk": cfg.prefill_chunk,
                    "prefix_cache": cfg.prefix_cache, "scratch": cfg.scratch,
-                   "rule": cfg.rule, "seed": seed, "torch_threads": torch.get_num_threads()},
+                   "rule": cfg.rule, "seed": seed, "torch_threads": threads},
         "requests": len(items),
         "shared_prefix_requests": sum(it.shared for it in items),
         "completed": sum(1 for r in results.values() if r.error is None),
