@@ -149,8 +149,10 @@ AXIOM_HELP = {
     "preemption_with_tables": (
         "preemption=True needs paged tables (block_size below max_seq_len): with one block per "
         "table no lane ever needs another block, so there is nothing to preempt for"),
-    "chunk_divides_block": "block_size (max_seq_len unless given) must be a multiple of "
-                           "prefill_chunk (a chunk never straddles two blocks)",
+    "chunk_divides_block": (
+        "with paged tables (block_size below max_seq_len) block_size must be a multiple of "
+        "prefill_chunk: a chunk never straddles two blocks (an eager artifact, block_size == "
+        "max_seq_len, may have any max_seq_len: its last chunk is padded)"),
     "block_holds_a_chunk": "prefill_chunk must not exceed block_size (max_seq_len unless given)",
     "host_cache_needs_prefix_cache": (
         "host_cache_blocks > 0 needs prefix_cache=True: the host tier holds prefix-cache entries "

@@ -91,12 +91,16 @@ MAX_LANES_ANY = 4
 
 
 def progress_by_features(model: L.Model, lanes: int, blocks: int,
-                         cutoff: int = MAX_LANES_ANY) -> dict[Features, list[Check]]:
+                         cutoff: int = MAX_LANES_ANY,
+                         seq_len: int = SEQ_LEN) -> dict[Features, list[Check]]:
     """Progress checks at one size for every feature combination whose lanes * T is within the
-    cutoff (one translation, shared)."""
-    u = bounded_universe(model, lanes, blocks, {"C": CHUNK, "S": SEQ_LEN, "SCRATCH": 0})
-    by_case = {f"B={lanes},K={blocks},{f.name}": f for f in COMBINATIONS
-               if lanes <= f.max_lanes(cutoff)}
+    cutoff (one translation, shared). A block size `seq_len` that is not a multiple of the chunk
+    checks the eager combinations only (the axioms allow no other)."""
+    u = bounded_universe(model, lanes, blocks, {"C": CHUNK, "S": seq_len, "SCRATCH": 0})
+    aligned = seq_len % CHUNK == 0
+    label = "" if seq_len == SEQ_LEN else f",S={seq_len}"
+    by_case = {f"B={lanes},K={blocks},{f.name}{label}": f for f in COMBINATIONS
+               if lanes <= f.max_lanes(cutoff) and (aligned or f.tables == 1)}
     cases = {case: {"PREFIX": f.prefix_cache, "RESERVED": f.scratch == "reserved",
                     "HYBRID": f.hybrid, "HOST": f.host, "T": f.tables, "PREEMPT": f.preempt}
              for case, f in by_case.items()}

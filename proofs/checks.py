@@ -257,6 +257,12 @@ def bounded_universe(model: L.Model, lanes: int, blocks: int, consts: dict[str, 
 # The concrete chunk and block sizes of the bounded universes: the typical eager artifact.
 # Nothing in the model depends on their values beyond the axioms, so any would do.
 CHUNK, SEQ_LEN = 128, 4096
+# An eager block (T = 1, max_seq_len positions) need not be a multiple of the chunk: the last
+# chunk of a prompt is padded (as optimum-rbln does). The relational proofs cover every size; the
+# bounded invariants and the capacity rules are checked again at such a block size, for the eager
+# feature combinations, up to a smaller cutoff (`verify`'s "unaligned" part).
+UNALIGNED_SEQ_LEN = 4000
+UNALIGNED_LANES, UNALIGNED_BLOCKS = 2, 5
 # Bounded queries are decidable (finite sorts, no quantifiers), so a hard one only needs time:
 # at B = 4, K = 8 a few take 10-20 s on a loaded machine (paged tables' per-lane counts).
 BOUNDED_TIMEOUT_MS = 60_000

@@ -124,16 +124,33 @@ def _nonvacuity_tasks() -> list[Task]:
             for i in range(0, len(fs), per)]
 
 
-def t_bounded(model: L.Model, lanes: int, blocks: int) -> list[Check]:
+def t_bounded(model: L.Model, lanes: int, blocks: int,
+              seq_len: int = checks.SEQ_LEN) -> list[Check]:
     bnd = [i for i in model.invariants if i.kind == "bounded"]
-    u = checks.bounded_universe(model, lanes, blocks, {"C": checks.CHUNK, "S": checks.SEQ_LEN})
-    return list(checks.induction(model, bnd, u, model.invariants, size=f"B={lanes},K={blocks}",
+    u = checks.bounded_universe(model, lanes, blocks, {"C": checks.CHUNK, "S": seq_len})
+    size = f"B={lanes},K={blocks}" + ("" if seq_len == checks.SEQ_LEN else f",S={seq_len}")
+    return list(checks.induction(model, bnd, u, model.invariants, size=size,
                                  timeout_ms=checks.BOUNDED_TIMEOUT_MS))
 
 
-def t_progress(model: L.Model, lanes: int, blocks: int,
-               cutoff: int) -> dict[capacity.Features, list[Check]]:
-    return capacity.progress_by_features(model, lanes, blocks, cutoff)
+def t_progress(model: L.Model, lanes: int, blocks: int, cutoff: int,
+               seq_len: int = checks.SEQ_LEN) -> dict[capacity.Features, list[Check]]:
+    return capacity.progress_by_features(model, lanes, blocks, cutoff, seq_len)
+
+
+def unaligned_rule(f: capacity.Features, aligned: capacity.Row,
+                   unaligned: capacity.Row) -> Check:
+    """An eager block that is not a multiple of the chunk needs the blocks an aligned one does
+    (the capacity rule does not depend on the padded last chunk), within the smaller cutoff."""
+    def within(k: int | None) -> int | None:
+        return k if k is not None and k <= checks.UNALIGNED_BLOCKS else None
+    want = {b: within(aligned.minimum.get(b)) for b in unaligned.minimum}
+    ok = want == unaligned.minimum
+    return Check(f"unaligned-rule:{f.rule_name}", "*", "capacity",
+                 "proved" if ok else "counterexample", 0.0,
+                 f"{f.name},S={checks.UNALIGNED_SEQ_LEN}",
+                 "" if ok else f"K_min {unaligned.minimum} at S={checks.UNALIGNED_SEQ_LEN}, "
+                               f"{want} at S={checks.SEQ_LEN}")
 
 
 def t_replay_tight(model: L.Model, f: capacity.Features, lanes: int,
@@ -299,7 +316,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
            on_task: Callable[[str, int, int], None] | None = None,
            witnesses: tuple[dict[tuple[str, int], Witness], dict[str, Witness]] | None = None,
            parts: tuple[str, ...] = ("nonvacuity", "relational", "bounded",
-                                     "capacity")) -> Report:
+                                     "capacity", "unaligned")) -> Report:
     """`witnesses`: (tight, single-block) to replay, default the committed ones; an empty pair
     searches every run (`make generate`). `parts`: what to run (generate needs only capacity)."""
     t0 = time.perf_counter()
@@ -323,7 +340,15 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         cases = capacity.SINGLE_BLOCK if cap else ()
         sb = [Task("capacity-single-block", t_single, (c, single_w.get(c.name) if c.stuck
                                                         else None), 0.5) for c in cases]
-        res = runner.run(nv + rel + bnd + prog + rep + sb)
+        # An eager block that is not a multiple of the chunk (checks.UNALIGNED_SEQ_LEN).
+        ua = "unaligned" in parts
+        ua_sizes = list(checks.sizes(checks.UNALIGNED_LANES, checks.UNALIGNED_BLOCKS)) if ua else []
+        ua_bnd = [Task("bounded", t_bounded, (b, k, checks.UNALIGNED_SEQ_LEN), b * k / 4)
+                  for b, k in ua_sizes]
+        ua_prog = [Task("capacity", t_progress,
+                        (b, k, checks.UNALIGNED_LANES, checks.UNALIGNED_SEQ_LEN), b * k / 2)
+                   for b, k in ua_sizes]
+        res = runner.run(nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog)
         it = iter(res)
         nv_r = [next(it) for _ in nv]
         rel_r = [next(it) for _ in rel]
@@ -331,6 +356,8 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         prog_r = [next(it) for _ in prog]
         rep_r = {(f.name, b): next(it) for f, b, _w in replays}
         sb_r = [next(it) for _ in sb]
+        ua_bnd_r = [next(it) for _ in ua_bnd]
+        ua_prog_r = dict(zip(ua_sizes, (next(it) for _ in ua_prog), strict=True))
 
         # Phase two: rows from the progress results; a search for every tight run whose
         # witness is missing or does not replay, and for every stuck single-block case alike.
@@ -398,6 +425,17 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
     if nv:
         out += nonvacuity.live_somewhere(model, out, capacity.COMBINATIONS)
     out += [c for cs in rel_r for c in cs] + [c for cs in bnd_r for c in cs]
+    out += [c for cs in ua_bnd_r for c in cs]
+    if ua:
+        aligned_rows = {r.features: r for r in rows}
+        for f in capacity.COMBINATIONS:
+            if f.tables != 1 or f.preempt:
+                continue
+            urow = capacity.assemble(f, ua_prog_r, checks.UNALIGNED_LANES,
+                                     checks.UNALIGNED_BLOCKS)
+            out += urow.checks
+            if f in aligned_rows:
+                out.append(unaligned_rule(f, aligned_rows[f], urow))
     searched_keys = {(row.features.name, b) for row, b, _k in want}
     for row in rows:
         out += row.checks

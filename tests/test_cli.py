@@ -239,7 +239,8 @@ def test_check_config_accepts_a_host_tier(capsys):
     (("--host-cache-blocks", "4"), "host_cache_needs_prefix_cache"),
     (("--prefix-cache", "--host-cache-blocks", "-1"), "host_cache_blocks must be an integer"),
     (("--block-size", "384", "--max-seq-len", "1024"), "not a multiple of block_size=384"),
-    (("--max-seq-len", "1000"), "must be a multiple of prefill_chunk"),
+    (("--max-seq-len", "768", "--block-size", "384", "--prefill-chunk", "256"),
+     "must be a multiple of prefill_chunk"),
 ])
 def test_check_config_and_min_blocks_say_what_is_invalid(capsys, argv, why):
     code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "8", *argv)

@@ -215,8 +215,9 @@ def test_state_layout() -> None:
 
 
 def test_check_axioms() -> None:
-    bad = attrs.evolve(CONSTS, C=3)
+    bad = attrs.evolve(CONSTS, C=3, T=2)
     assert core.check_axioms(bad) == ["chunk_divides_block"]
+    assert core.check_axioms(attrs.evolve(CONSTS, C=3, T=1)) == []  # an eager block: padded
 
 
 def test_check_invariants_reports_violations() -> None:

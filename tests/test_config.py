@@ -84,13 +84,21 @@ def test_prefill_chunk_must_be_a_multiple_of_64(chunk):
     assert f"prefill_chunk={chunk} is not a multiple of 64" in str(e.value)
 
 
-@pytest.mark.parametrize("chunk,seq_len", [(128, 4000), (192, 4096), (256, 4160)])
-def test_block_size_must_be_a_multiple_of_prefill_chunk(chunk, seq_len):
+@pytest.mark.parametrize("chunk,block", [(128, 4000), (192, 4096), (256, 4160)])
+def test_a_paged_block_size_must_be_a_multiple_of_prefill_chunk(chunk, block):
     with pytest.raises(ConfigError) as e:
-        Config(lanes=1, kv_blocks=4, prefill_chunk=chunk, max_seq_len=seq_len)
+        Config(lanes=1, kv_blocks=4, prefill_chunk=chunk, max_seq_len=2 * block,
+               block_size=block)
     msg = str(e.value)
     assert "chunk_divides_block" in msg
     assert "must be a multiple of prefill_chunk" in msg
+
+
+@pytest.mark.parametrize("chunk,seq_len", [(128, 4000), (192, 4096), (256, 4160)])
+def test_an_eager_max_seq_len_need_not_be_a_multiple_of_prefill_chunk(chunk, seq_len):
+    """As optimum-rbln: the last chunk of a prompt is padded."""
+    cfg = Config(lanes=1, kv_blocks=4, prefill_chunk=chunk, max_seq_len=seq_len)
+    assert cfg.block_size == seq_len and cfg.blocks_per_table == 1
 
 
 def test_chunk_larger_than_block():

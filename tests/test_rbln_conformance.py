@@ -94,6 +94,8 @@ FLASH = dict(batch_size=2, max_seq_len=8192, kvcache_block_size=4096, attn_impl=
 MATRIX: dict[str, tuple[str, dict[str, Any], Any, str | None]] = {
     "llama-eager": ("llama", EAGER, None, None),
     "llama-flash-sorted": ("llama", FLASH, None, None),
+    # optimum-rbln allows an eager max_seq_len that is not a multiple of the chunk (it pads)
+    "llama-eager-unaligned": ("llama", {**EAGER, "max_seq_len": 480}, None, None),
     "llama-logits-to-keep-0": ("llama", {**EAGER, "logits_to_keep": 0}, None, None),
     "llama-logits-to-keep-1": ("llama", {**EAGER, "logits_to_keep": 1}, None, None),
     "llama-attention-mask": ("llama", {**EAGER, "use_attention_mask": True}, None, None),
@@ -350,6 +352,8 @@ def test_the_matrix_covers_what_it_names(optimum: dict, tmp_path: Path) -> None:
     cfg, sig = compiled("qwen2-hybrid")
     assert cfg.cache_impl == "hybrid" and not cfg.use_attention_mask
     assert "local_block_tables" in sig["prefill"]
+    cfg, _ = compiled("llama-eager-unaligned")
+    assert cfg.attn_impl == "eager" and cfg.max_seq_len % cfg.prefill_chunk_size
     cfg, _ = compiled("llama-flash-sorted")
     assert cfg.attn_impl == "flash_attn" and cfg.requires_batch_sort
     assert cfg.max_seq_len // cfg.kvcache_block_size == 2

@@ -98,3 +98,13 @@ def test_every_progress_property_and_transition_invariant_is_described():
     assert "enabled" in progress  # what a progress property says: an action is enabled
     trans = _bullet(section, "Transition invariants")
     assert [t.name for t in m.transition_invariants if f"`{t.name}`" not in trans] == []
+
+
+def test_the_unaligned_eager_sizes_are_stated():
+    """The block size, chunk and cutoff of `verify`'s unaligned part, as the code has them."""
+    from atom_core.proofs import checks
+
+    flat = " ".join(_bullet(_what_is_proved(), "Eager blocks that are not").split())
+    assert (f"block size {checks.UNALIGNED_SEQ_LEN} (chunk {checks.CHUNK})" in flat
+            and f"B <= {checks.UNALIGNED_LANES}, K <= {checks.UNALIGNED_BLOCKS}" in flat
+            and checks.UNALIGNED_SEQ_LEN % checks.CHUNK), flat

@@ -392,11 +392,14 @@ def test_tiny_from_config_and_protocol() -> None:
 
 def test_spec_validation() -> None:
     base = dict(num_blocks=4, block_size=S, max_seq_len=S, prefill_chunk=C, batch_size=2)
-    for bad in (dict(block_size=100), dict(prefill_chunk=96), dict(heads=3),
+    for bad in (dict(block_size=100), dict(block_size=S // 2, prefill_chunk=S // 2 + 64),
+                dict(heads=3),
                 dict(head_dim=15), dict(decoder_batch_sizes=(1,)), dict(num_blocks=0),
                 dict(num_blocks=40000), dict(batch_size=True)):
         with pytest.raises(ValueError):
             RuntimeSpec(**{**base, **bad})
     assert RuntimeSpec(**base, decoder_batch_sizes=[1, 2, 2]).decoder_batch_sizes == (2, 1)
+    # an eager block need not be a multiple of the chunk (the last chunk is padded)
+    assert RuntimeSpec(**{**base, "prefill_chunk": 96}).prefill_chunk == 96
     with pytest.raises(ValueError):
         TorchReferenceRuntime(RuntimeSpec(**base), dtype=torch.float16)

@@ -6253,9 +6253,10 @@ def check_axioms(c: Consts) -> list[str]:
     # chunk_positive
     if C <= 0:
         bad.append("chunk_positive")
+    T = c.T
     S = c.S
     # chunk_divides_block
-    if S % C != 0:
+    if T > 1 and S % C != 0:
         bad.append("chunk_divides_block")
     # block_holds_a_chunk
     if C > S:
@@ -6266,7 +6267,6 @@ def check_axioms(c: Consts) -> list[str]:
     # blocks_positive
     if c.K <= 0:
         bad.append("blocks_positive")
-    T = c.T
     # tables_positive
     if T <= 0:
         bad.append("tables_positive")

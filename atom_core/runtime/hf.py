@@ -138,7 +138,8 @@ class _Graph:
         rows = tab.long()[torch.arange(b).repeat_interleave(q)]              # [B*Q, T]
         self.blk, self.off = block_coords(rows, pos.reshape(-1), rt.block_size)
         self.tab = tab.long()
-        self.length = int(pos.max()) + 1
+        # (a padded last chunk may reach past max_seq_len: not stored, not read; block_coords)
+        self.length = min(int(pos.max()) + 1, rt.max_seq_len)
         kpos = torch.arange(self.length)
         # [B, 1, Q, L]: key k visible from a query at q iff k <= q (by position, never by where
         # the key is stored, so junk in a block past a sequence's end is masked)
@@ -376,9 +377,10 @@ class HFRuntime:
             raise UnsupportedModelError(
                 f"the model uses attn_implementation={cfg._attn_implementation!r}: load it with "
                 f"attn_implementation='{ATTENTION}' (HFRuntime.from_pretrained does)")
-        if max_seq_len % block_size or max_seq_len % prefill_chunk:
+        if max_seq_len % block_size or (block_size < max_seq_len and block_size % prefill_chunk):
             raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of block_size="
-                             f"{block_size} and prefill_chunk={prefill_chunk}")
+                             f"{block_size}, and a paged table's block_size of prefill_chunk="
+                             f"{prefill_chunk}")
         self.model = model.eval()
         self.dtype = dtype
         self.num_threads = num_threads

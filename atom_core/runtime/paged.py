@@ -37,17 +37,26 @@ __all__ = ["append_windows", "block_coords", "check_host", "copy_from_host", "co
 def block_coords(tab: torch.Tensor, pos: torch.Tensor,
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, offset) [N] of positions pos [N], row r of pos read through table row tab[r]
-    (tab [N, T]) or every position through one table (tab [T])."""
+    (tab [N, T]) or every position through one table (tab [T]). A position past the table's end
+    has block -1, which `write_blocks` skips: the padding rows of an eager sequence's last chunk
+    when max_seq_len is not a multiple of the chunk (optimum-rbln pads that chunk too)."""
     p = pos.long()
+    t = tab.shape[-1]
     idx = p // block_size
+    past = idx >= t
+    idx = torch.clamp(idx, max=t - 1)
     blk = tab.long()[idx] if tab.dim() == 1 else tab.long()[torch.arange(p.shape[0]), idx]
-    return blk, p % block_size
+    return torch.where(past, -1, blk), p % block_size
 
 
 def write_blocks(cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
                  x: torch.Tensor) -> None:
-    """Store x [N, kv_heads, head_dim] at (blk[i], off[i]) of cache, cast to the cache dtype. Two
-    entries at one place: the later one wins (a scheduler bug, but deterministic)."""
+    """Store x [N, kv_heads, head_dim] at (blk[i], off[i]) of cache, cast to the cache dtype;
+    an entry with block -1 (past its table, `block_coords`) is not stored. Two entries at one
+    place: the later one wins (a scheduler bug, but deterministic)."""
+    keep = blk >= 0
+    if not bool(keep.all()):
+        blk, off, x = blk[keep], off[keep], x[keep]
     cache[blk, :, off, :] = x.to(cache.dtype)
 
 

@@ -198,8 +198,10 @@ def check_prefill_inputs(
     """Validate and convert prefill arguments to the graph's exact dtypes and shapes.
 
     Besides shapes and dtypes: cache positions must be one chunk start..start+C-1 with start a
-    multiple of C inside max_seq_len, query_position must be inside the chunk, and every entry of
-    the block table must be a valid block id (`_check_table`).
+    multiple of C, query_position must be inside the chunk, the chunk's real tokens (through
+    start + query_position) inside max_seq_len, and every entry of the block table must be a
+    valid block id (`_check_table`). The padding rows of an eager sequence's last chunk may reach
+    past max_seq_len when it is not a multiple of C: a runtime stores nothing for them.
     """
     c, t = rt.prefill_chunk, rt.max_seq_len // rt.block_size
     ids = as_int_tensor("input_ids", input_ids, torch.int64, (1, c))
@@ -208,16 +210,20 @@ def check_prefill_inputs(
     lbt = _check_local("prefill", rt, local_block_tables, (1,))
     qp = as_int_tensor("query_position", query_position, torch.int16, ())
     start = int(pos[0, 0])
-    if start % c or not 0 <= start <= rt.max_seq_len - c:
+    if start % c or not 0 <= start < rt.max_seq_len:
         raise RuntimeInputError(
             f"prefill chunk starts at cache position {start}, which must be a multiple of the "
-            f"chunk size {c} in 0..{rt.max_seq_len - c}")
+            f"chunk size {c} in 0..{rt.max_seq_len - 1}")
     expect = torch.arange(start, start + c, dtype=torch.int32)
     if not torch.equal(pos[0], expect):
         raise RuntimeInputError(
             f"cache_position must be {start}..{start + c - 1} in order, got {pos[0].tolist()}")
     if not 0 <= int(qp) < c:
         raise RuntimeInputError(f"query_position {int(qp)} is outside the chunk 0..{c - 1}")
+    if start + int(qp) >= rt.max_seq_len:
+        raise RuntimeInputError(
+            f"query_position {int(qp)} puts the chunk's last real token at position "
+            f"{start + int(qp)}, past max_seq_len={rt.max_seq_len}")
     _check_table("block_tables", bt, rt.num_blocks)
     return ids, pos, bt, lbt, qp
 

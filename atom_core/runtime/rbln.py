@@ -216,7 +216,9 @@ class GraphInputs:
             # every earlier position visible, causal within the chunk (padding rows included)
             mask = torch.zeros(1, 1, c, s, dtype=self.mask_dtype)
             mask[..., :start] = 1
-            mask[0, 0, :, start:start + c] = torch.tril(torch.ones(c, c, dtype=self.mask_dtype))
+            w = min(c, s - start)  # (an eager last chunk may be padded past max_seq_len)
+            mask[0, 0, :, start:start + w] = torch.tril(
+                torch.ones(c, c, dtype=self.mask_dtype))[:, :w]
             args.append(mask)
         elif self.attention_mask == "2d":
             mask = torch.zeros(1, s, dtype=self.mask_dtype)
@@ -244,8 +246,9 @@ class GraphInputs:
         if self.position_ids:
             # position ids are cache positions minus the cache padding a prefill left (vllm-rbln:
             # `padded_cache_lengths`). Only image prefill and partition alignment pad; atom-core
-            # prefills text in chunks that start at multiples of prefill_chunk, which divides the
-            # block (= flash-attention partition) size (Config's chunk_divides_block), so the
+            # prefills text in chunks that start at multiples of prefill_chunk, which divides a
+            # paged table's block (= flash-attention partition) size (Config's
+            # chunk_divides_block) and pads only a prompt's last chunk at its end, so the cache
             # padding is 0 and they are equal
             args.append(pos.clone())
         if self.lora_int_id is not None:
@@ -425,12 +428,15 @@ class RblnRuntime:
                         ("vocab_size", vocab_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if max_seq_len % block_size or block_size % prefill_chunk:
+        if max_seq_len % block_size or (block_size < max_seq_len
+                                        and block_size % prefill_chunk):
             # atom-core's rule, not optimum-rbln's: the spec's chunk_divides_block (a chunk never
-            # straddles two blocks) and whole blocks per table (atom_core/config.py)
+            # straddles two blocks of a paged table) and whole blocks per table
+            # (atom_core/config.py). An eager artifact may have any max_seq_len.
             raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of block_size="
-                             f"{block_size}, and block_size of prefill_chunk={prefill_chunk} "
-                             "(the spec's rule chunk_divides_block); recompile with such sizes")
+                             f"{block_size}, and with paged tables block_size of prefill_chunk="
+                             f"{prefill_chunk} (the spec's rule chunk_divides_block); recompile "
+                             "with such sizes")
         if not decoders or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0
                                for b in decoders):
             raise ValueError(f"decoders must map positive batch sizes to runtimes, got "

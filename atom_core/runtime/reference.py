@@ -47,6 +47,7 @@ import torch
 
 from atom_core.runtime.paged import (
     append_windows,
+    block_coords,
     check_host,
     copy_from_host,
     copy_to_host,
@@ -120,9 +121,9 @@ class RuntimeSpec:
         if self.max_seq_len % self.block_size:
             raise ValueError(f"max_seq_len={self.max_seq_len} is not a multiple of "
                              f"block_size={self.block_size}")
-        if self.max_seq_len % self.prefill_chunk:
-            raise ValueError(f"max_seq_len={self.max_seq_len} is not a multiple of "
-                             f"prefill_chunk={self.prefill_chunk}")
+        if self.block_size < self.max_seq_len and self.block_size % self.prefill_chunk:
+            raise ValueError(f"block_size={self.block_size} of a paged table is not a multiple "
+                             f"of prefill_chunk={self.prefill_chunk}")
         if self.num_blocks > 2**15 - 1:
             raise ValueError(f"num_blocks={self.num_blocks} does not fit int16 block tables")
         if self.heads % self.kv_heads:
@@ -284,7 +285,9 @@ class TorchReferenceRuntime:
         self._w = _init_weights(spec, seed)
         half = spec.head_dim // 2
         inv = spec.rope_theta ** (-torch.arange(half, dtype=_F) / half)
-        ang = torch.arange(spec.max_seq_len, dtype=_F)[:, None] * inv[None, :]
+        # (through the padding rows of a last chunk that reaches past max_seq_len)
+        rows = -(-spec.max_seq_len // spec.prefill_chunk) * spec.prefill_chunk
+        ang = torch.arange(rows, dtype=_F)[:, None] * inv[None, :]
         self._cos = _grid(torch.cos(ang), _ROPE, 1.0)
         self._sin = _grid(torch.sin(ang), _ROPE, 1.0)
         self.uses_local_block_tables = spec.hybrid
@@ -408,8 +411,10 @@ class TorchReferenceRuntime:
         self.calls["prefill"] += 1
         p = pos[0].long()
         tab = bt.long()[None, :]                                             # [1, T]
-        blk, off = tab[0, p // self.block_size], p % self.block_size
-        length = int(p[-1]) + 1
+        blk, off = block_coords(tab[0], p, self.block_size)
+        # (a padded last chunk may reach past max_seq_len: those rows are neither stored nor
+        # read back; `block_coords`)
+        length = min(int(p[-1]) + 1, self.max_seq_len)
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._prefill_local(p, int(qp), int(lbt[0]))
 
