@@ -366,7 +366,10 @@ def test_gloo_peer_closes_first(gloo: tuple[GlooTransport, Any]) -> None:
 
 
 def test_gloo_close_does_not_hang_on_a_hung_peer() -> None:
-    t, proc = _start_peer(timeout=2.0)
+    # (a generous rendezvous: the spawned peer imports torch, seconds on a loaded machine; the
+    # bound under test is close's, read from `timeout` when close runs)
+    t, proc = _start_peer(timeout=20.0)
+    t.timeout = 2.0
     try:
         t.send({"kind": "kv", "i": 0})
         assert [h["i"] for h, _ in _collect(t, 1)] == [0]
