@@ -49,7 +49,7 @@ verify: install
 	.venv/bin/atom-core verify
 
 test: install
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q -n $(TEST_JOBS)
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q -n $(TEST_JOBS) --durations=25
 
 lint: install
 	.venv/bin/ruff check .
