@@ -1,8 +1,9 @@
 """Smoke test of the spec mutation harness (`atom_core.proofs.mutants`).
 
 `make mutants` runs every mutant through every layer (minutes, never in CI); here a few chosen
-mutants go through the two cheapest layers, with the two-lane search kept small, so the test
-takes a few seconds and still shows each verdict is computed: a dropped guard refuted by z3, a
+mutants go through the two cheapest layers, with both searches kept small (3,000 one-lane and
+500 two-lane states: the default one-lane budget of 50,000 made this test take over ten minutes
+of CI), and still shows each verdict is computed: a dropped guard refuted by z3, a
 capacity rule one block short caught by a stuck run, an equivalent mutant surviving with its
 explanation, and z3 `unknown` counted as neither a kill nor a pass.
 """
@@ -16,7 +17,7 @@ import pytest
 from atom_core.proofs import checks
 from atom_core.proofs import mutants as M
 
-QUICK = M.Options(layers=("z3", "bmc"), bmc_wide_states=500)
+QUICK = M.Options(layers=("z3", "bmc"), bmc_states=3_000, bmc_wide_states=500)
 
 GUARD = "drop-guard:admit_hit.dst_not_src"  # the copy would read the block it writes
 CAPACITY = "capacity:prefix-cache-reserved-scratch-1"  # the seeds' rule, one block short
