@@ -138,12 +138,12 @@ def t_progress(model: L.Model, lanes: int, blocks: int, cutoff: int,
     return capacity.progress_by_features(model, lanes, blocks, cutoff, seq_len)
 
 
-def unaligned_rule(f: capacity.Features, aligned: capacity.Row,
-                   unaligned: capacity.Row) -> Check:
+def unaligned_rule(f: capacity.Features, aligned: capacity.Row, unaligned: capacity.Row,
+                   max_blocks: int = checks.UNALIGNED_BLOCKS) -> Check:
     """An eager block that is not a multiple of the chunk needs the blocks an aligned one does
     (the capacity rule does not depend on the padded last chunk), within the smaller cutoff."""
     def within(k: int | None) -> int | None:
-        return k if k is not None and k <= checks.UNALIGNED_BLOCKS else None
+        return k if k is not None and k <= max_blocks else None
     want = {b: within(aligned.minimum.get(b)) for b in unaligned.minimum}
     ok = want == unaligned.minimum
     return Check(f"unaligned-rule:{f.rule_name}", "*", "capacity",
@@ -341,13 +341,15 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         sb = [Task("capacity-single-block", t_single, (c, single_w.get(c.name) if c.stuck
                                                         else None), 0.5) for c in cases]
         # An eager block that is not a multiple of the chunk (checks.UNALIGNED_SEQ_LEN).
+        # (its own cutoff, never above the run's)
         ua = "unaligned" in parts
-        ua_sizes = list(checks.sizes(checks.UNALIGNED_LANES, checks.UNALIGNED_BLOCKS)) if ua else []
+        ua_lanes = min(checks.UNALIGNED_LANES, max_lanes)
+        ua_blocks = min(checks.UNALIGNED_BLOCKS, max_blocks)
+        ua_sizes = list(checks.sizes(ua_lanes, ua_blocks)) if ua else []
         ua_bnd = [Task("bounded", t_bounded, (b, k, checks.UNALIGNED_SEQ_LEN), b * k / 4)
                   for b, k in ua_sizes]
-        ua_prog = [Task("capacity", t_progress,
-                        (b, k, checks.UNALIGNED_LANES, checks.UNALIGNED_SEQ_LEN), b * k / 2)
-                   for b, k in ua_sizes]
+        ua_prog = [Task("capacity", t_progress, (b, k, ua_lanes, checks.UNALIGNED_SEQ_LEN),
+                        b * k / 2) for b, k in ua_sizes]
         res = runner.run(nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog)
         it = iter(res)
         nv_r = [next(it) for _ in nv]
@@ -431,11 +433,10 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         for f in capacity.COMBINATIONS:
             if f.tables != 1 or f.preempt:
                 continue
-            urow = capacity.assemble(f, ua_prog_r, checks.UNALIGNED_LANES,
-                                     checks.UNALIGNED_BLOCKS)
+            urow = capacity.assemble(f, ua_prog_r, ua_lanes, ua_blocks)
             out += urow.checks
             if f in aligned_rows:
-                out.append(unaligned_rule(f, aligned_rows[f], urow))
+                out.append(unaligned_rule(f, aligned_rows[f], urow, ua_blocks))
     searched_keys = {(row.features.name, b) for row, b, _k in want}
     for row in rows:
         out += row.checks
