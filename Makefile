@@ -63,6 +63,7 @@ bench: install
 	$(PY) -m bench.pd_crypto
 	$(PY) -m bench.serve
 	$(PY) -m bench.hf
+	$(PY) -m bench.hf --mixed
 
 demo: install
 	.venv/bin/atom-core demo

@@ -12,6 +12,10 @@ default, float32, `--model DIR|tiny-llama|tiny-gemma3`), served four ways:
 - `generate_batched`: transformers' batched generate over the same prompts in batches of
   `--lanes` (left padding with an attention mask: the same concurrency as the lanes).
 
+With `--mixed`, the requests' output lengths differ (a quarter to twice `--max-new-tokens`,
+seeded), as end-of-sequence tokens make them in real traffic: batched generate runs each batch
+to its longest member, continuous batching refills a lane as soon as its request ends.
+
 Tokens/s = generated tokens / wall seconds of the whole workload; each method's median over
 `--rounds` rounds (one untimed warm-up call first), and the ratios hf_runtime / generate_* from
 the same run. All four at two torch thread counts: 1 and torch's default (HFRuntime through its
@@ -26,12 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from atom_core.batcher import AtomBatcher
@@ -56,6 +62,17 @@ def load(name: str, lanes: int) -> tuple[Any, Any]:
     else:
         model = HFRuntime.from_pretrained(name, cfg).model
     return model, cfg
+
+
+def mixed(items: list[Any], new_tokens: int, max_seq_len: int, seed: int = 1) -> list[Any]:
+    """The items with output lengths of a quarter to twice `new_tokens` (seeded), each within
+    max_seq_len."""
+    rng = random.Random(seed)
+    choices = sorted({max(1, new_tokens // 4), max(1, new_tokens // 2), new_tokens,
+                      2 * new_tokens})
+    return [attrs.evolve(it, max_new_tokens=min(rng.choice(choices),
+                                                max_seq_len - len(it.prompt)))
+            for it in items]
 
 
 def run_runtime(model: Any, cfg: Any, items: list[Any], threads: int | None) -> list[list[int]]:
@@ -110,13 +127,15 @@ def timed(fn: Callable[[], list[list[int]]], threads: int | None) -> tuple[float
 
 
 def run(model_name: str, lanes: int, requests: int, new_tokens: int,
-        rounds: int) -> dict[str, Any]:
+        rounds: int, lengths: str = "fixed") -> dict[str, Any]:
     t_start = time.perf_counter()
     default_threads = torch.get_num_threads()
     model, cfg = load(model_name, lanes)
     no_prefix = with_model_window(demo_config(lanes, prefix_cache=False), model_name)
     gen = _generate_copy(model)
     items = workload(requests, new_tokens, 0, int(model.config.vocab_size), cfg.max_seq_len)
+    if lengths == "mixed":
+        items = mixed(items, new_tokens, cfg.max_seq_len)
     total = sum(it.max_new_tokens for it in items)
     warm = items[:1]
     fns: dict[str, Callable[[int | None], list[list[int]]]] = {
@@ -160,7 +179,8 @@ def run(model_name: str, lanes: int, requests: int, new_tokens: int,
         "config": {"lanes": cfg.lanes, "kv_blocks": cfg.kv_blocks,
                    "max_seq_len": cfg.max_seq_len, "prefill_chunk": cfg.prefill_chunk,
                    "prefix_cache": cfg.prefix_cache, "sliding_window": cfg.sliding_window},
-        "requests": requests, "max_new_tokens": new_tokens, "generated_tokens": total,
+        "requests": requests, "max_new_tokens": new_tokens, "lengths": lengths,
+        "generated_tokens": total,
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "torch_threads_default": default_threads},
         "by_threads": by_setting,
@@ -179,8 +199,10 @@ def _generate_copy(model: Any) -> Any:
 
 
 def print_report(r: dict[str, Any]) -> None:
+    each = (f"{r['max_new_tokens']} tokens" if r["lengths"] == "fixed" else
+            f"{r['generated_tokens']} tokens in all (mixed lengths around {r['max_new_tokens']})")
     print(f"HFRuntime vs transformers generate: {r['model']} ({r['dtype']}), {r['requests']} "
-          f"requests x {r['max_new_tokens']} tokens, {r['config']['lanes']} lanes; "
+          f"requests x {each}, {r['config']['lanes']} lanes; "
           f"{r['method']}")
     for label, s in r["by_threads"].items():
         tps = ", ".join(f"{m} {v:.0f}" for m, v in s["tokens_per_s"].items())
@@ -204,12 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK_REQUESTS} requests x {QUICK_TOKENS} tokens, {QUICK_ROUNDS} "
                          "round (smoke)")
+    ap.add_argument("--mixed", action="store_true",
+                    help="output lengths from a quarter to twice --max-new-tokens (seeded)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     report = run(args.model, args.lanes,
                  args.requests or (QUICK_REQUESTS if args.quick else REQUESTS),
                  args.max_new_tokens or (QUICK_TOKENS if args.quick else NEW_TOKENS),
-                 args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS))
+                 args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS),
+                 "mixed" if args.mixed else "fixed")
     if args.json:
         print(json.dumps(report))
     else:

@@ -41,3 +41,18 @@ def test_quick_json_reports_every_method(capsys, model: str) -> None:
         # reported, not asserted: float32 may flip a near-tie)
         eq = s["requests_equal_to_generate_serial"]
         assert eq["generate_serial"] == 3 and all(0 <= v <= 3 for v in eq.values())
+
+
+def test_mixed_lengths_differ_and_every_method_generates_them(capsys) -> None:
+    """--mixed: the requests' output lengths differ (seeded, within max_seq_len), and every
+    method generated exactly those tokens (batched generate truncated to each request's)."""
+    from atom_core.demo import Item
+    items = [Item([1] * 10, 16, False) for _ in range(40)]
+    lengths = [it.max_new_tokens for it in hf.mixed(items, 16, 64)]
+    assert set(lengths) == {4, 8, 16, 32}
+    assert [it.max_new_tokens for it in hf.mixed(items, 16, 30)] == [min(n, 20) for n in lengths]
+    assert hf.main(["--quick", "--mixed", "--json", "--requests", "4", "--lanes", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["lengths"] == "mixed"
+    for s in r["by_threads"].values():
+        assert s["tokens"] == {m: r["generated_tokens"] for m in hf.METHODS}
