@@ -205,9 +205,9 @@ def test_other_architectures(tmp_path: Path, kind: str) -> None:
 
 def test_planted_lane_confusion_is_caught(tmp_path: Path, monkeypatch: Any) -> None:
     """A runtime whose gather reads every row through row 0's block table: the check fails."""
-    real = hf.gather_blocks
-    monkeypatch.setattr(hf, "gather_blocks",
-                        lambda cache, tab, n, bs: real(cache, tab[:1].expand_as(tab), n, bs))
+    real = hf.gather_index
+    monkeypatch.setattr(hf, "gather_index", lambda tab, n, bs, nb: real(
+        tab[:1].expand_as(tab), n, bs, nb))
     cfg = config(2)
     b = AtomBatcher(cfg, served(cfg, tmp_path))
     rids = run(b, [(prompt(80, 70), 8), (prompt(40, 71), 8)])

@@ -60,7 +60,8 @@ from atom_core.runtime.paged import (
     check_host,
     copy_from_host,
     copy_to_host,
-    gather_blocks,
+    gather_at,
+    gather_index,
     stack_kv,
     visible,
     window_key_positions,
@@ -140,6 +141,7 @@ class _Graph:
         self.tab = tab.long()
         # (a padded last chunk may reach past max_seq_len: not stored, not read; block_coords)
         self.length = min(int(pos.max()) + 1, rt.max_seq_len)
+        self.kv_index = gather_index(self.tab, self.length, rt.block_size, rt.num_blocks)
         kpos = torch.arange(self.length)
         # [B, 1, Q, L]: key k visible from a query at q iff k <= q (by position, never by where
         # the key is stored, so junk in a block past a sequence's end is masked)
@@ -184,8 +186,8 @@ class _Graph:
         write_blocks(kc, self.blk, self.off, k_new)
         write_blocks(vc, self.blk, self.off, v_new)
         # junk past a sequence's end is masked, but NaN * 0 is NaN: make it finite
-        k = torch.nan_to_num(gather_blocks(kc, self.tab, self.length, self.rt.block_size))
-        v = torch.nan_to_num(gather_blocks(vc, self.tab, self.length, self.rt.block_size))
+        k = torch.nan_to_num(gather_at(kc, self.kv_index))
+        v = torch.nan_to_num(gather_at(vc, self.kv_index))
         return _softmax_attend(query, k, v, self.valid, scaling)
 
     def _local(self, j: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

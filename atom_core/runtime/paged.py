@@ -29,9 +29,9 @@ import torch
 
 from atom_core.runtime.protocol import RuntimeInputError
 
-__all__ = ["append_windows", "block_coords", "check_host", "copy_from_host", "copy_to_host",
-           "gather_blocks", "stack_kv", "visible", "window_append", "window_key_positions",
-           "window_positions", "write_blocks"]
+__all__ = ["GatherIndex", "append_windows", "block_coords", "check_host", "copy_from_host",
+           "copy_to_host", "gather_at", "gather_blocks", "gather_index", "stack_kv", "visible",
+           "window_append", "window_key_positions", "window_positions", "write_blocks"]
 
 
 def block_coords(tab: torch.Tensor, pos: torch.Tensor,
@@ -60,15 +60,30 @@ def write_blocks(cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
     cache[blk, :, off, :] = x.to(cache.dtype)
 
 
+GatherIndex = tuple[torch.Tensor, torch.Tensor]
+
+
+def gather_index(tab: torch.Tensor, length: int, block_size: int,
+                 num_blocks: int) -> GatherIndex:
+    """(block, offset) [R, length] of positions 0..length-1 of each of R sequences whose block
+    tables are tab [R, T]: computed once per call, read by every layer (`gather_at`). Entries
+    past the positions a caller validated may hold anything: they are clamped to a valid block
+    id, and the caller masks those keys."""
+    kpos = torch.arange(length)
+    blk = torch.clamp(tab.long()[:, kpos // block_size], 0, num_blocks - 1)         # [R, L]
+    return blk, (kpos % block_size)[None, :].expand_as(blk)
+
+
+def gather_at(cache: torch.Tensor, index: GatherIndex) -> torch.Tensor:
+    """[R, kv_heads, length, head_dim]: the positions `index` names, in position order."""
+    blk, off = index
+    return cache[blk, :, off, :].permute(0, 2, 1, 3)
+
+
 def gather_blocks(cache: torch.Tensor, tab: torch.Tensor, length: int,
                   block_size: int) -> torch.Tensor:
-    """[R, kv_heads, length, head_dim]: positions 0..length-1 of each of R sequences whose block
-    tables are tab [R, T], in position order. Entries past the positions a caller validated may
-    hold anything: they are clamped to a valid block id, and the caller masks those keys."""
-    kpos = torch.arange(length)
-    blk = torch.clamp(tab.long()[:, kpos // block_size], 0, cache.shape[0] - 1)      # [R, L]
-    off = (kpos % block_size)[None, :].expand_as(blk)
-    return cache[blk, :, off, :].permute(0, 2, 1, 3)
+    """`gather_at` through a `gather_index` of its own (a caller reading one layer)."""
+    return gather_at(cache, gather_index(tab, length, block_size, cache.shape[0]))
 
 
 def window_positions(pos: torch.Tensor, window: int) -> torch.Tensor:

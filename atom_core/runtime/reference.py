@@ -46,12 +46,14 @@ import attrs
 import torch
 
 from atom_core.runtime.paged import (
+    GatherIndex,
     append_windows,
     block_coords,
     check_host,
     copy_from_host,
     copy_to_host,
-    gather_blocks,
+    gather_at,
+    gather_index,
     stack_kv,
     window_append,
     window_key_positions,
@@ -390,14 +392,11 @@ class TorchReferenceRuntime:
 
     # --- the device graphs -------------------------------------------------------------------
 
-    def _gather(self, j: int, tab: torch.Tensor, length: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [R, kv_heads, length, d] (float64) of global layer store j, positions
-        0..length-1, through block tables tab [R, T]. Out-of-range entries past the validated
-        positions are clamped (masked)."""
-        k = gather_blocks(self.k_cache[j], tab, length, self.block_size)
-        v = gather_blocks(self.v_cache[j], tab, length, self.block_size)
-        return _sane(k), _sane(v)
+    def _gather(self, j: int, index: GatherIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [R, kv_heads, length, d] (float64) of global layer store j at the positions
+        `index` names (`gather_index`: 0..length-1 through each row's block table; entries past
+        the validated positions are clamped, and masked)."""
+        return _sane(gather_at(self.k_cache[j], index)), _sane(gather_at(self.v_cache[j], index))
 
     def _write(self, j: int, blk: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
@@ -415,6 +414,7 @@ class TorchReferenceRuntime:
         # (a padded last chunk may reach past max_seq_len: those rows are neither stored nor
         # read back; `block_coords`)
         length = min(int(p[-1]) + 1, self.max_seq_len)
+        index = gather_index(tab, length, self.block_size, self.num_blocks)
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._prefill_local(p, int(qp), int(lbt[0]))
 
@@ -423,7 +423,7 @@ class TorchReferenceRuntime:
             if local is not None and self.spec.is_sliding(layer):
                 return local(j, q, k, v)
             self._write(j, blk, off, k, v)
-            return self._attend(q, causal, *self._gather(j, tab, length))
+            return self._attend(q, causal, *self._gather(j, index))
 
         with _threads(self.num_threads):
             out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
@@ -487,6 +487,7 @@ class TorchReferenceRuntime:
         tab = bt.long()
         blk, off = tab[torch.arange(b), p // self.block_size], p % self.block_size
         length = int(p.max()) + 1
+        index = gather_index(tab, length, self.block_size, self.num_blocks)
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._decode_local(p, lbt[:, 0].long())
 
@@ -495,7 +496,7 @@ class TorchReferenceRuntime:
             if local is not None and self.spec.is_sliding(layer):
                 return local(j, q, k, v)
             self._write(j, blk, off, k, v)
-            return self._attend(q, causal, *self._gather(j, tab, length))
+            return self._attend(q, causal, *self._gather(j, index))
 
         with _threads(self.num_threads):
             out = self._forward(ids[:, 0], p, attend)
