@@ -318,7 +318,7 @@ class AtomBatcher:
             return events
         p = seq(ids)
         s = self.state
-        if not core.table_covers_prompt(s, s.req_lane[request_id]):
+        if not core.table_covers_prompt(s, s.req_lane.get(request_id)):
             self._transfer_failed(request_id, "import rejected (table_covers_prompt): the "
                                   "request's table does not cover its prompt yet; call "
                                   "import_kv after its import event (`awaits_kv`)", events)
