@@ -317,13 +317,14 @@ class AtomBatcher:
                                   f"outside the vocabulary 0..{vocab - 1}", events)
             return events
         p = seq(ids)
-        bad = core.import_done_guard(self.state, request_id, p, first_token)
-        if bad == "table_covers_prompt":
+        s = self.state
+        if not core.table_covers_prompt(s, s.req_lane.get(request_id)):
             self._transfer_failed(request_id, "import rejected (table_covers_prompt): the "
                                   "request's table does not cover its prompt yet; call "
                                   "import_kv after its import event (`awaits_kv`)", events)
             return events
-        if bad is not None:
+        if not core.enabled_import_done(s, r=request_id, p=p, tok=first_token):
+            bad = core.import_done_guard(s, request_id, p, first_token)  # (for the message)
             self._transfer_failed(request_id, f"import rejected ({bad}): the KV covers "
                                   f"{len(p)} tokens, not this request's prompt", events)
             return events
@@ -507,7 +508,7 @@ class AtomBatcher:
 
     def _stale_or_drained(self, rid: int) -> None:
         block = self._transfers.get(rid)
-        if block is not None and core.transfer_end_guard(self.state, rid, block) is None:
+        if block is not None and core.enabled_transfer_end(self.state, r=rid, b=block):
             del self._transfers[rid]
             self._asked.discard(rid)
             self._apply("transfer_end", r=rid, b=block)
@@ -763,7 +764,8 @@ class AtomBatcher:
     def _import_ready(self, lane: int, events: list[Event]) -> None:
         """Ask for lane's KV ("import") once its table covers the prompt: the core refuses to
         grow it further exactly then."""
-        if core.import_grow_guard(self.state, lane, 0) == "table_short_of_prompt":
+        s = self.state
+        if core.importing(s, lane) and core.table_covers_prompt(s, lane):
             rid = self.state.lane_req[lane]
             self._asked.add(rid)
             events.append(Event("import", rid))
@@ -839,7 +841,7 @@ class AtomBatcher:
     def _prefilling_lane(self) -> int | None:
         s = self.state
         for ln in range(s.consts.B):
-            if core.prefill_guard(s, ln, 0) is None:
+            if core.enabled_prefill(s, l=ln):  # for some token: the guard reads none
                 return ln
         return None
 

@@ -72,19 +72,19 @@ class Policy:
         return None
 
     def pinned(self, s: g.State) -> set[int]:
-        # a host load reads a slot, not a block (its lane's copy_src is stale)
-        return {s.copy_src[ln] for ln in range(s.consts.B)
-                if s.copying[ln] and not s.copy_host[ln]}
+        """The blocks an in-flight copy reads (the spec's `pinned`; a host load reads a slot,
+        not a block)."""
+        return {b for b in range(s.consts.K) if g.pinned(s, b)}
 
     def reusable(self, s: g.State, exclude: int | None = None) -> int | None:
-        """The lowest free block, else the least recently used unpinned cache entry."""
-        owner = s.owner
-        for b in range(s.consts.K):
-            if owner[b] == g.OWNER_FREE and b != exclude:
+        """The lowest free block, else the least recently used unpinned cache entry: the
+        blocks the spec's `reusable` allows, in the order of this policy's preference."""
+        owner, k = s.owner, s.consts.K
+        for b in range(k):
+            if owner[b] == g.OWNER_FREE and b != exclude and g.reusable(s, b):
                 return b
-        pins = self.pinned(s)
-        cached = [b for b in range(s.consts.K)
-                  if owner[b] == g.OWNER_CACHE and b != exclude and b not in pins]
+        cached = [b for b in range(k)
+                  if owner[b] != g.OWNER_FREE and b != exclude and g.reusable(s, b)]
         # Entries a prefilling lane will copy next (`grow_hit`) last, then entries past a
         # table's first block: an admission hits only entries that start a sequence, and a
         # later block is hit only by a lane that got that far. (A `Release` names only the tail,
@@ -224,18 +224,15 @@ class Policy:
         return blocks + (0 if s.consts.RESERVED else 1)
 
     def _room(self, s: g.State) -> int:
-        pins = self.pinned(s)
-        return sum(1 for b in range(s.consts.K) if b not in pins
-                   and s.owner[b] in (g.OWNER_FREE, g.OWNER_CACHE))
+        return sum(1 for b in range(s.consts.K) if g.reusable(s, b))
 
     def growth(self, s: g.State) -> list[int]:
         """Lanes whose tail block is full and that have more to compute: each needs its next
         block (`grow`) before the next prefill or decode call; and importing lanes whose table
-        does not cover the prompt yet (`import_grow`). The core's guards decide; only the block
-        each would get is left open."""
+        does not cover the prompt yet (`import_grow`). The core decides (`ready_grow`: every
+        conjunct of the guard but the ones on the block, which is left open)."""
         lanes = [ln for ln in range(s.consts.B)
-                 if g.grow_guard(s, ln, 0) in (None, "dst_reusable")
-                 or g.import_grow_guard(s, ln, 0) in (None, "dst_reusable")]
+                 if g.ready_grow(s, l=ln) or g.ready_import_grow(s, l=ln)]
         return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
 
     def victim(self, s: g.State) -> int | None:
@@ -244,7 +241,7 @@ class Policy:
         The oldest lane is preempted only when it is the only choice, and a lane running alone
         never is (proved: `lone_lane_is_never_preempted`), so the oldest lane finishes."""
         lanes = sorted(range(s.consts.B), key=lambda ln: -self.admitted.get(ln, 0))
-        return next((ln for ln in lanes if g.preempt_guard(s, ln) is None), None)
+        return next((ln for ln in lanes if g.enabled_preempt(s, l=ln)), None)
 
     def spill_slot(self, s: g.State, block: int) -> tuple[int, bool] | None:
         """Where evicted device entry `block` goes in the host tier: (an empty slot, False), else
@@ -271,7 +268,7 @@ class Policy:
         """Hybrid prefix cache: save the lane's sliding state now? At every chunk boundary of
         the prompt (the spec allows more: generated tokens too), which is where a later prompt
         that shares a prefix can hit. Each snapshot costs one local slot of host memory."""
-        return (g.snapshot_guard(s, lane) is None
+        return (g.enabled_snapshot(s, l=lane)
                 and s.length[lane] <= s.lane_plen[lane])
 
     def local_pad(self, s: g.State) -> int:

@@ -1113,7 +1113,16 @@ class Generator:
                     raise GenerationError(
                         f"effect {eff.name} is emitted with different arguments: "
                         f"{prev[1]} {prev[2]} vs {sig[1]} {sig[2]}")
-        for a in m.actions:  # after every module-level name is known
+        for d in m.definitions:
+            _check_ident(d.name, "definition")
+            self._name(d.name, f"definition {d.name}")
+            bad = _ghost_reads(d.body)
+            if bad:
+                raise GenerationError(f"definition {d.name} reads ghost state {bad}")
+        for a in m.actions:
+            self._name(f"enabled_{a.name}", f"enabledness of action {a.name}")
+            self._name(f"ready_{a.name}", f"bound guards of action {a.name}")
+        for a in [*m.definitions, *m.actions]:  # after every module-level name is known
             for p in a.params:
                 _check_ident(p.name, f"parameter of {a.name}")
                 if not isinstance(p.sort, Sort):
@@ -1124,6 +1133,8 @@ class Generator:
                 if p.name in self.module_names or p.name in _PARAM_RESERVED or \
                         p.name in _BUILTINS or p.name.startswith("new_"):
                     raise GenerationError(f"{a.name}: parameter name {p.name!r} is reserved")
+            if isinstance(a, lang.Definition) and a.body.sort is not lang.BOOL:
+                raise GenerationError(f"definition {a.name}: only predicates (Bool) are emitted")
         for f in m.state:
             if self.layout(f) == "map" and f.init is not None:
                 v = Var("k", f.args[0])
@@ -1213,7 +1224,7 @@ class Generator:
         if seq_names:
             out.append(f"from {SEQ_MODULE} import {', '.join(seq_names)}\n")
         sections = [self._sorts(), self._consts(), self._state(), self._effects(), self._init(),
-                    self._actions(), self._checkers(), self._describe()]
+                    self._definitions(), self._actions(), self._checkers(), self._describe()]
         for i, sec in enumerate(sections):
             out.append("\n" if i == 0 else "\n\n")  # isort: one blank line after imports
             out.append(sec)
@@ -1448,6 +1459,101 @@ class Generator:
             return line
         return f"def {name}(\n    {self._signature(a)},\n) -> {ret}:\n"
 
+    def _definitions(self) -> str:
+        """`core.<name>(s, ...)` per spec definition: the same expression the proofs inline,
+        compiled as a guard is (a conjunction becomes consecutive checks, a quantifier a loop)."""
+        parts = [self._rule("definitions")]
+        for d in self.model.definitions:
+            head = (self._def(d.name, d, "bool")
+                    + self._docstring(d.doc or f"Definition {d.name}.")
+                    + self._range_checks(d))
+
+            def build(counts: dict[tuple[Any, ...], int] | None, d: Any = d) -> Body:
+                b = Body(self, params=d.params, consts="s.consts", states={False: "s"},
+                         mode="guard", counts=counts, local_names="s")
+                b.select_memos([(d.body, ())])
+                self._guard_stmt(b, d.name, d.body, "return False")
+                b.stmt("return True")
+                return b
+
+            parts.append(head + self._two_pass(build))
+            parts.append("\n\n")
+        return "".join(parts)
+
+    def _enabled_fns(self, a: Any) -> str:
+        """`enabled_<a>` (some value of the unbound parameters satisfies the guard: the spec's
+        `enabled`) and `ready_<a>` (the guard conjuncts that read only bound parameters hold).
+        Both take the parameters as keywords, None meaning unbound; a caller never probes a
+        guard with a dummy value and compares the failing conjunct's name."""
+        read = self.guard_params(a)
+        kw = ", ".join(f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params)
+        sig = f"s: State, *, {kw}" if kw else "s: State"
+
+        def header(name: str) -> str:
+            line = f"def {name}({sig}) -> bool:\n"
+            if len(line) <= WIDTH + 1:
+                return line
+            if len(f"    {sig},") <= WIDTH:
+                return f"def {name}(\n    {sig},\n) -> bool:\n"
+            items = ["s: State", "*"] + [
+                f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params]
+            return f"def {name}(\n" + "".join(f"    {x},\n" for x in items) + ") -> bool:\n"
+
+        out = []
+        # enabled_<a>
+        out.append(header(f"enabled_{a.name}"))
+        out.append(self._docstring(
+            f"Whether `{a.name}`'s guard holds for the given parameters and some value of the\n"
+            "others (None = unbound; an unbound parameter of a sort that cannot be enumerated\n"
+            "is an error when the guard reads it)."))
+        args, loops = [], []
+        for p in a.params:
+            if p.name not in read:
+                args.append(f"{self.neutral(p.sort)} if {p.name} is None else {p.name}"
+                            if p.sort.kind != "fn" else p.name)
+                continue
+            if p.sort.kind in ("index", "bool", "enum"):
+                dom = {"index": f"range(s.consts.{p.sort.size})", "bool": "(False, True)",
+                       "enum": f"range({len(p.sort.values)})"}[p.sort.kind]
+                out.append(f"    _{p.name}_all = {dom} if {p.name} is None else ({p.name},)\n")
+                loops.append(f"for {p.name} in _{p.name}_all")
+            else:
+                out.append(f"    if {p.name} is None:\n"
+                           f'        raise TypeError("enabled_{a.name}: {p.name} '
+                           f'({p.sort.name}) cannot be enumerated; bind it")\n')
+            args.append(p.name)
+        call = f"{a.name}_guard({', '.join(['s', *args])}) is None"
+        if loops:
+            out.append(render(["    return ", _genexpr("any", [call], loops)], indent=4) + "\n")
+        else:
+            out.append(f"    return {call}\n")
+        out.append("\n\n")
+        # ready_<a>
+        out.append(header(f"ready_{a.name}"))
+        out.append(self._docstring(
+            f"Whether every guard conjunct of `{a.name}` that reads only the given parameters\n"
+            "holds (a conjunct reading an unbound parameter is skipped, whatever its position)."))
+        out.append(self._range_checks(a, none_ok=True))
+        bound_vars = params = list(a.params)
+
+        def build(counts: dict[tuple[Any, ...], int] | None) -> Body:
+            b = Body(self, params=params, consts="s.consts", states={False: "s"},
+                     mode="guard", counts=counts, local_names="s")
+            b.select_memos([(g, ()) for _, g in a.guards])
+            for name, g in a.guards:
+                reads = [p for p in bound_vars if _reads_param(g, p)]
+                if reads:
+                    cond = " and ".join(f"{p.name} is not None" for p in reads)
+                    with b.block(f"if {cond}:"):
+                        self._guard_stmt(b, name, g, "return False")
+                else:
+                    self._guard_stmt(b, name, g, "return False")
+            b.stmt("return True")
+            return b
+
+        out.append(self._two_pass(build))
+        return "".join(out)
+
     def _actions(self) -> str:
         parts = [self._rule("actions")]
         for a in self.model.actions:
@@ -1458,6 +1564,8 @@ class Generator:
             if a.effects:
                 parts.append(self._plan_fn(a))
                 parts.append("\n\n")
+            parts.append(self._enabled_fns(a))
+            parts.append("\n\n")
         items = []
         for a in self.model.actions:
             pn = _tuple([f'"{p.name}"' for p in a.params])

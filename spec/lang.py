@@ -441,6 +441,36 @@ class Action:
         return f"Action({self.name})"
 
 
+class Definition:
+    """A named predicate or term over the state (mypyvy's `definition`), e.g. `pinned(b)`.
+
+    Calling it builds its body with the arguments substituted, so proofs and guards see exactly
+    the expression the spec wrote (a definition is inlined where used: the z3 terms do not
+    change). The generator also emits it as `core.<name>(s, *params)`, so the policy and the
+    adapter ask the spec's question instead of re-deriving it."""
+
+    def __init__(self, name: str, params: list[Var], body: Expr, build: Callable[..., Any],
+                 doc: str) -> None:
+        self.name, self.params, self.body, self.doc = name, params, body, doc
+        self._build = build
+
+    @property
+    def sort(self) -> Sort:
+        return self.body.sort
+
+    def __call__(self, *args: Any) -> Expr:
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
+        lifted = [lift(a, p.sort) for a, p in zip(args, self.params, strict=True)]
+        for a, p in zip(lifted, self.params, strict=True):
+            _check(a, p.sort, f"argument {p.name} of {self.name}")
+        out = self._build(*lifted)
+        return out if isinstance(out, Expr) else lift(out, self.body.sort)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 class Named:
     """An invariant, transition invariant, progress property or axiom."""
 
@@ -465,6 +495,7 @@ class Model:
         self.invariants: list[Named] = []  # kind: relational | bounded
         self.transition_invariants: list[Named] = []
         self.progress: list[Named] = []
+        self.definitions: list[Definition] = []
         self._current: Action | None = None
 
     # declarations ----------------------------------------------------------
@@ -512,6 +543,23 @@ class Model:
     def progress_property(self, name: str, expr: Expr, doc: str = "") -> None:
         self.progress.append(Named(name, lift(expr, BOOL), "progress", doc))
 
+    def definition(self, fn: Callable[..., Any]) -> Definition:
+        """Decorator: a named predicate (or term) over the state; the function's annotated
+        parameters are its parameters, its body returns the expression. Using it inlines the
+        body (proofs see the same terms); the generator emits `core.<name>(s, ...)`."""
+        sig = inspect.signature(fn)
+        for n, p in sig.parameters.items():
+            if not isinstance(p.annotation, Sort):
+                raise TypeError(f"definition {fn.__name__}: parameter {n} needs a sort annotation")
+        params = [Var(n, p.annotation) for n, p in sig.parameters.items()]
+        body = fn(*params)
+        body = body if isinstance(body, Expr) else lift(body, BOOL)
+        d = Definition(fn.__name__, params, body, fn, inspect.getdoc(fn) or "")
+        if any(x.name == d.name for x in self.definitions):
+            raise ValueError(f"definition {d.name} is declared twice")
+        self.definitions.append(d)
+        return d
+
     # actions -----------------------------------------------------------------
     def action(self, fn: Callable[..., None]) -> Action:
         """Decorator: the function's annotated parameters are the action's choice parameters;
@@ -546,6 +594,7 @@ class Model:
         m.actions = [a.copy() for a in self.actions]
         m.axioms, m.invariants = list(self.axioms), list(self.invariants)
         m.laws = list(self.laws)
+        m.definitions = list(self.definitions)
         m.transition_invariants, m.progress = (list(self.transition_invariants),
                                                list(self.progress))
         return m

@@ -209,28 +209,34 @@ def ended(r):
     return one_of(phase(r), Phase.FINISHED, Phase.ABORTED, Phase.FAILED)
 
 
-def decoding(l):
+@m.definition
+def decoding(l: Lane):
     return busy(l) & (phase(lane_req(l)) == Phase.DECODE)
 
 
-def prefilling(l):
+@m.definition
+def prefilling(l: Lane):
     return busy(l) & (phase(lane_req(l)) == Phase.PREFILL)
 
 
-def importing(l):
+@m.definition
+def importing(l: Lane):
     return busy(l) & (phase(lane_req(l)) == Phase.IMPORTING)
 
 
-def exporting(l):
+@m.definition
+def exporting(l: Lane):
     return busy(l) & (phase(lane_req(l)) == Phase.EXPORTING)
 
 
-def moving(l):
+@m.definition
+def moving(l: Lane):
     """Lane l's blocks are in a PD transfer."""
     return importing(l) | exporting(l)
 
 
-def table_covers_prompt(l):
+@m.definition
+def table_covers_prompt(l: Lane):
     """Lane l's table has a block for every prompt position: an import can be written."""
     return start(tail(l)) + S >= lane_plen(l)
 
@@ -244,31 +250,37 @@ def hit_ok(r, b):
             & implies(HYBRID, snap_upto(b) >= C))
 
 
-def computing(l):
+@m.definition
+def computing(l: Lane):
     """Lane l computes on the device (prefill or decode) with no copy in flight."""
     return (prefilling(l) | decoding(l)) & ~copying(l)
 
 
-def tail_full(l):
+@m.definition
+def tail_full(l: Lane):
     return length(l) == start(tail(l)) + S
 
 
-def needs_block(l):
+@m.definition
+def needs_block(l: Lane):
     """Lane l cannot compute another token before its table grows."""
     return computing(l) & tail_full(l) & (nblocks(l) < T)
 
 
-def lane_block(b, l):
+@m.definition
+def lane_block(b: Block, l: Lane):
     """b is one of lane l's blocks (any position of its table)."""
     return (owner(b) == Owner.LANE) & (owner_lane(b) == l)
 
 
-def pinned(b):
+@m.definition
+def pinned(b: Block):
     """An in-flight copy reads b: it must stay cached and untouched until the copy is done."""
     return exists(Lane, lambda l: copying(l) & ~copy_host(l) & (copy_src(l) == b))
 
 
-def reusable(b):
+@m.definition
+def reusable(b: Block):
     """A block an admission may take: free, or an unpinned cache entry it evicts."""
     return one_of(owner(b), Owner.FREE, Owner.CACHE) & ~pinned(b)
 

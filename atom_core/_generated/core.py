@@ -516,6 +516,163 @@ def init(consts: Consts, ghost: bool = True) -> State:
     )
 
 
+# --------------------------------------------------------------------------- definitions
+def decoding(s: State, l: int) -> bool:
+    """Definition decoding."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("decoding", "l", l, "Lane", s.consts.B)
+    # decoding
+    if not s.busy[l]:
+        return False
+    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+        return False
+    return True
+
+
+def prefilling(s: State, l: int) -> bool:
+    """Definition prefilling."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("prefilling", "l", l, "Lane", s.consts.B)
+    # prefilling
+    if not s.busy[l]:
+        return False
+    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        return False
+    return True
+
+
+def importing(s: State, l: int) -> bool:
+    """Definition importing."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("importing", "l", l, "Lane", s.consts.B)
+    # importing
+    if not s.busy[l]:
+        return False
+    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+        return False
+    return True
+
+
+def exporting(s: State, l: int) -> bool:
+    """Definition exporting."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("exporting", "l", l, "Lane", s.consts.B)
+    # exporting
+    if not s.busy[l]:
+        return False
+    if s.phase.get(s.lane_req[l]) != PHASE_EXPORTING:
+        return False
+    return True
+
+
+def moving(s: State, l: int) -> bool:
+    """Lane l's blocks are in a PD transfer."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("moving", "l", l, "Lane", s.consts.B)
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    # moving
+    if not ((busy[l] and _m0 == PHASE_IMPORTING) or (busy[l] and _m0 == PHASE_EXPORTING)):
+        return False
+    return True
+
+
+def table_covers_prompt(s: State, l: int) -> bool:
+    """Lane l's table has a block for every prompt position: an import can be written."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("table_covers_prompt", "l", l, "Lane", s.consts.B)
+    # table_covers_prompt
+    if s.lane_plen[l] > s.start[s.tail[l]] + s.consts.S:
+        return False
+    return True
+
+
+def computing(s: State, l: int) -> bool:
+    """Lane l computes on the device (prefill or decode) with no copy in flight."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("computing", "l", l, "Lane", s.consts.B)
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    # computing
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return False
+    if s.copying[l]:
+        return False
+    return True
+
+
+def tail_full(s: State, l: int) -> bool:
+    """Definition tail_full."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("tail_full", "l", l, "Lane", s.consts.B)
+    # tail_full
+    if s.length[l] != s.start[s.tail[l]] + s.consts.S:
+        return False
+    return True
+
+
+def needs_block(s: State, l: int) -> bool:
+    """Lane l cannot compute another token before its table grows."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("needs_block", "l", l, "Lane", s.consts.B)
+    busy = s.busy
+    _m0 = s.phase.get(s.lane_req[l])
+    # needs_block
+    if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+        return False
+    if s.copying[l]:
+        return False
+    if s.length[l] != s.start[s.tail[l]] + s.consts.S:
+        return False
+    if s.nblocks[l] >= s.consts.T:
+        return False
+    return True
+
+
+def lane_block(s: State, b: int, l: int) -> bool:
+    """b is one of lane l's blocks (any position of its table)."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("lane_block", "b", b, "Block", s.consts.K)
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("lane_block", "l", l, "Lane", s.consts.B)
+    # lane_block
+    if s.owner[b] != OWNER_LANE:
+        return False
+    if s.owner_lane[b] != l:
+        return False
+    return True
+
+
+def pinned(s: State, b: int) -> bool:
+    """An in-flight copy reads b: it must stay cached and untouched until the copy is done."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("pinned", "b", b, "Block", s.consts.K)
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # pinned
+    if not any(copying[l] and not copy_host[l] and copy_src[l] == b for l in range(s.consts.B)):
+        return False
+    return True
+
+
+def reusable(s: State, b: int) -> bool:
+    """A block an admission may take: free, or an unpinned cache entry it evicts."""
+    if not 0 <= b < s.consts.K:
+        raise _bad_index("reusable", "b", b, "Block", s.consts.K)
+    owner = s.owner
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # reusable
+    if not (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE):
+        return False
+    for l in range(s.consts.B):
+        if copying[l] and not copy_host[l] and copy_src[l] == b:
+            return False
+    return True
+
+
 # --------------------------------------------------------------------------- actions
 def submit_guard(s: State, r: int, p: TokSeq) -> str | None:
     """The first failing guard conjunct of `submit`, or None."""
@@ -594,6 +751,37 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
         new_prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_submit(s: State, *, r: int | None = None, p: TokSeq | None = None) -> bool:
+    """Whether `submit`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_submit: r (Req) cannot be enumerated; bind it")
+    if p is None:
+        raise TypeError("enabled_submit: p (Seq) cannot be enumerated; bind it")
+    return submit_guard(s, r, p) is None
+
+
+def ready_submit(s: State, *, r: int | None = None, p: TokSeq | None = None) -> bool:
+    """Whether every guard conjunct of `submit` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if r is not None:
+        # request_is_new
+        if s.phase.get(r) != PHASE_NONE:
+            return False
+    if p is not None:
+        # prompt_not_empty
+        if slen(p) <= 0:
+            return False
+    if p is not None:
+        # prompt_fits
+        if slen(p) >= s.consts.T * s.consts.S:
+            return False
+    return True
 
 
 def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
@@ -843,6 +1031,75 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
             ):
                 return "no_cache_hit"
     return (Admit(l, r, dst),)
+
+
+def enabled_admit_miss(
+    s: State, *, l: int | None = None, r: int | None = None, dst: int | None = None,
+) -> bool:
+    """Whether `admit_miss`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    if r is None:
+        raise TypeError("enabled_admit_miss: r (Req) cannot be enumerated; bind it")
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    return any(admit_miss_guard(s, l, r, dst) is None for l in _l_all for dst in _dst_all)
+
+
+def ready_admit_miss(
+    s: State, *, l: int | None = None, r: int | None = None, dst: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `admit_miss` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_miss", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_miss", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_idle
+        if s.busy[l]:
+            return False
+    if r is not None:
+        # request_waiting
+        if s.phase.get(r) != PHASE_WAITING:
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    if r is not None:
+        _m2 = s.prompt.get(r)
+        C = s.consts.C
+        _m0 = slen(_m2) > C
+        owner = s.owner
+        start = s.start
+        head = s.head
+        _m1 = take(_m2, C)
+        key = s.key
+        snap_upto = s.snap_upto
+        HYBRID = s.consts.HYBRID
+        # no_cache_hit
+        if s.consts.PREFIX:
+            for b in range(s.consts.K):
+                if (
+                    _m0
+                    and owner[b] == OWNER_CACHE
+                    and start[b] == 0
+                    and head[b] == _m1
+                    and slen(key[b]) >= C
+                    and (not HYBRID or snap_upto[b] >= C)
+                ):
+                    return False
+    return True
 
 
 def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str | None:
@@ -1145,6 +1402,118 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     return (Admit(l, r, dst), Copy(l, src, dst, n))
 
 
+def enabled_admit_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    r: int | None = None,
+    src: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether `admit_hit`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    if r is None:
+        raise TypeError("enabled_admit_hit: r (Req) cannot be enumerated; bind it")
+    _src_all = range(s.consts.K) if src is None else (src,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    if n is None:
+        raise TypeError("enabled_admit_hit: n (Int) cannot be enumerated; bind it")
+    return any(
+        admit_hit_guard(s, l, r, src, dst, n) is None
+        for l in _l_all
+        for src in _src_all
+        for dst in _dst_all
+    )
+
+
+def ready_admit_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    r: int | None = None,
+    src: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `admit_hit` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_hit", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("admit_hit", "src", src, "Block", s.consts.K)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_hit", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_idle
+        if s.busy[l]:
+            return False
+    if r is not None:
+        # request_waiting
+        if s.phase.get(r) != PHASE_WAITING:
+            return False
+    if src is not None:
+        owner = s.owner
+        # src_cached
+        if owner[src] != OWNER_CACHE:
+            return False
+    if n is not None:
+        C = s.consts.C
+        # n_whole_chunks
+        if n < C:
+            return False
+        if n % C != 0:
+            return False
+    if src is not None and n is not None:
+        key = s.key
+        # n_within_entry
+        if n > slen(key[src]):
+            return False
+    if r is not None and n is not None:
+        _m0 = s.prompt.get(r)
+        # token_left_to_compute
+        if n >= slen(_m0):
+            return False
+    if r is not None and src is not None and n is not None:
+        key = s.key
+        _m0 = s.prompt.get(r)
+        # prefix_matches
+        if take(key[src], n) != take(_m0, n):
+            return False
+    if src is not None and n is not None:
+        # hybrid_snapshot_at_n
+        if s.consts.HYBRID and n > s.snap_upto[src]:
+            return False
+    if src is not None:
+        # src_first_block
+        if s.start[src] != 0:
+            return False
+    if n is not None:
+        # n_within_block
+        if n > s.consts.S:
+            return False
+    if src is not None and dst is not None:
+        # dst_not_src
+        if dst == src:
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
 def copy_done_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `copy_done`, or None."""
     if not 0 <= l < s.consts.B:
@@ -1241,6 +1610,30 @@ def copy_done(s: State, l: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_copy_done(s: State, *, l: int | None = None) -> bool:
+    """Whether `copy_done`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(copy_done_guard(s, l) is None for l in _l_all)
+
+
+def ready_copy_done(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `copy_done` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("copy_done", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # copy_in_flight
+        if not s.copying[l]:
+            return False
+        if s.copy_host[l]:
+            return False
+    return True
 
 
 def snapshot_guard(s: State, l: int) -> str | None:
@@ -1391,6 +1784,41 @@ def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Snapshot(l, length[l]),)
 
 
+def enabled_snapshot(s: State, *, l: int | None = None) -> bool:
+    """Whether `snapshot`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(snapshot_guard(s, l) is None for l in _l_all)
+
+
+def ready_snapshot(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `snapshot` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
+    # hybrid_prefix_cache
+    if not s.consts.HYBRID:
+        return False
+    if not s.consts.PREFIX:
+        return False
+    if l is not None:
+        busy = s.busy
+        _m0 = s.phase.get(s.lane_req[l])
+        # lane_computing
+        if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+            return False
+        if s.copying[l]:
+            return False
+    if l is not None:
+        # next_boundary
+        if s.length[l] != s.lane_snap[l] + s.consts.C:
+            return False
+    return True
+
+
 def prefill_guard(s: State, l: int, tok: int) -> str | None:
     """The first failing guard conjunct of `prefill`, or None."""
     if not 0 <= l < s.consts.B:
@@ -1530,6 +1958,40 @@ def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
     if _m0 > s.start[tail[l]] + s.consts.S:
         return "chunk_within_block"
     return (Prefill(l, tail[l], length[l], _m0),)
+
+
+def enabled_prefill(s: State, *, l: int | None = None, tok: int | None = None) -> bool:
+    """Whether `prefill`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(prefill_guard(s, l, 0 if tok is None else tok) is None for l in _l_all)
+
+
+def ready_prefill(s: State, *, l: int | None = None, tok: int | None = None) -> bool:
+    """Whether every guard conjunct of `prefill` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # lane_prefilling
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+            return False
+    if l is not None:
+        # no_copy_in_flight
+        if s.copying[l]:
+            return False
+    if l is not None:
+        _m0 = s.length[l] + s.consts.C
+        lane_plen = s.lane_plen
+        # chunk_within_block
+        if (_m0 if _m0 < lane_plen[l] else lane_plen[l]) > s.start[s.tail[l]] + s.consts.S:
+            return False
+    return True
 
 
 def grow_guard(s: State, l: int, dst: int) -> str | None:
@@ -1724,6 +2186,55 @@ def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]),)
+
+
+def enabled_grow(s: State, *, l: int | None = None, dst: int | None = None) -> bool:
+    """Whether `grow`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    return any(grow_guard(s, l, dst) is None for l in _l_all for dst in _dst_all)
+
+
+def ready_grow(s: State, *, l: int | None = None, dst: int | None = None) -> bool:
+    """Whether every guard conjunct of `grow` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        busy = s.busy
+        _m0 = s.phase.get(s.lane_req[l])
+        copying = s.copying
+        # lane_computing
+        if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+            return False
+        if copying[l]:
+            return False
+    if l is not None:
+        # tail_full
+        if s.length[l] != s.start[s.tail[l]] + s.consts.S:
+            return False
+    if l is not None:
+        # table_not_full
+        if s.nblocks[l] >= s.consts.T:
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
 
 
 def grow_hit_guard(s: State, l: int, src: int, dst: int, n: int) -> str | None:
@@ -2058,6 +2569,136 @@ def grow_hit_plan(s: State, l: int, src: int, dst: int, n: int) -> tuple[Any, ..
     return (Grow(l, dst, nblocks[l]), Copy(l, src, dst, n))
 
 
+def enabled_grow_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    src: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether `grow_hit`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _src_all = range(s.consts.K) if src is None else (src,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    if n is None:
+        raise TypeError("enabled_grow_hit: n (Int) cannot be enumerated; bind it")
+    return any(
+        grow_hit_guard(s, l, src, dst, n) is None
+        for l in _l_all
+        for src in _src_all
+        for dst in _dst_all
+    )
+
+
+def ready_grow_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    src: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `grow_hit` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_hit", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("grow_hit", "src", src, "Block", s.consts.K)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_hit", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_prefilling
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+            return False
+    if l is not None:
+        copying = s.copying
+        # no_copy_in_flight
+        if copying[l]:
+            return False
+    if l is not None:
+        length = s.length
+        start = s.start
+        S = s.consts.S
+        # tail_full
+        if length[l] != start[s.tail[l]] + S:
+            return False
+    if l is not None:
+        # table_not_full
+        if s.nblocks[l] >= s.consts.T:
+            return False
+    if src is not None:
+        owner = s.owner
+        # src_cached
+        if owner[src] != OWNER_CACHE:
+            return False
+    if l is not None and src is not None:
+        start = s.start
+        length = s.length
+        # src_at_the_boundary
+        if start[src] != length[l]:
+            return False
+    if n is not None:
+        # n_whole_chunks
+        if n <= 0:
+            return False
+        if n % s.consts.C != 0:
+            return False
+    if n is not None:
+        S = s.consts.S
+        # n_within_block
+        if n > S:
+            return False
+    if l is not None and src is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        key = s.key
+        # n_within_entry
+        if _m0 > slen(key[src]):
+            return False
+    if l is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        # token_left_to_compute
+        if _m0 >= s.lane_plen[l]:
+            return False
+    if l is not None and src is not None and n is not None:
+        key = s.key
+        length = s.length
+        _m0 = length[l] + n
+        # prefix_matches
+        if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+            return False
+    if l is not None and src is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        # hybrid_snapshot_at_n
+        if s.consts.HYBRID and _m0 > s.snap_upto[src]:
+            return False
+    if src is not None and dst is not None:
+        # dst_not_src
+        if dst == src:
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
 def preempt_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `preempt`, or None."""
     if not 0 <= l < s.consts.B:
@@ -2291,6 +2932,77 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     if slen(s.lane_seq[l]) > T * S:
         return "requeue_fits"
     return (Preempt(l, lane_req[l]),)
+
+
+def enabled_preempt(s: State, *, l: int | None = None) -> bool:
+    """Whether `preempt`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(preempt_guard(s, l) is None for l in _l_all)
+
+
+def ready_preempt(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `preempt` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return False
+    if l is not None:
+        busy = s.busy
+        lane_req = s.lane_req
+        phase = s.phase
+        _m0 = phase.get(lane_req[l])
+        copying = s.copying
+        # lane_computing
+        if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
+            return False
+        if copying[l]:
+            return False
+    B = s.consts.B
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
+    copying = s.copying
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    nblocks = s.nblocks
+    T = s.consts.T
+    # a_lane_waits_for_a_block
+    if not (
+        any(
+            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+            and not copying[n]
+            and length[n] == start[tail[n]] + S
+            and nblocks[n] < T
+            for n in range(B)
+        )
+        or (not s.consts.RESERVED and not all(_m2) and any(_m2))
+    ):
+        return False
+    owner = s.owner
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # no_block_reusable
+    for b in range(s.consts.K):
+        if (
+            (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE)
+            and not any(copying[l2] and not copy_host[l2] and copy_src[l2] == b for l2 in range(B))
+        ):
+            return False
+    if l is not None:
+        # requeue_fits
+        if slen(s.lane_seq[l]) > T * S:
+            return False
+    return True
 
 
 def decode_guard(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> str | None:
@@ -2532,6 +3244,78 @@ def decode_plan(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[An
     )
 
 
+def enabled_decode(
+    s: State,
+    *,
+    pad: int | None = None,
+    lpad: int | None = None,
+    tok: tuple[int, ...] | None = None,
+) -> bool:
+    """Whether `decode`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _pad_all = range(s.consts.K) if pad is None else (pad,)
+    _lpad_all = range(s.consts.B) if lpad is None else (lpad,)
+    return any(
+        decode_guard(s, pad, lpad, tok) is None
+        for pad in _pad_all
+        for lpad in _lpad_all
+    )
+
+
+def ready_decode(
+    s: State,
+    *,
+    pad: int | None = None,
+    lpad: int | None = None,
+    tok: tuple[int, ...] | None = None,
+) -> bool:
+    """Whether every guard conjunct of `decode` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if pad is not None and not 0 <= pad < s.consts.K:
+        raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
+    if lpad is not None and not 0 <= lpad < s.consts.B:
+        raise _bad_index("decode", "lpad", lpad, "Lane", s.consts.B)
+    B = s.consts.B
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    # no_block_overflow
+    for l in range(B):
+        if _m0[l] and length[l] >= start[tail[l]] + S:
+            return False
+    if pad is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        _m1 = not all(_m0)
+        # scratch_target_ok
+        if _m1:
+            if s.consts.RESERVED:
+                if owner[pad] != OWNER_SCRATCH:
+                    return False
+            else:
+                if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
+                    return False
+                for l in range(B):
+                    if copying[l] and not copy_host[l] and copy_src[l] == pad:
+                        return False
+    if lpad is not None:
+        _m1 = not all(_m0)
+        # local_pad_ok
+        if s.consts.HYBRID and _m1 and busy[lpad]:
+            return False
+    return True
+
+
 def finish_guard(s: State, l: int, keep: bool) -> str | None:
     """The first failing guard conjunct of `finish`, or None."""
     if not 0 <= l < s.consts.B:
@@ -2669,6 +3453,35 @@ def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
     return (Release(l, s.tail[l]),)
 
 
+def enabled_finish(s: State, *, l: int | None = None, keep: bool | None = None) -> bool:
+    """Whether `finish`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _keep_all = (False, True) if keep is None else (keep,)
+    return any(finish_guard(s, l, keep) is None for l in _l_all for keep in _keep_all)
+
+
+def ready_finish(s: State, *, l: int | None = None, keep: bool | None = None) -> bool:
+    """Whether every guard conjunct of `finish` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("finish", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # lane_decoding
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+            return False
+    if keep is not None:
+        # keep_needs_prefix_cache
+        if keep and not s.consts.PREFIX:
+            return False
+    return True
+
+
 def abort_waiting_guard(s: State, r: int) -> str | None:
     """The first failing guard conjunct of `abort_waiting`, or None."""
     # request_waiting
@@ -2733,6 +3546,27 @@ def abort_waiting(s: State, r: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_abort_waiting(s: State, *, r: int | None = None) -> bool:
+    """Whether `abort_waiting`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_abort_waiting: r (Req) cannot be enumerated; bind it")
+    return abort_waiting_guard(s, r) is None
+
+
+def ready_abort_waiting(s: State, *, r: int | None = None) -> bool:
+    """Whether every guard conjunct of `abort_waiting` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if r is not None:
+        # request_waiting
+        if s.phase.get(r) != PHASE_WAITING:
+            return False
+    return True
 
 
 def abort_running_guard(s: State, l: int) -> str | None:
@@ -2848,6 +3682,28 @@ def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
     if not s.busy[l]:
         return "lane_busy"
     return (Release(l, s.tail[l]),)
+
+
+def enabled_abort_running(s: State, *, l: int | None = None) -> bool:
+    """Whether `abort_running`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(abort_running_guard(s, l) is None for l in _l_all)
+
+
+def ready_abort_running(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `abort_running` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("abort_running", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # lane_busy
+        if not s.busy[l]:
+            return False
+    return True
 
 
 def fail_guard(s: State, l: int) -> str | None:
@@ -2975,6 +3831,28 @@ def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Release(l, s.tail[l]),)
 
 
+def enabled_fail(s: State, *, l: int | None = None) -> bool:
+    """Whether `fail`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(fail_guard(s, l) is None for l in _l_all)
+
+
+def ready_fail(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `fail` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("fail", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # lane_busy
+        if not s.busy[l]:
+            return False
+    return True
+
+
 def discard_guard(s: State, b: int) -> str | None:
     """The first failing guard conjunct of `discard`, or None."""
     if not 0 <= b < s.consts.K:
@@ -3069,6 +3947,37 @@ def discard(s: State, b: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_discard(s: State, *, b: int | None = None) -> bool:
+    """Whether `discard`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _b_all = range(s.consts.K) if b is None else (b,)
+    return any(discard_guard(s, b) is None for b in _b_all)
+
+
+def ready_discard(s: State, *, b: int | None = None) -> bool:
+    """Whether every guard conjunct of `discard` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if b is not None and not 0 <= b < s.consts.K:
+        raise _bad_index("discard", "b", b, "Block", s.consts.K)
+    if b is not None:
+        owner = s.owner
+        # not_a_lane_block
+        if not (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE or owner[b] == OWNER_SCRATCH):
+            return False
+    if b is not None:
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # not_pinned
+        for l in range(s.consts.B):
+            if copying[l] and not copy_host[l] and copy_src[l] == b:
+                return False
+    return True
 
 
 def spill_guard(s: State, b: int, h: int) -> str | None:
@@ -3222,6 +4131,46 @@ def spill_plan(s: State, b: int, h: int) -> tuple[Any, ...] | str:
     return (Store(b, h),)
 
 
+def enabled_spill(s: State, *, b: int | None = None, h: int | None = None) -> bool:
+    """Whether `spill`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _b_all = range(s.consts.K) if b is None else (b,)
+    _h_all = range(s.consts.H) if h is None else (h,)
+    return any(spill_guard(s, b, h) is None for b in _b_all for h in _h_all)
+
+
+def ready_spill(s: State, *, b: int | None = None, h: int | None = None) -> bool:
+    """Whether every guard conjunct of `spill` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if b is not None and not 0 <= b < s.consts.K:
+        raise _bad_index("spill", "b", b, "Block", s.consts.K)
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("spill", "h", h, "Slot", s.consts.H)
+    # host_cache_on
+    if not s.consts.HOST:
+        return False
+    if b is not None:
+        # entry_cached
+        if s.owner[b] != OWNER_CACHE:
+            return False
+    if b is not None:
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # entry_unpinned
+        for l in range(s.consts.B):
+            if copying[l] and not copy_host[l] and copy_src[l] == b:
+                return False
+    if h is not None:
+        # slot_empty
+        if s.slot_state[h] != SLOTSTATE_EMPTY:
+            return False
+    return True
+
+
 def store_done_guard(s: State, h: int) -> str | None:
     """The first failing guard conjunct of `store_done`, or None."""
     if not 0 <= h < s.consts.H:
@@ -3307,6 +4256,28 @@ def store_done(s: State, h: int) -> Step:
     return Step(new, (), None)
 
 
+def enabled_store_done(s: State, *, h: int | None = None) -> bool:
+    """Whether `store_done`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _h_all = range(s.consts.H) if h is None else (h,)
+    return any(store_done_guard(s, h) is None for h in _h_all)
+
+
+def ready_store_done(s: State, *, h: int | None = None) -> bool:
+    """Whether every guard conjunct of `store_done` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("store_done", "h", h, "Slot", s.consts.H)
+    if h is not None:
+        # slot_storing
+        if s.slot_state[h] != SLOTSTATE_STORING:
+            return False
+    return True
+
+
 def store_fail_guard(s: State, h: int) -> str | None:
     """The first failing guard conjunct of `store_fail`, or None."""
     if not 0 <= h < s.consts.H:
@@ -3382,6 +4353,28 @@ def store_fail(s: State, h: int) -> Step:
     return Step(new, (), None)
 
 
+def enabled_store_fail(s: State, *, h: int | None = None) -> bool:
+    """Whether `store_fail`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _h_all = range(s.consts.H) if h is None else (h,)
+    return any(store_fail_guard(s, h) is None for h in _h_all)
+
+
+def ready_store_fail(s: State, *, h: int | None = None) -> bool:
+    """Whether every guard conjunct of `store_fail` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("store_fail", "h", h, "Slot", s.consts.H)
+    if h is not None:
+        # slot_storing
+        if s.slot_state[h] != SLOTSTATE_STORING:
+            return False
+    return True
+
+
 def host_evict_guard(s: State, h: int) -> str | None:
     """The first failing guard conjunct of `host_evict`, or None."""
     if not 0 <= h < s.consts.H:
@@ -3452,6 +4445,28 @@ def host_evict(s: State, h: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_host_evict(s: State, *, h: int | None = None) -> bool:
+    """Whether `host_evict`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _h_all = range(s.consts.H) if h is None else (h,)
+    return any(host_evict_guard(s, h) is None for h in _h_all)
+
+
+def ready_host_evict(s: State, *, h: int | None = None) -> bool:
+    """Whether every guard conjunct of `host_evict` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("host_evict", "h", h, "Slot", s.consts.H)
+    if h is not None:
+        # slot_stored
+        if s.slot_state[h] != SLOTSTATE_STORED:
+            return False
+    return True
 
 
 def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> str | None:
@@ -3736,6 +4751,109 @@ def admit_host_hit_plan(
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Admit(l, r, dst), Load(l, h, dst, n))
+
+
+def enabled_admit_host_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    r: int | None = None,
+    h: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether `admit_host_hit`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    if r is None:
+        raise TypeError("enabled_admit_host_hit: r (Req) cannot be enumerated; bind it")
+    _h_all = range(s.consts.H) if h is None else (h,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    if n is None:
+        raise TypeError("enabled_admit_host_hit: n (Int) cannot be enumerated; bind it")
+    return any(
+        admit_host_hit_guard(s, l, r, h, dst, n) is None
+        for l in _l_all
+        for h in _h_all
+        for dst in _dst_all
+    )
+
+
+def ready_admit_host_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    r: int | None = None,
+    h: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `admit_host_hit` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_host_hit", "l", l, "Lane", s.consts.B)
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("admit_host_hit", "h", h, "Slot", s.consts.H)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_host_hit", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_idle
+        if s.busy[l]:
+            return False
+    if r is not None:
+        # request_waiting
+        if s.phase.get(r) != PHASE_WAITING:
+            return False
+    if h is not None:
+        # slot_stored
+        if s.slot_state[h] != SLOTSTATE_STORED:
+            return False
+    if n is not None:
+        C = s.consts.C
+        # n_whole_chunks
+        if n < C:
+            return False
+        if n % C != 0:
+            return False
+    if h is not None and n is not None:
+        slot_key = s.slot_key
+        # n_within_entry
+        if n > slen(slot_key[h]):
+            return False
+    if r is not None and n is not None:
+        _m0 = s.prompt.get(r)
+        # token_left_to_compute
+        if n >= slen(_m0):
+            return False
+    if r is not None and h is not None and n is not None:
+        slot_key = s.slot_key
+        _m0 = s.prompt.get(r)
+        # prefix_matches
+        if take(slot_key[h], n) != take(_m0, n):
+            return False
+    if h is not None:
+        # slot_first_block
+        if s.slot_start[h] != 0:
+            return False
+    if n is not None:
+        # n_within_block
+        if n > s.consts.S:
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
 
 
 def grow_host_hit_guard(s: State, l: int, h: int, dst: int, n: int) -> str | None:
@@ -4043,6 +5161,123 @@ def grow_host_hit_plan(s: State, l: int, h: int, dst: int, n: int) -> tuple[Any,
     return (Grow(l, dst, nblocks[l]), Load(l, h, dst, n))
 
 
+def enabled_grow_host_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    h: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether `grow_host_hit`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _h_all = range(s.consts.H) if h is None else (h,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    if n is None:
+        raise TypeError("enabled_grow_host_hit: n (Int) cannot be enumerated; bind it")
+    return any(
+        grow_host_hit_guard(s, l, h, dst, n) is None
+        for l in _l_all
+        for h in _h_all
+        for dst in _dst_all
+    )
+
+
+def ready_grow_host_hit(
+    s: State,
+    *,
+    l: int | None = None,
+    h: int | None = None,
+    dst: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `grow_host_hit` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_host_hit", "l", l, "Lane", s.consts.B)
+    if h is not None and not 0 <= h < s.consts.H:
+        raise _bad_index("grow_host_hit", "h", h, "Slot", s.consts.H)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("grow_host_hit", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_prefilling
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+            return False
+    if l is not None:
+        copying = s.copying
+        # no_copy_in_flight
+        if copying[l]:
+            return False
+    if l is not None:
+        length = s.length
+        S = s.consts.S
+        # tail_full
+        if length[l] != s.start[s.tail[l]] + S:
+            return False
+    if l is not None:
+        # table_not_full
+        if s.nblocks[l] >= s.consts.T:
+            return False
+    if h is not None:
+        # slot_stored
+        if s.slot_state[h] != SLOTSTATE_STORED:
+            return False
+    if l is not None and h is not None:
+        length = s.length
+        # slot_at_the_boundary
+        if s.slot_start[h] != length[l]:
+            return False
+    if n is not None:
+        # n_whole_chunks
+        if n <= 0:
+            return False
+        if n % s.consts.C != 0:
+            return False
+    if n is not None:
+        S = s.consts.S
+        # n_within_block
+        if n > S:
+            return False
+    if l is not None and h is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        slot_key = s.slot_key
+        # n_within_entry
+        if _m0 > slen(slot_key[h]):
+            return False
+    if l is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        # token_left_to_compute
+        if _m0 >= s.lane_plen[l]:
+            return False
+    if l is not None and h is not None and n is not None:
+        slot_key = s.slot_key
+        length = s.length
+        _m0 = length[l] + n
+        # prefix_matches
+        if take(slot_key[h], _m0) != take(s.lane_seq[l], _m0):
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
 def load_done_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `load_done`, or None."""
     if not 0 <= l < s.consts.B:
@@ -4133,6 +5368,30 @@ def load_done(s: State, l: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_load_done(s: State, *, l: int | None = None) -> bool:
+    """Whether `load_done`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(load_done_guard(s, l) is None for l in _l_all)
+
+
+def ready_load_done(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `load_done` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("load_done", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # load_in_flight
+        if not s.copying[l]:
+            return False
+        if not s.copy_host[l]:
+            return False
+    return True
 
 
 def load_fail_guard(s: State, l: int) -> str | None:
@@ -4246,6 +5505,30 @@ def load_fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     if not s.copy_host[l]:
         return "load_in_flight"
     return (Recompute(l),)
+
+
+def enabled_load_fail(s: State, *, l: int | None = None) -> bool:
+    """Whether `load_fail`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(load_fail_guard(s, l) is None for l in _l_all)
+
+
+def ready_load_fail(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `load_fail` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("load_fail", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # load_in_flight
+        if not s.copying[l]:
+            return False
+        if not s.copy_host[l]:
+            return False
+    return True
 
 
 def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
@@ -4456,6 +5739,55 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
     return (Inbound(l, r, dst),)
 
 
+def enabled_admit_import(
+    s: State, *, l: int | None = None, r: int | None = None, dst: int | None = None,
+) -> bool:
+    """Whether `admit_import`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    if r is None:
+        raise TypeError("enabled_admit_import: r (Req) cannot be enumerated; bind it")
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    return any(admit_import_guard(s, l, r, dst) is None for l in _l_all for dst in _dst_all)
+
+
+def ready_admit_import(
+    s: State, *, l: int | None = None, r: int | None = None, dst: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `admit_import` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_idle
+        if s.busy[l]:
+            return False
+    if r is not None:
+        # request_waiting
+        if s.phase.get(r) != PHASE_WAITING:
+            return False
+    # no_preemption
+    if s.consts.PREEMPT:
+        return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
 def import_grow_guard(s: State, l: int, dst: int) -> str | None:
     """The first failing guard conjunct of `import_grow`, or None."""
     if not 0 <= l < s.consts.B:
@@ -4641,6 +5973,52 @@ def import_grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
     return (Grow(l, dst, nblocks[l]),)
 
 
+def enabled_import_grow(s: State, *, l: int | None = None, dst: int | None = None) -> bool:
+    """Whether `import_grow`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
+    return any(import_grow_guard(s, l, dst) is None for l in _l_all for dst in _dst_all)
+
+
+def ready_import_grow(s: State, *, l: int | None = None, dst: int | None = None) -> bool:
+    """Whether every guard conjunct of `import_grow` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
+    if dst is not None and not 0 <= dst < s.consts.K:
+        raise _bad_index("import_grow", "dst", dst, "Block", s.consts.K)
+    if l is not None:
+        # lane_importing
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+            return False
+    if l is not None:
+        # table_short_of_prompt
+        if s.start[s.tail[l]] + s.consts.S >= s.lane_plen[l]:
+            return False
+    if l is not None:
+        # table_not_full
+        if s.nblocks[l] >= s.consts.T:
+            return False
+    if dst is not None:
+        owner = s.owner
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # dst_reusable
+        if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
+            return False
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
 def import_done_guard(s: State, r: int, p: TokSeq, tok: int) -> str | None:
     """The first failing guard conjunct of `import_done`, or None."""
     # request_importing
@@ -4810,6 +6188,47 @@ def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] |
     return (Imported(_m2, r, _m1),)
 
 
+def enabled_import_done(
+    s: State, *, r: int | None = None, p: TokSeq | None = None, tok: int | None = None,
+) -> bool:
+    """Whether `import_done`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_import_done: r (Req) cannot be enumerated; bind it")
+    if p is None:
+        raise TypeError("enabled_import_done: p (Seq) cannot be enumerated; bind it")
+    if tok is None:
+        raise TypeError("enabled_import_done: tok (Int) cannot be enumerated; bind it")
+    return import_done_guard(s, r, p, tok) is None
+
+
+def ready_import_done(
+    s: State, *, r: int | None = None, p: TokSeq | None = None, tok: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `import_done` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if r is not None:
+        # request_importing
+        if s.phase.get(r) != PHASE_IMPORTING:
+            return False
+    if r is not None:
+        _m1 = s.req_lane.get(r)
+        _m0 = s.lane_plen[_m1]
+        # table_covers_prompt
+        if _m0 > s.start[s.tail[_m1]] + s.consts.S:
+            return False
+    if r is not None and p is not None and tok is not None:
+        _m1 = s.req_lane.get(r)
+        _m0 = s.lane_plen[_m1]
+        # covers_prompt
+        if p != take(push(s.lane_seq[_m1], tok), _m0):
+            return False
+    return True
+
+
 def export_guard(s: State, l: int) -> str | None:
     """The first failing guard conjunct of `export`, or None."""
     if not 0 <= l < s.consts.B:
@@ -4942,6 +6361,32 @@ def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Outbound(l, lane_req[l], s.tail[l], length[l]),)
 
 
+def enabled_export(s: State, *, l: int | None = None) -> bool:
+    """Whether `export`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    _l_all = range(s.consts.B) if l is None else (l,)
+    return any(export_guard(s, l) is None for l in _l_all)
+
+
+def ready_export(s: State, *, l: int | None = None) -> bool:
+    """Whether every guard conjunct of `export` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("export", "l", l, "Lane", s.consts.B)
+    if l is not None:
+        # lane_prefilled
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+            return False
+        if s.length[l] != s.lane_plen[l]:
+            return False
+    return True
+
+
 def export_done_guard(s: State, r: int, keep: bool) -> str | None:
     """The first failing guard conjunct of `export_done`, or None."""
     # request_exporting
@@ -5071,6 +6516,32 @@ def export_done_plan(s: State, r: int, keep: bool) -> tuple[Any, ...] | str:
     return (Release(_m0, s.tail[_m0]),)
 
 
+def enabled_export_done(s: State, *, r: int | None = None, keep: bool | None = None) -> bool:
+    """Whether `export_done`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_export_done: r (Req) cannot be enumerated; bind it")
+    _keep_all = (False, True) if keep is None else (keep,)
+    return any(export_done_guard(s, r, keep) is None for keep in _keep_all)
+
+
+def ready_export_done(s: State, *, r: int | None = None, keep: bool | None = None) -> bool:
+    """Whether every guard conjunct of `export_done` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if r is not None:
+        # request_exporting
+        if s.phase.get(r) != PHASE_EXPORTING:
+            return False
+    if keep is not None:
+        # keep_needs_prefix_cache
+        if keep and not s.consts.PREFIX:
+            return False
+    return True
+
+
 def forget_guard(s: State, r: int) -> str | None:
     """The first failing guard conjunct of `forget`, or None."""
     _m0 = s.phase.get(r)
@@ -5154,6 +6625,35 @@ def forget(s: State, r: int) -> Step:
         new_prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_forget(s: State, *, r: int | None = None) -> bool:
+    """Whether `forget`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_forget: r (Req) cannot be enumerated; bind it")
+    return forget_guard(s, r) is None
+
+
+def ready_forget(s: State, *, r: int | None = None) -> bool:
+    """Whether every guard conjunct of `forget` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if r is not None:
+        _m0 = s.phase.get(r)
+        # request_ended
+        if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
+            return False
+    if r is not None:
+        transfer_req = s.transfer_req
+        owner = s.owner
+        # no_transfer_of_request
+        for b in range(s.consts.K):
+            if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
+                return False
+    return True
 
 
 def transfer_fail_guard(s: State, r: int) -> str | None:
@@ -5265,6 +6765,28 @@ def transfer_fail_plan(s: State, r: int) -> tuple[Any, ...] | str:
     return (Release(_m1, s.tail[_m1]),)
 
 
+def enabled_transfer_fail(s: State, *, r: int | None = None) -> bool:
+    """Whether `transfer_fail`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_transfer_fail: r (Req) cannot be enumerated; bind it")
+    return transfer_fail_guard(s, r) is None
+
+
+def ready_transfer_fail(s: State, *, r: int | None = None) -> bool:
+    """Whether every guard conjunct of `transfer_fail` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if r is not None:
+        _m0 = s.phase.get(r)
+        # request_transferring
+        if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
+            return False
+    return True
+
+
 def transfer_end_guard(s: State, r: int, b: int) -> str | None:
     """The first failing guard conjunct of `transfer_end`, or None."""
     if not 0 <= b < s.consts.K:
@@ -5372,6 +6894,34 @@ def transfer_end(s: State, r: int, b: int) -> Step:
         s.prompt,
     )
     return Step(new, (), None)
+
+
+def enabled_transfer_end(s: State, *, r: int | None = None, b: int | None = None) -> bool:
+    """Whether `transfer_end`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_transfer_end: r (Req) cannot be enumerated; bind it")
+    _b_all = range(s.consts.K) if b is None else (b,)
+    return any(transfer_end_guard(s, r, b) is None for b in _b_all)
+
+
+def ready_transfer_end(s: State, *, r: int | None = None, b: int | None = None) -> bool:
+    """Whether every guard conjunct of `transfer_end` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if b is not None and not 0 <= b < s.consts.K:
+        raise _bad_index("transfer_end", "b", b, "Block", s.consts.K)
+    if b is not None:
+        # block_draining
+        if s.owner[b] != OWNER_DRAINING:
+            return False
+    if r is not None and b is not None:
+        # transfer_of_request
+        if s.transfer_req[b] != r:
+            return False
+    return True
 
 
 # name -> (action, guard, parameter names, parameter sorts)
