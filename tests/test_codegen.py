@@ -12,6 +12,7 @@ import attrs
 import pytest
 
 from atom_core._generated import core
+from atom_core.policy import Policy
 from atom_core.seq import seq
 from atom_core.spec import codegen, lang
 from atom_core.spec.codegen import GenerationError
@@ -453,6 +454,14 @@ def test_eager_definitions_agree_with_the_spec_on_random_walks() -> None:
                     want = all(dict(outs[0].verdicts)[g] for g in reads_only_first)
                     assert getattr(core, f"ready_{act}")(d.cs, **{first.name: v}) == want, \
                         (name, act, v, d.history)
+            # the policy's one-pass versions are the definitions
+            pol = Policy()
+            k = d.cs.consts.K
+            assert pol.pinned(d.cs) == {b for b in range(k) if core.pinned(d.cs, b)}, name
+            assert pol._room(d.cs) == sum(core.reusable(d.cs, b) for b in range(k)), name
+            pick = pol.reusable(d.cs)
+            assert (pick is None) == (pol._room(d.cs) == 0), name
+            assert pick is None or core.reusable(d.cs, pick), name
             before = len(d.history)
             walk(d, choose, 1, pd)
             if len(d.history) == before:
