@@ -464,7 +464,7 @@ def test_cli_failing_run_exits_1_and_prints_the_prefix(capsys: Any, monkeypatch:
     ["--sliding-window", "0"],  # Config refuses it
     ["--sliding-window", "wide"],
     ["--mode", "colocated", "--set", "prefetch=2"],  # a PD-only dimension
-    ["--set", "max_seq_len=100"],  # not a multiple of the chunk: Config refuses it
+    ["--set", "max_seq_len=32"],  # shorter than the chunk: Config refuses it
     ["--set", "host_cache_blocks=2", "--no-prefix-cache"],  # the host tier needs it
     ["--set", "host_cache_blocks=2", "--sliding-window", "16"],  # refused for hybrid models
     ["--mode", "colocated", "--set", "prefill_host_cache_blocks=1"],  # a PD-only dimension
