@@ -64,6 +64,7 @@ bench: install
 	$(PY) -m bench.serve
 	$(PY) -m bench.hf
 	$(PY) -m bench.hf --mixed
+	$(PY) -m bench.hf --mixed --model small-llama
 
 demo: install
 	.venv/bin/atom-core demo

@@ -20,7 +20,8 @@ Tokens/s = generated tokens / wall seconds of the whole workload; each method's 
 `--rounds` rounds (one untimed warm-up call first), and the ratios hf_runtime / generate_* from
 the same run. All four at two torch thread counts: 1 and torch's default (HFRuntime through its
 `num_threads`, generate through `torch.set_num_threads`), which is how HFRuntime's default of
-one thread (`atom_core.runtime.hf.DEFAULT_THREADS`) was chosen. Also reported: how many
+the "auto" default (`atom_core.runtime.hf.DEFAULT_THREADS`: one thread for the tiny models,
+torch's setting for `--model small-llama` and larger) was chosen. Also reported: how many
 requests' tokens equal `generate_serial`'s (float32: the paged attention rounds differently,
 so a near-tie may flip; the float64 token-exact checks are the tests' and the demo's).
 """
@@ -54,9 +55,27 @@ QUICK_REQUESTS, QUICK_TOKENS, QUICK_ROUNDS = 4, 4, 1
 METHODS = ("hf_runtime", "hf_runtime_no_prefix", "generate_serial", "generate_batched")
 
 
+# `--model small-llama`: an 18M-parameter Llama (seeded weights), where a call's compute, not its
+# fixed cost, dominates; the tiny models show the opposite end
+SMALL_LLAMA = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+
+
 def load(name: str, lanes: int) -> tuple[Any, Any]:
     """(the model with the paged attention, the Config of the demo for it)."""
     cfg = with_model_window(demo_config(lanes), name)
+    if name == "small-llama":
+        import tempfile
+
+        from transformers import AutoModelForCausalLM
+
+        from atom_core.runtime.hf import ATTENTION
+        m = HFRuntime.tiny_llama_model(MODEL_SEED, max_position=cfg.max_seq_len, **SMALL_LLAMA)
+        with tempfile.TemporaryDirectory(prefix="atom-small-llama-") as tmp:
+            m.save_pretrained(tmp)
+            model = AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True,
+                                                         attn_implementation=ATTENTION)
+        return model, cfg
     if name in TINY_MODELS:
         model = tiny_model(name, cfg.max_seq_len, window=cfg.sliding_window, seed=MODEL_SEED)
     else:
@@ -218,7 +237,8 @@ def print_report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.hf", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-llama", metavar="DIR|tiny-llama|tiny-gemma3")
+    ap.add_argument("--model", default="tiny-llama",
+                    metavar="DIR|tiny-llama|tiny-gemma3|small-llama")
     ap.add_argument("--lanes", type=int, default=LANES)
     ap.add_argument("--requests", type=int, default=None, help=f"default {REQUESTS}")
     ap.add_argument("--max-new-tokens", type=int, default=None, help=f"default {NEW_TOKENS}")

@@ -332,3 +332,20 @@ def test_serve_builds_hf_from_a_checkpoint_directory(tmp_path: Path) -> None:
                                       "--api-key", "k" * 32, "--lanes", "2"])
     _app, engine, _settings = build(args)
     assert engine.batcher.runtime.vocab_size == 257  # the byte tokenizer's
+
+
+def test_threads_auto_is_one_for_a_tiny_model_and_torchs_above() -> None:
+    """The "auto" default (measured by bench.hf): one thread below a million parameters, torch's
+    setting above; an explicit count or None is kept, anything else refused."""
+    from atom_core.runtime.hf import SMALL_MODEL_PARAMETERS, threads_for
+    tiny = HFRuntime.tiny_llama_model(0)
+    big = HFRuntime.tiny_llama_model(0, hidden_size=512, intermediate_size=1408,
+                                     num_hidden_layers=2, num_attention_heads=8,
+                                     num_key_value_heads=4, head_dim=64, vocab_size=1024)
+    assert sum(p.numel() for p in tiny.parameters()) < SMALL_MODEL_PARAMETERS
+    assert sum(p.numel() for p in big.parameters()) >= SMALL_MODEL_PARAMETERS
+    assert (threads_for(tiny, "auto"), threads_for(big, "auto")) == (1, None)
+    assert (threads_for(big, 2), threads_for(tiny, None)) == (2, None)
+    for bad in (0, True, "many", 1.5):
+        with pytest.raises(ValueError, match="num_threads"):
+            threads_for(tiny, bad)

@@ -96,9 +96,9 @@ if TYPE_CHECKING:
     from atom_core.config import Config
     from atom_core.serve.runtimes import ServeOptions
 
-__all__ = ["ATTENTION", "DEFAULT_THREADS", "SUPPORTED_MODEL_TYPES", "TINY_MODELS",
-           "GenerateOracle", "HFRuntime", "UnsupportedModelError", "seed_weights",
-           "serve_factory", "tiny_model", "tiny_runtime", "with_model_window"]
+__all__ = ["ATTENTION", "DEFAULT_THREADS", "SMALL_MODEL_PARAMETERS", "SUPPORTED_MODEL_TYPES",
+           "TINY_MODELS", "GenerateOracle", "HFRuntime", "UnsupportedModelError", "seed_weights",
+           "serve_factory", "threads_for", "tiny_model", "tiny_runtime", "with_model_window"]
 
 ATTENTION = "atom_paged"
 # model_type -> what it is; each uses the standard attention interface like Llama
@@ -108,12 +108,26 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCaus
 HYBRID_MODEL_TYPES = frozenset({"gemma3_text"})
 SLIDING, FULL = "sliding_attention", "full_attention"
 DTYPES = (torch.float32, torch.float64)
-# torch intra-op threads during a prefill/decode call (None: torch's own setting). One, from
-# `python -m bench.hf` (README "Benchmarks"): on the 2-core CI machine the tiny models' calls
-# were several to 60 times slower with torch's default of 2 threads (hand-offs cost more than a
-# [B, 64]-wide matmul saves, and a busy core makes each hand-off wait). A real checkpoint on
-# free cores may want more: pass num_threads=None (torch's) or a count.
-DEFAULT_THREADS = 1
+# torch intra-op threads during a prefill/decode call (None: torch's own setting). "auto": one
+# for a model below SMALL_MODEL_PARAMETERS, torch's setting above. Measured with `python -m
+# bench.hf` on a shared 2-core machine (README): the tiny test models (~0.1M parameters) ran 7
+# to 20 times slower with torch's default of 2 threads (a hand-off costs more than a [B, 64]
+# matmul saves), an 18M-parameter Llama (`--model small-llama`) 1.2-1.4 times faster.
+DEFAULT_THREADS = "auto"
+SMALL_MODEL_PARAMETERS = 1_000_000
+
+
+def threads_for(model: Any, num_threads: int | str | None) -> int | None:
+    """The thread count a runtime of `model` uses for `num_threads` ("auto", a count, None)."""
+    if num_threads != "auto":
+        if num_threads is not None and (isinstance(num_threads, bool)
+                                        or not isinstance(num_threads, int)
+                                        or num_threads < 1):
+            raise ValueError(f"num_threads must be 'auto', a positive count or None, got "
+                             f"{num_threads!r}")
+        return num_threads  # type: ignore[return-value]
+    size = sum(p.numel() for p in model.parameters())
+    return 1 if size < SMALL_MODEL_PARAMETERS else None
 
 
 class UnsupportedModelError(ValueError):
@@ -361,7 +375,8 @@ class HFRuntime:
     (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`, `read_local`) work.
 
     `num_threads`: torch's intra-op threads during each call (restored after it); default
-    `DEFAULT_THREADS` (1, measured by `bench.hf`), None leaves torch's setting.
+    `DEFAULT_THREADS` ("auto": one for a model under a million parameters, torch's setting
+    above, measured by `bench.hf`), None leaves torch's setting.
     """
 
     uses_local_block_tables = False
@@ -370,7 +385,7 @@ class HFRuntime:
     def __init__(self, model: Any, *, num_blocks: int, block_size: int, max_seq_len: int,
                  prefill_chunk: int, batch_size: int,
                  decoder_batch_sizes: Iterable[int] | None = None,
-                 num_threads: int | None = DEFAULT_THREADS) -> None:
+                 num_threads: int | str | None = DEFAULT_THREADS) -> None:
         cfg = model.config
         check_model_config(cfg, max_seq_len)
         dtype = next(model.parameters()).dtype
@@ -385,7 +400,7 @@ class HFRuntime:
                              f"{prefill_chunk}")
         self.model = model.eval()
         self.dtype = dtype
-        self.num_threads = num_threads
+        self.num_threads = threads_for(model, num_threads)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_seq_len, self.prefill_chunk = max_seq_len, prefill_chunk
         self.batch_size = batch_size
