@@ -303,7 +303,7 @@ class Universe:
                 b[p] = self.tr(e.bindings[p.name], env, bound)
             else:
                 free.append(p)
-        used = _vars_in([g for _, g in action.guards])
+        used = vars_in([g for _, g in action.guards])
         free_used = [p for p in free if p in used]
         for p in free:
             if p not in used:  # any value will do; a fresh symbol keeps it unconstrained
@@ -316,7 +316,7 @@ class Universe:
             raise ValueError(f"enabled({action.name}): bind {[p.name for p in sym]}")
         zs = {p: z3.Const(f"{action.name}.{p.name}.e{self.tag}", self.zsort(p.sort)) for p in sym}
         # Each conjunct is translated once per value of the free parameters it reads.
-        uses = [[i for i, p in enumerate(fin) if p in _vars_in([g])] for _, g in action.guards]
+        uses = [[i for i, p in enumerate(fin) if p in vars_in([g])] for _, g in action.guards]
         memo: dict[tuple[int, tuple[int, ...]], Any] = {}
         alts = []
         for combo in itertools.product(*[self.domain[p.sort.name] for p in fin]):
@@ -373,7 +373,9 @@ class Universe:
         return out
 
 
-def _vars_in(exprs: list[L.Expr]) -> set[L.Var]:
+def vars_in(exprs: list[L.Expr]) -> set[L.Var]:
+    """The variables the expressions read (free or bound: callers intersect with parameters),
+    a state function applied through a variable included."""
     out: set[L.Var] = set()
     stack: list[Any] = list(exprs)
     while stack:
@@ -400,6 +402,8 @@ def _vars_in(exprs: list[L.Expr]) -> set[L.Var]:
             stack.append(e.cond)
         elif isinstance(e, L.Enabled):
             stack.extend(e.bindings.values())
+        elif isinstance(e, L.Vector):
+            stack.append(e.body)
     return out
 
 

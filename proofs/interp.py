@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 
+from atom_core.proofs.encode import vars_in
 from atom_core.spec import lang as L
 
 __all__ = ["UNSET", "Interp", "Outcome", "Spec", "Table", "Unspecified", "encoded_outcome"]
@@ -141,35 +142,6 @@ def _mod(a: int, b: int) -> int:
     if b == 0:  # uninterpreted in z3: any value
         raise Unspecified("x % 0")
     return a % b if b > 0 else a - b * -((-a) // b)  # z3: 0 <= a % b < |b|
-
-
-def _reads(e: L.Expr) -> set[L.Var]:
-    """The variables an expression reads (free or bound: callers intersect with parameters)."""
-    out: set[L.Var] = set()
-    stack: list[Any] = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, L.Var):
-            out.add(x)
-        elif isinstance(x, L.App):
-            if isinstance(x.fn, L.Var):
-                out.add(x.fn)
-            stack.extend(x.args)
-        elif isinstance(x, L.Ite):
-            stack += [x.cond, x.then, x.other]
-        elif isinstance(x, L.Not):
-            stack.append(x.arg)
-        elif isinstance(x, (L.And, L.Or)):
-            stack.extend(x.args)
-        elif isinstance(x, L.Implies):
-            stack += [x.hyp, x.concl]
-        elif isinstance(x, (L.Eq, L.Arith, L.Cmp)):
-            stack += [x.lhs, x.rhs]
-        elif isinstance(x, (L.Quant, L.Count)):
-            stack.append(x.body if isinstance(x, L.Quant) else x.cond)
-        elif isinstance(x, L.Vector):
-            stack.append(x.body)
-    return out
 
 
 class Interp:
@@ -441,7 +413,7 @@ class Interp:
         if act.name not in self._level_cache:
             levels: list[list[tuple[str, L.Expr]]] = [[] for _ in range(len(act.params) + 1)]
             for name, g in act.guards:
-                reads = _reads(g)
+                reads = vars_in([g])
                 lvl = max((i + 1 for i, p in enumerate(act.params) if p in reads), default=0)
                 levels[lvl].append((name, g))
             self._level_cache[act.name] = levels
