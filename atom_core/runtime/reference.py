@@ -485,7 +485,7 @@ class TorchReferenceRuntime:
         b = ids.shape[0]
         p = pos[:, 0].long()
         tab = bt.long()
-        blk, off = tab[torch.arange(b), p // self.block_size], p % self.block_size
+        blk, off = block_coords(tab, p, self.block_size)
         length = int(p.max()) + 1
         index = gather_index(tab, length, self.block_size, self.num_blocks)
         causal = _visible(p, torch.arange(length), None)
