@@ -74,6 +74,7 @@ from atom_core.runtime.protocol import (
     check_decode_inputs,
     check_prefill_inputs,
     check_slot,
+    sizes_error,
     smallest_decode_batch,
 )
 from atom_core.runtime.reference import _threads
@@ -394,10 +395,9 @@ class HFRuntime:
             raise UnsupportedModelError(
                 f"the model uses attn_implementation={cfg._attn_implementation!r}: load it with "
                 f"attn_implementation='{ATTENTION}' (HFRuntime.from_pretrained does)")
-        if max_seq_len % block_size or (block_size < max_seq_len and block_size % prefill_chunk):
-            raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of block_size="
-                             f"{block_size}, and a paged table's block_size of prefill_chunk="
-                             f"{prefill_chunk}")
+        bad = sizes_error(max_seq_len, block_size, prefill_chunk)
+        if bad:
+            raise ValueError(bad)
         self.model = model.eval()
         self.dtype = dtype
         self.num_threads = threads_for(model, num_threads)

@@ -43,6 +43,7 @@ __all__ = [
     "as_int_tensor",
     "check_decode_inputs",
     "check_prefill_inputs",
+    "sizes_error",
     "smallest_decode_batch",
 ]
 
@@ -189,6 +190,21 @@ def _check_table(name: str, entries: torch.Tensor, num_blocks: int) -> None:
             f"{name} {entries.tolist()} has a block id outside 0..{num_blocks - 1}: every entry "
             "of a block table row must be a valid block id (past a sequence's end, repeat one "
             "of its blocks)")
+
+
+def sizes_error(max_seq_len: int, block_size: int, prefill_chunk: int) -> str | None:
+    """Why a runtime with these sizes cannot serve atom-core's tables, or None. A table holds
+    max_seq_len / block_size whole blocks, and a chunk never straddles two blocks of a paged
+    table (the spec's `chunk_divides_block`); an eager table (block_size == max_seq_len) may have
+    any max_seq_len, its last chunk padded."""
+    if max_seq_len % block_size:
+        return (f"max_seq_len={max_seq_len} is not a multiple of block_size={block_size}: a "
+                "table holds whole blocks")
+    if block_size < max_seq_len and block_size % prefill_chunk:
+        return (f"block_size={block_size} of a paged table is not a multiple of prefill_chunk="
+                f"{prefill_chunk} (the spec's rule chunk_divides_block: a chunk never straddles "
+                "two blocks)")
+    return None
 
 
 def check_prefill_inputs(

@@ -55,6 +55,7 @@ from atom_core.runtime.protocol import (
     check_copy,
     check_decode_inputs,
     check_prefill_inputs,
+    sizes_error,
     smallest_decode_batch,
 )
 
@@ -428,15 +429,9 @@ class RblnRuntime:
                         ("vocab_size", vocab_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if max_seq_len % block_size or (block_size < max_seq_len
-                                        and block_size % prefill_chunk):
-            # atom-core's rule, not optimum-rbln's: the spec's chunk_divides_block (a chunk never
-            # straddles two blocks of a paged table) and whole blocks per table
-            # (atom_core/config.py). An eager artifact may have any max_seq_len.
-            raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of block_size="
-                             f"{block_size}, and with paged tables block_size of prefill_chunk="
-                             f"{prefill_chunk} (the spec's rule chunk_divides_block); recompile "
-                             "with such sizes")
+        bad = sizes_error(max_seq_len, block_size, prefill_chunk)
+        if bad:  # atom-core's rule, not optimum-rbln's
+            raise ValueError(f"{bad}; recompile with such sizes")
         if not decoders or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0
                                for b in decoders):
             raise ValueError(f"decoders must map positive batch sizes to runtimes, got "

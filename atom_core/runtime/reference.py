@@ -67,6 +67,7 @@ from atom_core.runtime.protocol import (
     check_decode_inputs,
     check_prefill_inputs,
     check_slot,
+    sizes_error,
     smallest_decode_batch,
 )
 
@@ -120,12 +121,9 @@ class RuntimeSpec:
     global_every: int = attrs.field(default=6, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.max_seq_len % self.block_size:
-            raise ValueError(f"max_seq_len={self.max_seq_len} is not a multiple of "
-                             f"block_size={self.block_size}")
-        if self.block_size < self.max_seq_len and self.block_size % self.prefill_chunk:
-            raise ValueError(f"block_size={self.block_size} of a paged table is not a multiple "
-                             f"of prefill_chunk={self.prefill_chunk}")
+        bad = sizes_error(self.max_seq_len, self.block_size, self.prefill_chunk)
+        if bad:
+            raise ValueError(bad)
         if self.num_blocks > 2**15 - 1:
             raise ValueError(f"num_blocks={self.num_blocks} does not fit int16 block tables")
         if self.heads % self.kv_heads:
