@@ -11,7 +11,7 @@ TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
-.PHONY: install generate generate-core check-generated verify test lint bench demo pd-demo simulate simulate-deep mutants mutants-source
+.PHONY: install generate generate-core check-generated verify test lint bench bench-peer demo pd-demo simulate simulate-deep mutants mutants-source
 
 install: $(STAMP)
 
@@ -65,6 +65,23 @@ bench: install
 	$(PY) -m bench.hf
 	$(PY) -m bench.hf --mixed
 	$(PY) -m bench.hf --mixed --model small-llama
+
+# atom-core's core against vLLM's KV cache manager, side by side (never in CI: it builds a
+# second venv with vLLM, about 3 minutes, once). PEERS: the folder of the shared harness.
+PEERS := ../shared/peers
+PEER_VENV := .peer-venv
+PEER_ROUNDS := 2
+
+$(PEER_VENV)/.installed: $(PEERS)/requirements-vllm-peer.txt
+	test -x $(PEER_VENV)/bin/python || python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --no-input torch==2.13.0
+	$(PEER_VENV)/bin/pip install --no-input --no-deps -r $(PEERS)/requirements-vllm-peer.txt
+	touch $@
+
+bench-peer: install $(PEER_VENV)/.installed
+	mkdir -p .peer-out && cp $(PEERS)/side_by_side.py $(PEERS)/vllm_kv_bench.py .peer-out/
+	ATOM_PY=$(PY) PEER_PY=$(PEER_VENV)/bin/python ROUNDS=$(PEER_ROUNDS) \
+		python3 .peer-out/side_by_side.py
 
 demo: install
 	.venv/bin/atom-core demo

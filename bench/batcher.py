@@ -17,7 +17,9 @@ single-threaded (`torch.set_num_threads(1)`): on a shared machine torch's intra-
 the host-side argmax over [B, 32000] logits some 30x slower (threads wait for each other), so
 the report also times that argmax alone at the default thread count and at one thread.
 
-Also: tokens/s of the demo workload (`atom-core demo`, without its oracle check) on the torch
+Also: the scheduler's share of a decode step at B = 32 on the torch reference runtime (the tiny
+model): the step's wall time less the runtime's decode call, over the step's wall time. And
+tokens/s of the demo workload (`atom-core demo`, without its oracle check) on the torch
 reference runtime, model time included.
 """
 
@@ -151,6 +153,56 @@ def demo_throughput(requests: int, max_new_tokens: int) -> dict[str, Any]:
             "tokens_per_s": round(st.generated_tokens / wall, 1)}
 
 
+def scheduler_share(lanes: int, steps: int, rounds: int) -> dict[str, Any]:
+    """The batcher's share of a decode step on the torch reference runtime (the tiny model, one
+    torch thread): each step's wall time, and the time inside the runtime's decode call; the
+    rest is the scheduler's (core, policy, adapter, argmax, bookkeeping). Median over rounds."""
+    from atom_core.runtime.reference import TorchReferenceRuntime
+
+    cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, True, "dynamic"),
+                 max_seq_len=MAX_SEQ, block_size=MAX_SEQ, prefill_chunk=CHUNK,
+                 prefix_cache=True, scratch="dynamic")
+    rt = TorchReferenceRuntime.tiny(cfg)
+    b = AtomBatcher(cfg, rt)
+    for i in range(lanes):
+        b.submit([(i * 7 + j) % rt.vocab_size for j in range(PROMPT)], MAX_SEQ)
+    while b.stats.decode_steps == 0 or any(len(r.tokens) < 1 for r in b.requests.values()):
+        b.step()
+    inner = rt.decode
+    spent = [0]
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t = perf_counter_ns()
+        try:
+            return inner(*args, **kw)
+        finally:
+            spent[0] += perf_counter_ns() - t
+    rt.decode = timed  # type: ignore[method-assign]
+    for _ in range(10):  # warm-up
+        b.step()
+    step_us, model_us = [], []
+    for _ in range(rounds):
+        d0, spent[0] = b.stats.decode_steps, 0
+        gc.collect()
+        gc.disable()
+        try:
+            t = perf_counter_ns()
+            for _ in range(steps):
+                b.step()
+            total = perf_counter_ns() - t
+        finally:
+            gc.enable()
+        assert b.stats.decode_steps - d0 == steps
+        step_us.append(total / steps / 1000)
+        model_us.append(spent[0] / steps / 1000)
+    shares = [(s - m) / s for s, m in zip(step_us, model_us, strict=True)]
+    return {"lanes": lanes, "step_us": round(statistics.median(step_us), 1),
+            "runtime_decode_us": round(statistics.median(model_us), 1),
+            "scheduler_us": round(statistics.median(
+                [s - m for s, m in zip(step_us, model_us, strict=True)]), 1),
+            "scheduler_share": round(statistics.median(shares), 3)}
+
+
 def argmax_us(lanes: int, vocab: int, threads: int, calls: int) -> float:
     """Median microseconds of the batcher's host-side argmax over [lanes, 1, vocab] logits."""
     x = torch.randn((lanes, 1, vocab))
@@ -188,6 +240,7 @@ def run(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
                 f"threads_{default_threads}": argmax_us(lanes, VOCABS[-1], default_threads,
                                                         calls),
                 "threads_1": argmax_us(lanes, VOCABS[-1], 1, calls)}
+        share = scheduler_share(32, steps, rounds)
     finally:
         torch.set_num_threads(default_threads)
     demo = demo_throughput(8, 4) if quick else demo_throughput(24, 16)
@@ -201,6 +254,7 @@ def run(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
                     "torch_threads_default": default_threads, "torch_threads_timed": 1},
         "decode_overhead": rows,
         "argmax_alone_us": argmax,
+        "scheduler_share": share,
         "demo": demo,
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -223,7 +277,12 @@ def print_table(report: dict[str, Any]) -> None:
             f"lanes in {d['wall_s']:.2f} s = {d['tokens_per_s']:.0f} tokens/s")
     am = "; ".join(f"{k}: " + ", ".join(f"{t.replace('_', ' ')} {v} us" for t, v in x.items())
                    for k, x in report["argmax_alone_us"].items())
-    note = f"host argmax alone (median): {am}\n{note}"
+    sh = report["scheduler_share"]
+    note = (f"host argmax alone (median): {am}\n{note}\n"
+            f"scheduler's share of a decode step on the reference runtime (tiny model, B = "
+            f"{sh['lanes']}, one thread): {sh['scheduler_us']:.0f} us of {sh['step_us']:.0f} us "
+            f"per step = {sh['scheduler_share']:.1%} (runtime decode {sh['runtime_decode_us']:.0f} "
+            f"us)")
     title = "AtomBatcher overhead per decode step, runtime call excluded"
     try:
         from rich.console import Console

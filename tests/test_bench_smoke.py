@@ -51,6 +51,9 @@ def test_batcher_bench_quick_json(capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     rows = report["decode_overhead"]
     assert rows and all(_positive(r["ghost_off"]["median_us_per_step"]) for r in rows.values())
+    share = report["scheduler_share"]
+    assert 0 < share["runtime_decode_us"] < share["step_us"]
+    assert 0 < share["scheduler_share"] < 1
 
 
 def test_prefix_bench_reports_tokens_saved(capsys) -> None:
