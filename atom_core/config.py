@@ -108,7 +108,7 @@ class Config:
         failed = g.check_axioms(self.consts())
         if failed:
             raise ConfigError(f"configuration violates the spec's axioms {failed}: "
-                              + "; ".join(AXIOM_HELP.get(a, a) for a in failed))
+                              + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed))
         if self.kv_blocks == 1 and (self.lanes > 1 or self.prefix_cache
                                     or self.scratch == "reserved"):
             raise ConfigError(single_block_message(self))
@@ -143,25 +143,6 @@ class Config:
     @property
     def rule(self) -> str:
         return rule_for(self.prefix_cache, self.scratch, self.blocks_per_table, self.preemption)
-
-
-AXIOM_HELP = {
-    "preemption_with_tables": (
-        "preemption=True needs paged tables (block_size below max_seq_len): with one block per "
-        "table no lane ever needs another block, so there is nothing to preempt for"),
-    "chunk_divides_block": (
-        "with paged tables (block_size below max_seq_len) block_size must be a multiple of "
-        "prefill_chunk: a chunk never straddles two blocks (an eager artifact, block_size == "
-        "max_seq_len, may have any max_seq_len: its last chunk is padded)"),
-    "block_holds_a_chunk": "prefill_chunk must not exceed block_size (max_seq_len unless given)",
-    "host_cache_needs_prefix_cache": (
-        "host_cache_blocks > 0 needs prefix_cache=True: the host tier holds prefix-cache entries "
-        "evicted from the device; turn the prefix cache on or set host_cache_blocks=0"),
-    "hybrid_without_host_cache": (
-        "a hybrid model (sliding_window set) cannot use the host cache: a host entry would have "
-        "to carry the sliding-window snapshots its hits restore, which is not built; set "
-        "host_cache_blocks=0 (the device prefix cache works for hybrid models)"),
-}
 
 
 def features(prefix_cache: bool, scratch: str) -> str:

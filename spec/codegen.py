@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import json
 import keyword
 import re
 import sys
@@ -209,6 +210,18 @@ def _genexpr(fn: str, body: Any, clauses: list[str]) -> Group:
 def _tabulate_doc(body: Any, clauses: list[str]) -> Group:
     """tuple([body for ...]): a list comprehension runs faster than a generator."""
     return _bracket("tuple([", [body, *([SPACE, c] for c in clauses)], "])")
+
+
+def _chunks(text: str, width: int = 72) -> list[str]:
+    """`text` cut after spaces into pieces of about `width` characters that concatenate to it."""
+    out = [""]
+    for word in text.split(" "):
+        if out[-1] and len(out[-1]) + len(word) >= width:
+            out[-1] += " "
+            out.append(word)
+        else:
+            out[-1] += (" " if out[-1] else "") + word
+    return out
 
 
 def _tuple(items: list[Any]) -> Any:
@@ -1036,8 +1049,8 @@ class Generator:
         m = self.model
         for imp in ("attrs", "Any", "NamedTuple", "PMap", "TokSeq", "State", "Step", "Consts",
                     "init", "ACTIONS", "GUARD_READS", "EFFECTS", "STATE_FIELDS", "GHOST_FIELDS",
-                    "INDEX_SORTS",
-                    "ENUMS", "INVARIANTS", "TRANSITION_INVARIANTS", "AXIOMS", "PROGRESS",
+                    "INDEX_SORTS", "ENUMS", "INVARIANTS", "TRANSITION_INVARIANTS", "AXIOMS",
+                    "AXIOM_DOCS", "PROGRESS",
                     "check_invariants", "check_transition", "check_axioms",
                     "progress_violations", "describe_state", "_name", "_tokens"):
             self._name(imp, "a generated name")
@@ -1848,6 +1861,12 @@ class Generator:
         ]
         for const, named, fn, sig, doc, states, consts, mode in specs:
             parts.append(render([f"{const} = ", _tuple([f'"{n.name}"' for n in named])]))
+            if const == "AXIOMS":  # what to do about a violated one, for config errors
+                parts.append("\n# What each axiom asks of a configuration, in its words.\n")
+                parts.append(render(["AXIOM_DOCS = ", _dict(
+                    [[json.dumps(n.name), ": ", _bracket("(", _join(
+                        [json.dumps(c) for c in _chunks(n.doc)], [SPACE]), ")")]
+                     for n in named if n.doc])]) + "\n")
             parts.append(f"\n\n\ndef {fn}({sig}) -> list[str]:\n")
             parts.append(self._docstring(doc))
             parts.append(self._two_pass(

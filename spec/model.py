@@ -78,16 +78,28 @@ m.axiom("chunk_positive", C > 0)
 # A chunk never straddles two blocks of a paged table. An eager table (T = 1) is one block of
 # max_seq_len positions, which the RBLN stack does not require to be a multiple of the chunk: a
 # prompt's last chunk is padded, and its valid tokens end within the block.
-m.axiom("chunk_divides_block", implies(T > 1, S % C == 0))
-m.axiom("block_holds_a_chunk", C <= S)
+m.axiom("chunk_divides_block", implies(T > 1, S % C == 0),
+        doc="with paged tables (block_size below max_seq_len) block_size must be a multiple of "
+            "prefill_chunk: a chunk never straddles two blocks (an eager artifact, block_size "
+            "== max_seq_len, may have any max_seq_len: its last chunk is padded)")
+m.axiom("block_holds_a_chunk", C <= S,
+        doc="prefill_chunk must not exceed block_size (max_seq_len unless given)")
 m.axiom("lanes_positive", B > 0)
 m.axiom("blocks_positive", K > 0)
 m.axiom("tables_positive", T > 0)
-m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX))
+m.axiom("host_cache_needs_prefix_cache", implies(HOST, PREFIX),
+        doc="host_cache_blocks > 0 needs prefix_cache=True: the host tier holds prefix-cache "
+            "entries evicted from the device; turn the prefix cache on or set "
+            "host_cache_blocks=0")
 # With one block per table no lane ever grows: preemption would only save a padding block.
-m.axiom("preemption_with_tables", implies(PREEMPT, T > 1))
+m.axiom("preemption_with_tables", implies(PREEMPT, T > 1),
+        doc="preemption=True needs paged tables (block_size below max_seq_len): with one block "
+            "per table no lane ever needs another block, so there is nothing to preempt for")
 # A host entry would have to carry the sliding-state snapshots too; not built.
-m.axiom("hybrid_without_host_cache", ~(HYBRID & HOST))
+m.axiom("hybrid_without_host_cache", ~(HYBRID & HOST),
+        doc="a hybrid model (sliding_window set) cannot use the host cache: a host entry would "
+            "have to carry the sliding-window snapshots its hits restore, which is not built; "
+            "set host_cache_blocks=0 (the device prefix cache works for hybrid models)")
 
 # ---------------------------------------------------------------- token sequences
 empty = m.op("empty", [], Seq, doc="no tokens")

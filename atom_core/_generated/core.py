@@ -7794,6 +7794,32 @@ AXIOMS = (
     "hybrid_without_host_cache",
     "empty_has_no_tokens",
 )
+# What each axiom asks of a configuration, in its words.
+AXIOM_DOCS = {
+    "chunk_divides_block": (
+        "with paged tables (block_size below max_seq_len) block_size must be a "
+        "multiple of prefill_chunk: a chunk never straddles two blocks (an eager "
+        "artifact, block_size == max_seq_len, may have any max_seq_len: its last "
+        "chunk is padded)"
+    ),
+    "block_holds_a_chunk": ("prefill_chunk must not exceed block_size (max_seq_len unless given)"),
+    "host_cache_needs_prefix_cache": (
+        "host_cache_blocks > 0 needs prefix_cache=True: the host tier holds "
+        "prefix-cache entries evicted from the device; turn the prefix cache on "
+        "or set host_cache_blocks=0"
+    ),
+    "preemption_with_tables": (
+        "preemption=True needs paged tables (block_size below max_seq_len): with "
+        "one block per table no lane ever needs another block, so there is "
+        "nothing to preempt for"
+    ),
+    "hybrid_without_host_cache": (
+        "a hybrid model (sliding_window set) cannot use the host cache: a host "
+        "entry would have to carry the sliding-window snapshots its hits restore, "
+        "which is not built; set host_cache_blocks=0 (the device prefix cache "
+        "works for hybrid models)"
+    ),
+}
 
 
 def check_axioms(c: Consts) -> list[str]:
