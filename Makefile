@@ -38,10 +38,10 @@ generate-core: install
 # Only the core is regenerated here: `verify` checks the capacity table and the witnesses
 # itself (capacity-table-matches-proofs, witnesses-current), so CI runs the proofs once.
 check-generated: generate-core
-	git diff --exit-code -- atom_core/_generated
-	@if [ -n "$$(git status --porcelain -- atom_core/_generated)" ]; then \
-		echo "atom_core/_generated has uncommitted or untracked files (run make generate and commit):"; \
-		git status --porcelain -- atom_core/_generated; \
+	git diff --exit-code -- atom_core/_generated docs/ACTIONS.md
+	@if [ -n "$$(git status --porcelain -- atom_core/_generated docs/ACTIONS.md)" ]; then \
+		echo "atom_core/_generated or docs/ACTIONS.md has uncommitted or untracked files (run make generate and commit):"; \
+		git status --porcelain -- atom_core/_generated docs/ACTIONS.md; \
 		exit 1; \
 	fi
 

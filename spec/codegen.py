@@ -212,6 +212,23 @@ def _tabulate_doc(body: Any, clauses: list[str]) -> Group:
     return _bracket("tuple([", [body, *([SPACE, c] for c in clauses)], "])")
 
 
+def modifies(a: Any) -> tuple[list[str], list[str]]:
+    """The state functions action `a` updates, in spec order: (plain, ghost)."""
+    seen: dict[str, bool] = {}
+    for u in a.updates:
+        seen.setdefault(u.fn.name, u.fn.ghost)
+    return [n for n, g in seen.items() if not g], [n for n, g in seen.items() if g]
+
+
+def _modifies_comment(a: Any) -> str:
+    plain, ghost = modifies(a)
+    text = "modifies: " + (", ".join(plain) or "nothing")
+    if ghost:
+        text += "; ghost: " + ", ".join(ghost)
+    return "".join(f"    # {line}\n" for line in textwrap.wrap(
+        text, WIDTH - 6, subsequent_indent="  ", break_on_hyphens=False))
+
+
 def _chunks(text: str, width: int = 72) -> list[str]:
     """`text` cut after spaces into pieces of about `width` characters that concatenate to it."""
     out = [""]
@@ -1734,6 +1751,7 @@ class Generator:
     def _action_fn(self, a: Any) -> str:
         head = (self._def(a.name, a, "Step")
                 + self._docstring(a.doc or f"Action {a.name}.")
+                + _modifies_comment(a)
                 + self._range_checks(a))
         return head + self._two_pass(lambda counts: self._action_body(a, counts))
 
@@ -2017,12 +2035,41 @@ def generate(model: Model | None = None) -> dict[str, str]:
     return {"__init__.py": INIT_SOURCE, "core.py": gen.source()}
 
 
+def action_table(model: Model | None = None) -> str:
+    """docs/ACTIONS.md: each action's parameters, guards, what it modifies and its effects."""
+    m = model if model is not None else _default_model()
+    out = [HEADER.replace("# ", "<!-- ", 1).rstrip("\n") + " -->\n\n# Actions\n\n"
+           "Every transition of the spec (`spec/model.py`), in declaration order: its "
+           "parameters, its guards (conjuncts, in the order the generated `<action>_guard` "
+           "checks them), the state functions it updates (ghost ones apart: proofs and checks "
+           "only, never read by a guard) and the runtime effects the adapter performs.\n"]
+    for a in m.actions:
+        params = ", ".join(f"{p.name}: {p.sort.name}" for p in a.params)
+        plain, ghost = modifies(a)
+        out.append(f"\n## `{a.name}({params})`\n\n{' '.join((a.doc or '').split())}\n\n")
+        out.append("- guards: " + (", ".join(f"`{g}`" for g, _ in a.guards) or "none") + "\n")
+        out.append("- modifies: " + (", ".join(f"`{n}`" for n in plain) or "nothing") + "\n")
+        if ghost:
+            out.append("- ghost: " + ", ".join(f"`{n}`" for n in ghost) + "\n")
+        if a.effects:
+            out.append("- effects: " + ", ".join(f"`{e.name}`" for e in a.effects) + "\n")
+    return "".join(out)
+
+
+def docs_path() -> Path | None:
+    """docs/ACTIONS.md of a source checkout (None in an installed package)."""
+    docs = output_dir().parent.parent / "docs"
+    return docs / "ACTIONS.md" if docs.is_dir() else None
+
+
 def check(model: Model | None = None, directory: Path | None = None) -> str:
     """A unified diff between the committed files and a fresh generation ('' when equal)."""
     directory = directory or output_dir()
     diffs: list[str] = []
-    for name, fresh in generate(model).items():
-        path = directory / name
+    files = {directory / name: text for name, text in generate(model).items()}
+    if model is None and directory == output_dir() and docs_path() is not None:
+        files[docs_path()] = action_table()
+    for path, fresh in files.items():
         old = path.read_text() if path.exists() else ""
         if old != fresh:
             diffs.extend(difflib.unified_diff(
@@ -2036,8 +2083,10 @@ def write(model: Model | None = None, directory: Path | None = None) -> list[Pat
     directory = directory or output_dir()
     directory.mkdir(parents=True, exist_ok=True)
     changed = []
-    for name, text in generate(model).items():
-        path = directory / name
+    files = {directory / name: text for name, text in generate(model).items()}
+    if model is None and directory == output_dir() and docs_path() is not None:
+        files[docs_path()] = action_table()
+    for path, text in files.items():
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             changed.append(path)

@@ -690,6 +690,7 @@ def submit_guard(s: State, r: int, p: TokSeq) -> str | None:
 
 def submit(s: State, r: int, p: TokSeq) -> Step:
     """A new request with prompt p enters the waiting queue."""
+    # modifies: phase, prompt
     phase = s.phase
     # request_is_new
     if phase.get(r) != PHASE_NONE:
@@ -832,6 +833,9 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
 
 def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     """Admit r into idle lane l with an empty block (evicting dst if it is a cache entry)."""
+    # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
+    #   owner, owner_lane; ghost: local_holds, local_junk, lane_snap_junk, lane_snap_taken, holds,
+    #   junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("admit_miss", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -1163,6 +1167,9 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
 
 def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     """Admit r into idle lane l by copying n cached tokens from entry src into a fresh dst."""
+    # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
+    #   owner, owner_lane, lane_snap, copying, copy_host, copy_src; ghost: local_holds, local_junk,
+    #   lane_snap_junk, lane_snap_taken, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("admit_hit", "l", l, "Lane", s.consts.B)
     if not 0 <= src < s.consts.K:
@@ -1530,6 +1537,7 @@ def copy_done(s: State, l: int) -> Step:
     """The runtime finished copying lane l's prefix hit (and, for a hybrid model, restoring the
     lane's local slot from its snapshot at the hit's length); the source is unpinned.
     """
+    # modifies: copying; ghost: holds, junk, local_holds, local_junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("copy_done", "l", l, "Lane", s.consts.B)
     copying = s.copying
@@ -1662,6 +1670,7 @@ def snapshot(s: State, l: int) -> Step:
     """Hybrid prefix cache: the host saves lane l's local slot (its sliding state) at the next
     chunk boundary, so that a later hit of that length can restore it.
     """
+    # modifies: lane_snap; ghost: lane_snap_junk, lane_snap_taken
     if not 0 <= l < s.consts.B:
         raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
     # hybrid_prefix_cache
@@ -1841,6 +1850,7 @@ def prefill_guard(s: State, l: int, tok: int) -> str | None:
 
 def prefill(s: State, l: int, tok: int) -> Step:
     """Compute the next chunk of lane l's prompt; the last chunk samples the first token."""
+    # modifies: length, lane_seq, phase; ghost: holds, local_holds
     if not 0 <= l < s.consts.B:
         raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
     lane_req = s.lane_req
@@ -2028,6 +2038,8 @@ def grow_guard(s: State, l: int, dst: int) -> str | None:
 
 def grow(s: State, l: int, dst: int) -> Step:
     """Lane l's tail is full and it has more to compute: dst becomes its next block."""
+    # modifies: key, head, snap_upto, tail, nblocks, start, owner, owner_lane; ghost: snap_junk,
+    #   snap_taken, holds, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("grow", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -2315,6 +2327,8 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     shared: one rule for every runtime, and a block is never in two tables
     (docs/design/paged-tables.md).
     """
+    # modifies: key, head, snap_upto, tail, nblocks, start, owner, owner_lane, length, lane_snap,
+    #   copying, copy_host, copy_src; ghost: snap_junk, snap_taken, lane_snap_taken, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("grow_hit", "l", l, "Lane", s.consts.B)
     if not 0 <= src < s.consts.K:
@@ -2760,6 +2774,7 @@ def preempt(s: State, l: int) -> Step:
     becomes everything it has (prompt and sampled tokens), so the restart's prefill samples its
     next token.
     """
+    # modifies: phase, prompt, busy, owner, lane_snap
     if not 0 <= l < s.consts.B:
         raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
     # preemption_on
@@ -3053,6 +3068,7 @@ def decode(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     that is not decoding prefills, or its transfer ends). B + 1 local slots (a lane left idle)
     are what a hybrid model needs for decode never to wait.
     """
+    # modifies: length, lane_seq, owner; ghost: holds, junk, local_holds, local_junk
     if not 0 <= pad < s.consts.K:
         raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
     if not 0 <= lpad < s.consts.B:
@@ -3333,6 +3349,7 @@ def finish_guard(s: State, l: int, keep: bool) -> str | None:
 
 def finish(s: State, l: int, keep: bool) -> Step:
     """Lane l's request is done; its block becomes a cache entry (keep) or free."""
+    # modifies: phase, key, head, snap_upto, busy, owner, lane_snap; ghost: snap_junk, snap_taken
     if not 0 <= l < s.consts.B:
         raise _bad_index("finish", "l", l, "Lane", s.consts.B)
     busy = s.busy
@@ -3492,6 +3509,7 @@ def abort_waiting_guard(s: State, r: int) -> str | None:
 
 def abort_waiting(s: State, r: int) -> Step:
     """The client gives up on a request that has no lane yet."""
+    # modifies: phase
     phase = s.phase
     # request_waiting
     if phase.get(r) != PHASE_WAITING:
@@ -3581,6 +3599,7 @@ def abort_running_guard(s: State, l: int) -> str | None:
 
 def abort_running(s: State, l: int) -> Step:
     """The client gives up on lane l's request; its partial KV is dropped, never cached."""
+    # modifies: phase, busy, owner, copying, slot_state, lane_snap
     if not 0 <= l < s.consts.B:
         raise _bad_index("abort_running", "l", l, "Lane", s.consts.B)
     busy = s.busy
@@ -3718,6 +3737,7 @@ def fail_guard(s: State, l: int) -> str | None:
 
 def fail(s: State, l: int) -> Step:
     """A runtime error attributed to lane l's request: it ends, its block may be half-written."""
+    # modifies: phase, busy, owner, copying, slot_state, lane_snap; ghost: junk, local_junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("fail", "l", l, "Lane", s.consts.B)
     busy = s.busy
@@ -3875,6 +3895,7 @@ def discard(s: State, b: int) -> Step:
     """A failed runtime call may have written into b, a block no lane owns (the padding target):
     whatever it held is gone, and a cache entry there is dropped.
     """
+    # modifies: owner; ghost: junk
     if not 0 <= b < s.consts.K:
         raise _bad_index("discard", "b", b, "Block", s.consts.K)
     owner = s.owner
@@ -4007,6 +4028,7 @@ def spill_guard(s: State, b: int, h: int) -> str | None:
 
 def spill(s: State, b: int, h: int) -> Step:
     """Evict cache entry b to host slot h: the store (device -> host) pins both until it ends."""
+    # modifies: owner, spill_slot, slot_state, slot_block, slot_key, slot_head, slot_start
     if not 0 <= b < s.consts.K:
         raise _bad_index("spill", "b", b, "Block", s.consts.K)
     if not 0 <= h < s.consts.H:
@@ -4183,6 +4205,7 @@ def store_done_guard(s: State, h: int) -> str | None:
 
 def store_done(s: State, h: int) -> Step:
     """The store into h completed: h is a host entry, and its device block is free."""
+    # modifies: slot_state, owner; ghost: slot_holds, slot_junk
     if not 0 <= h < s.consts.H:
         raise _bad_index("store_done", "h", h, "Slot", s.consts.H)
     slot_state = s.slot_state
@@ -4290,6 +4313,7 @@ def store_fail_guard(s: State, h: int) -> str | None:
 
 def store_fail(s: State, h: int) -> Step:
     """The store into h failed: the entry is dropped (the device block is free, the slot empty)."""
+    # modifies: slot_state, owner
     if not 0 <= h < s.consts.H:
         raise _bad_index("store_fail", "h", h, "Slot", s.consts.H)
     slot_state = s.slot_state
@@ -4387,6 +4411,7 @@ def host_evict_guard(s: State, h: int) -> str | None:
 
 def host_evict(s: State, h: int) -> Step:
     """Drop host entry h (never one a store writes or a load reads)."""
+    # modifies: slot_state
     if not 0 <= h < s.consts.H:
         raise _bad_index("host_evict", "h", h, "Slot", s.consts.H)
     slot_state = s.slot_state
@@ -4524,6 +4549,9 @@ def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> 
 
 def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
     """Admit r into idle lane l by loading n tokens of host entry h into a fresh dst."""
+    # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
+    #   owner, owner_lane, copying, copy_host, copy_slot, slot_state, load_lane; ghost: local_holds,
+    #   local_junk, lane_snap_junk, lane_snap_taken, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("admit_host_hit", "l", l, "Lane", s.consts.B)
     if not 0 <= h < s.consts.H:
@@ -4924,6 +4952,8 @@ def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
     tokens; dst becomes the lane's next block, loaded with those n tokens (`load_done` ends the
     load). The slot is read, not moved: it stays a host entry.
     """
+    # modifies: key, head, snap_upto, tail, nblocks, start, owner, owner_lane, length, copying,
+    #   copy_host, copy_slot, slot_state, load_lane; ghost: snap_junk, snap_taken, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("grow_host_hit", "l", l, "Lane", s.consts.B)
     if not 0 <= h < s.consts.H:
@@ -5292,6 +5322,7 @@ def load_done_guard(s: State, l: int) -> str | None:
 
 def load_done(s: State, l: int) -> Step:
     """The load into lane l's block completed; its slot is a plain host entry again."""
+    # modifies: copying, slot_state; ghost: holds, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("load_done", "l", l, "Lane", s.consts.B)
     copying = s.copying
@@ -5411,6 +5442,7 @@ def load_fail(s: State, l: int) -> Step:
     blocks before it hold theirs; nothing past the block's start is read, so the half-written
     block is an empty one).
     """
+    # modifies: copying, length, slot_state; ghost: holds, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("load_fail", "l", l, "Lane", s.consts.B)
     copying = s.copying
@@ -5564,6 +5596,9 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     first block (`import_grow` adds the others). Never through the cache: the transfer writes
     the whole prompt into fresh blocks.
     """
+    # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
+    #   owner, owner_lane, transfer, transfer_req; ghost: local_holds, local_junk, lane_snap_junk,
+    #   lane_snap_taken, xfer_live, xfer_block, xfer_on, xfer_of, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -5823,6 +5858,8 @@ def import_grow(s: State, l: int, dst: int) -> Step:
     pinned for the same transfer. The transfer writes only once the table covers the prompt
     (the adapter starts it then), so every block is in place before any KV lands.
     """
+    # modifies: tail, nblocks, start, owner, owner_lane, transfer, transfer_req; ghost: xfer_on,
+    #   xfer_of, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -6042,6 +6079,8 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
     `transfer_fail`). Every block of the lane now holds its part; the full ones get their keys
     as `extend` gives them (no snapshots: an imported lane took none).
     """
+    # modifies: transfer, key, head, snap_upto, length, lane_seq, phase; ghost: xfer_live, xfer_on,
+    #   holds, snap_junk, snap_taken, local_holds
     phase = s.phase
     # request_importing
     if phase.get(r) != PHASE_IMPORTING:
@@ -6247,6 +6286,7 @@ def export(s: State, l: int) -> Step:
     """Lane l has prefilled its prompt (and sampled the first token): its KV (every block of its
     table) is sent to a decode worker, pinned until the send ends.
     """
+    # modifies: phase, transfer, transfer_req; ghost: xfer_live, xfer_block, xfer_on, xfer_of
     if not 0 <= l < s.consts.B:
         raise _bad_index("export", "l", l, "Lane", s.consts.B)
     lane_req = s.lane_req
@@ -6400,6 +6440,8 @@ def export_done_guard(s: State, r: int, keep: bool) -> str | None:
 
 def export_done(s: State, r: int, keep: bool) -> Step:
     """r's KV was sent; its blocks are released (to the cache when keep)."""
+    # modifies: phase, transfer, key, head, snap_upto, busy, owner, lane_snap; ghost: xfer_live,
+    #   xfer_on, snap_junk, snap_taken
     phase = s.phase
     # request_exporting
     if phase.get(r) != PHASE_EXPORTING:
@@ -6563,6 +6605,7 @@ def forget(s: State, r: int) -> Step:
     not keep every prompt it has served. Not while a block still drains for r (its transfer's
     end names r).
     """
+    # modifies: phase, prompt
     phase = s.phase
     _m0 = phase.get(r)
     # request_ended
@@ -6669,6 +6712,7 @@ def transfer_fail(s: State, r: int) -> Step:
     """r's transfer ended without a usable result (an error; a partial, mismatched or
     unauthenticated payload): r fails and its blocks are freed, now that nothing uses them.
     """
+    # modifies: phase, transfer, busy, owner, lane_snap; ghost: xfer_live, xfer_on, junk
     phase = s.phase
     _m0 = phase.get(r)
     # request_transferring
@@ -6805,6 +6849,7 @@ def transfer_end(s: State, r: int, b: int) -> Step:
     release of b and of every other block draining for r (one transfer, one end). Whatever it
     wrote is not trusted.
     """
+    # modifies: owner, transfer; ghost: xfer_live, xfer_on, junk
     if not 0 <= b < s.consts.K:
         raise _bad_index("transfer_end", "b", b, "Block", s.consts.K)
     owner = s.owner
