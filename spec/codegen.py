@@ -1067,7 +1067,7 @@ class Generator:
         for imp in ("attrs", "Any", "NamedTuple", "PMap", "TokSeq", "State", "Step", "Consts",
                     "init", "ACTIONS", "GUARD_READS", "EFFECTS", "STATE_FIELDS", "GHOST_FIELDS",
                     "INDEX_SORTS", "ENUMS", "INVARIANTS", "TRANSITION_INVARIANTS", "AXIOMS",
-                    "AXIOM_DOCS", "PROGRESS",
+                    "AXIOM_DOCS", "SAFETY", "PROGRESS",
                     "check_invariants", "check_transition", "check_axioms",
                     "progress_violations", "describe_state", "_name", "_tokens"):
             self._name(imp, "a generated name")
@@ -1879,6 +1879,11 @@ class Generator:
         ]
         for const, named, fn, sig, doc, states, consts, mode in specs:
             parts.append(render([f"{const} = ", _tuple([f'"{n.name}"' for n in named])]))
+            if const == "INVARIANTS":
+                parts.append("\n# The invariants that are the point (`m.safety`); the rest help "
+                             "prove them.\n")
+                parts.append(render(["SAFETY = ", _tuple(
+                    [f'"{n}"' for n in m.safety_properties])]) + "\n")
             if const == "AXIOMS":  # what to do about a violated one, for config errors
                 parts.append("\n# What each axiom asks of a configuration, in its words.\n")
                 parts.append(render(["AXIOM_DOCS = ", _dict(

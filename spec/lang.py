@@ -493,6 +493,7 @@ class Model:
         self.axioms: list[Named] = []
         self.laws: list[Named] = []  # of the value operations (see `law`)
         self.invariants: list[Named] = []  # kind: relational | bounded
+        self.safety_properties: list[str] = []  # the invariants that are the point (`safety`)
         self.transition_invariants: list[Named] = []
         self.progress: list[Named] = []
         self.definitions: list[Definition] = []
@@ -536,6 +537,12 @@ class Model:
         """bounded: proved per size (counting, arithmetic) rather than for all sizes."""
         kind = "bounded" if bounded else "relational"
         self.invariants.append(Named(name, lift(expr, BOOL), kind, doc))
+
+    def safety(self, name: str, expr: Expr, doc: str = "") -> None:
+        """A relational invariant that is the point (no block in two tables, a cache key is its
+        content, ...), as opposed to one that only helps prove the others."""
+        self.invariant(name, expr, doc=doc)
+        self.safety_properties.append(name)
 
     def transition_invariant(self, name: str, expr: Expr, doc: str = "") -> None:
         self.transition_invariants.append(Named(name, lift(expr, BOOL), "transition", doc))
@@ -594,6 +601,7 @@ class Model:
         m.actions = [a.copy() for a in self.actions]
         m.axioms, m.invariants = list(self.axioms), list(self.invariants)
         m.laws = list(self.laws)
+        m.safety_properties = list(self.safety_properties)
         m.definitions = list(self.definitions)
         m.transition_invariants, m.progress = (list(self.transition_invariants),
                                                list(self.progress))

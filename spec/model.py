@@ -988,8 +988,9 @@ inv("lane_blocks_start_in_table", forall(Block, lambda b: implies(
     owner(b) == Owner.LANE, start(b) >= 0)))
 inv("table_within_T", forall(Lane, lambda l: implies(
     busy(l), (nblocks(l) >= 1) & (nblocks(l) <= T))))
-inv("no_block_in_two_tables", forall((Lane, Lane), lambda a, c: implies(
-    busy(a) & busy(c) & (tail(a) == tail(c)), a == c)))
+m.safety("no_block_in_two_tables", forall((Lane, Lane), lambda a, c: implies(
+    busy(a) & busy(c) & (tail(a) == tail(c)), a == c)),
+         doc="two busy lanes never write the same block")
 inv("scratch_is_reserved_block", forall(Block, lambda b: (owner(b) == Owner.SCRATCH) == (
     RESERVED & (b == SCRATCH))))
 inv("scratch_never_in_table", forall(Lane, lambda l: implies(
@@ -1003,17 +1004,19 @@ inv("running_request_has_lane", forall(Req, lambda r: implies(
     running(r), busy(req_lane(r)) & (lane_req(req_lane(r)) == r))))
 
 # Content (ghost): the KV each block holds is what its owner says it is.
-inv("lane_holds_its_tokens", forall(Lane, lambda l: implies(
+m.safety("lane_holds_its_tokens", forall(Lane, lambda l: implies(
     busy(l) & ~copying(l) & ~importing(l),
-    ~junk(tail(l)) & (holds(tail(l)) == take(lane_seq(l), length(l))))))
+    ~junk(tail(l)) & (holds(tail(l)) == take(lane_seq(l), length(l))))),
+         doc="a lane's block holds the KV of exactly its request's tokens")
 # A full block is never written again; it holds its key (the lane's prefix up to its end, taken
 # when it filled), ready to be a cache entry.
 inv("full_block_holds_its_key", forall(Block, lambda b: implies(
     (owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b) & ~importing(owner_lane(b)),
     ~junk(b) & (holds(b) == key(b)) & (head(b) == take(key(b), C)) & ~snap_junk(b)
     & (snap_upto(b) >= 0))))
-inv("cache_key_is_content", forall(Block, lambda b: implies(
-    owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))))
+m.safety("cache_key_is_content", forall(Block, lambda b: implies(
+    owner(b) == Owner.CACHE, ~junk(b) & (holds(b) == key(b)))),
+         doc="a cache entry holds the KV of its key: a hit copies what it claims")
 inv("cache_head_is_first_chunk", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, head(b) == take(key(b), C))))
 inv("unsubmitted_request_has_no_prompt", forall(Req, lambda r: implies(
@@ -1090,9 +1093,10 @@ inv("storing_slot_reads_a_spilling_block", forall(Slot, lambda h: implies(
     slot_state(h) == SlotState.STORING,
     (owner(slot_block(h)) == Owner.SPILLING) & (spill_slot(slot_block(h)) == h)
     & (slot_start(h) == start(slot_block(h))))))
-inv("host_key_is_content", forall(Slot, lambda h: implies(
+m.safety("host_key_is_content", forall(Slot, lambda h: implies(
     one_of(slot_state(h), SlotState.STORED, SlotState.LOADING),
-    ~slot_junk(h) & (slot_holds(h) == slot_key(h)))))
+    ~slot_junk(h) & (slot_holds(h) == slot_key(h)))),
+         doc="a stored host entry holds the KV of its key")
 inv("host_head_is_first_chunk", forall(Slot, lambda h: implies(
     slot_state(h) != SlotState.EMPTY, slot_head(h) == take(slot_key(h), C))))
 inv("loading_slot_has_its_lane", forall(Slot, lambda h: implies(
@@ -1120,7 +1124,8 @@ inv("running_transfer_pins_its_block", forall(Req, lambda r: implies(
     xfer_live(r), transfer(xfer_block(r)) & (transfer_req(xfer_block(r)) == r))))
 inv("pinned_block_transfer_running", forall(Block, lambda b: implies(
     transfer(b), xfer_live(transfer_req(b)))))
-inv("transfer_pins_what_it_uses", forall(Block, lambda b: transfer(b) == xfer_on(b)))
+m.safety("transfer_pins_what_it_uses", forall(Block, lambda b: transfer(b) == xfer_on(b)),
+         doc="every block a PD transfer reads or writes is pinned until it ends")
 inv("pinned_for_its_transfer", forall(Block, lambda b: implies(
     xfer_on(b), (transfer_req(b) == xfer_of(b)) & xfer_live(xfer_of(b)))))
 inv("moving_lane_has_transfer", forall((Lane, Block), lambda l, b: implies(

@@ -70,6 +70,16 @@ def test_every_name_the_claims_use_is_in_the_model():
     assert used - names == set()
 
 
+def test_the_safety_properties_are_the_models():
+    """The safety bullet names exactly the invariants the spec marks `m.safety`, and each is a
+    relational one (proved for all sizes, as the bullet says)."""
+    m, _names = _model_names()
+    named = re.findall(r"`([a-z_]+)`", _bullet(_what_is_proved(), "Safety properties"))
+    assert set(named) - {"m.safety"} == set(m.safety_properties)
+    kinds = {i.name: i.kind for i in m.invariants}
+    assert {kinds[n] for n in m.safety_properties} == {"relational"}
+
+
 def test_bounded_invariants_and_their_fixed_constants_are_stated():
     """The bounded invariants by name (exactly the model's), the cutoff `verify` uses, and the
     constants the bounded checks fix (chunk, block size, requests, host slots)."""

@@ -7237,6 +7237,14 @@ INVARIANTS = (
     "snapshots_on_chunk_boundaries",
     "one_scratch_block_when_reserved",
 )
+# The invariants that are the point (`m.safety`); the rest help prove them.
+SAFETY = (
+    "no_block_in_two_tables",
+    "lane_holds_its_tokens",
+    "cache_key_is_content",
+    "host_key_is_content",
+    "transfer_pins_what_it_uses",
+)
 
 
 def check_invariants(s: State) -> list[str]:
