@@ -87,8 +87,7 @@ class Consts:
 
 
 # --------------------------------------------------------------------------- state
-@attrs.frozen(slots=True)
-class State:
+class State(NamedTuple):
     """One state of the model. Ghost fields are None when `ghost` is False."""
 
     consts: Consts
