@@ -105,7 +105,7 @@ def _timed(inv: str, action: str, kind: str, facts: list[Any], size: str = "",
 
 def _steps(model: L.Model, u: Universe, assume: list[L.Named],
            actions: Collection[str] | None = None) -> Iterator[
-        tuple[L.Action, list[Any], Any, Any]]:
+        tuple[L.Action, list[Any], Any, Any, list[Any]]]:
     """Per action (of `actions`, default all): the shared hypotheses (axioms, `assume` in the
     pre-state, the guard; in a finite universe the parameters taken canonically: see
     `Universe.canonical`), the pre-state, the post-state and the parameters' z3 terms."""
@@ -151,26 +151,39 @@ def _bounded_steps(action: str, invariants: list[L.Named], u: Universe, facts: l
                    post: Any, params: list[Any], size: str, timeout_ms: int) -> Iterator[Check]:
     """One action's step obligations in a finite universe: one solver holds the shared
     hypotheses and each invariant's refutation is pushed and popped (measured: a fifth faster
-    than a solver per obligation); a first try past `FIRST_TRY_MS` goes to `solve`'s attempts,
-    with the whole timeout."""
+    than a solver per obligation)."""
+    solver = _first_try_solver(facts)
+    for inv in invariants:
+        t0 = time.perf_counter()
+        fails = u.refuting(inv.expr, post, {}, chain=params)
+        status, detail = _decide(solver, facts, fails, timeout_ms)
+        yield Check(inv.name, action, "step", status, time.perf_counter() - t0, size, detail)
+
+
+def _first_try_solver(facts: list[Any]) -> Any:
+    """A solver holding `facts` for `_decide`'s first tries (`FIRST_TRY_MS`, `OLD_ARITH`)."""
     solver = z3.Solver()
     solver.set("timeout", FIRST_TRY_MS)
     for name, value in OLD_ARITH.items():
         solver.set(name, value)
     solver.add(*facts)
-    for inv in invariants:
-        t0 = time.perf_counter()
-        fails = u.refuting(inv.expr, post, {}, chain=params)
-        solver.push()
-        solver.add(*fails)
-        r = solver.check()
-        solver.pop()
-        status, detail = ("proved" if r == z3.unsat else "counterexample" if r == z3.sat
-                          else "unknown"), ""
-        if status == "unknown":
-            status, extra = solve(facts + fails, timeout_ms, bounded=True)
-            detail = str(extra) if status == "unknown" else ""
-        yield Check(inv.name, action, "step", status, time.perf_counter() - t0, size, detail)
+    return solver
+
+
+def _decide(solver: Any, facts: list[Any], goal: list[Any], timeout_ms: int) -> tuple[str, str]:
+    """(status, detail) of `facts` + `goal` in a finite universe: first in `solver` (which holds
+    `facts`) with `goal` pushed and popped; past its first try, `solve`'s attempts with the
+    whole timeout (each obligation is still decided)."""
+    solver.push()
+    solver.add(*goal)
+    r = solver.check()
+    solver.pop()
+    if r == z3.unsat:
+        return "proved", ""
+    if r == z3.sat:
+        return "counterexample", ""
+    status, extra = solve(facts + goal, timeout_ms, bounded=True)
+    return status, str(extra) if status == "unknown" else ""
 
 
 def transitions(model: L.Model, u: Universe, assume: list[L.Named],
@@ -298,12 +311,10 @@ UNALIGNED_LANES, UNALIGNED_BLOCKS = 2, 5
 # Bounded queries are decidable (finite sorts, no quantifiers), so a hard one only needs time:
 # at B = 4, K = 8 a few take 10-20 s on a loaded machine (paged tables' per-lane counts).
 BOUNDED_TIMEOUT_MS = 60_000
-# A progress query's first try, in the solver shared by the case's properties. Most take well
-# under a second; a rare one runs long under one search order and settles at once under
-# another (measured: 11.4 s in the shared solver, 1.4 s in `solve`'s attempts), so a try past
-# this goes to those attempts (each obligation is still decided, with their full timeout).
-PROGRESS_FIRST_MS = 2_000
-# The same for a bounded step obligation, tried first in the solver shared by its action's.
+# A bounded step or progress query's first try, in the solver shared by its action's (its
+# case's) obligations. Most take well under a second; a rare one runs long under one search
+# order and settles at once under another (measured: 11.4 s in the shared solver, 1.4 s in
+# `solve`'s attempts), so a try past this goes to those attempts, with their full timeout.
 FIRST_TRY_MS = 2_000
 
 
@@ -330,23 +341,11 @@ def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> I
     goals = [(p.name, u.refuting(p.expr, st, {})) for p in model.progress]
     for case, fixed in cases.items():
         assume = [u.consts[n] == u.value(v, _const_sort(model, n)) for n, v in fixed.items()]
-        solver = z3.Solver()
-        solver.set("timeout", PROGRESS_FIRST_MS)
-        for name, value in OLD_ARITH.items():  # (measured: 1.0-1.7 times faster per size)
-            solver.set(name, value)
-        solver.add(*ax, *hyps, *assume)
+        facts = [*ax, *hyps, *assume]
+        solver = _first_try_solver(facts)  # (the older arithmetic: 1.0-1.7 times faster here)
         for name, goal in goals:
             t0 = time.perf_counter()
-            solver.push()
-            solver.add(*goal)
-            r = solver.check()
-            detail = solver.reason_unknown() if r == z3.unknown else ""
-            solver.pop()
-            status = ("proved" if r == z3.unsat else "counterexample" if r == z3.sat
-                      else "unknown")
-            if status == "unknown":  # the incremental solver gave up: the bounded attempts
-                status, extra = solve([*ax, *hyps, *assume, *goal], TIMEOUT_MS, bounded=True)
-                detail = str(extra) if status == "unknown" else ""
+            status, detail = _decide(solver, facts, goal, TIMEOUT_MS)
             yield case, Check(name, "*", "progress", status, time.perf_counter() - t0,
                               f"{case}", detail)
 
