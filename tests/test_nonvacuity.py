@@ -18,11 +18,7 @@ SOME = (Features(False, "reserved"), Features(True, "dynamic", host=True, tables
         Features(True, "reserved", hybrid=True, tables=3, preempt=True))
 
 
-@pytest.fixture(autouse=True)
-def fresh_z3_context():
-    z3.z3._main_ctx = None
-    encode.reset_names()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_z3")
 
 
 @pytest.fixture

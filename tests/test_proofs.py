@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 
 import pytest
-import z3
 
 from atom_core._generated import capacity as committed
-from atom_core.proofs import capacity, checks, encode
+from atom_core.proofs import capacity, checks
 from atom_core.proofs.capacity import Features
 from atom_core.seq import seq
 from atom_core.spec import codegen
@@ -31,16 +30,7 @@ PREFIX_RESERVED = Features(True, "reserved")
 PREFIX_DYNAMIC = Features(True, "dynamic")
 
 
-@pytest.fixture(autouse=True)
-def fresh_z3_context():
-    """Each test starts from a fresh z3 context, so no test depends on what earlier tests
-    declared. Seen while writing these tests (on an intermediate model version): late in a run,
-    refutations that take ~30 ms in a fresh process (`lane_holds_its_tokens`/decode without
-    decode's lane_seq update; `busy_lane_runs_its_request`/abort_waiting without its guard) hit
-    the 10 s timeout. Nothing in the proofs keeps z3 terms across calls, so this is safe."""
-    z3.z3._main_ctx = None
-    encode.reset_names()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_z3")
 
 
 def _param(action: str, name: str) -> L.Var:
@@ -291,8 +281,8 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
 
 
 # The sweep needs one refuted obligation per mutant, and a refutation takes milliseconds (in a
-# fresh z3 context, see `fresh_z3_context`): an obligation that does not answer within this
-# bound is skipped rather than waited for (another one still has to refute the mutant).
+# fresh z3 context, see `fresh_z3` in tests/conftest.py): an obligation that does not answer
+# within this bound is skipped rather than waited for (another one still has to refute it).
 SWEEP_TIMEOUT_MS = 2_000
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import z3
 
-from atom_core.proofs import capacity, encode, run, search, witness
+from atom_core.proofs import capacity, run, search, witness
 from atom_core.replay import _args
 from atom_core.spec.model import MODEL
 
@@ -22,11 +21,7 @@ W = TIGHT[ROW]
 Raw = list[tuple[str, dict[str, Any]]]
 
 
-@pytest.fixture(autouse=True)
-def fresh_z3_context():
-    z3.z3._main_ctx = None
-    encode.reset_names()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_z3")
 
 
 def consts() -> Any:

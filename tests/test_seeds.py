@@ -16,7 +16,7 @@ import z3
 
 from atom_core import seq
 from atom_core._generated import core as g
-from atom_core.proofs import bmc, capacity, checks, encode, search
+from atom_core.proofs import bmc, capacity, checks, search
 from atom_core.proofs.capacity import Features
 from atom_core.spec import lang as L
 from atom_core.spec.model import MODEL, PD_ACTIONS
@@ -30,13 +30,7 @@ SCRATCH = 0
 COLOCATED = bmc.avoiding(*PD_ACTIONS)
 
 
-@pytest.fixture(autouse=True)
-def fresh_z3_context():
-    """A fresh z3 context per test: z3's search depends on the process's earlier declarations
-    (see tests/test_proofs.py), and these tests should not depend on test order."""
-    z3.z3._main_ctx = None
-    encode.reset_names()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_z3")
 
 
 def seeds_universe():

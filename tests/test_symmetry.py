@@ -16,12 +16,7 @@ from atom_core.proofs import capacity, checks, encode
 from atom_core.spec import lang as L
 from atom_core.spec.model import MODEL
 
-
-@pytest.fixture(autouse=True)
-def fresh_z3_context():
-    z3.z3._main_ctx = None
-    encode.reset_names()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_z3")
 
 
 def _param(action: str, name: str) -> L.Var:

@@ -93,14 +93,6 @@ def test_a_real_token_past_the_end_is_refused() -> None:
 
 
 # --------------------------------------------------------------------------- the proofs
-@pytest.fixture
-def fresh_z3():
-    import z3
-
-    from atom_core.proofs import encode
-    z3.z3._main_ctx = None
-    encode.reset_names()
-    yield
 
 
 def _padded_chunk_must_fit():
