@@ -202,10 +202,8 @@ class Universe:
         """Functions with an init expression are that expression; the rest are arbitrary."""
         env = self.fresh_state(tag)
         for f in self.model.state:
-            if f.init is not None:
-                vs = [L.Var(f"_{f.name}{i}", a) for i, a in enumerate(f.args)]
-                body = L.lift(f.init(*vs), f.ret)
-                env[f.name] = self._lambda(vs, body, env)
+            if (init := f.init_body()) is not None:
+                env[f.name] = self._lambda(*init, env)
         return env
 
     def _lambda(self, vs: Sequence[L.Var], body: L.Expr, env: Env,
@@ -511,41 +509,18 @@ class Universe:
 
 
 def subexprs(exprs: list[L.Expr]) -> Iterator[L.Expr]:
-    """Every node of the expressions (an enabled action's bindings, not its guard)."""
+    """Every node of the expressions (see `lang.children`)."""
     stack: list[Any] = list(exprs)
     while stack:
         e = stack.pop()
         yield e
-        if isinstance(e, L.App):
-            stack.extend(e.args)
-        elif isinstance(e, L.Ite):
-            stack += [e.cond, e.then, e.other]
-        elif isinstance(e, L.Not):
-            stack.append(e.arg)
-        elif isinstance(e, (L.And, L.Or)):
-            stack.extend(e.args)
-        elif isinstance(e, L.Implies):
-            stack += [e.hyp, e.concl]
-        elif isinstance(e, (L.Eq, L.Arith, L.Cmp)):
-            stack += [e.lhs, e.rhs]
-        elif isinstance(e, (L.Quant, L.Vector)):
-            stack.append(e.body)
-        elif isinstance(e, L.Count):
-            stack.append(e.cond)
-        elif isinstance(e, L.Enabled):
-            stack.extend(e.bindings.values())
+        stack.extend(L.children(e))
 
 
 def vars_in(exprs: list[L.Expr]) -> set[L.Var]:
     """The variables the expressions read (free or bound: callers intersect with parameters),
     a state function applied through a variable included."""
-    out: set[L.Var] = set()
-    for e in subexprs(exprs):
-        if isinstance(e, L.Var):
-            out.add(e)
-        elif isinstance(e, L.App) and isinstance(e.fn, L.Var):
-            out.add(e.fn)
-    return out
+    return {e for e in subexprs(exprs) if isinstance(e, L.Var)}
 
 
 def model_exprs(model: L.Model) -> list[L.Expr]:
@@ -553,10 +528,7 @@ def model_exprs(model: L.Model) -> list[L.Expr]:
     initial values, and each action's guards, updates and effects."""
     out = [n.expr for n in (*model.axioms, *model.laws, *model.invariants,
                             *model.transition_invariants, *model.progress)]
-    for f in model.state:
-        if f.init is not None:
-            out.append(L.lift(f.init(*[L.Var(f"_{f.name}{i}", a)
-                                       for i, a in enumerate(f.args)]), f.ret))
+    out += [init[1] for f in model.state if (init := f.init_body()) is not None]
     for a in model.actions:
         out += [g for _, g in a.guards]
         for u in a.updates:

@@ -192,12 +192,8 @@ class Interp:
         fns: dict[str, Table] = {}
         empty = Spec({})
         for f in self.model.state:
-            if f.init is None:
-                fns[f.name] = Table({}, None)
-                continue
-            vs = [L.Var(f"_{f.name}{i}", a) for i, a in enumerate(f.args)]
-            body = L.lift(f.init(*vs), f.ret)
-            fns[f.name] = Table({}, self._lazy(vs, body, {}, empty))
+            init = f.init_body()
+            fns[f.name] = Table({}, None if init is None else self._lazy(*init, {}, empty))
         return Spec(fns)
 
     def _lazy(self, vs: Sequence[L.Var], body: L.Expr, env: dict[L.Var, Any],

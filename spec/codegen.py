@@ -267,28 +267,11 @@ _PARAM_RESERVED = frozenset("s new effects".split())
 
 
 def _children(e: Expr) -> tuple[Expr, ...]:
-    t = type(e)
-    if t is Lit or t is Var or t is Const:
-        return ()
-    if t is App:
-        return (e.fn, *e.args) if isinstance(e.fn, Var) else e.args
-    if t is Ite:
-        return (e.cond, e.then, e.other)
-    if t is Not:
-        return (e.arg,)
-    if t is And or t is Or:
-        return e.args
-    if t is Implies:
-        return (e.hyp, e.concl)
-    if t is Eq or t is Arith or t is Cmp:
-        return (e.lhs, e.rhs)
-    if t is Quant or t is Vector:
-        return (e.body,)
-    if t is Count:
-        return (e.cond,)
-    if t is Enabled:
-        return tuple(e.bindings.values())
-    raise GenerationError(f"codegen does not know the expression type {t.__name__}")
+    try:
+        return lang.children(e)
+    except TypeError:
+        raise GenerationError(
+            f"codegen does not know the expression type {type(e).__name__}") from None
 
 
 def _child_flags(e: Expr) -> list[tuple[Expr, bool]]:

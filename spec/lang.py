@@ -184,6 +184,13 @@ class StateFn:
         """The value after the transition (transition invariants only)."""
         return App(self, args, post=True)
 
+    def init_body(self) -> tuple[list[Var], Expr] | None:
+        """The initial value as variables `_<name><i>` and an expression over them, or None."""
+        if self.init is None:
+            return None
+        vs = [Var(f"_{self.name}{i}", a) for i, a in enumerate(self.args)]
+        return vs, lift(self.init(*vs), self.ret)
+
     def __repr__(self) -> str:
         return self.name
 
@@ -333,6 +340,33 @@ class Vector(Expr):
 
 TRUE = Lit(True, BOOL)
 FALSE = Lit(False, BOOL)
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    """The subterms of `e` (a state function applied through a parameter: that parameter too;
+    an enabled action: its bindings, not its guard)."""
+    t = type(e)
+    if t is Lit or t is Var or t is Const:
+        return ()
+    if t is App:
+        return (e.fn, *e.args) if isinstance(e.fn, Var) else e.args
+    if t is Ite:
+        return (e.cond, e.then, e.other)
+    if t is Not:
+        return (e.arg,)
+    if t is And or t is Or:
+        return e.args
+    if t is Implies:
+        return (e.hyp, e.concl)
+    if t is Eq or t is Arith or t is Cmp:
+        return (e.lhs, e.rhs)
+    if t is Quant or t is Vector:
+        return (e.body,)
+    if t is Count:
+        return (e.cond,)
+    if t is Enabled:
+        return tuple(e.bindings.values())
+    raise TypeError(f"unknown expression type {t.__name__}")
 
 
 def lift(value: Any, sort: Sort) -> Expr:
