@@ -91,7 +91,7 @@ demo: install
 pd-demo: install
 	.venv/bin/atom-core pd-demo
 
-# Seeded simulation of the batcher and PD workers under injected faults (atom_core/simulate.py):
+# Seeded simulation of the batcher and PD workers under injected faults (atom_core/simulate/):
 # a short bounded sweep, and a 10-minute deep run; both stop at the first failing seed and print
 # its shortest failing prefix and replay command.
 simulate: install

@@ -21,7 +21,9 @@ from atom_core import cli, simulate
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config
 from atom_core.runtime import TorchReferenceRuntime
-from atom_core.simulate import FAULTS, SimEvent, run
+from atom_core.simulate import FAULTS, SimEvent, deep, driver, run, servers
+from atom_core.simulate.checks.blocks import block_leaks
+from atom_core.simulate.checks.host_tier import host_tier_leaks
 from atom_core.snapshots import SnapshotStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,15 +365,15 @@ def test_a_mutant_core_swapped_in_before_import_is_caught() -> None:
 def test_a_transfer_nobody_times_out_hits_the_drain_cap(monkeypatch: Any) -> None:
     """A dropped KV message with no transfer timeout leaves its request waiting forever: the
     drain's cap turns that into a failure instead of a hang."""
-    monkeypatch.setattr(simulate, "TRANSFER_TIMEOUT", 1e9)
-    monkeypatch.setattr(simulate, "DRAIN_BASE", 60)
+    monkeypatch.setattr(servers, "TRANSFER_TIMEOUT", 1e9)
+    monkeypatch.setattr(driver, "DRAIN_BASE", 60)
     events = [SimEvent.of("submit", request=0), SimEvent.of("drop", end="prefill"),
               SimEvent("step"), SimEvent("step")]
     rep = simulate.replay(4, 2, events, mode="pd", max_seq_len=128, prefetch=0)
     assert not rep.ok and rep.drain_cap_hit
     assert rep.faults_by_kind["drop"] == 1
     assert any("unfinished requests [0]" in str(f) for f in rep.failures)
-    monkeypatch.setattr(simulate, "TRANSFER_TIMEOUT", 20.0)  # with a timeout it ends
+    monkeypatch.setattr(servers, "TRANSFER_TIMEOUT", 20.0)  # with a timeout it ends
     assert simulate.replay(4, 2, events, mode="pd", max_seq_len=128, prefetch=0).ok
 
 
@@ -381,10 +383,10 @@ def test_leak_checks_see_an_adapter_that_forgets() -> None:
     rid = b.submit([1, 2, 3], 4)
     waiting = b.submit([4, 5], 4)
     b.step()
-    assert simulate.block_leaks("local", b) == []
+    assert block_leaks("local", b) == []
     b.requests[rid].ended = True  # the adapter thinks it ended, the core still holds its block
     b.waiting.clear()  # and a request the core has waiting is in no queue
-    problems = simulate.block_leaks("local", b)
+    problems = block_leaks("local", b)
     assert any(f"for request {rid}, which has ended" in p for p in problems)
     assert any("waiting, the queue []" in p and str(waiting) in p for p in problems)
 
@@ -393,13 +395,13 @@ def test_host_tier_checks_see_a_describe_that_disagrees_with_the_core() -> None:
     cfg = Config(lanes=1, kv_blocks=3, max_seq_len=128, prefill_chunk=64, prefix_cache=True,
                  host_cache_blocks=2)
     b = AtomBatcher(cfg, TorchReferenceRuntime.tiny(cfg), ghost=True)
-    server = simulate.Colocated.__new__(simulate.Colocated)
+    server = servers.Colocated.__new__(servers.Colocated)
     server.b = b
-    assert simulate.host_tier_leaks(server) == []
+    assert host_tier_leaks(server) == []
     real = b.describe()
     forgets = {**real, "host_cache": real["host_cache"][:1]}  # a slot left out
     b.describe = lambda: forgets  # type: ignore[method-assign]
-    assert simulate.host_tier_leaks(server) == [
+    assert host_tier_leaks(server) == [
         "local: describe() reports host slot 1 as None, the core has "
         "{'slot': 1, 'state': 'empty', 'tokens': 0}"]
 
@@ -486,7 +488,7 @@ def test_cli_deep_mode_runs_seeds_and_stops_at_the_first_failure(capsys: Any,
                                                                   monkeypatch: Any) -> None:
     code, out = cli_json(capsys, "--seeds", "0..1", "--steps", "8", "--set", "max_seq_len=128")
     assert code == 0 and out["ok"] and out["seeds_run"] == 2 and out["last_seed"] == 1
-    monkeypatch.setattr(simulate, "run", functools.partial(run, wrap_runtime=corrupt))
+    monkeypatch.setattr(deep, "run", functools.partial(run, wrap_runtime=corrupt))
     code, out = cli_json(capsys, "--seeds", "1..9", "--steps", "12", "--mode", "colocated",
                          "--set", "max_seq_len=128")
     assert code == 1 and not out["ok"]
