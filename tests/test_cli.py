@@ -11,6 +11,7 @@ import pytest
 
 from atom_core import cli
 from atom_core._generated import capacity
+from atom_core.cli.proofs import task_progress
 
 SEEDS = ["--lanes", "1", "--prefix-cache", "--scratch", "reserved"]
 
@@ -203,9 +204,9 @@ def test_verify_json_ok(capsys):
 def test_verify_progress_bar_only_when_shown(capsys):
     """The progress callback exists only when shown (a terminal, no --json/--quiet), and then
     draws on stderr, never on stdout (which --json keeps to one object)."""
-    with cli._task_progress(False) as on_task:
+    with task_progress(False) as on_task:
         assert on_task is None
-    with cli._task_progress(True) as on_task:
+    with task_progress(True) as on_task:
         on_task("capacity", 1, 2)
         on_task("capacity", 2, 2)
     assert capsys.readouterr().out == ""

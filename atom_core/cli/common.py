@@ -1,0 +1,48 @@
+"""What every command group shares: JSON and table output, z3 as an extra, positive
+integers as an argument type."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+NEEDS_VERIFY = "this command needs z3: pip install 'atom-core[verify]'"
+
+
+def z3_or_exit() -> None:
+    try:
+        import z3  # noqa: F401
+    except ImportError:
+        print(NEEDS_VERIFY, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=False))
+
+
+def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich comes with the verify extra; plain text otherwise
+        print(title)
+        print("  ".join(columns))
+        for r in rows:
+            print("  ".join(r))
+        return
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*r)
+    Console().print(t)
+
+
+def positive(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v

@@ -1,0 +1,158 @@
+"""Runs on the torch reference runtime (or HFRuntime): `demo` (a built-in workload, checked
+against the oracle) and `simulate` (seeded runs under injected faults)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from atom_core.cli.common import emit, positive
+from atom_core.config import SCRATCH_MODES
+
+
+def demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lanes", type=positive, default=4)
+    p.add_argument("--requests", type=positive, default=24)
+    p.add_argument("--max-new-tokens", type=positive, default=16)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
+                   help="reserved: a fixed scratch block; dynamic: padding rows write into a "
+                        "free block (default)")
+    p.add_argument("--runtime", choices=("reference", "hf"), default="reference",
+                   help="hf: a transformers model (--model) checked against its own generate()")
+    p.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",
+                   help="hf: a local checkpoint directory, or tiny-llama / tiny-gemma3 (seeded "
+                        "random weights, saved to a temporary directory and loaded back)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout (no progress bar)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from atom_core.demo import print_summary, run_demo
+    except ImportError as exc:  # torch is an extra
+        print(f"the demo needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
+        return 2
+    try:
+        out = run_demo(lanes=args.lanes, requests=args.requests,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed,
+                       prefix_cache=not args.no_prefix_cache, scratch=args.scratch,
+                       progress=not args.json, runtime=args.runtime, model=args.model)
+    except ImportError as exc:  # transformers is an extra
+        print(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})",
+              file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a bad --model (not a directory, an unsupported model)
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        emit(out)
+    else:
+        print_summary(out)
+    return 0 if out["exact"] else 1
+
+
+def simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0,
+                   help="picks the configuration, the workload and the faults (deep mode: "
+                        "the first seed)")
+    p.add_argument("--steps", type=int, default=200,
+                   help="ticks with fault injection before the drain (default 200)")
+    p.add_argument("--faults", default=None,
+                   help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
+                        "alloc, delay, drop, corrupt, duplicate, late, kill, abort), all "
+                        "(default) or none")
+    p.add_argument("--mode", choices=("colocated", "pd"), default=None,
+                   help="fix the serving mode (default: the seed picks)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="fix the prefix cache on or off (default: the seed picks)")
+    p.add_argument("--scratch", choices=SCRATCH_MODES, default=None,
+                   help="fix the scratch discipline (default: the seed picks)")
+    p.add_argument("--sliding-window", default=None, metavar="W|none",
+                   help="fix the hybrid model's window, or none for a plain model")
+    p.add_argument("--lanes", type=positive, default=None)
+    p.add_argument("--runtime", choices=("reference", "hf"), default=None,
+                   help="hf: the same shapes as a transformers model (tiny-llama, or "
+                        "tiny-gemma3 with the seed's window) on HFRuntime, every finished "
+                        "request checked against transformers' generate() (default: "
+                        "reference)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="fix any configuration dimension (e.g. prefetch=2, "
+                        "fallback_local=false, host_cache_blocks=2); repeatable")
+    deep = p.add_mutually_exclusive_group()
+    deep.add_argument("--minutes", type=_minutes, default=None,
+                      help="deep mode: consecutive seeds from --seed until the time is up; "
+                           "stops at the first failing seed")
+    deep.add_argument("--seeds", type=_seed_range, default=None, metavar="A..B",
+                      help="deep mode over the seeds A..B (inclusive)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        from atom_core import simulate
+    except ImportError as exc:  # torch is an extra
+        print(f"simulate needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
+        return 2
+    try:
+        faults = simulate.parse_faults(args.faults)
+        fixed = simulate.parse_fixed(args.set)
+        if args.mode is not None:
+            fixed["mode"] = args.mode
+        if args.prefix_cache is not None:
+            fixed["prefix_cache"] = args.prefix_cache
+        if args.scratch is not None:
+            fixed["scratch"] = args.scratch
+        if args.sliding_window is not None:
+            fixed.update(simulate.parse_fixed([f"sliding_window={args.sliding_window}"]))
+        if args.lanes is not None:
+            fixed["lanes"] = args.lanes
+        if args.runtime is not None:
+            fixed["runtime"] = args.runtime
+        if fixed.get("runtime") == "hf":
+            try:
+                import atom_core.runtime.hf  # noqa: F401
+            except ImportError as exc:  # transformers is an extra
+                print(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})",
+                      file=sys.stderr)
+                return 2
+        simulate.draw_config(args.seed, fixed)  # a bad combination is a usage error, now
+        if args.minutes is None and args.seeds is None:
+            report = simulate.run(args.seed, args.steps, faults, shrink=True, **fixed)
+            print(json.dumps(report.as_json()) if args.json else simulate.render(report))
+            return 0 if report.ok else 1
+        first, last = args.seeds if args.seeds is not None else (args.seed, None)
+        result = simulate.sweep_with_progress(
+            first, args.steps, last_seed=last, faults=faults, show=not args.json,
+            seconds=None if args.minutes is None else args.minutes * 60, **fixed)
+    except simulate.UsageError as exc:
+        print(f"atom-core simulate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        emit(result.as_json())
+    elif result.failing is None:
+        print(f"OK: seeds {first}..{first + result.seeds_run - 1} ({result.seeds_run} seeds, "
+              f"{result.ticks} ticks, {result.seconds:.0f} s)")
+    else:
+        print(simulate.render(result.failing))
+    return 0 if result.ok else 1
+
+
+def _seed_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("..")
+    try:
+        lo, hi = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A..B (e.g. 0..99), got {text!r}") from None
+    if hi < lo:
+        raise argparse.ArgumentTypeError(f"empty seed range {text!r}")
+    return lo, hi
+
+
+def _minutes(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v

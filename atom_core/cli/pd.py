@@ -1,0 +1,387 @@
+"""The PD workers: `pd-prefill` and `pd-decode` (their configuration, key, runtime and link),
+and `run_pd_decode`, which `pd-demo` drives too."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import attrs
+
+from atom_core.cli.common import emit, positive, table
+from atom_core.config import SCRATCH_MODES, min_kv_blocks
+
+PD_KEY_ENV = "ATOM_CORE_PD_KEY"
+
+
+class UsageError(Exception):
+    """A bad option or configuration: printed, exit 2."""
+
+
+def _hf() -> Any:
+    """atom_core.runtime.hf, or a usage error naming the extra."""
+    try:
+        from atom_core.runtime import hf
+    except ImportError as exc:  # transformers is an extra
+        raise UsageError(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})"
+                         ) from None
+    return hf
+
+
+def _pd_model_window(args: argparse.Namespace) -> int | None:
+    """--runtime hf: the model's sliding window (a Gemma3 model's batcher needs it), else None;
+    checks that --model goes with --runtime hf."""
+    if args.runtime != "hf":
+        if args.model is not None:
+            raise UsageError("--model is for --runtime hf (the reference model is built in; rbln "
+                             "takes --compiled)")
+        return None
+    if args.model is None:
+        raise UsageError("--runtime hf needs --model DIR|tiny-llama|tiny-gemma3 (a local "
+                         "checkpoint directory, or a seeded tiny model)")
+    try:
+        return _hf().model_window(args.model)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the config of {args.model}: {exc}") from None
+
+
+def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
+    from atom_core.config import Config, ConfigError
+
+    window = _pd_model_window(args)
+    block = args.block_size if args.block_size is not None else args.max_seq_len
+    kv = args.kv_blocks
+    if kv is None:
+        # (a block size that does not divide max_seq_len: Config says so below)
+        kv = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch,
+                           max(1, args.max_seq_len // block))
+        if decode and args.scratch == "dynamic":
+            # At the minimum every block can be held by a lane, importing ones included, so
+            # padding rows have nowhere to write and decode stalls until the imports land.
+            kv += 1
+    try:
+        return Config(lanes=args.lanes, kv_blocks=kv, max_seq_len=args.max_seq_len,
+                      block_size=block, prefill_chunk=args.prefill_chunk,
+                      prefix_cache=args.prefix_cache, scratch=args.scratch,
+                      sliding_window=window)
+    except ConfigError as exc:
+        raise UsageError(f"invalid configuration: {exc}") from None
+
+
+def _pd_key(args: argparse.Namespace) -> bytes | None:
+    from atom_core import pd
+
+    if args.key == "":
+        raise UsageError("--key is empty: give a key of at least 16 bytes (literal, env:NAME or "
+                         f"file:PATH), or leave --key out and set ${PD_KEY_ENV}")
+    value = args.key if args.key is not None else (
+        f"env:{PD_KEY_ENV}" if os.environ.get(PD_KEY_ENV) else None)
+    try:
+        key = pd.load_key(value)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if key is None and not args.insecure:
+        raise UsageError(f"no PD key: pass --key (env:NAME or file:PATH) or set ${PD_KEY_ENV} on "
+                         "both workers; without one anyone who reaches the port, loopback included "
+                         "(any local user), can read prompts and KV or inject KV. --insecure runs "
+                         "without authentication")
+    if key is not None and args.insecure:
+        raise UsageError("--insecure and a PD key exclude each other: drop one")
+    if key is None:
+        print(f"warning: --insecure: the PD link with {args.host} is neither authenticated nor "
+              "encrypted", file=sys.stderr)
+    return key
+
+
+def _pd_options(args: argparse.Namespace, decode: bool) -> None:
+    """Option values argparse cannot check by type, before anything connects."""
+    import math
+
+    checks = [("--timeout", args.timeout)]
+    if decode:
+        checks.append(("--transfer-timeout", args.transfer_timeout))
+    for flag, v in checks:
+        if not math.isfinite(v) or v <= 0:
+            raise UsageError(f"{flag} must be finite positive seconds, got {v:g}")
+    if decode and args.prefetch is not None and args.prefetch < 0:
+        raise UsageError(f"--prefetch must be >= 0 (0: ask for KV only once a lane waits), got "
+                         f"{args.prefetch}")
+    if args.runtime == "rbln":
+        # the RBLN host buffer is a flat aligned byte buffer; the KV payload ships the
+        # [layers, 2, kv_heads, positions, head_dim] layout, which it does not expose
+        raise UsageError("PD does not support --runtime rbln yet: its host KV buffer is a flat "
+                         "aligned buffer, not the [layers, 2, kv_heads, block_size, head_dim] "
+                         "layout a KV payload ships; run PD on --runtime reference, or serve an "
+                         "RBLN model colocated")
+
+
+def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
+    from atom_core.batcher import check_runtime
+
+    if args.runtime == "reference":
+        from atom_core.runtime.reference import TorchReferenceRuntime
+
+        return TorchReferenceRuntime.tiny(cfg, seed=args.seed)
+    if args.runtime == "hf":
+        return _pd_hf_runtime(args, cfg)
+    if not args.compiled:
+        raise UsageError("--runtime rbln needs --compiled PATH (an optimum-rbln compiled decoder "
+                         "directory)")
+    from atom_core.runtime.rbln import RblnRuntime, RblnUnavailableError
+
+    try:
+        rt = RblnRuntime.from_compiled(args.compiled, fingerprint=args.fingerprint)
+    except RblnUnavailableError as exc:
+        raise UsageError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load {args.compiled}: {exc}") from None
+    try:  # before connecting: a mismatch found after the rendezvous would strand the peer
+        check_runtime(cfg, rt)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return rt
+
+
+def _pd_hf_runtime(args: argparse.Namespace, cfg: Any) -> Any:
+    """HFRuntime of --model in float64 (as `atom-core demo --runtime hf`: its tokens are
+    checked against transformers' generate, and float64 keeps the two paths' rounding far
+    below any logit gap); both workers must load the same model, or the decode worker refuses
+    the KV (the fingerprint covers the config, the weights and the dtype)."""
+    import torch
+
+    from atom_core.batcher import check_runtime
+
+    hf = _hf()
+    try:
+        rt = (hf.tiny_runtime(args.model, cfg, seed=args.seed, dtype=torch.float64)
+              if args.model in hf.TINY_MODELS else
+              hf.HFRuntime.from_pretrained(args.model, cfg, dtype=torch.float64))
+        check_runtime(cfg, rt)  # before connecting, as for rbln
+    except (OSError, ValueError) as exc:  # UnsupportedModelError is a ValueError
+        raise UsageError(f"cannot serve {args.model}: {exc}") from None
+    return rt
+
+
+def _pd_oracle(args: argparse.Namespace, rt: Any) -> Any:
+    """The runtime's oracle: the reference model's cache-free generate, or for --runtime hf
+    transformers' own greedy generate() of the same weights."""
+    if args.runtime == "hf":
+        return _hf().GenerateOracle(rt)
+    from atom_core.demo import oracle_for
+
+    return oracle_for(rt)
+
+
+def pd_setup(args: argparse.Namespace, decode: bool) -> tuple[Any, Any, bytes | None]:
+    cfg = _pd_config(args, decode)
+    _pd_options(args, decode)
+    key = _pd_key(args)
+    if decode and args.check and args.runtime not in ("reference", "hf"):
+        raise UsageError("--check needs an oracle: the reference runtime's or, for --runtime hf, "
+                         "transformers' generate(); an RBLN model has none here, pass --no-check")
+    return cfg, _pd_runtime(args, cfg), key
+
+
+def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
+             key: bytes | None) -> Any:
+    """The worker's transport: gloo with this config's frame limits, and with a key a
+    SecureLink whose handshake has completed (LinkError, a TransportError, if the peer
+    fails it)."""
+    from atom_core.transport import GlooTransport
+
+    role = "decode worker: waiting for the prefill worker on" if rank == 0 else \
+        "prefill worker: connecting to the decode worker at"
+    print(f"{role} {args.host}:{args.port}", file=sys.stderr, flush=True)
+    limits = _wire_limits(cfg, rt)
+    transport = GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout,
+                              **limits)
+    if key is None:
+        return transport
+    from atom_core.pdlink import LinkError, SecureLink
+
+    # the key handshake, before either worker handles anything
+    link = SecureLink(transport, key, "decode" if rank == 0 else "prefill",
+                      max_box_bytes=limits["max_tensor_bytes"])
+    try:
+        link.establish(args.timeout)
+    except LinkError as exc:
+        link.close()
+        raise LinkError(f"PD link refused: {exc}") from None
+    return link
+
+
+def _wire_limits(cfg: Any, rt: Any) -> dict[str, int]:
+    """The transport's frame limits from this worker's config (`pd.frame_limits`), room for a
+    sealed box's overhead included."""
+    from atom_core import pd
+    from atom_core.pdlink import box_limit
+
+    lim = pd.frame_limits(cfg, rt)
+    return {"max_header_bytes": lim.header_bytes,
+            "max_tensor_bytes": box_limit(lim.header_bytes, lim.tensor_bytes)}
+
+
+def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
+    """(config, runtime, key, transport), or the exit code: 2 for a bad setting (before any
+    connection is tried), 1 when the peer cannot be reached."""
+    from atom_core.transport import TransportError
+
+    try:
+        cfg, rt, key = pd_setup(args, decode=decode)
+        return cfg, rt, key, connect(args, 0 if decode else 1, cfg, rt, key)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except TransportError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+
+
+def cmd_pd_prefill(args: argparse.Namespace) -> int:
+    from atom_core.workers import PrefillWorker
+
+    started = _pd_start(args, decode=False)
+    if isinstance(started, int):
+        return started
+    cfg, rt, key, transport = started
+    with transport:
+        worker = PrefillWorker(cfg, rt, transport, key=key, insecure=args.insecure)
+        worker.serve()
+    out = {**attrs.asdict(worker.stats), "ended_by": worker.ended_by,
+           **{k: transport.stats[k] for k in ("bytes_sent", "bytes_received")}}
+    if args.json:
+        emit(out)
+    else:
+        print(f"prefill worker: {out['exports']} exports, {out['failures']} failures, "
+              f"{out['bytes_sent']} bytes sent; ended by {out['ended_by']}", file=sys.stderr)
+    return 0 if worker.ended_by == "shutdown" else 1
+
+
+def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None,
+                  transport: Any) -> dict[str, Any]:
+    """Serve the demo workload through a DecodeWorker on `transport`; its summary, checked
+    against the oracle when `args.check`."""
+    from atom_core.demo import workload
+    from atom_core.workers import DecodeWorker
+
+    items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
+                     cfg.max_seq_len)
+    prefetch = cfg.lanes if args.prefetch is None else args.prefetch
+    with DecodeWorker(cfg, rt, transport, key=key, insecure=key is None,
+                      fallback_local=args.fallback_local,
+                      transfer_timeout=args.transfer_timeout, prefetch=prefetch) as worker:
+        ids = [worker.submit(it.prompt, it.max_new_tokens) for it in items]
+        results = worker.run_until_done()
+        out = {"config": config_json(cfg), **worker.summary()}
+    out["failed_ids"] = [w for w in ids if results[w].error is not None]
+    out["errors"] = {str(w): results[w].error for w in out["failed_ids"][:10]}
+    mismatches = []
+    if args.check:
+        oracle = _pd_oracle(args, rt)
+        mismatches = [w for w, it in zip(ids, items, strict=True) if results[w].error is None
+                      and results[w].tokens != oracle.generate(it.prompt, it.max_new_tokens)]
+    out["checked"], out["mismatches"] = bool(args.check), mismatches
+    out["exact"] = not mismatches and not out["failed_ids"] if args.check else None
+    return out
+
+
+def config_json(cfg: Any) -> dict[str, Any]:
+    return {"lanes": cfg.lanes, "kv_blocks": cfg.kv_blocks, "max_seq_len": cfg.max_seq_len,
+            "prefill_chunk": cfg.prefill_chunk, "prefix_cache": cfg.prefix_cache,
+            "scratch": cfg.scratch}
+
+
+def cmd_pd_decode(args: argparse.Namespace) -> int:
+    if args.check is None:
+        args.check = args.runtime in ("reference", "hf")
+    started = _pd_start(args, decode=True)
+    if isinstance(started, int):
+        return started
+    cfg, rt, key, transport = started
+    out = run_pd_decode(args, cfg, rt, key, transport)
+    if args.json:
+        emit(out)
+    else:
+        table("atom-core pd-decode", ["metric", "value"],
+               [[k, json.dumps(v)] for k, v in out.items() if k != "config"])
+        for w, err in out["errors"].items():
+            print(f"request {w}: {err}", file=sys.stderr)
+    return 1 if out["failed_ids"] or out["mismatches"] else 0
+
+
+
+def pd_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    _pd_common(p, decode=False)
+
+
+def pd_decode_arguments(p: argparse.ArgumentParser) -> None:
+    _pd_common(p, decode=True)
+    workload_arguments(p)
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="check every output against the oracle (default: on for the "
+                        "reference runtime and for hf, against transformers' generate)")
+    p.add_argument("--fallback-local", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill here the requests not yet sent when the prefill worker is "
+                        "lost (default: on)")
+    p.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="seconds before an unanswered KV transfer fails its request")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="ask for the KV of up to this many waiting requests before they get "
+                        "a lane (default: --lanes; 0: only once a lane waits for it)")
+
+
+def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the decode worker's address (default: loopback only)")
+    p.add_argument("--port", type=_port, default=29500)
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the other worker to connect")
+    p.add_argument("--key", default=None,
+                   help=f"shared PD key: literal, env:NAME or file:PATH (default: ${PD_KEY_ENV} "
+                        "if set); a literal is visible in the process list, prefer env: or file:")
+    p.add_argument("--insecure", action="store_true",
+                   help="run without a key: the link is neither authenticated nor encrypted "
+                        "(anyone who reaches the port, loopback included, can read and inject "
+                        "KV); for tests on a machine you alone use")
+    p.add_argument("--lanes", type=positive, default=4)
+    p.add_argument("--kv-blocks", type=positive, default=None,
+                   help="default: the proved minimum" + (
+                       " (plus one with dynamic scratch, so decode runs while imports are in "
+                       "flight)" if decode else ""))
+    p.add_argument("--max-seq-len", type=positive, default=256)
+    p.add_argument("--block-size", type=positive, default=None,
+                   help="KV block size; max_seq_len / block_size blocks per lane's table "
+                        "(default: max_seq_len, one block per lane); the two workers' may "
+                        "differ (a payload is the prompt's positions)")
+    p.add_argument("--prefill-chunk", type=positive, default=64)
+    p.add_argument("--prefix-cache", action="store_true")
+    p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic")
+    p.add_argument("--runtime", choices=("reference", "hf", "rbln"), default="reference",
+                   help="hf: a transformers model (--model) on HFRuntime, float64; both workers "
+                        "must give the same model")
+    p.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",
+                   help="hf: a local checkpoint directory, or tiny-llama / tiny-gemma3 (seeded "
+                        "random weights from --seed, saved and loaded back)")
+    p.add_argument("--compiled", default=None, help="rbln: the compiled model directory")
+    p.add_argument("--fingerprint", default=None,
+                   help="rbln: the model's id for PD (e.g. a hash of the artifact); both "
+                        "workers must give the same")
+    p.add_argument("--seed", type=int, default=0,
+                   help="reference runtime and hf tiny models: the model's seed")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {text}")
+    return v
+
+
+def workload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=positive, default=24)
+    p.add_argument("--max-new-tokens", type=positive, default=16)
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload")

@@ -1,0 +1,328 @@
+"""The proofs and an artifact's configuration: `verify`, `check-config`, `min-blocks`,
+`check-trace`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from atom_core._generated import capacity
+from atom_core.cli.common import emit, positive, table, z3_or_exit
+from atom_core.config import SCRATCH_MODES, Config, ConfigError, features, min_kv_blocks, rule_for
+
+
+def verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--max-lanes", type=positive, default=None,
+                   help="cutoff for bounded proofs (default 4; 5 with --deep)")
+    p.add_argument("--max-blocks", type=positive, default=None,
+                   help="cutoff for bounded proofs (default 8; 10 with --deep)")
+    p.add_argument("--deep", action="store_true",
+                   help="larger cutoffs (slow; CI runs the default)")
+    p.add_argument("-j", "--jobs", type=positive, default=os.cpu_count() or 1,
+                   help="worker processes (default: one per CPU); the output is the same "
+                        "for any number")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
+
+
+@contextlib.contextmanager
+def task_progress(show: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A progress bar on stderr over verify's tasks (none when `show` is false)."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("verify {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        tid = bar.add_task("", total=None)
+
+        def on_task(kind: str, done: int, total: int) -> None:
+            bar.update(tid, completed=done, total=total, description=kind)
+
+        yield on_task
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    z3_or_exit()
+    from atom_core.proofs.run import DEEP_BLOCKS, DEEP_LANES, verify
+    from atom_core.spec.model import MODEL
+
+    lanes = args.max_lanes or (DEEP_LANES if args.deep else 4)
+    blocks = args.max_blocks or (DEEP_BLOCKS if args.deep else 8)
+    show = not (args.json or args.quiet) and sys.stderr.isatty()
+    with task_progress(show) as on_task:
+        report = verify(MODEL, lanes, blocks, jobs=args.jobs, on_task=on_task)
+    if args.json:
+        emit(report.as_json())
+        return 0 if report.ok else 1
+    groups: dict[tuple[str, str, str], list[Any]] = defaultdict(list)
+    for c in report.checks:
+        groups[(c.invariant, c.action, c.kind)].append(c)
+    rows = []
+    for (inv, act, kind), cs in groups.items():
+        bad = [c for c in cs if c.status != "proved"]
+        status = bad[0].status if bad else "proved"
+        where = f" ({bad[0].size})" if bad and bad[0].size else ""
+        rows.append([inv, act, kind, f"{status}{where}", str(len(cs)),
+                     f"{sum(c.seconds for c in cs):.3f}", f"{max(c.seconds for c in cs):.3f}"])
+    table("atom-core verify: invariant x action", ["invariant", "action", "kind", "status",
+                                                     "queries", "seconds", "max"], rows)
+    from atom_core.proofs import capacity as proved
+
+    fitted, _wrong = proved.fit(report.rows)
+    pfitted, _pwrong = proved.fit_preempt(report.rows)
+    cap = []
+    for r in report.rows:
+        mins = ", ".join(f"B={b}: {k}" for b, k in r.minimum.items())
+        tight = all(t is not None for t in r.traces.values())
+        if r.features.preempt:
+            rule = (f"{r.features.rule_name}: {proved.preempt_rule_text(*pfitted[r.key])}"
+                    if r.key in pfitted else "no rule fits")
+        else:
+            rule = (f"{proved.RULE_NAMES[r.key]}: {proved.rule_text(*fitted[r.key])}"
+                    if r.key in fitted else "no rule fits")
+        cap.append([r.features.name, rule, mins, "yes" if tight else "NO"])
+    table("capacity (proved sufficient; tight = stuck run one block below)",
+           ["features", "rule", "minimum kv_blocks", "tight"], cap)
+    sb = [[case.name, f"B={case.lanes}, K=1", "on" if case.prefix_cache else "off", case.role,
+           "no stuck state" if tr is None else
+           f"stuck ({tr.violated}): " + "; ".join(
+               describe_step(st.as_json()).strip() for st in tr.steps)]
+          for case, tr in report.single_block]
+    table("single-block mode (block 0 serves the only lane)",
+           ["case", "size", "prefix cache", "role", "result"], sb)
+    table(f"where the time went ({report.jobs} jobs)",
+           ["kind", "tasks", "CPU seconds"],
+           [[k, str(report.tasks.get(k, "")), f"{v:.1f}"] for k, v in report.cpu.items()])
+    if report.stale:
+        print("stale witnesses (run `make generate`): " + "; ".join(report.stale))
+    n_bad = sum(1 for c in report.checks if c.status != "proved")
+    print(f"{len(report.checks)} checks, {n_bad} not proved, {report.seconds:.1f} s wall, "
+          f"{sum(report.cpu.values()):.1f} s CPU: "
+          + ("OK" if report.ok else "FAILED"))
+    return 0 if report.ok else 1
+
+
+def describe_step(step: dict[str, Any]) -> str:
+    args = ", ".join(f"{k}={_short(v)}" for k, v in step["args"].items())
+    return f"{step['step']:>3}. {step['action']}({args})"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, list) and len(v) > 12:
+        return f"[{', '.join(map(str, v[:6]))}, ... {len(v)} items]"
+    return str(v)
+
+
+def _artifact_error(args: argparse.Namespace, kv_blocks: int) -> str | None:
+    """What is wrong with the artifact's settings other than its number of KV blocks (checked
+    with `kv_blocks` blocks, at least the rule's minimum), or None."""
+    try:
+        Config(lanes=args.lanes, kv_blocks=kv_blocks, max_seq_len=args.max_seq_len,
+               block_size=args.block_size if args.block_size is not None else args.max_seq_len,
+               prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+               scratch=args.scratch, host_cache_blocks=args.host_cache_blocks,
+               preemption=args.preemption)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _invalid(args: argparse.Namespace, error: str, out: dict[str, Any]) -> int:
+    if args.json:
+        emit({**out, "safe": False, "error": error})
+    else:
+        print(f"INVALID: {error}", file=sys.stderr)
+    return 1 if "safe" in out else 2
+
+
+def _tables(args: argparse.Namespace) -> int:
+    """T, the blocks per lane's table (a block size that does not divide max_seq_len is
+    reported by `_artifact_error`)."""
+    block = args.block_size if args.block_size is not None else args.max_seq_len
+    return max(1, args.max_seq_len // block)
+
+
+# check-config searches for the stuck run at the artifact's size; with paged tables the search
+# grows with lanes * T, so above this it reports the rule without a run.
+TRACE_LANE_BLOCKS = 8
+
+
+# flag -> (Config field, default without --rbln-config)
+_ARTIFACT_FLAGS = {"lanes": ("lanes", None), "kv_blocks": ("kv_blocks", None),
+                   "max_seq_len": ("max_seq_len", 4096), "block_size": ("block_size", None),
+                   "prefill_chunk": ("prefill_chunk", 128),
+                   "prefix_cache": ("prefix_cache", False)}
+
+
+def _artifact_args(args: argparse.Namespace) -> int | None:
+    """Fill the artifact's settings from --rbln-config where no flag gave them, then the
+    defaults; 2 (a usage error, printed) when something required is missing."""
+    fields: dict[str, Any] = {}
+    if args.rbln_config is not None:
+        from atom_core.config import rbln_fields
+
+        try:
+            fields = rbln_fields(args.rbln_config)
+        except ConfigError as exc:
+            print(f"INVALID: {exc}", file=sys.stderr)
+            return 2
+    for flag, (field, default) in _ARTIFACT_FLAGS.items():
+        if hasattr(args, flag) and getattr(args, flag) is None:
+            setattr(args, flag, fields.get(field, default))
+    missing = [f"--{flag.replace('_', '-')}" for flag in ("lanes", "kv_blocks")
+               if hasattr(args, flag) and getattr(args, flag) is None]
+    if missing:
+        print(f"{args.command}: {' and '.join(missing)} required (or --rbln-config PATH with "
+              "batch_size and kvcache_num_blocks)", file=sys.stderr)
+        raise SystemExit(2)  # a usage error, as argparse's own
+    return None
+
+
+def check_config_arguments(p: argparse.ArgumentParser) -> None:
+    _artifact_arguments(p, kv_blocks=True)
+
+
+def min_blocks_arguments(p: argparse.ArgumentParser) -> None:
+    _artifact_arguments(p, kv_blocks=False)
+
+
+def _artifact_arguments(p: argparse.ArgumentParser, kv_blocks: bool) -> None:
+    p.add_argument("--rbln-config", default=None, metavar="PATH",
+                   help="a compiled artifact's rbln_config.json (or its directory): its "
+                        "batch_size, kvcache_num_blocks, kvcache_block_size, max_seq_len, "
+                        "prefill_chunk_size, ...; flags given here win over it")
+    p.add_argument("--lanes", type=positive, default=None,
+                   help="required unless --rbln-config gives batch_size")
+    if kv_blocks:
+        p.add_argument("--kv-blocks", type=positive, default=None,
+                       help="required unless --rbln-config gives kvcache_num_blocks")
+    p.add_argument("--prefix-cache", action="store_true", default=None)
+    p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
+                   help="reserved: a fixed scratch block; dynamic: padding rows write into a "
+                        "free block (default)")
+    p.add_argument("--max-seq-len", type=positive, default=None, help="default 4096")
+    p.add_argument("--block-size", type=positive, default=None,
+                   help="KV block size; max_seq_len / block_size blocks per lane's table "
+                        "(default: max_seq_len, the eager artifact: one block per lane)")
+    p.add_argument("--prefill-chunk", type=positive, default=None, help="default 128")
+    p.add_argument("--host-cache-blocks", type=int, default=0,
+                   help="host cache slots below the prefix cache (default 0: none)")
+    p.add_argument("--preemption", action="store_true",
+                   help="a lane waiting for a block preempts the most recently admitted one "
+                        "(needs --block-size below --max-seq-len): one lane's whole table "
+                        "and a block suffice")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    if (bad := _artifact_args(args)) is not None:
+        return bad
+    t = _tables(args)
+    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
+    rule = rule_for(args.prefix_cache, args.scratch, t, args.preemption)
+    error = _artifact_error(args, max(need, args.kv_blocks))
+    if error is not None:
+        return _invalid(args, error, {"safe": False, "lanes": args.lanes,
+                                      "kv_blocks": args.kv_blocks})
+    out: dict[str, Any] = {"safe": args.kv_blocks >= need, "rule": rule, "trace": [],
+                           "lanes": args.lanes, "kv_blocks": args.kv_blocks,
+                           "min_kv_blocks": need, "proved_lanes": capacity.PROVED_LANES,
+                           "blocks_per_table": t}
+    if not out["safe"] and args.lanes * t > TRACE_LANE_BLOCKS:
+        out["violated"] = None
+        out["note"] = (f"no stuck run shown: the search covers lanes * T <= {TRACE_LANE_BLOCKS} "
+                       f"(here {args.lanes * t}); the rule is proved and shown tight there")
+    elif not out["safe"]:
+        z3_or_exit()
+        from atom_core.proofs.search import stuck_run
+        from atom_core.spec.model import MODEL
+
+        tr = stuck_run(MODEL, args.lanes, args.kv_blocks, args.prefix_cache,
+                       args.scratch == "reserved", host=args.host_cache_blocks > 0, tables=t,
+                       preempt=args.preemption)
+        if tr is None:  # the rule says unsafe, so this is a bug in the proofs: say so loudly
+            print("internal error: no stuck run found below the proved minimum", file=sys.stderr)
+            return 3
+        out["trace"] = [s.as_json() for s in tr.steps]
+        out["violated"] = tr.violated
+        out["stuck_state"] = tr.final
+    if args.json:
+        emit(out)
+        return 0 if out["safe"] else 1
+    what = f"lanes={args.lanes}, kv_blocks={args.kv_blocks}, " + features(
+        args.prefix_cache, args.scratch) + (
+        f", host cache of {args.host_cache_blocks} blocks" if args.host_cache_blocks else "") + (
+        ", preemption" if args.preemption else "")
+    if out["safe"]:
+        note = ("" if args.lanes <= capacity.PROVED_LANES else
+                f" (the rule is proved for lanes <= {capacity.PROVED_LANES} by `atom-core verify`)")
+        print(f"SAFE: {what} satisfies '{rule}' (needs {need}){note}")
+        return 0
+    if "note" in out:
+        print(f"UNSAFE: {what} breaks '{rule}': needs {need}, {need - args.kv_blocks} missing "
+              f"({out['note']})")
+        return 1
+    print(f"UNSAFE: {what} breaks '{rule}': needs {need}, "
+          f"{need - args.kv_blocks} missing. A run into a stuck state (chunk 2, block size 8; "
+          "the shape is the same at any size):")
+    for s in out["trace"]:
+        print(describe_step(s))
+    st = out["stuck_state"]
+    print(f"  state: lanes {st['lanes']}; blocks {st['blocks']}; waiting {st['waiting']}")
+    print(f"  -> stuck: progress property '{out['violated']}' fails "
+          "(an idle lane and a waiting request that no admission can serve, even by evicting)"
+          if out["violated"] == "idle_lane_admits" else
+          f"  -> stuck: progress property '{out['violated']}' fails")
+    return 1
+
+
+def cmd_min_blocks(args: argparse.Namespace) -> int:
+    if (bad := _artifact_args(args)) is not None:
+        return bad
+    t = _tables(args)
+    need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
+    error = _artifact_error(args, need)
+    if error is not None:
+        return _invalid(args, error, {"lanes": args.lanes})
+    out = {"lanes": args.lanes, "min_kv_blocks": need, "blocks_per_table": t,
+           "rule": rule_for(args.prefix_cache, args.scratch, t, args.preemption)}
+    if args.json:
+        emit(out)
+    else:
+        print(f"lanes={args.lanes}, {features(args.prefix_cache, args.scratch)}: "
+              f"kv_blocks >= {need} ({out['rule']})")
+    return 0
+
+
+def check_trace_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def cmd_check_trace(args: argparse.Namespace) -> int:
+    from atom_core.replay import read_lines, replay
+
+    try:
+        with open(args.file, "rb") as f:
+            v = replay(read_lines(f))
+    except OSError as exc:
+        print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if args.json:
+        emit(attrs.asdict(v))
+    elif v.ok:
+        counts = ", ".join(f"{k} {n}" for k, n in sorted(v.counts.items()))
+        print(f"OK: {v.steps} steps, every one allowed by the spec ({counts})")
+    else:
+        print(f"line {v.line}: {v.error} (after {v.steps} good steps)")
+    return 0 if v.ok else 1
