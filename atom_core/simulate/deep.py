@@ -16,6 +16,8 @@ from atom_core.simulate.report import Report
 
 @attrs.frozen
 class SweepResult:
+    """What a sweep ran; `failing`: the first failing seed's report (shrunk), if any."""
+
     seeds_run: int
     first_seed: int
     ticks: int
