@@ -82,6 +82,8 @@ class DecodeNode:
         self._last: dict[str, Any] | None = None
         self.resubmitted = 0  # requests prefilled here after every prefill worker was lost
         self.done = False
+        # reported with the load: the process sets it once its links are up (cluster_run)
+        self.ready = True
 
     def step(self) -> bool:
         """One round: control messages, one worker step, events and load out; False when
@@ -120,7 +122,7 @@ class DecodeNode:
         return progress or self.worker._progress
 
     def load(self) -> Load:
-        return load_of(self.worker.batcher, ready=True)
+        return load_of(self.worker.batcher, ready=self.ready)
 
     def _report(self) -> None:
         msg = {"kind": "load", "load": self.load().as_json(),
@@ -194,6 +196,7 @@ class PrefillNode:
             raise ValueError("the prefill worker must run over this node's DecodeLinks")
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._last: dict[str, Any] | None = None
+        self.ready = True  # as DecodeNode.ready
 
     @property
     def done(self) -> bool:
@@ -210,7 +213,7 @@ class PrefillNode:
         if self.worker.done:
             return False
         progress = self.worker.step_once() or progress
-        msg = {"kind": "load", "load": load_of(self.worker.batcher).as_json(),
+        msg = {"kind": "load", "load": load_of(self.worker.batcher, ready=self.ready).as_json(),
                "stats": _stats_of(self.worker.batcher)}
         if msg != self._last:
             self._last = msg
