@@ -275,8 +275,11 @@ class Frontend:
         t0 = self.clock()
         t = time.perf_counter()
         try:
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 31
+                       for x in prompt):
+                raise ValueError("the prompt must be a list of token ids (integers >= 0)")
             a = self.router.assign(prompt)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             self.results[cid] = ClusterResult(prompt, max_new_tokens, None, None, t0,
                                               error=str(exc), ended=True, t_end=t0)
             return cid

@@ -20,6 +20,7 @@ that was least loaded at the last report.
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -190,8 +191,7 @@ class Router:
         h = hashlib.blake2b(digest_size=16)
         u = self.prefix_unit
         for i in range(min(len(prompt) // u, MAX_PREFIX_STEPS)):
-            h.update(b"".join(int(t).to_bytes(4, "little", signed=True)
-                              for t in prompt[i * u:(i + 1) * u]))
+            h.update(array.array("q", prompt[i * u:(i + 1) * u]).tobytes())
             keys.append(h.copy().digest())
         return keys
 

@@ -210,3 +210,12 @@ def test_no_decode_worker_fails_the_request_at_once() -> None:
     cid = c.submit([1, 2, 3], 2)
     r = c.frontend.results[cid]
     assert r.ended and "no decode worker is ready" in (r.error or "")
+
+
+def test_a_prompt_that_is_not_token_ids_fails_alone() -> None:
+    c = cluster(prefill=1, decode=1)
+    bad = c.submit([1, "x", 3], 2)  # type: ignore[list-item]
+    good = c.submit([1, 2, 3], 2)
+    assert "token ids" in (c.frontend.results[bad].error or "")
+    c.run_until_done()
+    assert_exact(c, [good])

@@ -167,3 +167,16 @@ def test_load_of_a_batcher() -> None:
     b.step()
     busy = load_of(b, held=1)
     assert busy.queued == 2 and busy.free_lanes == 0  # two lanes taken, one waits (+1 held)
+
+
+def test_bench_router_cost_runs() -> None:
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # bench/ is a top-level directory, not an installed package
+        sys.path.insert(0, root)
+    from bench.cluster import router_cost
+
+    out = router_cost(n=200)
+    assert 0 < out["median_us"] <= out["p90_us"]
