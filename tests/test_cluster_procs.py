@@ -70,3 +70,18 @@ def test_torchrun_world_size_must_match(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert cli.main(["pd-cluster", "--insecure", "--prefill", "2", "--decode", "2"]) == 2
     assert "--nproc-per-node 5" in capsys.readouterr().err
+
+
+def test_torchrun_starts_a_cluster() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this python")
+    env = {**os.environ, cli.PD_KEY_ENV: secrets.token_hex(32), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([str(torchrun), "--nproc-per-node", "3", "-m", "atom_core.cli",
+                        "pd-cluster", "--prefill", "1", "--decode", "1", *SHAPE, "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    outs = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    front = next(o for o in outs if "exact" in o)
+    assert front["exact"] is True and front["failed"] == 0
+    assert {o.get("role") for o in outs} >= {"prefill", "decode"}
