@@ -836,13 +836,17 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
     if port is None:
         port = _free_port(host)
     procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
-    if launch:
+
+    def spawn(r: int) -> None:
         # the children get this command line and environment (so the same key, however it was
         # given), each with its rank and the store's address
+        procs[layout.role(r)] = subprocess.Popen(
+            [sys.executable, "-m", "atom_core.cli", *args.argv, "--rank", str(r), "--host",
+             host, "--port", str(port)], stdout=subprocess.DEVNULL)
+
+    if launch:
         for r in range(1, layout.world):
-            procs[layout.role(r)] = subprocess.Popen(
-                [sys.executable, "-m", "atom_core.cli", *args.argv, "--rank", str(r),
-                 "--host", host, "--port", str(port)], stdout=subprocess.DEVNULL)
+            spawn(r)
     fp = None
     try:
         fp = FrontendProcess(layout, host=host, port=port, timeout=args.timeout, cfg=cfg,
@@ -851,17 +855,31 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
         items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
                          cfg.max_seq_len)
         fe = fp.frontend
-        ids = [fe.submit(it.prompt, it.max_new_tokens) for it in items]
         killed: set[tuple[str, int]] = set()
+        done: set[tuple[str, str, int]] = set()
+        plan = [("kill", *k) for k in args.kill] + [("restart", *k) for k in args.restart]
 
         def faults() -> None:
             ended = sum(r.ended for r in fe.results.values())
-            for role, index, after in args.kill:
-                if (role, index) not in killed and ended >= after and (role, index) in procs:
-                    procs[(role, index)].kill()
-                    killed.add((role, index))
+            for action, role, index, after in plan:
+                if (action, role, index) in done or ended < after or (role, index) not in procs:
+                    continue
+                done.add((action, role, index))
+                killed.add((role, index))
+                procs[(role, index)].kill()
+                if action == "restart":
+                    procs[(role, index)].wait()
+                    spawn(layout.rank(role, index))  # a new generation: linked again
 
-        fp.run(each=faults if args.kill else None, timeout=10 * args.timeout)
+        # waves: each submitted once the previous one ended and every worker is ready (again)
+        ids: list[int] = []
+        n = len(items)
+        for w in range(args.waves):
+            if w:
+                fp.wait_ready()
+            chunk = items[w * n // args.waves:(w + 1) * n // args.waves]
+            ids += [fe.submit(it.prompt, it.max_new_tokens) for it in chunk]
+            fp.run(each=faults if plan else None, timeout=10 * args.timeout)
         out: dict[str, Any] = {"prefill": layout.prefill, "decode": layout.decode,
                                "config": _config_json(cfg), **fe.summary()}
         out["killed"] = sorted(f"{r}:{i}" for r, i in killed)
@@ -1190,6 +1208,13 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--prefetch", type=int, default=None,
                     help="each decode worker asks for the KV of up to this many waiting "
                          "requests early (default: --lanes)")
+    pc.add_argument("--restart", type=_kill_spec, action="append", default=[],
+                    metavar="ROLE:I@N",
+                    help="as --kill, then start the worker again (a new generation: it is "
+                         "used once it reports ready); repeatable")
+    pc.add_argument("--waves", type=_positive, default=1,
+                    help="submit the workload in this many waves, each once the previous one "
+                         "ended and every worker is ready (default 1)")
     pc.add_argument("--transfer-timeout", type=float, default=30.0,
                     help="seconds before an unanswered KV transfer fails its request")
     pc.add_argument("--kill", type=_kill_spec, action="append", default=[],

@@ -337,8 +337,8 @@ class Frontend:
         for cid in sorted(self._open):
             r = self.results[cid]
             if r.decode == rank:
-                r.error = (f"decode worker {rank} was lost ({why}): this request ended with "
-                           "it; submit it again (the other workers are unaffected)")
+                r.error = (f"decode worker {rank} was lost ({why[:160]}): this request ended "
+                           "with it; submit it again (the other workers are unaffected)")
                 self._end(cid, now)
 
     def _end(self, cid: int, now: float) -> None:

@@ -121,6 +121,7 @@ class Linker:
         self.store, self.layout, self.rank = store, layout, rank
         self.host, self.timeout, self.key, self.limits = host, timeout, key, limits
         family, addr = _resolve(host, port)
+        self._addr, self._port = addr, port
         # the address the peers reach this process on: the one that routes to the store's host
         self.local = addr if rank == 0 else _source_address(family, addr, port)
         self._prefix = dist.PrefixStore
@@ -129,7 +130,9 @@ class Linker:
         self._lock = threading.Lock()
         self._seen: dict[int, int] = {}  # peer -> its latest generation
         self._tried: dict[int, int] = {}  # peer -> the generation last built or failed
-        self._building: set[int] = set()
+        # (peer, generation) being built: a build for a peer's dead generation may block until
+        # `timeout`, and must not hold back the build for its new one
+        self._building: set[tuple[int, int]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._scan, daemon=True,
                                         name=f"cluster-linker-r{rank}")
@@ -144,7 +147,7 @@ class Linker:
     def settled(self) -> bool:
         """Every peer registered so far was tried (linked or failed) at its latest generation."""
         with self._lock:
-            return all(self._tried.get(p) == g for p, g in self._seen.items())
+            return all(self._tried.get(p, 0) >= g for p, g in self._seen.items())
 
     def _scan(self) -> None:
         while not self._stop.is_set():
@@ -158,9 +161,9 @@ class Linker:
                     return
                 with self._lock:
                     self._seen[peer] = g
-                    if self._tried.get(peer) == g or peer in self._building:
+                    if self._tried.get(peer, 0) >= g or (peer, g) in self._building:
                         continue
-                    self._building.add(peer)
+                    self._building.add((peer, g))
                 threading.Thread(target=self._build, args=(peer, g), daemon=True,
                                  name=f"cluster-link-r{self.rank}-r{peer}").start()
             self._stop.wait(SCAN_SECONDS)
@@ -171,9 +174,16 @@ class Linker:
         lo, hi = (me, them) if first else (them, me)  # both ends name it alike
         prefix = f"link/{lo[0]}.{lo[1]}/{hi[0]}.{hi[1]}/"
         try:
+            # A connection of its own: a store client serves one call at a time, and the group's
+            # rendezvous blocks in it until the peer joins (up to `timeout` for a dead one),
+            # which must not hold up the scan or the other links.
+            import torch.distributed as dist
+
+            own = dist.TCPStore(self._addr, self._port, None, False,
+                                timeout=datetime.timedelta(seconds=self.timeout))
             link: Transport = GlooTransport(
                 0 if first else 1, host=self.host, local_host=self.local, timeout=self.timeout,
-                store=self._prefix(prefix, self.store), **self.limits(peer))
+                store=self._prefix(prefix, own), **self.limits(peer))
             if self.key is not None:
                 from atom_core.pdlink import SecureLink
 
@@ -190,9 +200,12 @@ class Linker:
                         g, exc)
             link = None  # type: ignore[assignment]
         with self._lock:
-            self._building.discard(peer)
-            self._tried[peer] = g
-        if link is not None:
+            self._building.discard((peer, g))
+            stale = g < self._seen.get(peer, g)  # the peer restarted meanwhile
+            self._tried[peer] = max(g, self._tried.get(peer, 0))
+        if link is not None and stale:
+            link.close()  # to a generation that is gone: it would only replace the new link
+        elif link is not None:
             self.links.put((peer, link))
 
 

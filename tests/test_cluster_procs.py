@@ -85,3 +85,13 @@ def test_torchrun_starts_a_cluster() -> None:
     front = next(o for o in outs if "exact" in o)
     assert front["exact"] is True and front["failed"] == 0
     assert {o.get("role") for o in outs} >= {"prefill", "decode"}
+
+
+def test_restarted_processes_are_used_once_ready() -> None:
+    # wave 1: a prefill and a decode worker are killed and started again (new generations);
+    # wave 2 starts once every worker reports ready, and both new ones serve in it
+    out = run("--restart", "prefill:0@2", "--restart", "decode:1@3", "--waves", "2")
+    assert out["exact"] is True and out["killed"] == ["decode:1", "prefill:0"]
+    w = out["workers"]  # the latest report of each worker: the new processes' counters
+    assert w["prefill:0"]["exports"] > 0 and w["decode:1"]["generated_tokens"] > 0
+    assert all("decode worker 1 was lost" in e for e in out["errors"].values())
