@@ -22,7 +22,7 @@ and nothing else changes. A worker that starts late or restarts is used once it 
 (`Frontend.add`, `PrefillLinks.add`).
 
 `LocalCluster` runs all of it in one thread over `InProcessTransport` pairs (tests, bench);
-`atom-core pd-cluster` (atom_core/cluster_launch.py) runs one process per worker over gloo.
+`atom-core pd-cluster` (atom_core/cluster_run.py) runs one process per worker over gloo.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class DecodeNode:
     def serve(self, idle_wait: float = 0.005) -> None:
         while not self.done:
             if not self.step():
-                self.links.wait(idle_wait)
+                _wait(self, idle_wait)
 
     def close(self) -> None:
         self.worker.close()
@@ -223,11 +223,19 @@ class PrefillNode:
     def serve(self, idle_wait: float = 0.005) -> None:
         while not self.done:
             if not self.step():
-                self.links.wait(idle_wait)
+                _wait(self, idle_wait)
 
     def close(self) -> None:
         self.links.close()
         self.control.close()
+
+
+def _wait(node: DecodeNode | PrefillNode, timeout: float) -> None:
+    """Until a message is on the node's control link or one of its links, or `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not node.control.wait(0) and not node.links.wait(0.0005):
+        if time.monotonic() > deadline:
+            return
 
 
 # --------------------------------------------------------------------------- frontend
@@ -294,6 +302,14 @@ class Frontend:
 
     def busy(self) -> bool:
         return bool(self._open)
+
+    def abort(self, cid: int) -> bool:
+        """Ask the request's decode worker to end it (it ends with error "aborted", or as it
+        was already ending); False for unknown or ended requests."""
+        r = self.results.get(cid)
+        if r is None or r.ended or r.decode is None:
+            return False
+        return _send(self.controls[("decode", r.decode)], {"kind": "abort", "id": cid})
 
     def step(self) -> bool:
         progress = False
@@ -373,7 +389,7 @@ class Frontend:
 
 
 # --------------------------------------------------------------------------- in-process
-def _pair(key: bytes | None, initiator: str) -> tuple[Transport, Transport]:
+def _pair(key: bytes | None) -> tuple[Transport, Transport]:
     """Two joined ends (the initiator's first); with a key each a SecureLink, handshake done."""
     a, b = InProcessTransport.pair()
     if key is None:
@@ -416,14 +432,14 @@ class LocalCluster:
         the other role and to the frontend."""
         self._gen += 1
         key, insecure = self.key, self.key is None
-        fe_end, control = _pair(key, "frontend")
+        fe_end, control = _pair(key)
         if role == "prefill":
             links = DecodeLinks(secure=key is not None)
             worker = PrefillWorker(self.pcfg, self.runtime_for(self.pcfg), links, key=key,
                                    insecure=insecure)
             for d, dn in self.decodes.items():
                 if not dn.done:
-                    de, pe = _pair(key, "decode")
+                    de, pe = _pair(key)
                     dn.links.add(rank, de)
                     links.add(d, pe)
             self.prefills[rank] = PrefillNode(rank, worker, links, control)
@@ -434,7 +450,7 @@ class LocalCluster:
                                    wire_prefix=f"d{rank}g{self._gen}.")
             for p, pn in self.prefills.items():
                 if not pn.done:
-                    de, pe = _pair(key, "decode")
+                    de, pe = _pair(key)
                     pn.links.add(rank, pe)
                     links_p.add(p, de)
             self.decodes[rank] = DecodeNode(rank, dworker, links_p, control)

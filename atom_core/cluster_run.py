@@ -244,7 +244,7 @@ def run_worker(layout: Layout, rank: int, *, host: str, port: int, timeout: floa
                rt: Any, key: bytes | None, prefetch: int = 0,
                transfer_timeout: float = 30.0) -> dict[str, Any]:
     """Rank `rank`'s worker until the frontend says shutdown (or is lost); its stats."""
-    from atom_core.cluster import DecodeNode, PrefillNode
+    from atom_core.cluster import DecodeNode, PrefillNode, _wait
     from atom_core.links import DecodeLinks, PrefillLinks
     from atom_core.workers import DecodeWorker, PrefillWorker
 
@@ -280,7 +280,7 @@ def run_worker(layout: Layout, rank: int, *, host: str, port: int, timeout: floa
             got = []
             node.ready = linker.settled()
             if not node.step():
-                node.links.wait(0.002)
+                _wait(node, 0.002)
     finally:
         linker.stop()
         node.close()

@@ -219,3 +219,18 @@ def test_a_prompt_that_is_not_token_ids_fails_alone() -> None:
     assert "token ids" in (c.frontend.results[bad].error or "")
     c.run_until_done()
     assert_exact(c, [good])
+
+
+def test_an_aborted_request_ends_once_and_frees_its_blocks() -> None:
+    c = cluster(prefill=1, decode=1)
+    a = c.submit(list(range(1, 90)), 40)
+    b = c.submit(list(range(5, 50)), 4)
+    for _ in range(6):
+        c.step()
+    assert c.frontend.abort(a)
+    c.run_until_done()
+    assert c.frontend.results[a].error == "aborted" or c.frontend.results[a].error is None
+    assert not c.frontend.abort(a)  # ended
+    assert_exact(c, [b])
+    assert c.frontend.late_events == 0
+    assert_clean(c)
