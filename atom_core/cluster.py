@@ -52,6 +52,11 @@ def prefix_unit(cfg: Config) -> int:
     return cfg.prefill_chunk if cfg.blocks_per_table == 1 else cfg.block_size
 
 
+NO_PREEMPTION = ("a PD cluster's workers run without preemption (the batcher refuses PD "
+                 "requests with preemption=True: a preempted imported request would have to be "
+                 "prefilled again); use a Config with preemption=False")
+
+
 def _stats_of(batcher: Any) -> dict[str, int]:
     st = batcher.stats
     return {"prefill_tokens": st.prefill_tokens, "prefix_hit_tokens": st.prefix_hit_tokens,
@@ -75,6 +80,8 @@ class DecodeNode:
                  control: Transport) -> None:
         if worker.transport is not links:
             raise ValueError("the decode worker must run over this node's PrefillLinks")
+        if worker.batcher.config.preemption:
+            raise ValueError(NO_PREEMPTION)  # every request would fail: refuse the worker
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
@@ -194,6 +201,8 @@ class PrefillNode:
                  control: Transport) -> None:
         if worker.transport is not links:
             raise ValueError("the prefill worker must run over this node's DecodeLinks")
+        if worker.batcher.config.preemption:
+            raise ValueError(NO_PREEMPTION)
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._last: dict[str, Any] | None = None
         self.ready = True  # as DecodeNode.ready
@@ -415,6 +424,8 @@ class LocalCluster:
             from atom_core.workers import NO_KEY
 
             raise ValueError(NO_KEY)
+        if cfg.preemption or (pcfg is not None and pcfg.preemption):
+            raise ValueError(NO_PREEMPTION)
         self.cfg, self.pcfg = cfg, pcfg or cfg
         self.runtime_for, self.key, self.prefetch = runtime_for, key, prefetch
         self.frontend = Frontend(Router(prefix_unit(self.pcfg), policy))

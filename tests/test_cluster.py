@@ -234,3 +234,15 @@ def test_an_aborted_request_ends_once_and_frees_its_blocks() -> None:
     assert_exact(c, [b])
     assert c.frontend.late_events == 0
     assert_clean(c)
+
+
+def test_preemption_is_refused_up_front() -> None:
+    import attrs
+
+    cfg = Config(lanes=2, kv_blocks=4, max_seq_len=S, block_size=C, prefill_chunk=C,
+                 preemption=True)
+    with pytest.raises(ValueError, match="without preemption"):
+        LocalCluster(cfg, runtime, prefill=1, decode=1, key=KEY)
+    with pytest.raises(ValueError, match="without preemption"):
+        LocalCluster(config(), runtime, prefill=1, decode=1, key=KEY,
+                     pcfg=attrs.evolve(cfg, kv_blocks=4))
