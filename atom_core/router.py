@@ -5,6 +5,9 @@ that never reported ready, or was reported lost, is never chosen. For each reque
 asks its policy to pick one of the ready workers of each role, and remembers, per worker, a hash
 of each block-aligned prefix of the prompts it sent there (`prefix_unit` tokens per step: the
 granularity at which a prefix cache hits): that worker's prefix cache is likely to hold them.
+Affinity applies to the roles in `affinity`, by default the prefill workers only: a decode
+worker imports a prompt's KV into fresh blocks, so its prefix cache does not serve the next
+prompt with that prefix, and the decode worker is chosen by load alone.
 
 Default policy (`LeastLoaded`): prefix affinity first, load second. Among ready workers, the
 one holding the longest remembered prefix of the prompt wins, unless its queue is more than
@@ -114,12 +117,16 @@ class Router:
     step (a config's `prefill_chunk` with one block per table, else its `block_size`)."""
 
     def __init__(self, prefix_unit: int, policy: Policy | None = None, *,
-                 remember: int = DEFAULT_REMEMBER) -> None:
+                 remember: int = DEFAULT_REMEMBER,
+                 affinity: tuple[str, ...] = ("prefill",)) -> None:
         if isinstance(prefix_unit, bool) or not isinstance(prefix_unit, int) or prefix_unit < 1:
             raise ValueError(f"prefix_unit must be a positive integer, got {prefix_unit!r}")
         self.prefix_unit = prefix_unit
         self.policy: Policy = policy or LeastLoaded()
         self.remember = remember
+        for role in affinity:
+            self._check(role)
+        self.affinity = frozenset(affinity)
         self.loads: dict[str, dict[int, Load]] = {r: {} for r in ROLES}
         self.lost: dict[str, set[int]] = {r: set() for r in ROLES}
         # role -> worker -> prefix hash -> steps (an LRU: most recent last)
@@ -168,7 +175,7 @@ class Router:
         cands = {w: ld for w, ld in self.loads[role].items() if ld.ready and w not in exclude}
         if not cands:
             return None
-        holders = self._holders(role, keys, cands)
+        holders = self._holders(role, keys, cands) if role in self.affinity else {}
         w = self.policy.choose(cands, holders)
         if w not in cands:
             raise ValueError(f"policy {type(self.policy).__name__} chose worker {w!r}, not one "
@@ -176,6 +183,8 @@ class Router:
         if w in holders:
             self.affinity_hits[role] += 1
         self.loads[role][w].queued += 1
+        if role not in self.affinity:
+            return w
         seen = self._seen[role].setdefault(w, OrderedDict())
         for steps, k in enumerate(keys, 1):
             seen[k] = steps

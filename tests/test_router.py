@@ -49,7 +49,7 @@ def test_a_burst_spreads_over_equal_workers() -> None:
 
 
 def test_requests_sharing_a_prefix_go_to_the_same_workers() -> None:
-    r = router(prefill=2, decode=2)
+    r = router(prefill=2, decode=2, affinity=("prefill", "decode"))
     shared = [9, 9, 9, 9, 8, 8, 8, 8]
     first = r.assign(shared + [1])
     r.assign([50, 51, 52, 53, 54])  # another prompt: takes the other (less loaded) workers
@@ -180,3 +180,13 @@ def test_bench_router_cost_runs() -> None:
 
     out = router_cost(n=200)
     assert 0 < out["median_us"] <= out["p90_us"]
+
+
+def test_decode_workers_are_chosen_by_load_alone_by_default() -> None:
+    r = router(prefill=2, decode=2)
+    p = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    a, b = r.assign(p), r.assign(p)
+    assert a.prefill == b.prefill and a.decode != b.decode
+    assert r.affinity_hits == {"prefill": 1, "decode": 0}
+    with pytest.raises(ValueError, match="role"):
+        Router(U, affinity=("router",))
