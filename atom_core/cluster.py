@@ -64,6 +64,29 @@ def _stats_of(batcher: Any) -> dict[str, int]:
             "exports": st.exports}
 
 
+# Counters alone (no change of load) are reported at most this often: a decode worker's change
+# every step, and the router only needs the load at once.
+STATS_EVERY = 0.05
+
+
+class _Reporter:
+    """Sends a node's load report when the load changed, or its counters did and STATS_EVERY
+    passed since the last report."""
+
+    def __init__(self) -> None:
+        self._load: dict[str, Any] | None = None
+        self._stats: dict[str, Any] | None = None
+        self._at = 0.0
+
+    def report(self, control: Transport, load: Load, stats: dict[str, Any]) -> None:
+        now = time.monotonic()
+        ld = load.as_json()
+        if ld == self._load and (stats == self._stats or now - self._at < STATS_EVERY):
+            return
+        if _send(control, {"kind": "load", "load": ld, "stats": stats}):
+            self._load, self._stats, self._at = ld, stats, now
+
+
 def _send(link: Transport, header: dict[str, Any]) -> bool:
     try:
         link.send(header)
@@ -86,7 +109,7 @@ class DecodeNode:
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
         self._job: dict[int, tuple[list[int], int, int | None]] = {}  # to resubmit locally
-        self._last: dict[str, Any] | None = None
+        self._reporter = _Reporter()
         self.resubmitted = 0  # requests prefilled here after every prefill worker was lost
         self.done = False
         # reported with the load: the process sets it once its links are up (cluster_run)
@@ -132,13 +155,9 @@ class DecodeNode:
         return load_of(self.worker.batcher, ready=self.ready)
 
     def _report(self) -> None:
-        msg = {"kind": "load", "load": self.load().as_json(),
-               "stats": {**_stats_of(self.worker.batcher), "retried": self.links.retried,
-                         "resubmitted": self.resubmitted,
-                         "local_fallbacks": self.worker.local_fallbacks}}
-        if msg != self._last:
-            self._last = msg
-            _send(self.control, msg)
+        self._reporter.report(self.control, self.load(), {
+            **_stats_of(self.worker.batcher), "retried": self.links.retried,
+            "resubmitted": self.resubmitted, "local_fallbacks": self.worker.local_fallbacks})
 
     def _submit(self, h: dict[str, Any]) -> None:
         cid = h.get("id")
@@ -204,7 +223,7 @@ class PrefillNode:
         if worker.batcher.config.preemption:
             raise ValueError(NO_PREEMPTION)
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
-        self._last: dict[str, Any] | None = None
+        self._reporter = _Reporter()
         self.ready = True  # as DecodeNode.ready
 
     @property
@@ -222,11 +241,8 @@ class PrefillNode:
         if self.worker.done:
             return False
         progress = self.worker.step_once() or progress
-        msg = {"kind": "load", "load": load_of(self.worker.batcher, ready=self.ready).as_json(),
-               "stats": _stats_of(self.worker.batcher)}
-        if msg != self._last:
-            self._last = msg
-            _send(self.control, msg)
+        self._reporter.report(self.control, load_of(self.worker.batcher, ready=self.ready),
+                              _stats_of(self.worker.batcher))
         return progress
 
     def serve(self, idle_wait: float = 0.005) -> None:

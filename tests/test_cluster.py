@@ -5,12 +5,13 @@ killed, late and restarted workers; and the per-link muxes' edge cases."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Mapping
 
 import pytest
 
 from atom_core._generated import core
-from atom_core.cluster import LocalCluster
+from atom_core.cluster import STATS_EVERY, LocalCluster
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for, workload
 from atom_core.router import Load
@@ -99,7 +100,8 @@ def test_prefix_affinity_shows_in_the_prefix_hit_counters() -> None:
         cids = [c.submit(p, 4) for p in prompts]
         c.run_until_done()
         assert_exact(c, cids)
-        c.step()  # the last load reports
+        time.sleep(STATS_EVERY)
+        c.step()  # the last reports (counters alone are sent at most every STATS_EVERY)
         return sum(s["prefix_hit_tokens"] for (role, _), s in c.frontend.worker_stats.items()
                    if role == "prefill")
 
