@@ -788,6 +788,9 @@ def _cluster_rank(args: argparse.Namespace) -> tuple[int | None, str, int | None
                 int(os.environ["MASTER_PORT"]))
     if args.rank is not None and not 0 <= args.rank < world:
         raise _Usage(f"--rank {args.rank} is outside the cluster (ranks 0..{world - 1})")
+    if args.rank is not None and args.port is None:
+        raise _Usage("--rank needs --port: every process of the cluster must name the same "
+                     "store (rank 0 hosts it on --host:--port)")
     return args.rank, args.host, args.port
 
 
@@ -851,11 +854,18 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
     try:
         fp = FrontendProcess(layout, host=host, port=port, timeout=args.timeout, cfg=cfg,
                              rt=rt, key=key)
-        fp.wait_ready()
+        killed: set[tuple[str, int]] = set()
+
+        def started() -> None:
+            for (role, index), p in procs.items():
+                if p.poll() is not None and (role, index) not in killed:
+                    raise TransportError(f"{role} worker {index} exited (code {p.returncode}) "
+                                         "before it reported ready: see its error above")
+
+        fp.wait_ready(started)
         items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
                          cfg.max_seq_len)
         fe = fp.frontend
-        killed: set[tuple[str, int]] = set()
         done: set[tuple[str, str, int]] = set()
         plan = [("kill", *k) for k in args.kill] + [("restart", *k) for k in args.restart]
 
@@ -876,7 +886,7 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
         n = len(items)
         for w in range(args.waves):
             if w:
-                fp.wait_ready()
+                fp.wait_ready(started)
             chunk = items[w * n // args.waves:(w + 1) * n // args.waves]
             ids += [fe.submit(it.prompt, it.max_new_tokens) for it in chunk]
             fp.run(each=faults if plan else None, timeout=10 * args.timeout)

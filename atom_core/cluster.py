@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 
 from atom_core.config import Config
-from atom_core.links import DecodeLinks, PrefillLinks
+from atom_core.links import DecodeLinks, PrefillLinks, poll_until
 from atom_core.router import Load, Policy, Router, load_of
 from atom_core.transport import PEER_LOST, InProcessTransport, Transport, TransportError
 from atom_core.workers import DecodeWorker, PrefillWorker, _quantile
@@ -257,10 +257,7 @@ class PrefillNode:
 
 def _wait(node: DecodeNode | PrefillNode, timeout: float) -> None:
     """Until a message is on the node's control link or one of its links, or `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not node.control.wait(0) and not node.links.wait(0.0005):
-        if time.monotonic() > deadline:
-            return
+    poll_until(lambda: node.control.wait(0) or node.links.wait(0), timeout)
 
 
 # --------------------------------------------------------------------------- frontend

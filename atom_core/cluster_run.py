@@ -28,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from atom_core.links import IDLE_POLL
 from atom_core.transport import GlooTransport, Transport, TransportError, _resolve, _source_address
 
 __all__ = ["Layout", "Linker", "open_store"]
@@ -209,14 +210,15 @@ class Linker:
             self.links.put((peer, link))
 
 
-def wait_for(cond: Any, timeout: float, what: str, pump: Any = None) -> None:
-    """Call `pump()` until `cond()` or raise TimeoutError naming `what`."""
+def wait_for(cond: Any, timeout: float, what: Any, pump: Any = None) -> None:
+    """Call `pump()` until `cond()` or raise TimeoutError naming `what` (a string, or a
+    function giving it at that moment)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if pump is not None:
             pump()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:g}s")
+            raise TimeoutError(f"{what() if callable(what) else what} within {timeout:g}s")
         time.sleep(0.01)
 
 
@@ -280,7 +282,7 @@ def run_worker(layout: Layout, rank: int, *, host: str, port: int, timeout: floa
             got = []
             node.ready = linker.settled()
             if not node.step():
-                _wait(node, 0.002)
+                _wait(node, 0.02)  # (returns at the first message)
     finally:
         linker.stop()
         node.close()
@@ -311,22 +313,34 @@ class FrontendProcess:
             self.frontend.add(*self.layout.role(peer), link)
         return self.frontend.step()
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, check: Any = None) -> None:
+        """Until every worker reported ready; `check()` may raise to give up sooner (a worker
+        process that exited)."""
         r = self.frontend.router
+
+        def pump() -> None:
+            if check is not None:
+                check()
+            self.pump()
+
         wait_for(lambda: len(r.ready("prefill")) == self.layout.prefill
                  and len(r.ready("decode")) == self.layout.decode, self.timeout,
-                 f"not every worker ({self.layout.prefill} prefill, {self.layout.decode} "
-                 f"decode) reported ready: ready are prefill {r.ready('prefill')}, decode "
-                 f"{r.ready('decode')}", self.pump)
+                 lambda: f"not every worker ({self.layout.prefill} prefill, "
+                         f"{self.layout.decode} decode) reported ready: ready are prefill "
+                         f"{r.ready('prefill')}, decode {r.ready('decode')}", pump)
 
     def run(self, each: Any = None, timeout: float | None = None) -> None:
         """Until every submitted request ended; `each()` runs every round (faults)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.0001
         while self.frontend.busy():
             if each is not None:
                 each()
-            if not self.pump():
-                time.sleep(0.0005)
+            if self.pump():
+                pause = 0.0001
+            else:  # idle: look again soon, then less often (the workers need the cores)
+                time.sleep(pause)
+                pause = min(2 * pause, IDLE_POLL)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"requests still running after {timeout:g}s: "
                                    f"{sorted(self.frontend._open)[:20]}")

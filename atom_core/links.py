@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self
 
@@ -32,6 +33,25 @@ import torch
 from atom_core.transport import PEER_LOST, Message, Transport, TransportError
 
 __all__ = ["DecodeLinks", "PrefillLinks"]
+
+
+# The longest sleep between two looks at idle links.
+IDLE_POLL = 0.002
+
+
+def poll_until(ready: Callable[[], bool], timeout: float) -> bool:
+    """`ready()` at growing intervals (0.1 ms doubling up to IDLE_POLL) until it is true (True)
+    or `timeout` passed (False)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0001
+    while True:
+        if ready():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, IDLE_POLL)
 
 
 class _Links:
@@ -75,16 +95,11 @@ class _Links:
         return out
 
     def wait(self, timeout: float) -> bool:
-        """Until some link has a message (checked every millisecond: links have no shared
-        wake-up) or `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._inbox or any(link.wait(0) for link in list(self.links.values())):
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(0.001, left))
+        """Until some link has a message or `timeout`. Links have no shared wake-up, so this
+        polls them, at first every 0.1 ms, then less often up to every IDLE_POLL (a quick
+        answer stays quick, and idle workers leave the cores to busy ones)."""
+        return poll_until(lambda: bool(self._inbox) or any(
+            link.wait(0) for link in list(self.links.values())), timeout)
 
     def close(self) -> None:
         self._closed = True

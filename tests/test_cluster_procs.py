@@ -57,6 +57,7 @@ def test_a_killed_decode_process_fails_its_own_requests_only() -> None:
     (["--prefill", "-1"], "needs --decode >= 1 and --prefill >= 0"),
     (["--backend", "nccl"], "use gloo"),
     (["--rank", "9"], "outside the cluster"),
+    (["--rank", "1"], "--rank needs --port"),
 ])
 def test_launcher_argument_errors(argv: list[str], msg: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:
