@@ -124,7 +124,7 @@ def test_a_killed_prefill_worker_is_retried_elsewhere() -> None:
     c.run_until_done(each=fault)
     assert_exact(c, cids)
     retried = sum(n.links.retried for n in c.decodes.values())
-    assert retried > 0
+    assert retried > 0 and c.frontend.late_events == 0
     assert c.frontend.router.ready("prefill") == [1]
     assert sum(n.resubmitted for n in c.decodes.values()) == 0
     assert_clean(c)
@@ -138,6 +138,11 @@ def test_every_prefill_worker_killed_falls_back_to_local_prefill() -> None:
     assert all(n.worker.lost is not None for n in c.decodes.values())
     local = sum(n.worker.batcher.stats.prefill_tokens for n in c.decodes.values())
     assert local > 0
+    # both ways to local prefill were taken: waiting requests made local by the worker, and
+    # requests whose transfer failed (no token yet) resubmitted by their node
+    assert sum(n.worker.local_fallbacks for n in c.decodes.values()) > 0
+    assert sum(n.resubmitted for n in c.decodes.values()) > 0
+    assert c.frontend.late_events == 0
     assert_clean(c)
     # new requests are prefilled locally too
     more = submit_workload(c, n=3, seed=5)
