@@ -199,6 +199,8 @@ class DecodeNode:
                 self._end(wid, cid)
 
     def _end(self, wid: int, cid: int) -> None:
+        # (a request that ended before asking for its KV leaves no routing entry behind)
+        self.links.route(f"{self.worker.wire_prefix}{wid}", None)
         self._cid.pop(wid, None)
         self._job.pop(cid, None)
         self._tokens.pop(cid, None)

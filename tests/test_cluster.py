@@ -238,6 +238,7 @@ def test_an_aborted_request_ends_once_and_frees_its_blocks() -> None:
     c.run_until_done()
     assert c.frontend.results[a].error == "aborted" or c.frontend.results[a].error is None
     assert not c.frontend.abort(a)  # ended
+    assert c.decodes[0].links._assigned == {}  # no routing entry outlives its request
     assert_exact(c, [b])
     assert c.frontend.late_events == 0
     assert_clean(c)
