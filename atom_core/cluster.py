@@ -28,6 +28,7 @@ and nothing else changes. A worker that starts late or restarts is used once it 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -281,12 +282,18 @@ class Frontend:
     """The router's side: assigns requests (`Router`), collects their tokens, tracks the
     workers through their control links. `submit` and `step` are single-threaded."""
 
-    def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter, *,
+                 keep_ended: int = 10_000) -> None:
+        """`keep_ended`: how many ended requests `results` still holds (older ones are
+        forgotten, so a long-running frontend's memory does not grow with what it served)."""
         self.router, self.clock = router, clock
+        self.keep_ended = keep_ended
         self.controls: dict[tuple[str, int], Transport] = {}
         self.results: dict[int, ClusterResult] = {}
         self.worker_stats: dict[tuple[str, int], dict[str, int]] = {}
-        self.route_seconds: list[float] = []  # the router's time per request
+        # the router's time per request, the latest ones
+        self.route_seconds: deque[float] = deque(maxlen=100_000)
+        self._ended: deque[int] = deque()
         self.late_events = 0  # for requests already ended: dropped (each ends once)
         self._next = 0
         self._open: set[int] = set()
@@ -313,7 +320,8 @@ class Frontend:
             a = self.router.assign(prompt)
         except (RuntimeError, ValueError) as exc:
             self.results[cid] = ClusterResult(prompt, max_new_tokens, None, None, t0,
-                                              error=str(exc), ended=True, t_end=t0)
+                                              error=str(exc))
+            self._end(cid, t0)
             return cid
         self.route_seconds.append(time.perf_counter() - t)
         self.results[cid] = ClusterResult(prompt, max_new_tokens, a.decode, a.prefill, t0)
@@ -384,6 +392,9 @@ class Frontend:
     def _end(self, cid: int, now: float) -> None:
         self.results[cid].ended, self.results[cid].t_end = True, now
         self._open.discard(cid)
+        self._ended.append(cid)
+        while len(self._ended) > self.keep_ended:
+            del self.results[self._ended.popleft()]
 
     def shutdown(self) -> None:
         for link in self.controls.values():

@@ -254,3 +254,12 @@ def test_preemption_is_refused_up_front() -> None:
     with pytest.raises(ValueError, match="without preemption"):
         LocalCluster(config(), runtime, prefill=1, decode=1, key=KEY,
                      pcfg=attrs.evolve(cfg, kv_blocks=4))
+
+
+def test_the_frontend_forgets_the_oldest_ended_requests() -> None:
+    c = cluster(prefill=1, decode=1)
+    c.frontend.keep_ended = 3
+    cids = submit_workload(c, n=6)
+    c.run_until_done()
+    assert len(c.frontend.results) == 3
+    assert_exact(c, [cid for cid in cids if cid in c.frontend.results])
