@@ -61,6 +61,7 @@ bench: install
 	$(PY) -m bench.prefix
 	$(PY) -m bench.preempt
 	$(PY) -m bench.pd_crypto
+	$(PY) -m bench.cluster
 	$(PY) -m bench.serve
 	$(PY) -m bench.hf
 	$(PY) -m bench.hf --mixed

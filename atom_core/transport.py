@@ -440,8 +440,10 @@ class GlooTransport:
                  timeout: float = 30.0, local_host: str | None = None,
                  max_header_bytes: int = _MAX_HEADER_BYTES,
                  max_tensor_bytes: int = _MAX_TENSOR_BYTES,
-                 inbox_messages: int = INBOX_MESSAGES) -> None:
-        """`max_header_bytes` / `max_tensor_bytes`: the largest header and tensor the peer may
+                 inbox_messages: int = INBOX_MESSAGES, store: Any = None) -> None:
+        """`store`: a torch.distributed store both ends already share (a cluster's, under a
+        prefix of this link's own): no rendezvous of its own, `port` is then unused.
+        `max_header_bytes` / `max_tensor_bytes`: the largest header and tensor the peer may
         announce (`atom_core.pd.frame_limits` of the worker's config); a larger announcement
         is a protocol error that ends the link before anything is allocated for it.
         `inbox_messages`: unread messages held before the receiver stops reading
@@ -469,7 +471,7 @@ class GlooTransport:
         family, addr = _resolve(host, port)
         bind = local_host or (addr if rank == 0 else _source_address(family, addr, port))
         td = datetime.timedelta(seconds=timeout)
-        self._store = self._rendezvous(dist, family, addr, td)
+        self._store = store if store is not None else self._rendezvous(dist, family, addr, td)
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
         opts._timeout = td

@@ -312,13 +312,19 @@ class DecodeWorker:
                  transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT, prefetch: int = 0,
                  ghost: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
-                 keep_ended: int | None = 10_000) -> None:
+                 keep_ended: int | None = 10_000, wire_prefix: str = "") -> None:
         """`ghost`: the batcher keeps ghost state (for invariant checks). `clock`: the time
         source of latencies and transfer timeouts (a simulation passes its own). `keep_ended`:
         how many ended requests `results()` and `summary()` still report; older ones are
         forgotten here and in the batcher (None: every one), so a long-running worker's memory
-        does not grow with the requests it served."""
+        does not grow with the requests it served. `wire_prefix`: put before every wire id, so
+        that the ids of several decode workers sharing a prefill worker never collide (the
+        cluster's; at most 32 characters)."""
         _need_key(key, insecure)
+        if not isinstance(wire_prefix, str) or len(wire_prefix) > 32:
+            raise ValueError(f"wire_prefix must be a string of at most 32 characters, got "
+                             f"{wire_prefix!r}")
+        self.wire_prefix = wire_prefix
         if keep_ended is not None and (isinstance(keep_ended, bool)
                                        or not isinstance(keep_ended, int) or keep_ended < 0):
             raise ValueError(f"keep_ended must be an integer >= 0 or None, got {keep_ended!r}")
@@ -679,7 +685,8 @@ class DecodeWorker:
 
     def _send_prefill(self, wid: int, out: list[Event]) -> None:
         req = self.requests[wid]
-        req.wire, req.t_sent, req.nonce = str(wid), self.clock(), secrets.token_hex(16)
+        req.wire, req.t_sent = f"{self.wire_prefix}{wid}", self.clock()
+        req.nonce = secrets.token_hex(16)
         self._by_wire[req.wire] = wid
         try:
             self.transport.send({"kind": "prefill", "id": req.wire, "nonce": req.nonce,

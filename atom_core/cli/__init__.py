@@ -5,6 +5,7 @@ subcommand, its arguments and the function that runs it); the commands live by g
     demo      demo, simulate
     pd        pd-prefill, pd-decode (the PD workers)
     pd_demo   pd-demo (both workers on loopback, compared with colocated)
+    pd_cluster pd-cluster (N prefill and M decode workers behind a router)
     serve     serve (the HTTP server's own options and body)
     common    JSON and table output, z3 as an extra, argument types
 
@@ -14,11 +15,12 @@ module, and one row here."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 import attrs
 
-from atom_core.cli import demo, pd, pd_demo, proofs, serve
+from atom_core.cli import demo, pd, pd_cluster, pd_demo, proofs, serve
 
 # `atom-core --help`'s description.
 DESCRIPTION = "`atom-core`: prove the model, and check an artifact's configuration before " \
@@ -51,6 +53,9 @@ COMMANDS: tuple[Command, ...] = (
             "worker", pd.pd_decode_arguments, pd.cmd_pd_decode),
     Command("pd-demo", "pd-prefill (subprocess) + pd-decode over gloo on loopback, compared "
             "with the colocated demo", pd_demo.pd_demo_arguments, pd_demo.cmd_pd_demo),
+    Command("pd-cluster", "N prefill and M decode workers behind a router, one process each "
+            "over gloo (launched here, or under torchrun)", pd_cluster.pd_cluster_arguments,
+            pd_cluster.cmd_pd_cluster),
     Command("simulate", "seeded simulation of the batcher and PD workers under injected "
             "faults, checked against the spec and the oracle",
             demo.simulate_arguments, demo.cmd_simulate),
@@ -71,4 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "argv", False) is None:  # pd-cluster starts its workers with it
+        args.argv = list(sys.argv[1:] if argv is None else argv)
     return int(args.func(args))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from typing import Any
 
@@ -46,3 +47,10 @@ def positive(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return v
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (the OS picks it), for a store or worker to bind."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

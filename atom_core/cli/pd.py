@@ -165,7 +165,7 @@ def _pd_hf_runtime(args: argparse.Namespace, cfg: Any) -> Any:
     return rt
 
 
-def _pd_oracle(args: argparse.Namespace, rt: Any) -> Any:
+def pd_oracle(args: argparse.Namespace, rt: Any) -> Any:
     """The runtime's oracle: the reference model's cache-free generate, or for --runtime hf
     transformers' own greedy generate() of the same weights."""
     if args.runtime == "hf":
@@ -280,7 +280,7 @@ def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None
     out["errors"] = {str(w): results[w].error for w in out["failed_ids"][:10]}
     mismatches = []
     if args.check:
-        oracle = _pd_oracle(args, rt)
+        oracle = pd_oracle(args, rt)
         mismatches = [w for w, it in zip(ids, items, strict=True) if results[w].error is None
                       and results[w].tokens != oracle.generate(it.prompt, it.max_new_tokens)]
     out["checked"], out["mismatches"] = bool(args.check), mismatches

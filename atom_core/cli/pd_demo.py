@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any
 
-from atom_core.cli.common import emit, positive, table
+from atom_core.cli.common import emit, free_port, positive, table
 from atom_core.cli.pd import (
     PD_KEY_ENV,
     UsageError,
@@ -28,12 +27,6 @@ def pd_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lanes", type=positive, default=4)
     workload_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _colocated(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,7 +74,7 @@ def _pd_session(args: argparse.Namespace, prefetch: int) -> dict[str, Any]:
 
     from atom_core.demo import MODEL_SEED
 
-    host, port = "127.0.0.1", _free_port("127.0.0.1")
+    host, port = "127.0.0.1", free_port("127.0.0.1")
     key = secrets.token_hex(32)  # through the environment: argv is visible to other users
     shape = ["--lanes", str(args.lanes), "--max-seq-len", "256", "--prefill-chunk", "64",
              "--seed", str(MODEL_SEED), "--host", host, "--port", str(port),

@@ -1,0 +1,227 @@
+"""`atom-core pd-cluster`: N prefill and M decode workers behind a router (`atom_core.router`),
+one process each over gloo, launched here or under torchrun (`atom_core.cluster_run`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from atom_core.cli.common import emit, free_port, positive, table
+from atom_core.cli.pd import (
+    UsageError,
+    _pd_common,
+    config_json,
+    pd_oracle,
+    pd_setup,
+    workload_arguments,
+)
+
+
+def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    _pd_common(p, decode=True)
+    workload_arguments(p)
+    p.set_defaults(port=None, argv=None)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=positive, default=1, help="decode workers (default 1)")
+    p.add_argument("--backend", default="gloo",
+                   help="torch.distributed backend of the links (default gloo, the one that "
+                        "carries host tensors point to point)")
+    p.add_argument("--rank", type=int, default=None,
+                   help="run only this rank (0: the frontend and router, 1..N prefill, "
+                        "N+1..N+M decode) instead of launching all; under torchrun the rank "
+                        "comes from the environment")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="check every output against the oracle (default: on for reference "
+                        "and hf)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="each decode worker asks for the KV of up to this many waiting "
+                        "requests early (default: --lanes)")
+    p.add_argument("--restart", type=_kill_spec, action="append", default=[],
+                   metavar="ROLE:I@N",
+                   help="as --kill, then start the worker again (a new generation: it is "
+                        "used once it reports ready); repeatable")
+    p.add_argument("--waves", type=positive, default=1,
+                   help="submit the workload in this many waves, each once the previous one "
+                        "ended and every worker is ready (default 1)")
+    p.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="seconds before an unanswered KV transfer fails its request")
+    p.add_argument("--kill", type=_kill_spec, action="append", default=[],
+                   metavar="ROLE:I@N",
+                   help="fault injection (launcher only): SIGKILL worker I of ROLE once N "
+                        "requests ended; repeatable")
+
+
+def _kill_spec(text: str) -> tuple[str, int, int]:
+    role, _, rest = text.partition(":")
+    index, _, after = rest.partition("@")
+    try:
+        if role not in ("prefill", "decode"):
+            raise ValueError
+        return role, int(index), int(after)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected prefill:I@N or decode:I@N (kill worker I "
+                                         f"once N requests ended), got {text!r}") from None
+
+
+def _cluster_rank(args: argparse.Namespace) -> tuple[int | None, str, int | None]:
+    """(this process's rank or None for the launcher, the store's host, its port), from
+    --rank or from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    from atom_core.cluster_run import Layout
+
+    world = Layout(args.prefill, args.decode).world
+    if args.rank is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        if int(os.environ.get("WORLD_SIZE", "0")) != world:
+            raise UsageError(f"torchrun started {os.environ.get('WORLD_SIZE')} processes; a "
+                             f"cluster of {args.prefill} prefill and {args.decode} decode "
+                             f"workers needs {world} (one more for the frontend): "
+                             f"--nproc-per-node {world}")
+        return (int(os.environ["RANK"]), os.environ.get("MASTER_ADDR", args.host),
+                int(os.environ["MASTER_PORT"]))
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise UsageError(f"--rank {args.rank} is outside the cluster (ranks 0..{world - 1})")
+    if args.rank is not None and args.port is None:
+        raise UsageError("--rank needs --port: every process of the cluster must name the "
+                         "same store (rank 0 hosts it on --host:--port)")
+    return args.rank, args.host, args.port
+
+
+def cmd_pd_cluster(args: argparse.Namespace) -> int:
+    """Launch (or, with --rank / under torchrun, be one process of) a PD cluster."""
+    from atom_core.cluster_run import BACKENDS, Layout
+
+    if args.check is None:
+        args.check = args.runtime in ("reference", "hf")
+    try:
+        if args.backend not in BACKENDS:
+            raise UsageError(f"--backend {args.backend}: PD links move host (CPU) tensors, "
+                             f"which only {', '.join(BACKENDS)} carries point to point here; "
+                             "use gloo")
+        if args.prefill < 0 or args.decode < 1:
+            raise UsageError("a cluster needs --decode >= 1 and --prefill >= 0")
+        rank, host, port = _cluster_rank(args)
+        layout = Layout(args.prefill, args.decode)
+        role = "frontend" if not rank else layout.role(rank)[0]
+        cfg, rt, key = pd_setup(args, decode=role != "prefill")
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if role != "frontend":
+        from atom_core.cluster_run import run_worker
+
+        prefetch = cfg.lanes if args.prefetch is None else args.prefetch
+        out = run_worker(layout, rank, host=host, port=port, timeout=args.timeout,  # type: ignore[arg-type]
+                         cfg=cfg, rt=rt, key=key, prefetch=prefetch,
+                         transfer_timeout=args.transfer_timeout)
+        if args.json:
+            emit(out)
+        return 0
+    return _cluster_frontend(args, layout, host, port, cfg, rt, key, launch=rank is None)
+
+
+def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: int | None,
+                      cfg: Any, rt: Any, key: bytes | None, launch: bool) -> int:
+    """Rank 0: start the workers (`launch`), serve the demo workload through the router, check
+    it against the oracle, print the summary."""
+    import subprocess
+
+    from atom_core.cluster_run import FrontendProcess
+    from atom_core.demo import workload
+    from atom_core.transport import TransportError
+
+    if port is None:
+        port = free_port(host)
+    procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+
+    def spawn(r: int) -> None:
+        # the children get this command line and environment (so the same key, however it was
+        # given), each with its rank and the store's address
+        procs[layout.role(r)] = subprocess.Popen(
+            [sys.executable, "-m", "atom_core.cli", *args.argv, "--rank", str(r), "--host",
+             host, "--port", str(port)], stdout=subprocess.DEVNULL)
+
+    if launch:
+        for r in range(1, layout.world):
+            spawn(r)
+    fp = None
+    try:
+        fp = FrontendProcess(layout, host=host, port=port, timeout=args.timeout, cfg=cfg,
+                             rt=rt, key=key)
+        killed: set[tuple[str, int]] = set()
+
+        def started() -> None:
+            for (role, index), p in procs.items():
+                if p.poll() is not None and (role, index) not in killed:
+                    raise TransportError(f"{role} worker {index} exited (code {p.returncode}) "
+                                         "before it reported ready: see its error above")
+
+        fp.wait_ready(started)
+        items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
+                         cfg.max_seq_len)
+        fe = fp.frontend
+        done: set[tuple[str, str, int]] = set()
+        plan = [("kill", *k) for k in args.kill] + [("restart", *k) for k in args.restart]
+
+        def faults() -> None:
+            ended = sum(r.ended for r in fe.results.values())
+            for action, role, index, after in plan:
+                if (action, role, index) in done or ended < after or (role, index) not in procs:
+                    continue
+                done.add((action, role, index))
+                killed.add((role, index))
+                procs[(role, index)].kill()
+                if action == "restart":
+                    procs[(role, index)].wait()
+                    spawn(layout.rank(role, index))  # a new generation: linked again
+
+        # waves: each submitted once the previous one ended and every worker is ready (again)
+        ids: list[int] = []
+        n = len(items)
+        for w in range(args.waves):
+            if w:
+                fp.wait_ready(started)
+            chunk = items[w * n // args.waves:(w + 1) * n // args.waves]
+            ids += [fe.submit(it.prompt, it.max_new_tokens) for it in chunk]
+            fp.run(each=faults if plan else None, timeout=10 * args.timeout)
+        out: dict[str, Any] = {"prefill": layout.prefill, "decode": layout.decode,
+                               "config": config_json(cfg), **fe.summary()}
+        out["killed"] = sorted(f"{r}:{i}" for r, i in killed)
+        for _ in range(20):  # the workers' last load reports (their final counters)
+            fp.pump()
+            time.sleep(0.005)
+        out["workers"] = {f"{r}:{i}": s for (r, i), s in sorted(fe.worker_stats.items())}
+        results = fe.results
+        failed = [c for c in ids if results[c].error is not None]
+        out["errors"] = {str(c): results[c].error for c in failed[:10]}
+        mismatches: list[int] = []
+        if args.check:
+            oracle = pd_oracle(args, rt)
+            mismatches = [c for c, it in zip(ids, items, strict=True)
+                          if results[c].error is None
+                          and results[c].tokens != oracle.generate(it.prompt, it.max_new_tokens)]
+        # a failure is expected only for a request of a decode worker killed on purpose
+        unexpected = [c for c in failed if ("decode", results[c].decode) not in killed]
+        out["checked"], out["mismatches"] = bool(args.check), mismatches
+        out["exact"] = (not mismatches and not unexpected) if args.check else None
+    except (TransportError, TimeoutError, OSError) as exc:
+        print(f"pd-cluster failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if fp is not None:
+            fp.close()
+        for p in procs.values():
+            try:
+                p.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    if args.json:
+        emit(out)
+    else:
+        table(f"atom-core pd-cluster: {layout.prefill} prefill x {layout.decode} decode",
+               ["metric", "value"], [[k, json.dumps(v)] for k, v in out.items()
+                                     if k not in ("config", "workers")])
+    return 0 if out["exact"] is not False else 1

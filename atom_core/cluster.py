@@ -1,0 +1,538 @@
+"""A PD cluster: N prefill workers, M decode workers and a router (`Frontend`).
+
+Each worker is a node: one PD worker (atom_core/workers.py, unchanged), its links to the
+workers of the other role (atom_core/links.py) and a control link to the frontend. Every link is
+its own authenticated `SecureLink` when there is a key (required unless `insecure=True`).
+
+Control messages (frontend <-> node), none carrying a tensor:
+
+- frontend -> decode node: `{"kind": "request", "id", "prompt", "max_new_tokens", "eos",
+  "prefill"}` (the router's choices: this node, and the prefill worker to ask or None), `{"kind":
+  "abort", "id"}`; to every node: `{"kind": "shutdown"}`.
+- node -> frontend: `{"kind": "load", "load": Load, "stats": {...}}` whenever it changed (the
+  first ready one makes the worker eligible; the stats feed `Frontend.worker_stats`), and from a
+  decode node `{"kind": "events", "events": [[id, kind, token, error], ...]}` per step.
+
+Faults. A prefill worker that is lost: its unanswered requests go to another prefill worker
+(`PrefillLinks`), or, with none left, to local prefill on their decode worker: those waiting
+for a lane are made local by the decode worker itself, those holding one (their transfer
+failed; no token was produced yet) are resubmitted locally here, so each still ends once. A
+decode worker that is lost: the frontend fails its unfinished requests with an error naming it,
+and nothing else changes. A worker that starts late or restarts is used once it reports ready
+(`Frontend.add`, `PrefillLinks.add`).
+
+`LocalCluster` runs all of it in one thread over `InProcessTransport` pairs (tests, bench);
+`atom-core pd-cluster` (atom_core/cluster_run.py) runs one process per worker over gloo.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from atom_core.config import Config
+from atom_core.links import DecodeLinks, PrefillLinks, poll_until
+from atom_core.router import Load, Policy, Router, load_of
+from atom_core.transport import PEER_LOST, InProcessTransport, Transport, TransportError
+from atom_core.workers import DecodeWorker, PrefillWorker, _quantile
+
+__all__ = ["ClusterResult", "DecodeNode", "Frontend", "LocalCluster", "PrefillNode"]
+
+# The largest control message a link takes (a request carries its prompt, a step's events one
+# token per lane): far above either, far below anything that could exhaust memory.
+CONTROL_BYTES = 1 << 20
+
+
+def prefix_unit(cfg: Config) -> int:
+    """The granularity at which `cfg`'s prefix cache hits: one chunk with one block per table,
+    else one block."""
+    return cfg.prefill_chunk if cfg.blocks_per_table == 1 else cfg.block_size
+
+
+NO_PREEMPTION = ("a PD cluster's workers run without preemption (the batcher refuses PD "
+                 "requests with preemption=True: a preempted imported request would have to be "
+                 "prefilled again); use a Config with preemption=False")
+
+
+def _stats_of(batcher: Any) -> dict[str, int]:
+    st = batcher.stats
+    return {"prefill_tokens": st.prefill_tokens, "prefix_hit_tokens": st.prefix_hit_tokens,
+            "imported_tokens": st.imported_tokens, "generated_tokens": st.generated_tokens,
+            "exports": st.exports}
+
+
+# Counters alone (no change of load) are reported at most this often: a decode worker's change
+# every step, and the router only needs the load at once.
+STATS_EVERY = 0.05
+
+
+class _Reporter:
+    """Sends a node's load report when the load changed, or its counters did and STATS_EVERY
+    passed since the last report."""
+
+    def __init__(self) -> None:
+        self._load: dict[str, Any] | None = None
+        self._stats: dict[str, Any] | None = None
+        self._at = 0.0
+
+    def report(self, control: Transport, load: Load, stats: dict[str, Any]) -> None:
+        now = time.monotonic()
+        ld = load.as_json()
+        if ld == self._load and (stats == self._stats or now - self._at < STATS_EVERY):
+            return
+        if _send(control, {"kind": "load", "load": ld, "stats": stats}):
+            self._load, self._stats, self._at = ld, stats, now
+
+
+def _send(link: Transport, header: dict[str, Any]) -> bool:
+    try:
+        link.send(header)
+    except TransportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- nodes
+class DecodeNode:
+    """A decode worker serving what the frontend sends it, its KV from the prefill workers."""
+
+    def __init__(self, rank: int, worker: DecodeWorker, links: PrefillLinks,
+                 control: Transport) -> None:
+        if worker.transport is not links:
+            raise ValueError("the decode worker must run over this node's PrefillLinks")
+        if worker.batcher.config.preemption:
+            raise ValueError(NO_PREEMPTION)  # every request would fail: refuse the worker
+        self.rank, self.worker, self.links, self.control = rank, worker, links, control
+        self._cid: dict[int, int] = {}  # worker request id -> frontend request id
+        self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
+        self._job: dict[int, tuple[list[int], int, int | None]] = {}  # to resubmit locally
+        self._reporter = _Reporter()
+        self.resubmitted = 0  # requests prefilled here after every prefill worker was lost
+        self.done = False
+        # reported with the load: the process sets it once its links are up (cluster_run)
+        self.ready = True
+
+    def step(self) -> bool:
+        """One round: control messages, one worker step, events and load out; False when
+        there was nothing to do."""
+        progress = False
+        for header, _ in self.control.poll():
+            progress = True
+            kind = header.get("kind")
+            if kind == "request":
+                self._submit(header)
+            elif kind == "abort":
+                self._abort(header.get("id"))
+            elif kind in ("shutdown", PEER_LOST):
+                self.done = True  # (the frontend gone: nobody would read the results)
+        if self.done:
+            return False
+        if self.worker.lost is not None and self.links.live():
+            # a prefill worker (re)joined after every one was lost: ask it again
+            self.worker.lost = None
+        out = []
+        for ev in self.worker.step():
+            cid = self._cid.get(ev.request_id)
+            if cid is None:
+                continue
+            if ev.kind == "error" and self._resubmit(ev.request_id, cid):
+                continue
+            if ev.kind == "token":
+                self._tokens[cid] = self._tokens.get(cid, 0) + 1
+            out.append([cid, ev.kind, ev.token, ev.error])
+            if ev.kind in ("finished", "error"):
+                self._end(ev.request_id, cid)
+        if out:
+            progress = True
+            _send(self.control, {"kind": "events", "events": out})
+        self._report()
+        return progress or self.worker._progress
+
+    def load(self) -> Load:
+        return load_of(self.worker.batcher, ready=self.ready)
+
+    def _report(self) -> None:
+        self._reporter.report(self.control, self.load(), {
+            **_stats_of(self.worker.batcher), "retried": self.links.retried,
+            "resubmitted": self.resubmitted, "local_fallbacks": self.worker.local_fallbacks})
+
+    def _submit(self, h: dict[str, Any]) -> None:
+        cid = h.get("id")
+        if not isinstance(cid, int) or isinstance(cid, bool):
+            return
+        prompt, max_new, eos = h.get("prompt"), h.get("max_new_tokens"), h.get("eos")
+        try:
+            wid = self.worker.submit(prompt, max_new, eos)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            _send(self.control, {"kind": "events", "events": [
+                [cid, "error", None, f"decode worker {self.rank} refused the request: {exc}"]]})
+            return
+        self._cid[wid] = cid
+        self._job[cid] = (list(prompt), max_new, eos)  # type: ignore[arg-type]
+        p = h.get("prefill")
+        self.links.route(f"{self.worker.wire_prefix}{wid}",
+                         p if isinstance(p, int) and not isinstance(p, bool) else None)
+
+    def _resubmit(self, wid: int, cid: int) -> bool:
+        """A request whose transfer failed because every prefill worker was lost, before it
+        produced a token: prefilled here instead (True), so it still ends once."""
+        req = self.worker.requests.get(wid)
+        if req is None or req.kind != "peer_lost" or self._tokens.get(cid) or \
+                self.worker.lost is None:
+            return False
+        prompt, max_new, eos = self._job[cid]
+        self._end(wid, cid)
+        new = self.worker.submit(prompt, max_new, eos)  # local: the worker knows it is alone
+        self._cid[new] = cid
+        self._job[cid] = (prompt, max_new, eos)
+        self.resubmitted += 1
+        return True
+
+    def _abort(self, cid: Any) -> None:
+        for wid, c in list(self._cid.items()):
+            if c == cid and self.worker.abort(wid):
+                _send(self.control, {"kind": "events", "events": [
+                    [cid, "error", None, "aborted"]]})
+                self._end(wid, cid)
+
+    def _end(self, wid: int, cid: int) -> None:
+        # (a request that ended before asking for its KV leaves no routing entry behind)
+        self.links.route(f"{self.worker.wire_prefix}{wid}", None)
+        self._cid.pop(wid, None)
+        self._job.pop(cid, None)
+        self._tokens.pop(cid, None)
+
+    def serve(self, idle_wait: float = 0.005) -> None:
+        while not self.done:
+            if not self.step():
+                _wait(self, idle_wait)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.control.close()
+
+
+class PrefillNode:
+    """A prefill worker serving every decode worker's prefill requests."""
+
+    def __init__(self, rank: int, worker: PrefillWorker, links: DecodeLinks,
+                 control: Transport) -> None:
+        if worker.transport is not links:
+            raise ValueError("the prefill worker must run over this node's DecodeLinks")
+        if worker.batcher.config.preemption:
+            raise ValueError(NO_PREEMPTION)
+        self.rank, self.worker, self.links, self.control = rank, worker, links, control
+        self._reporter = _Reporter()
+        self.ready = True  # as DecodeNode.ready
+
+    @property
+    def done(self) -> bool:
+        return self.worker.done
+
+    def step(self) -> bool:
+        progress = False
+        for header, _ in self.control.poll():
+            progress = True
+            if header.get("kind") in ("shutdown", PEER_LOST) and not self.worker.done:
+                self.worker.done = True
+                self.worker.ended_by = "shutdown" if header["kind"] == "shutdown" else \
+                    f"frontend lost: {header.get('error')}"
+        if self.worker.done:
+            return False
+        progress = self.worker.step_once() or progress
+        self._reporter.report(self.control, load_of(self.worker.batcher, ready=self.ready),
+                              _stats_of(self.worker.batcher))
+        return progress
+
+    def serve(self, idle_wait: float = 0.005) -> None:
+        while not self.done:
+            if not self.step():
+                _wait(self, idle_wait)
+
+    def close(self) -> None:
+        self.links.close()
+        self.control.close()
+
+
+def _wait(node: DecodeNode | PrefillNode, timeout: float) -> None:
+    """Until a message is on the node's control link or one of its links, or `timeout`."""
+    poll_until(lambda: node.control.wait(0) or node.links.wait(0), timeout)
+
+
+# --------------------------------------------------------------------------- frontend
+@attrs.define
+class ClusterResult:
+    prompt: list[int]
+    max_new_tokens: int
+    decode: int | None
+    prefill: int | None
+    t_submit: float
+    tokens: list[int] = attrs.Factory(list)
+    error: str | None = None
+    ended: bool = False
+    t_first: float | None = None
+    t_end: float | None = None
+
+
+class Frontend:
+    """The router's side: assigns requests (`Router`), collects their tokens, tracks the
+    workers through their control links. `submit` and `step` are single-threaded."""
+
+    def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter, *,
+                 keep_ended: int = 10_000) -> None:
+        """`keep_ended`: how many ended requests `results` still holds (older ones are
+        forgotten, so a long-running frontend's memory does not grow with what it served)."""
+        self.router, self.clock = router, clock
+        self.keep_ended = keep_ended
+        self.controls: dict[tuple[str, int], Transport] = {}
+        self.results: dict[int, ClusterResult] = {}
+        self.worker_stats: dict[tuple[str, int], dict[str, int]] = {}
+        # the router's time per request, the latest ones
+        self.route_seconds: deque[float] = deque(maxlen=100_000)
+        self._ended: deque[int] = deque()
+        self.late_events = 0  # for requests already ended: dropped (each ends once)
+        self._next = 0
+        self._open: set[int] = set()
+
+    def add(self, role: str, rank: int, control: Transport) -> None:
+        """A worker's control link (a new worker, or a restarted one): it is chosen once it
+        reports ready."""
+        old = self.controls.get((role, rank))
+        if old is not None and old is not control:
+            old.close()
+            self._lost(role, rank, "restarted")
+        self.controls[(role, rank)] = control
+
+    def submit(self, prompt: Iterable[int], max_new_tokens: int, eos: int | None = None) -> int:
+        prompt = list(prompt)
+        cid = self._next
+        self._next += 1
+        t0 = self.clock()
+        t = time.perf_counter()
+        try:
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 31
+                       for x in prompt):
+                raise ValueError("the prompt must be a list of token ids (integers >= 0)")
+            a = self.router.assign(prompt)
+        except (RuntimeError, ValueError) as exc:
+            self.results[cid] = ClusterResult(prompt, max_new_tokens, None, None, t0,
+                                              error=str(exc))
+            self._end(cid, t0)
+            return cid
+        self.route_seconds.append(time.perf_counter() - t)
+        self.results[cid] = ClusterResult(prompt, max_new_tokens, a.decode, a.prefill, t0)
+        self._open.add(cid)
+        if not _send(self.controls[("decode", a.decode)],
+                     {"kind": "request", "id": cid, "prompt": prompt,
+                      "max_new_tokens": max_new_tokens, "eos": eos, "prefill": a.prefill}):
+            self._lost("decode", a.decode, "its control link is down")
+        return cid
+
+    def busy(self) -> bool:
+        return bool(self._open)
+
+    def abort(self, cid: int) -> bool:
+        """Ask the request's decode worker to end it (it ends with error "aborted", or as it
+        was already ending); False for unknown or ended requests."""
+        r = self.results.get(cid)
+        if r is None or r.ended or r.decode is None:
+            return False
+        return _send(self.controls[("decode", r.decode)], {"kind": "abort", "id": cid})
+
+    def step(self) -> bool:
+        progress = False
+        for (role, rank), link in list(self.controls.items()):
+            for header, _ in link.poll():
+                progress = True
+                try:
+                    self._on_message(role, rank, header)
+                except (TypeError, ValueError, KeyError, IndexError):
+                    pass  # a malformed report: dropped, the worker's next one counts
+        return progress
+
+    def _on_message(self, role: str, rank: int, h: dict[str, Any]) -> None:
+        kind = h.get("kind")
+        if kind == PEER_LOST:
+            self._lost(role, rank, str(h.get("error")))
+        elif kind == "load":
+            self.router.report(role, rank, Load.from_json(h["load"]))
+            if isinstance(h.get("stats"), dict):
+                self.worker_stats[(role, rank)] = h["stats"]
+        elif kind == "events" and role == "decode":
+            now = self.clock()
+            for cid, ev, token, error in h["events"]:
+                r = self.results.get(cid)
+                if r is None or r.ended or r.decode != rank:
+                    self.late_events += 1
+                    continue
+                if ev == "token":
+                    r.tokens.append(int(token))
+                    if r.t_first is None:
+                        r.t_first = now
+                elif ev in ("finished", "error"):
+                    r.error = None if ev == "finished" else str(error)
+                    self._end(cid, now)
+
+    def _lost(self, role: str, rank: int, why: str) -> None:
+        self.router.mark_lost(role, rank)
+        if role != "decode":
+            return  # its decode workers re-ask another prefill worker, or prefill locally
+        now = self.clock()
+        for cid in sorted(self._open):
+            r = self.results[cid]
+            if r.decode == rank:
+                r.error = (f"decode worker {rank} was lost ({why[:160]}): this request ended "
+                           "with it; submit it again (the other workers are unaffected)")
+                self._end(cid, now)
+
+    def _end(self, cid: int, now: float) -> None:
+        self.results[cid].ended, self.results[cid].t_end = True, now
+        self._open.discard(cid)
+        self._ended.append(cid)
+        while len(self._ended) > self.keep_ended:
+            del self.results[self._ended.popleft()]
+
+    def shutdown(self) -> None:
+        for link in self.controls.values():
+            _send(link, {"kind": "shutdown"})
+
+    def close(self) -> None:
+        self.shutdown()
+        for link in self.controls.values():
+            link.close()
+
+    def summary(self) -> dict[str, Any]:
+        rs = list(self.results.values())
+        ended = [r for r in rs if r.t_end is not None]
+        wall = max((r.t_end for r in ended), default=0.0) - min(  # type: ignore[type-var]
+            (r.t_submit for r in rs), default=0.0)
+        tokens = sum(len(r.tokens) for r in rs)
+        ttft = sorted(r.t_first - r.t_submit for r in rs if r.t_first is not None)
+        route = sorted(self.route_seconds)
+        return {"requests": len(rs), "failed": sum(r.error is not None for r in rs),
+                "generated_tokens": tokens, "wall_s": round(wall, 3),
+                "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+                "ttft_median_s": _quantile(ttft, 0.5),
+                "route_median_us": None if not route else round(
+                    route[(len(route) - 1) // 2] * 1e6, 1),
+                "affinity_hits": dict(self.router.affinity_hits),
+                "late_events": self.late_events}
+
+
+# --------------------------------------------------------------------------- in-process
+def _pair(key: bytes | None) -> tuple[Transport, Transport]:
+    """Two joined ends (the initiator's first); with a key each a SecureLink, handshake done."""
+    a, b = InProcessTransport.pair()
+    if key is None:
+        return a, b
+    from atom_core.pdlink import SecureLink, establish_pair
+
+    la = SecureLink(a, key, "decode", max_box_bytes=None)
+    lb = SecureLink(b, key, "prefill", max_box_bytes=None)
+    establish_pair(la, lb)
+    return la, lb
+
+
+class LocalCluster:
+    """`prefill` prefill workers and `decode` decode workers and a frontend, stepped in turn
+    in one thread over in-process links (tests, benchmarks). `kill`/`start` take a worker down
+    or bring one (back) up; `runtime_for(cfg)` makes each worker's model (all the same)."""
+
+    def __init__(self, cfg: Config, runtime_for: Callable[[Config], Any], *, prefill: int,
+                 decode: int, key: bytes | None = None, insecure: bool = False,
+                 policy: Policy | None = None, prefetch: int = 0,
+                 pcfg: Config | None = None) -> None:
+        if key is None and not insecure:
+            from atom_core.workers import NO_KEY
+
+            raise ValueError(NO_KEY)
+        if cfg.preemption or (pcfg is not None and pcfg.preemption):
+            raise ValueError(NO_PREEMPTION)
+        self.cfg, self.pcfg = cfg, pcfg or cfg
+        self.runtime_for, self.key, self.prefetch = runtime_for, key, prefetch
+        self.frontend = Frontend(Router(prefix_unit(self.pcfg), policy))
+        self.prefills: dict[int, PrefillNode] = {}
+        self.decodes: dict[int, DecodeNode] = {}
+        self._gen = 0
+        for p in range(prefill):
+            self.start("prefill", p)
+        for d in range(decode):
+            self.start("decode", d)
+        self.step()  # the first load reports: every worker ready
+
+    def start(self, role: str, rank: int) -> None:
+        """Start worker `rank` of `role` (again, after `kill`), linked to every live worker of
+        the other role and to the frontend."""
+        self._gen += 1
+        key, insecure = self.key, self.key is None
+        fe_end, control = _pair(key)
+        if role == "prefill":
+            links = DecodeLinks(secure=key is not None)
+            worker = PrefillWorker(self.pcfg, self.runtime_for(self.pcfg), links, key=key,
+                                   insecure=insecure)
+            for d, dn in self.decodes.items():
+                if not dn.done:
+                    de, pe = _pair(key)
+                    dn.links.add(rank, de)
+                    links.add(d, pe)
+            self.prefills[rank] = PrefillNode(rank, worker, links, control)
+        else:
+            links_p = PrefillLinks(secure=key is not None)
+            dworker = DecodeWorker(self.cfg, self.runtime_for(self.cfg), links_p, key=key,
+                                   insecure=insecure, prefetch=self.prefetch,
+                                   wire_prefix=f"d{rank}g{self._gen}.")
+            for p, pn in self.prefills.items():
+                if not pn.done:
+                    de, pe = _pair(key)
+                    pn.links.add(rank, pe)
+                    links_p.add(p, de)
+            self.decodes[rank] = DecodeNode(rank, dworker, links_p, control)
+        self.frontend.add(role, rank, fe_end)
+
+    def kill(self, role: str, rank: int) -> None:
+        """The worker's process dies: every link it has ends at once, as a killed process's
+        sockets do."""
+        node: Any = self.prefills[rank] if role == "prefill" else self.decodes[rank]
+        for link in [*node.links.links.values(), node.control]:
+            inner = getattr(link, "inner", link)
+            inner.kill()
+        if role == "prefill":
+            node.worker.done = True
+        else:
+            node.done = True
+
+    def submit(self, prompt: Iterable[int], max_new_tokens: int, eos: int | None = None) -> int:
+        return self.frontend.submit(prompt, max_new_tokens, eos)
+
+    def step(self) -> None:
+        for node in [*self.decodes.values(), *self.prefills.values()]:
+            if not node.done:
+                node.step()
+        self.frontend.step()
+
+    def run_until_done(self, rounds: int = 20_000,
+                       each: Callable[[int], None] | None = None) -> dict[int, ClusterResult]:
+        """Step until every request ended; `each(round)` runs before each round (faults)."""
+        for i in range(rounds):
+            if not self.frontend.busy():
+                return self.frontend.results
+            if each is not None:
+                each(i)
+            self.step()
+        raise AssertionError(f"requests still running after {rounds} rounds: "
+                             f"{sorted(self.frontend._open)}")
+
+    def settle(self, rounds: int = 2000) -> None:
+        """Step until no worker holds any request (after the frontend saw every end)."""
+        for _ in range(rounds):
+            if not any(n.worker.batcher.busy() for n in self.live()):
+                return
+            self.step()
+        raise AssertionError("workers still busy")
+
+    def live(self) -> list[Any]:
+        return [n for n in [*self.prefills.values(), *self.decodes.values()] if not n.done]

@@ -1,0 +1,350 @@
+"""A PD cluster across processes: one per worker, plus the frontend (the router), over gloo.
+
+Ranks: 0 is the frontend (it runs the router and the workload), 1..N the prefill workers, N+1..
+N+M the decode workers. All of them join one torch.distributed store (rank 0 hosts it on
+--host:--port; under `torchrun` the agent's store at MASTER_ADDR:MASTER_PORT), and every pair
+that talks (frontend-worker, decode-prefill) gets its own two-rank gloo group on that store,
+under a prefix naming both ends and their generations: a link is a `GlooTransport` (its
+threads, limits and failure semantics), wrapped in its own `SecureLink` when there is a key.
+Pair groups rather than one world group so that a process that dies ends only its own links,
+and one that starts late or restarts gets new ones.
+
+Each process counts its start in the store (`gen/<rank>`, so a restart is a new generation)
+and a `Linker` thread builds a link to every peer it should talk to whenever that peer's
+generation is new (each link in a thread of its own: the gloo group's constructor blocks until
+both ends join). A worker reports ready once it has tried every peer registered so far.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from atom_core.links import IDLE_POLL
+from atom_core.transport import GlooTransport, Transport, TransportError, _resolve, _source_address
+
+__all__ = ["Layout", "Linker", "open_store"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo",)
+# How often the linker looks for new peers or restarted ones in the store.
+SCAN_SECONDS = 0.2
+
+
+@attrs.frozen
+class Layout:
+    """Which rank is which worker."""
+
+    prefill: int
+    decode: int
+
+    @property
+    def world(self) -> int:
+        return 1 + self.prefill + self.decode
+
+    def role(self, rank: int) -> tuple[str, int]:
+        if rank == 0:
+            return "frontend", 0
+        if 1 <= rank <= self.prefill:
+            return "prefill", rank - 1
+        if rank < self.world:
+            return "decode", rank - 1 - self.prefill
+        raise ValueError(f"rank {rank} is outside the cluster (world size {self.world}: 1 "
+                         f"frontend, {self.prefill} prefill, {self.decode} decode)")
+
+    def rank(self, role: str, index: int) -> int:
+        return index + 1 if role == "prefill" else 1 + self.prefill + index
+
+    def peers(self, rank: int) -> list[int]:
+        """The ranks `rank` talks to."""
+        role, _ = self.role(rank)
+        prefill = [self.rank("prefill", i) for i in range(self.prefill)]
+        decode = [self.rank("decode", i) for i in range(self.decode)]
+        return {"frontend": prefill + decode, "prefill": [0] + decode,
+                "decode": [0] + prefill}[role]
+
+
+def open_store(host: str, port: int, rank: int, timeout: float) -> Any:
+    """The cluster's store: rank 0 hosts it (listening on `host` only), the others connect,
+    retrying until `timeout`; under torchrun every rank connects to the agent's store."""
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    where = f"{host}:{port}"
+    family, addr = _resolve(host, port)
+    if rank != 0 or agent:
+        try:
+            return dist.TCPStore(addr, port, None, False, timeout=td)
+        except (RuntimeError, OSError) as exc:
+            raise TransportError(f"rank {rank} could not reach the cluster's store at {where} "
+                                 f"within {timeout:g}s ({exc}): start rank 0 (the frontend) "
+                                 "with the same --host and --port") from exc
+    # TCPStore's own listener binds every interface; a socket bound here keeps it on `host`
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(64)
+    except OSError as exc:
+        listener.close()
+        raise TransportError(f"rank 0 cannot listen on {where} ({exc}): pick a free port or "
+                             "stop the process holding it") from exc
+    fd = listener.detach()  # the store owns (and closes) it from here
+    return dist.TCPStore(addr, port, None, True, timeout=td, wait_for_workers=False,
+                         master_listen_fd=fd)
+
+
+def initiates(layout: Layout, rank: int, peer: int) -> bool:
+    """`rank` is its link's rank 0 and starts the key handshake: the frontend with everyone,
+    a decode worker with a prefill worker (as in a PD pair)."""
+    return rank == 0 or (peer != 0 and layout.role(rank)[0] == "decode")
+
+
+class Linker:
+    """Builds `rank`'s links to its peers as they (re)register; finished links come out of
+    `links` as (peer rank, link). `limits(peer)`: the link's frame limits (GlooTransport's
+    max_header_bytes, max_tensor_bytes)."""
+
+    def __init__(self, store: Any, layout: Layout, rank: int, *, host: str, port: int,
+                 timeout: float, key: bytes | None, limits: Any) -> None:
+        import torch.distributed as dist
+
+        self.store, self.layout, self.rank = store, layout, rank
+        self.host, self.timeout, self.key, self.limits = host, timeout, key, limits
+        family, addr = _resolve(host, port)
+        self._addr, self._port = addr, port
+        # the address the peers reach this process on: the one that routes to the store's host
+        self.local = addr if rank == 0 else _source_address(family, addr, port)
+        self._prefix = dist.PrefixStore
+        self.gen = int(store.add(f"gen/{rank}", 1))
+        self.links: queue.Queue[tuple[int, Transport]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._seen: dict[int, int] = {}  # peer -> its latest generation
+        self._tried: dict[int, int] = {}  # peer -> the generation last built or failed
+        # (peer, generation) being built: a build for a peer's dead generation may block until
+        # `timeout`, and must not hold back the build for its new one
+        self._building: set[tuple[int, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._scan, daemon=True,
+                                        name=f"cluster-linker-r{rank}")
+
+    def start(self) -> Linker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def settled(self) -> bool:
+        """Every peer registered so far was tried (linked or failed) at its latest generation."""
+        with self._lock:
+            return all(self._tried.get(p, 0) >= g for p, g in self._seen.items())
+
+    def _scan(self) -> None:
+        while not self._stop.is_set():
+            for peer in self.layout.peers(self.rank):
+                key = f"gen/{peer}"
+                try:
+                    if not self.store.check([key]):
+                        continue
+                    g = int(self.store.get(key))
+                except Exception:  # noqa: BLE001 - the store is gone: the frontend ended
+                    return
+                with self._lock:
+                    self._seen[peer] = g
+                    if self._tried.get(peer, 0) >= g or (peer, g) in self._building:
+                        continue
+                    self._building.add((peer, g))
+                threading.Thread(target=self._build, args=(peer, g), daemon=True,
+                                 name=f"cluster-link-r{self.rank}-r{peer}").start()
+            self._stop.wait(SCAN_SECONDS)
+
+    def _build(self, peer: int, g: int) -> None:
+        first = initiates(self.layout, self.rank, peer)
+        me, them = (self.rank, self.gen), (peer, g)
+        lo, hi = (me, them) if first else (them, me)  # both ends name it alike
+        prefix = f"link/{lo[0]}.{lo[1]}/{hi[0]}.{hi[1]}/"
+        try:
+            # A connection of its own: a store client serves one call at a time, and the group's
+            # rendezvous blocks in it until the peer joins (up to `timeout` for a dead one),
+            # which must not hold up the scan or the other links.
+            import torch.distributed as dist
+
+            own = dist.TCPStore(self._addr, self._port, None, False,
+                                timeout=datetime.timedelta(seconds=self.timeout))
+            link: Transport = GlooTransport(
+                0 if first else 1, host=self.host, local_host=self.local, timeout=self.timeout,
+                store=self._prefix(prefix, own), **self.limits(peer))
+            if self.key is not None:
+                from atom_core.pdlink import SecureLink
+
+                secure = SecureLink(link, self.key, "decode" if first else "prefill",
+                                    max_box_bytes=self.limits(peer)["max_tensor_bytes"])
+                try:
+                    secure.establish(self.timeout)
+                except TransportError:
+                    secure.close()
+                    raise
+                link = secure
+        except (TransportError, RuntimeError) as exc:
+            log.warning("rank %d: no link with rank %d (generation %d): %s", self.rank, peer,
+                        g, exc)
+            link = None  # type: ignore[assignment]
+        with self._lock:
+            self._building.discard((peer, g))
+            stale = g < self._seen.get(peer, g)  # the peer restarted meanwhile
+            self._tried[peer] = max(g, self._tried.get(peer, 0))
+        if link is not None and stale:
+            link.close()  # to a generation that is gone: it would only replace the new link
+        elif link is not None:
+            self.links.put((peer, link))
+
+
+def wait_for(cond: Any, timeout: float, what: Any, pump: Any = None) -> None:
+    """Call `pump()` until `cond()` or raise TimeoutError naming `what` (a string, or a
+    function giving it at that moment)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if pump is not None:
+            pump()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what() if callable(what) else what} within {timeout:g}s")
+        time.sleep(0.01)
+
+
+def link_limits(cfg: Any, rt: Any) -> dict[str, int]:
+    """Frame limits for every link of a process: a KV payload of `cfg` sealed in a box, or a
+    control message (atom_core.cluster.CONTROL_BYTES), whichever is larger."""
+    from atom_core import pd
+    from atom_core.cluster import CONTROL_BYTES
+
+    lim = pd.frame_limits(cfg, rt)
+    header = max(lim.header_bytes, CONTROL_BYTES)
+    return {"max_header_bytes": header, "max_tensor_bytes": header + lim.tensor_bytes + 4096}
+
+
+def _take(linker: Linker) -> list[tuple[int, Transport]]:
+    out = []
+    while True:
+        try:
+            out.append(linker.links.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def run_worker(layout: Layout, rank: int, *, host: str, port: int, timeout: float, cfg: Any,
+               rt: Any, key: bytes | None, prefetch: int = 0,
+               transfer_timeout: float = 30.0) -> dict[str, Any]:
+    """Rank `rank`'s worker until the frontend says shutdown (or is lost); its stats."""
+    from atom_core.cluster import DecodeNode, PrefillNode, _wait
+    from atom_core.links import DecodeLinks, PrefillLinks
+    from atom_core.workers import DecodeWorker, PrefillWorker
+
+    role, index = layout.role(rank)
+    store = open_store(host, port, rank, timeout)
+    limits = link_limits(cfg, rt)
+    linker = Linker(store, layout, rank, host=host, port=port, timeout=timeout, key=key,
+                    limits=lambda peer: limits).start()
+    got: list[tuple[int, Transport]] = []
+    wait_for(lambda: any(p == 0 for p, _ in got), timeout,
+             f"rank {rank} ({role} {index}): no link with the frontend (rank 0)",
+             lambda: got.extend(_take(linker)))
+    control = next(link for p, link in got if p == 0)
+    node: Any
+    if role == "prefill":
+        dlinks = DecodeLinks(secure=key is not None)
+        node = PrefillNode(index, PrefillWorker(cfg, rt, dlinks, key=key, insecure=key is None),
+                           dlinks, control)
+    else:
+        plinks = PrefillLinks(secure=key is not None)
+        node = DecodeNode(index, DecodeWorker(cfg, rt, plinks, key=key, insecure=key is None,
+                                              prefetch=prefetch,
+                                              transfer_timeout=transfer_timeout,
+                                              wire_prefix=f"d{index}g{linker.gen}."),
+                          plinks, control)
+    try:
+        while not node.done:
+            for peer, link in [*got, *_take(linker)]:
+                if peer == 0 and link is not control:
+                    link.close()  # one frontend per cluster: a second one is not served
+                elif peer != 0:
+                    node.links.add(layout.role(peer)[1], link)
+            got = []
+            node.ready = linker.settled()
+            if not node.step():
+                _wait(node, 0.02)  # (returns at the first message)
+    finally:
+        linker.stop()
+        node.close()
+    st = node.worker.batcher.stats
+    return {"rank": rank, "role": role, "index": index, "prefill_tokens": st.prefill_tokens,
+            "prefix_hit_tokens": st.prefix_hit_tokens, "imported_tokens": st.imported_tokens,
+            "generated_tokens": st.generated_tokens, "exports": st.exports}
+
+
+class FrontendProcess:
+    """Rank 0: the store's host, the frontend, and its links to every worker."""
+
+    def __init__(self, layout: Layout, *, host: str, port: int, timeout: float, cfg: Any,
+                 rt: Any, key: bytes | None, policy: Any = None) -> None:
+        from atom_core.cluster import Frontend, prefix_unit
+        from atom_core.router import Router
+
+        self.layout, self.timeout = layout, timeout
+        self.store = open_store(host, port, 0, timeout)
+        limits = link_limits(cfg, rt)
+        self.linker = Linker(self.store, layout, 0, host=host, port=port, timeout=timeout,
+                             key=key, limits=lambda peer: limits).start()
+        self.frontend = Frontend(Router(prefix_unit(cfg), policy))
+
+    def pump(self) -> bool:
+        """Take new links, then one frontend step; False when nothing happened."""
+        for peer, link in _take(self.linker):
+            self.frontend.add(*self.layout.role(peer), link)
+        return self.frontend.step()
+
+    def wait_ready(self, check: Any = None) -> None:
+        """Until every worker reported ready; `check()` may raise to give up sooner (a worker
+        process that exited)."""
+        r = self.frontend.router
+
+        def pump() -> None:
+            if check is not None:
+                check()
+            self.pump()
+
+        wait_for(lambda: len(r.ready("prefill")) == self.layout.prefill
+                 and len(r.ready("decode")) == self.layout.decode, self.timeout,
+                 lambda: f"not every worker ({self.layout.prefill} prefill, "
+                         f"{self.layout.decode} decode) reported ready: ready are prefill "
+                         f"{r.ready('prefill')}, decode {r.ready('decode')}", pump)
+
+    def run(self, each: Any = None, timeout: float | None = None) -> None:
+        """Until every submitted request ended; `each()` runs every round (faults)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.0001
+        while self.frontend.busy():
+            if each is not None:
+                each()
+            if self.pump():
+                pause = 0.0001
+            else:  # idle: look again soon, then less often (the workers need the cores)
+                time.sleep(pause)
+                pause = min(2 * pause, IDLE_POLL)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running after {timeout:g}s: "
+                                   f"{sorted(self.frontend._open)[:20]}")
+
+    def close(self) -> None:
+        self.linker.stop()
+        self.frontend.close()

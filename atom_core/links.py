@@ -1,0 +1,303 @@
+"""One worker's links to many peers, as the one `Transport` its PD worker expects.
+
+A cluster runs the unchanged `DecodeWorker` and `PrefillWorker` (atom_core/workers.py): each
+still talks to "its peer" over one transport. Here that transport is a set of per-peer links
+(each its own authenticated `SecureLink` when there is a key):
+
+- `PrefillLinks`, a decode worker's links to the prefill workers. A prefill request goes to the
+  prefill worker the router chose for it (`route`), or to the live one with the fewest
+  unanswered requests. When a prefill worker is lost, every request it had not answered is
+  sent again, same id and nonce, to another live prefill worker (`retried`): it never saw a
+  token, so nothing is duplicated, and the decode worker only sees the answer arrive. Cancelled
+  ones get a local prefill_failed instead (it frees a block draining for them). When no prefill
+  worker is left, the decode worker is told its peer is lost (its own `peer_lost` handling: the
+  waiting requests are prefilled locally, the cluster resubmits the importing ones locally).
+- `DecodeLinks`, a prefill worker's links to the decode workers. Answers go back on the link the
+  request came from; a decode worker that is lost (or says shutdown) has its requests cancelled
+  inside the prefill worker (blocks freed) and nothing else: the prefill worker keeps serving the
+  others, until its own node stops it.
+
+Wire ids must be unique across the decode workers (`DecodeWorker(wire_prefix=...)`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+
+from atom_core.transport import PEER_LOST, Message, Transport, TransportError
+
+__all__ = ["DecodeLinks", "PrefillLinks"]
+
+
+# The longest sleep between two looks at idle links.
+IDLE_POLL = 0.002
+
+
+def poll_until(ready: Callable[[], bool], timeout: float) -> bool:
+    """`ready()` at growing intervals (0.1 ms doubling up to IDLE_POLL) until it is true (True)
+    or `timeout` passed (False)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0001
+    while True:
+        if ready():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, IDLE_POLL)
+
+
+class _Links:
+    """What both sides share: the links by peer, merged stats, polling waits."""
+
+    def __init__(self, secure: bool) -> None:
+        # the worker wraps nothing when every link is a SecureLink already (`workers._secure`)
+        self.secure = secure
+        self.links: dict[int, Transport] = {}
+        self._all: list[Transport] = []  # every link ever added, for stats
+        self._inbox: list[Message] = []  # made here, handed out by the next poll
+        self._closed = False
+        self.lost: dict[int, str] = {}  # peer -> why its link ended
+
+    def add(self, peer: int, link: Transport) -> None:
+        """A (re)joined peer's link, its handshake done: used from now on."""
+        old = self.links.get(peer)
+        if old is not None and old is not link:
+            old.close()
+        self.links[peer] = link
+        self._all.append(link)
+        self.lost.pop(peer, None)
+
+    @property
+    def alive(self) -> bool:
+        # never "lost" as a whole: peers come and go, the worker keeps serving
+        return not self._closed
+
+    @property
+    def stats(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for link in self._all:
+            out.update(link.stats)
+        return dict(out)
+
+    @property
+    def dropped(self) -> Counter[str]:
+        out: Counter[str] = Counter()
+        for link in self._all:
+            out.update(getattr(link, "dropped", {}))
+        return out
+
+    def wait(self, timeout: float) -> bool:
+        """Until some link has a message or `timeout`. Links have no shared wake-up, so this
+        polls them, at first every 0.1 ms, then less often up to every IDLE_POLL (a quick
+        answer stays quick, and idle workers leave the cores to busy ones)."""
+        return poll_until(lambda: bool(self._inbox) or any(
+            link.wait(0) for link in list(self.links.values())), timeout)
+
+    def close(self) -> None:
+        self._closed = True
+        for link in self.links.values():
+            link.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _gather(self) -> list[tuple[int, dict[str, Any], torch.Tensor | None]]:
+        out = []
+        for peer, link in sorted(self.links.items()):
+            for header, tensor in link.poll():
+                out.append((peer, header, tensor))
+        return out
+
+
+class PrefillLinks(_Links):
+    """A decode worker's links to its prefill workers (see the module docstring)."""
+
+    def __init__(self, secure: bool) -> None:
+        super().__init__(secure)
+        self._assigned: dict[str, int] = {}  # wire id -> the prefill worker the router chose
+        self._where: dict[str, int] = {}  # wire id -> the link it was asked on, until answered
+        self._asked: dict[str, dict[str, Any]] = {}  # wire id -> its prefill message
+        self._cancelled: set[str] = set()
+        self._told_lost = False  # the worker was told no prefill worker is left
+        self.retried = 0  # prefill requests sent again after their prefill worker was lost
+
+    def route(self, wire: str, prefill: int | None) -> None:
+        """Ask `prefill` for `wire`'s KV (None or not live: the least busy live one)."""
+        if prefill is not None:
+            self._assigned[wire] = prefill
+        else:
+            self._assigned.pop(wire, None)
+
+    def live(self) -> list[int]:
+        return sorted(p for p, link in self.links.items() if link.alive)
+
+    def add(self, peer: int, link: Transport) -> None:
+        super().add(peer, link)
+        self._told_lost = False
+
+    def busy(self) -> bool:
+        """Some prefill request is unanswered."""
+        return bool(self._where)
+
+    def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        if self._closed:
+            raise TransportError("cannot send: the prefill links are closed")
+        kind = header.get("kind")
+        if kind == "prefill":
+            self._ask(dict(header), self._assigned.pop(str(header.get("id")), None))
+        elif kind == "cancel":
+            wire = header.get("id")
+            peer = self._where.get(wire) if isinstance(wire, str) else None
+            if peer is not None:
+                self._cancelled.add(wire)  # type: ignore[arg-type]
+                try:
+                    self.links[peer].send(header)
+                except TransportError:
+                    pass  # its loss shows in the next poll, which ends the transfer
+        elif kind == "shutdown":
+            # this decode worker is done with them; each prefill worker keeps serving the others
+            for link in self.links.values():
+                try:
+                    link.send(header)
+                except TransportError:
+                    pass
+        else:
+            raise ValueError(f"a decode worker sends prefill, cancel or shutdown, not {kind!r}")
+
+    def _ask(self, header: dict[str, Any], prefer: int | None) -> None:
+        wire = header["id"]
+        tried: set[int] = set()
+        while True:
+            live = [p for p in self.live() if p not in tried]
+            if not live:
+                self._where.pop(wire, None)
+                self._asked.pop(wire, None)
+                raise TransportError("no prefill worker is alive: the decode worker prefills "
+                                     "locally until one reports ready")
+            peer = prefer if prefer in live else min(
+                live, key=lambda p: (sum(1 for w in self._where.values() if w == p), p))
+            try:
+                self.links[peer].send(header)
+            except TransportError:
+                tried.add(peer)  # its loss is handled at the next poll; try another
+                continue
+            self._where[wire], self._asked[wire] = peer, header
+            return
+
+    def poll(self) -> list[Message]:
+        out, self._inbox = self._inbox, []
+        for peer, header, tensor in self._gather():
+            kind = header.get("kind")
+            if kind == PEER_LOST:
+                self._lose(peer, str(header.get("error")), out)
+                continue
+            wire = header.get("request_id" if kind == "kv" else "id")
+            if kind in ("kv", "prefill_failed") and isinstance(wire, str) and \
+                    self._where.get(wire) == peer:
+                self._answered(wire)
+            out.append((header, tensor))
+        return out
+
+    def _answered(self, wire: str) -> None:
+        self._where.pop(wire, None)
+        self._asked.pop(wire, None)
+        self._cancelled.discard(wire)
+
+    def _lose(self, peer: int, why: str, out: list[Message]) -> None:
+        link = self.links.pop(peer, None)
+        if link is None:
+            return
+        self.lost[peer] = why
+        link.close()
+        for wire in [w for w, p in self._where.items() if p == peer]:
+            header = self._asked[wire]
+            if wire in self._cancelled:
+                # nothing will answer it now: end the transfer (frees its draining block)
+                out.append(({"kind": "prefill_failed", "id": wire, "nonce": header["nonce"],
+                             "error": f"prefill worker {peer} lost: {why}"}, None))
+                self._answered(wire)
+                continue
+            try:
+                self._ask(header, None)
+                self.retried += 1
+            except TransportError:
+                pass  # no prefill worker left: the worker's own loss handling takes it
+        if not self.live() and not self._told_lost:
+            self._told_lost = True
+            self._where.clear()
+            self._asked.clear()
+            self._cancelled.clear()
+            out.append(({"kind": PEER_LOST, "error": f"every prefill worker is lost (the last, "
+                                                     f"{peer}: {why})"}, None))
+
+
+class DecodeLinks(_Links):
+    """A prefill worker's links to its decode workers (see the module docstring)."""
+
+    def __init__(self, secure: bool) -> None:
+        super().__init__(secure)
+        self._from: dict[str, tuple[int, str]] = {}  # wire id -> (decode worker, nonce)
+        self.dropped_answers = 0  # for a decode worker that is gone
+        self.refused = 0  # a request id another decode worker uses, or a foreign cancel
+
+    def pending(self) -> int:
+        return len(self._from)
+
+    def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
+        kind = header.get("kind")
+        if kind not in ("kv", "prefill_failed"):
+            raise ValueError(f"a prefill worker sends kv or prefill_failed, not {kind!r}")
+        wire = header.get("request_id" if kind == "kv" else "id")
+        src = self._from.pop(wire, None) if isinstance(wire, str) else None
+        link = self.links.get(src[0]) if src is not None else None
+        if link is None:
+            self.dropped_answers += 1  # its decode worker is gone: nobody waits for it
+            return
+        try:
+            link.send(header, tensor)
+        except TransportError:
+            self.dropped_answers += 1  # the loss shows in the next poll
+
+    def poll(self) -> list[Message]:
+        out, self._inbox = self._inbox, []
+        for peer, header, tensor in self._gather():
+            kind = header.get("kind")
+            if kind in (PEER_LOST, "shutdown"):
+                self._lose(peer, str(header.get("error", "it shut down")), out)
+                continue
+            wire = header.get("id")
+            if kind == "prefill" and isinstance(wire, str):
+                if wire in self._from:
+                    self.refused += 1  # in use: answering would go to its owner
+                    continue
+                self._from[wire] = (peer, str(header.get("nonce")))
+            elif kind == "cancel" and (not isinstance(wire, str)
+                                       or self._from.get(wire, (None,))[0] != peer):
+                self.refused += 1  # only its own requests
+                continue
+            out.append((header, tensor))
+        return out
+
+    def _lose(self, peer: int, why: str, out: list[Message]) -> None:
+        link = self.links.pop(peer, None)
+        if link is None:
+            return
+        self.lost[peer] = why
+        link.close()
+        # its requests end here: cancelled inside the worker (their blocks freed); the answers
+        # the worker sends for them are dropped (`send`)
+        for wire, (p, nonce) in self._from.items():
+            if p == peer:
+                out.append(({"kind": "cancel", "id": wire, "nonce": nonce}, None))
