@@ -179,6 +179,25 @@ def test_sse_framing_raw(srv):
         assert json.loads(ev[len("data: "):])["object"] == "text_completion"
 
 
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_sse_frames_from_the_template_equal_encoding_the_chunk(with_ids):
+    """A stream's token frames come from a template rendered once; each is the very text that
+    encoding its whole chunk gives, whatever the text (quotes, escapes, non-ASCII, NUL)."""
+    from atom_core.serve.app import _Frames
+
+    def chunk(text, toks, why, usage=None):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 7,
+                "model": 'a "model"\u00e9', "choices": [{
+                    "index": 0, "delta": {"content": text}, "logprobs": None,
+                    "finish_reason": why, **({"token_ids": toks} if with_ids else {})}]}
+
+    frame = _Frames(chunk)
+    for text, toks, why in [("a", [97], None), ('\u00e9"\n\\', [1, 2], "stop"), ("", [], "length"),
+                            ("\x00\u2603", [0], None), ("x", [3], "content_filter")]:
+        want = "data: " + json.dumps(chunk(text, toks, why), separators=(",", ":")) + "\n\n"
+        assert frame(text, toks, why) == want
+
+
 def test_sixteen_concurrent_streams_are_exact(srv):
     prompts = [f"request {i}: " + "the shared system prompt " * (i % 3) for i in range(16)]
     lengths = [4 + (i * 7) % 23 for i in range(16)]

@@ -41,7 +41,11 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        try:  # (bytes() of the list in C; a stream decodes its ids again at every token)
+            raw = bytes(ids)
+        except ValueError:  # the end token (or an id out of range) is no byte
+            raw = bytes(i for i in ids if 0 <= i < 256)
+        return raw.decode("utf-8", errors="replace")
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(plain_chat(messages))
