@@ -356,6 +356,9 @@ def test_metrics_parse_and_match_what_was_served():
         assert value["atom_time_to_first_token_seconds_count"] == 3
         assert value["atom_inter_token_latency_seconds_count"] == total - 3
         assert value["atom_busy_lanes"] == 0 and value["atom_queue_depth"] == 0
+        # the engine's steps and its CPU inside them (what bench.serve sets the rest against)
+        assert value["atom_engine_steps_total"] == s.engine.steps > 0
+        assert 0 < value["atom_engine_step_cpu_seconds_total"] == s.engine.step_cpu
         blocks = {smp.labels["owner"]: smp.value for smp in fams["atom_kv_blocks"].samples}
         assert sum(blocks.values()) == s.cfg.kv_blocks and blocks["lane"] == 0
 

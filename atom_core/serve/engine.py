@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -58,6 +59,9 @@ class Engine:
         self.failure: str | None = None  # why the engine stopped on its own
         self.running = False
         self.steps = 0
+        # CPU seconds of the engine thread inside `batcher.step` (the batcher's and the model's
+        # own work): the rest of the process's CPU is what serving costs on top of it
+        self.step_cpu = 0.0
 
     # ------------------------------------------------------------------ client side
     def start(self) -> None:
@@ -110,7 +114,9 @@ class Engine:
                 except queue.Empty:
                     pass
                 if self.batcher.busy():
+                    c0 = time.thread_time()
                     events = self.batcher.step()
+                    self.step_cpu += time.thread_time() - c0
                     self.steps += 1
                     for ev in events:
                         self._deliver(ev)

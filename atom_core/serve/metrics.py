@@ -50,6 +50,11 @@ class _BatcherCollector(Collector):
             yield CounterMetricFamily(name, help_, value=value)
         yield GaugeMetricFamily("atom_engine_up", "1 while the engine loop runs",
                                 value=1 if self.engine.running else 0)
+        yield CounterMetricFamily("atom_engine_steps", "batcher steps the engine ran",
+                                  value=self.engine.steps)
+        yield CounterMetricFamily("atom_engine_step_cpu_seconds",
+                                  "CPU time of the engine thread inside the batcher's steps",
+                                  value=self.engine.step_cpu)
 
 
 class Metrics:
