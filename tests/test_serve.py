@@ -198,6 +198,24 @@ def test_sse_frames_from_the_template_equal_encoding_the_chunk(with_ids):
         assert frame(text, toks, why) == want
 
 
+def test_loop_histogram_exports_what_prometheus_histogram_does():
+    """The lock-free latency histogram the server observes per token scrapes exactly as
+    prometheus-client's own Histogram with the same buckets (but its _created line)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from atom_core.serve.metrics import _LATENCY, LoopHistogram
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    h = Histogram("x_seconds", "doc", buckets=_LATENCY, registry=theirs)
+    mine = LoopHistogram("x_seconds", "doc")
+    ours.register(mine)
+    for v in (0.0, 0.0005, 0.001, 0.003, 0.01, 0.7, 10.0, 20.0):
+        h.observe(v)
+        mine.observe(v)
+    want = [ln for ln in generate_latest(theirs).decode().splitlines() if "_created" not in ln]
+    assert generate_latest(ours).decode().splitlines() == want
+
+
 def test_sixteen_concurrent_streams_are_exact(srv):
     prompts = [f"request {i}: " + "the shared system prompt " * (i % 3) for i in range(16)]
     lengths = [4 + (i * 7) % 23 for i in range(16)]

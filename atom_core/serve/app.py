@@ -253,7 +253,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str) -> _Job:
         if not prompt:
             raise ApiError(400, f"{param}: the prompt is empty (no tokens)", param)
-        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+        if vocab is not None and not (min(prompt) >= 0 and max(prompt) < vocab):
             raise ApiError(400, f"{param}: token ids must be in 0..{vocab - 1}", param)
         s = cfg.max_seq_len
         if len(prompt) >= s:
