@@ -2,10 +2,11 @@
 
 Clients talk to it through `submit` and `abort` (thread-safe: they put commands on a queue);
 the thread applies the commands between steps, steps while anything is busy, and hands each
-event to its request's `sink` (for the HTTP server: a callback that puts the event on the
-client's own asyncio queue). A request that ended (finished, failed or aborted) gets exactly
-one final event. A batcher bug (an exception out of `step`) fails every request in flight and
-stops the engine: `/health` then says so.
+event to its request's `sink`. The HTTP server sets `deliver`, so that a step's events cross to
+the event loop in one call, where each sink puts its event in its request's inbox. A request
+that ended (finished, failed or aborted) gets exactly one final event. A batcher bug (an
+exception out of `step`) fails every request in flight and stops the engine: `/health` then
+says so.
 """
 
 from __future__ import annotations
