@@ -179,6 +179,43 @@ def test_sse_framing_raw(srv):
         assert json.loads(ev[len("data: "):])["object"] == "text_completion"
 
 
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_sse_frames_from_the_template_equal_encoding_the_chunk(with_ids):
+    """A stream's token frames come from a template rendered once; each is the very text that
+    encoding its whole chunk gives, whatever the text (quotes, escapes, non-ASCII, NUL)."""
+    from atom_core.serve.app import _Frames
+
+    def chunk(text, toks, why, usage=None):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 7,
+                "model": 'a "model"\u00e9', "choices": [{
+                    "index": 0, "delta": {"content": text}, "logprobs": None,
+                    "finish_reason": why, **({"token_ids": toks} if with_ids else {})}]}
+
+    frame = _Frames(chunk)
+    for text, toks, why in [("a", [97], None), ('\u00e9"\n\\', [1, 2], "stop"), ("", [], "length"),
+                            ("\x00\u2603", [0], None), ("x", [3], "content_filter")]:
+        want = "data: " + json.dumps(chunk(text, toks, why), separators=(",", ":")) + "\n\n"
+        assert frame(text, toks, why) == want
+
+
+def test_loop_histogram_exports_what_prometheus_histogram_does():
+    """The lock-free latency histogram the server observes per token scrapes exactly as
+    prometheus-client's own Histogram with the same buckets (but its _created line)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from atom_core.serve.metrics import _LATENCY, LoopHistogram
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    h = Histogram("x_seconds", "doc", buckets=_LATENCY, registry=theirs)
+    mine = LoopHistogram("x_seconds", "doc")
+    ours.register(mine)
+    for v in (0.0, 0.0005, 0.001, 0.003, 0.01, 0.7, 10.0, 20.0):
+        h.observe(v)
+        mine.observe(v)
+    want = [ln for ln in generate_latest(theirs).decode().splitlines() if "_created" not in ln]
+    assert generate_latest(ours).decode().splitlines() == want
+
+
 def test_sixteen_concurrent_streams_are_exact(srv):
     prompts = [f"request {i}: " + "the shared system prompt " * (i % 3) for i in range(16)]
     lengths = [4 + (i * 7) % 23 for i in range(16)]
@@ -337,6 +374,9 @@ def test_metrics_parse_and_match_what_was_served():
         assert value["atom_time_to_first_token_seconds_count"] == 3
         assert value["atom_inter_token_latency_seconds_count"] == total - 3
         assert value["atom_busy_lanes"] == 0 and value["atom_queue_depth"] == 0
+        # the engine's steps and its CPU inside them (what bench.serve sets the rest against)
+        assert value["atom_engine_steps_total"] == s.engine.steps > 0
+        assert 0 < value["atom_engine_step_cpu_seconds_total"] == s.engine.step_cpu
         blocks = {smp.labels["owner"]: smp.value for smp in fams["atom_kv_blocks"].samples}
         assert sum(blocks.values()) == s.cfg.kv_blocks and blocks["lane"] == 0
 

@@ -79,6 +79,71 @@ class _Stream(StreamingResponse):
             self._release()
 
 
+class _Inbox:
+    """One request's events on the event loop. The engine's fan-out appends and wakes the one
+    reader, which takes everything that arrived at once: one future per wake-up (an
+    asyncio.Queue costs a get per event); the request's timer wakes it with nothing."""
+
+    __slots__ = ("events", "expired", "_waiter")
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.expired = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, ev: Event) -> None:
+        self.events.append(ev)
+        self._wake()
+
+    def expire(self) -> None:
+        self.expired = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self) -> list[Event]:
+        """The events since the last call (waiting for one); [] once the timer expired."""
+        while not self.events and not self.expired:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        out, self.events = self.events, []
+        return out
+
+
+_SLOTS = {"text": "\x00atom-text", "why": "\x00atom-why", "ids": "\x00atom-ids"}
+
+
+class _Frames:
+    """The SSE frame of a stream's token chunk, from a template: `make_chunk`'s JSON is
+    rendered once with markers where the text, finish_reason and token ids go, so a token costs
+    one string escape and a `str.format` instead of encoding the whole envelope again. The
+    frames are the very text `sse(make_chunk(...))` gives (tests check it)."""
+
+    def __init__(self, make_chunk: Any) -> None:
+        marked = json.dumps(make_chunk(_SLOTS["text"], _SLOTS["ids"], _SLOTS["why"]),
+                            separators=(",", ":"))
+        template = f"data: {marked}\n\n".replace("{", "{{").replace("}", "}}")
+        # the markers encode as "\u0000atom-..." (a NUL never appears in a model name or id)
+        for name, mark in _SLOTS.items():
+            template = template.replace(json.dumps(mark), "{" + name + "}")
+        self._format = template.format
+        self._ids = "{ids}" in template
+
+    def __call__(self, text: str, toks: list[int], why: str | None) -> str:
+        ids = "[" + ",".join(map(str, toks)) + "]" if self._ids else ""
+        return self._format(text=json.dumps(text), why=_WHY.get(why) or json.dumps(why),
+                            ids=ids)
+
+
+_WHY = {None: "null", "stop": '"stop"', "length": '"length"'}
+
+
 class RequestTimedOut(Exception):
     pass
 
@@ -188,7 +253,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str) -> _Job:
         if not prompt:
             raise ApiError(400, f"{param}: the prompt is empty (no tokens)", param)
-        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+        if vocab is not None and not (min(prompt) >= 0 and max(prompt) < vocab):
             raise ApiError(400, f"{param}: token ids must be in 0..{vocab - 1}", param)
         s = cfg.max_seq_len
         if len(prompt) >= s:
@@ -234,58 +299,73 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         job.reserved = True
 
     # ------------------------------------------------------------------ generation
-    async def generate(job: _Job) -> AsyncIterator[tuple[str, list[int], str | None]]:
-        """(text delta, token ids, finish_reason or None); the last item has a reason."""
+    async def generate(job: _Job) -> AsyncIterator[list[tuple[str, list[int], str | None]]]:
+        """Per wake-up, what the engine's events since the last one make: a list of (text
+        delta, token ids, finish_reason or None); the last item of the last list has a reason.
+        (A list per wake-up, not an item per token: the stream sends it in one write.)"""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Event] = asyncio.Queue()
+        inbox = _Inbox()
         # (the engine hands events over through `engine.deliver`, on this loop)
         handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling),
-                        sink=q.put_nowait)
+                        sink=inbox.put)
         text = IncrementalText(tokenizer, job.stop)
         t0 = last = time.perf_counter()
         n = 0
         metrics.prompt_tokens.inc(len(job.prompt))
         outcome = "aborted"  # unless it ends otherwise (a disconnect cancels us mid-wait)
+        # one timer for the whole request, not a timeout scope around every wait for a token
+        timer = None if settings.request_timeout is None else \
+            loop.call_later(settings.request_timeout, inbox.expire)
         try:
             try:
                 engine.submit(handle)
             except EngineStopped as exc:
                 raise ApiError(503, str(exc), type_="server_error") from None
-            deadline = None if settings.request_timeout is None \
-                else loop.time() + settings.request_timeout
             while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        ev = await q.get()
-                except TimeoutError:
+                events = await inbox.take()
+                if not events:  # (only the timer wakes it with none)
                     outcome = "timeout"
                     raise RequestTimedOut(f"the request did not finish within "
-                                          f"{settings.request_timeout} s") from None
-                if ev.kind == "token":
-                    now = time.perf_counter()
-                    (metrics.itl if n else metrics.ttft).observe(now - (last if n else t0))
-                    last, n = now, n + 1
-                    metrics.completion_tokens.inc()
-                    if ev.token in job.stop_ids:
-                        outcome = "stop"
-                        yield text.finish(), [ev.token], "stop"
-                        return
-                    delta = text.add(ev.token)
-                    if text.stopped:
-                        outcome = "stop"
-                        yield delta, [ev.token], "stop"
-                        return
-                    yield delta, [ev.token], None
-                elif ev.kind == "finished":
-                    last_tok = text.ids[-1] if text.ids else None
-                    outcome = "stop" if eos is not None and last_tok == eos else "length"
-                    yield text.finish(), [], outcome
-                    return
-                elif ev.kind in ("error", "aborted"):
-                    outcome = "error"
-                    raise RequestFailed(ev.error or "the request was aborted")
-                # "preempted": it resumes where it stopped; nothing to tell the client
+                                          f"{settings.request_timeout} s")
+                out: list[tuple[str, list[int], str | None]] = []
+                n0 = n
+                try:
+                    for ev in events:
+                        if ev.kind == "token":
+                            now = time.perf_counter()
+                            (metrics.itl if n else metrics.ttft).observe(now - (last if n else t0))
+                            last, n = now, n + 1
+                            if ev.token in job.stop_ids:
+                                outcome = "stop"
+                                out.append((text.finish(), [ev.token], "stop"))
+                                yield out
+                                return
+                            delta = text.add(ev.token)
+                            if text.stopped:
+                                outcome = "stop"
+                                out.append((delta, [ev.token], "stop"))
+                                yield out
+                                return
+                            out.append((delta, [ev.token], None))
+                        elif ev.kind == "finished":
+                            last_tok = text.ids[-1] if text.ids else None
+                            outcome = "stop" if eos is not None and last_tok == eos else "length"
+                            out.append((text.finish(), [], outcome))
+                            yield out
+                            return
+                        elif ev.kind in ("error", "aborted"):
+                            if out:  # what it generated before still reaches the client
+                                yield out
+                            outcome = "error"
+                            raise RequestFailed(ev.error or "the request was aborted")
+                        # "preempted": it resumes where it stopped; nothing to tell the client
+                finally:  # (once per wake-up, not per token: each inc takes a lock)
+                    metrics.completion_tokens.inc(n - n0)
+                if out:
+                    yield out
         finally:
+            if timer is not None:
+                timer.cancel()
             _release(job)
             metrics.outcomes.labels(outcome).inc()
             if not handle.ended:
@@ -293,11 +373,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
     async def collect(job: _Job) -> tuple[str, list[int], str]:
         parts, ids, reason = [], [], "length"
-        async for delta, toks, why in generate(job):
-            parts.append(delta)
-            ids.extend(toks)
-            if why is not None:
-                reason = why
+        async for items in generate(job):
+            for delta, toks, why in items:
+                parts.append(delta)
+                ids.extend(toks)
+                if why is not None:
+                    reason = why
         return "".join(parts), ids, reason
 
     async def until_disconnect(request: Request, job: _Job) -> tuple[str, list[int], str]:
@@ -327,13 +408,18 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     async def stream(job: _Job, make_chunk: Any, usage_at_end: bool,
                      first: dict[str, Any] | None, want_ids: bool) -> AsyncIterator[str]:
         n = 0
+        frame = _Frames(make_chunk)
         if first is not None:
             yield sse(first)
         try:
-            async for delta, toks, why in generate(job):
-                n += len(toks)
-                if delta or why is not None or (toks and want_ids):
-                    yield sse(make_chunk(delta, toks, why))
+            async for items in generate(job):
+                frames = []
+                for delta, toks, why in items:
+                    n += len(toks)
+                    if delta or why is not None or (toks and want_ids):
+                        frames.append(frame(delta, toks, why))
+                if frames:  # one body write for all of a wake-up's chunks
+                    yield "".join(frames)
         except RequestTimedOut as exc:
             yield sse({"error": {"message": str(exc), "type": "timeout", "param": None,
                                  "code": "timeout"}})

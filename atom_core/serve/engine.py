@@ -2,16 +2,18 @@
 
 Clients talk to it through `submit` and `abort` (thread-safe: they put commands on a queue);
 the thread applies the commands between steps, steps while anything is busy, and hands each
-event to its request's `sink` (for the HTTP server: a callback that puts the event on the
-client's own asyncio queue). A request that ended (finished, failed or aborted) gets exactly
-one final event. A batcher bug (an exception out of `step`) fails every request in flight and
-stops the engine: `/health` then says so.
+event to its request's `sink`. The HTTP server sets `deliver`, so that a step's events cross to
+the event loop in one call, where each sink puts its event in its request's inbox. A request
+that ended (finished, failed or aborted) gets exactly one final event. A batcher bug (an
+exception out of `step`) fails every request in flight and stops the engine: `/health` then
+says so.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -58,6 +60,9 @@ class Engine:
         self.failure: str | None = None  # why the engine stopped on its own
         self.running = False
         self.steps = 0
+        # CPU seconds of the engine thread inside `batcher.step` (the batcher's and the model's
+        # own work): the rest of the process's CPU is what serving costs on top of it
+        self.step_cpu = 0.0
 
     # ------------------------------------------------------------------ client side
     def start(self) -> None:
@@ -110,7 +115,9 @@ class Engine:
                 except queue.Empty:
                     pass
                 if self.batcher.busy():
+                    c0 = time.thread_time()
                     events = self.batcher.step()
+                    self.step_cpu += time.thread_time() - c0
                     self.steps += 1
                     for ev in events:
                         self._deliver(ev)

@@ -3,13 +3,15 @@ the tests, never share counters)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from atom_core._generated import core
 
@@ -50,6 +52,34 @@ class _BatcherCollector(Collector):
             yield CounterMetricFamily(name, help_, value=value)
         yield GaugeMetricFamily("atom_engine_up", "1 while the engine loop runs",
                                 value=1 if self.engine.running else 0)
+        yield CounterMetricFamily("atom_engine_steps", "batcher steps the engine ran",
+                                  value=self.engine.steps)
+        yield CounterMetricFamily("atom_engine_step_cpu_seconds",
+                                  "CPU time of the engine thread inside the batcher's steps",
+                                  value=self.engine.step_cpu)
+
+
+class LoopHistogram(Collector):
+    """A latency histogram observed and scraped on the event loop only, so without a lock:
+    prometheus-client's Histogram takes its lock twice per observation, once per streamed token
+    here. Exported as an ordinary Prometheus histogram (_bucket, _count, _sum)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...] = _LATENCY) -> None:
+        self.name, self.doc, self.bounds = name, doc, list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1  # (`le`: bounds are inclusive)
+        self.sum += seconds
+
+    def collect(self) -> Iterator[Any]:
+        total, buckets = 0, []
+        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], self.counts,
+                                strict=True):
+            total += count
+            buckets.append((bound, total))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
 
 
 class Metrics:
@@ -63,9 +93,10 @@ class Metrics:
                                      registry=r)
         self.completion_tokens = Counter("atom_completion_tokens",
                                          "tokens returned to clients", registry=r)
-        self.ttft = Histogram("atom_time_to_first_token_seconds",
-                              "from the request's arrival to its first token", buckets=_LATENCY,
-                              registry=r)
-        self.itl = Histogram("atom_inter_token_latency_seconds",
-                             "between two tokens of one request", buckets=_LATENCY, registry=r)
+        self.ttft = LoopHistogram("atom_time_to_first_token_seconds",
+                                  "from the request's arrival to its first token")
+        self.itl = LoopHistogram("atom_inter_token_latency_seconds",
+                                 "between two tokens of one request")
+        r.register(self.ttft)
+        r.register(self.itl)
         r.register(_BatcherCollector(engine))

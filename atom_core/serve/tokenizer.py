@@ -41,7 +41,11 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        try:  # (bytes() of the list in C; a stream decodes its ids again at every token)
+            raw = bytes(ids)
+        except ValueError:  # the end token (or an id out of range) is no byte
+            raw = bytes(i for i in ids if 0 <= i < 256)
+        return raw.decode("utf-8", errors="replace")
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(plain_chat(messages))
@@ -92,15 +96,17 @@ class IncrementalText:
         self.sent = 0  # characters already handed out
         self.text = ""
         self.stopped = False
+        self._hold = max((len(s) - 1 for s in self.stop), default=0)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
         self.text = self.tok.decode(self.ids)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
-            return self._take(len(self.text))
-        safe = len(self.text) - max((len(s) - 1 for s in self.stop), default=0)
+        if self.stop:
+            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+                return self._take(len(self.text))
+        safe = len(self.text) - self._hold
         if self.text.endswith("\ufffd"):
             safe = min(safe, len(self.text) - 1)
         return self._take(safe)
