@@ -240,10 +240,6 @@ class AtomBatcher:
                 f"{s - 1} prompt tokens plus the first generated one; shorten the prompt")
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
-        if (remote or export) and self.config.preemption:
-            raise ValueError("PD requests (remote or export) are not served with preemption=True "
-                             "yet: a preempted imported request would have to be prefilled "
-                             "here; use a Config with preemption=False for PD workers")
         rid = self._next_id
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
@@ -778,27 +774,24 @@ class AtomBatcher:
         loads it from the host tier (`grow_host_hit`) when the host entry is longer."""
         while lanes := self.policy.growth(self.state):
             lane = lanes[0]
-            if self.state.phase.get(self.state.lane_req[lane]) == core.PHASE_IMPORTING:
-                dst = self._block()
-                if dst is None:
-                    return  # (no preemption with PD: a block frees when a transfer ends)
-                self._apply("import_grow", l=lane, dst=dst)
-                self.stats.table_grows += 1
-                self._import_ready(lane, events)
-                continue
-            hit = self.policy.next_hit(self.state, lane)
+            importing = self.state.phase.get(self.state.lane_req[lane]) == core.PHASE_IMPORTING
+            hit = None if importing else self.policy.next_hit(self.state, lane)
             dst = self._block(exclude=None if hit is None else hit[0])
             if dst is None and hit is not None:  # the hit's source is the only block left
                 hit, dst = None, self._block()
             if dst is None:
-                if self._transfers or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING)
-                                          for o in self.state.owner):
+                if self._in_flight():
                     return  # a block frees when a transfer or store ends: wait, as admission does
-                if self._preempt(events):
+                if self._preempt(events):  # (never an importing lane: it computes nothing)
                     continue
                 # with nothing in flight, the capacity rule Config checks excludes this
                 raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is "
                                    "below the capacity rule (Config checks it; was it bypassed?)")
+            if importing:
+                self._apply("import_grow", l=lane, dst=dst)
+                self.stats.table_grows += 1
+                self._import_ready(lane, events)
+                continue
             # (after `_block`: its spill may have evicted a host entry)
             host = self.policy.next_host_hit(self.state, lane) if self.config.host_cache_blocks \
                 else None
@@ -811,6 +804,15 @@ class AtomBatcher:
                 self._copy(next(e for e in step.effects if isinstance(e, core.Copy)), events)
             else:
                 self._apply("grow", l=lane, dst=dst)
+
+    def _in_flight(self) -> bool:
+        """A transfer or a store is running, and frees or unpins blocks when it ends: a lane's
+        transfer (an import whose table is complete, an export), a block draining for one, a
+        block being stored to the host tier. An import still waiting for its table has not
+        started its transfer."""
+        s = self.state
+        return (any(core.moving(s, n) and not core.import_waits(s, n) for n in range(s.consts.B))
+                or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING) for o in s.owner))
 
     def _block(self, exclude: int | None = None) -> int | None:
         """The policy's reusable block; a cache entry there goes to the host tier first."""
@@ -831,6 +833,11 @@ class AtomBatcher:
             return False
         rid, lost = self.state.lane_req[lane], self.state.length[lane]
         self._apply("preempt", l=lane)
+        # An imported request resumes here, by recomputing its prompt and tokens as any
+        # preempted request does: its prefill worker knows none of the tokens decoded since, so
+        # asking it again would cost a round trip and a transfer for the prompt alone, and would
+        # depend on that worker still being alive.
+        self.requests[rid].remote = False
         self.waiting.appendleft(rid)
         self.stats.preemptions += 1
         self.stats.recomputed_tokens += lost

@@ -53,9 +53,6 @@ def prefix_unit(cfg: Config) -> int:
     return cfg.prefill_chunk if cfg.blocks_per_table == 1 else cfg.block_size
 
 
-NO_PREEMPTION = ("a PD cluster's workers run without preemption (the batcher refuses PD "
-                 "requests with preemption=True: a preempted imported request would have to be "
-                 "prefilled again); use a Config with preemption=False")
 
 
 def _stats_of(batcher: Any) -> dict[str, int]:
@@ -104,8 +101,6 @@ class DecodeNode:
                  control: Transport) -> None:
         if worker.transport is not links:
             raise ValueError("the decode worker must run over this node's PrefillLinks")
-        if worker.batcher.config.preemption:
-            raise ValueError(NO_PREEMPTION)  # every request would fail: refuse the worker
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
@@ -223,8 +218,6 @@ class PrefillNode:
                  control: Transport) -> None:
         if worker.transport is not links:
             raise ValueError("the prefill worker must run over this node's DecodeLinks")
-        if worker.batcher.config.preemption:
-            raise ValueError(NO_PREEMPTION)
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._reporter = _Reporter()
         self.ready = True  # as DecodeNode.ready
@@ -450,8 +443,6 @@ class LocalCluster:
             from atom_core.workers import NO_KEY
 
             raise ValueError(NO_KEY)
-        if cfg.preemption or (pcfg is not None and pcfg.preemption):
-            raise ValueError(NO_PREEMPTION)
         self.cfg, self.pcfg = cfg, pcfg or cfg
         self.runtime_for, self.key, self.prefetch = runtime_for, key, prefetch
         self.frontend = Frontend(Router(prefix_unit(self.pcfg), policy))

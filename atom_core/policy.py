@@ -192,13 +192,16 @@ class Policy:
         if self.spare_local_slot and s.consts.HYBRID and any(s.busy) \
                 and sum(not x for x in s.busy) == 1:
             return None
-        if remote:
-            dst = self.reusable(s)
-            return None if dst is None else Choice("admit_import",
-                                                   {"l": lane, "r": r, "dst": dst})
         prompt = s.prompt.get(r)
         if s.consts.PREEMPT and any(s.busy) and self._room(s) < self._blocks_for(s, prompt):
             return None
+        if remote:
+            # (with preemption one importing table grows at a time: `one_import_table_growing`)
+            if not g.ready_admit_import(s, l=lane, r=r):
+                return None
+            dst = self.reusable(s)
+            return None if dst is None else Choice("admit_import",
+                                                   {"l": lane, "r": r, "dst": dst})
         hit = self.best_hit(s, prompt) if s.consts.PREFIX else None
         host = self.best_host_hit(s, prompt) if s.consts.HOST else None
         if host is not None and (hit is None or host[1] > hit[1]):
@@ -223,7 +226,8 @@ class Policy:
         """With preemption, a request is admitted beside running ones only when its whole
         prompt fits in the blocks left (and, with dynamic scratch, a padding block besides):
         else its prefill would preempt it again as soon as it needs a block, and the lanes it
-        displaced, which cannot run while a prefill takes every step, would never finish."""
+        displaced, which cannot run while a prefill takes every step, would never finish. An
+        import (never preempted) would take the blocks it lacks from the lanes it joins."""
         blocks = -(-len(prompt) // s.consts.S)
         return blocks + (0 if s.consts.RESERVED else 1)
 

@@ -274,9 +274,22 @@ def tail_full(l: Lane):
 
 
 @m.definition
+def at_table_end(l: Lane):
+    """Decoding lane l has filled its whole table: it can only finish (which frees it)."""
+    return decoding(l) & tail_full(l) & (nblocks(l) == T)
+
+
+@m.definition
 def needs_block(l: Lane):
     """Lane l cannot compute another token before its table grows."""
     return computing(l) & tail_full(l) & (nblocks(l) < T)
+
+
+@m.definition
+def import_waits(l: Lane):
+    """Importing lane l's table does not cover its prompt yet: it waits for its next block
+    (`import_grow`) before its transfer can start."""
+    return importing(l) & ~table_covers_prompt(l)
 
 
 @m.definition
@@ -595,7 +608,7 @@ def preempt(l: Lane):
     next token."""
     require("preemption_on", PREEMPT)
     require("lane_computing", computing(l))
-    require("a_lane_waits_for_a_block", exists(Lane, lambda n: needs_block(n))
+    require("a_lane_waits_for_a_block", exists(Lane, lambda n: needs_block(n) | import_waits(n))
             | (~RESERVED & needs_scratch() & exists(Lane, lambda n: decoding(n))))
     require("no_block_reusable", forall(Block, lambda b: ~reusable(b)))
     # (<=, not <: a lane one token short of its table's end holds T * S tokens with the one it
@@ -828,9 +841,11 @@ def admit_import(l: Lane, r: Req, dst: Block):
     the whole prompt into fresh blocks."""
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
-    # An importing lane cannot be preempted (its KV comes from elsewhere), and one holding part
-    # of its table while others hold the rest would wait forever: PD runs without preemption.
-    require("no_preemption", ~PREEMPT)
+    # An importing lane is never preempted (it computes nothing: `computing`), so with
+    # preemption's smaller pool two of them each holding part of a table could wait for each
+    # other forever. One table grows at a time; it takes blocks from computing lanes (`preempt`)
+    # or from lanes whose transfer ends.
+    require("one_import_table_growing", implies(PREEMPT, forall(Lane, lambda n: ~import_waits(n))))
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, 0, Phase.IMPORTING)
     assign(transfer(dst), True)
@@ -1131,10 +1146,15 @@ inv("pinned_for_its_transfer", forall(Block, lambda b: implies(
 inv("moving_lane_has_transfer", forall((Lane, Block), lambda l, b: implies(
     moving(l) & lane_block(b, l), transfer(b))))
 # An importing lane's blocks wait for the transfer alone: nothing else writes them, its table
-# never passes the prompt's end (its last block starts before it), and it is never preempted.
+# never passes the prompt's end (its last block starts before it); it is never preempted (it
+# computes nothing).
 inv("import_target_untouched", forall(Lane, lambda l: implies(
     importing(l), ~local_junk(l) & (length(l) == 0) & ~copying(l)
-    & (start(tail(l)) < lane_plen(l)) & ~PREEMPT)))
+    & (start(tail(l)) < lane_plen(l)))))
+# With preemption one importing table grows at a time (`admit_import`): two could each hold part
+# of the pool and wait for each other, neither computing, so neither preemptable.
+inv("imports_grow_one_at_a_time", forall((Lane, Lane), lambda l, n: implies(
+    PREEMPT & import_waits(l) & import_waits(n), l == n)))
 inv("import_blocks_untouched", forall((Lane, Block), lambda l, b: implies(
     importing(l) & lane_block(b, l), ~junk(b))))
 inv("export_after_prefill", forall(Lane, lambda l: implies(
@@ -1205,8 +1225,7 @@ m.progress_property("running_request_advances", implies(
     | exists(Slot, lambda h: enabled(store_done, h=h))
     | (exists(Lane, lambda l: decoding(l)) & enabled(decode))
     | exists(Lane, lambda l: enabled(grow, l=l))
-    | exists(Lane, lambda l: decoding(l) & (length(l) == start(tail(l)) + S)
-             & (nblocks(l) == T))
+    | exists(Lane, lambda l: at_table_end(l))
     | exists(Lane, lambda l: enabled(import_grow, l=l))
     | exists(Lane, lambda l: (exporting(l) | (importing(l) & table_covers_prompt(l)))
              & enabled(transfer_fail, r=lane_req(l)))
@@ -1223,14 +1242,20 @@ m.progress_property("lone_lane_is_never_preempted", forall(Lane, lambda l: impli
     ~enabled(preempt, l=l))),
     doc="a lane running alone never has to be preempted: it can finish at max_seq_len")
 m.progress_property("idle_lane_imports", forall((Lane, Req), lambda l, r: implies(
-    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & ~PREEMPT,
+    quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & admission_room(),
     enabled(admit_import, l=l, r=r))),
-    doc="an idle lane can always take a request whose KV comes from a prefill worker (PD runs "
-        "without preemption)")
+    doc="an idle lane can always take a request whose KV comes from a prefill worker (with "
+        "preemption: when no lane is busy, as for `idle_lane_admits`)")
 m.progress_property("import_table_grows", forall(Lane, lambda l: implies(
-    quiescent() & importing(l) & ~table_covers_prompt(l), enabled(import_grow, l=l))),
+    quiescent() & import_waits(l), enabled(import_grow, l=l)
+    # with preemption's smaller pool the block may have to come from a computing lane, from a
+    # lane at its table's end (it finishes), or from a lane whose transfer is in flight (it
+    # decodes, and can be preempted, once the transfer ends)
+    | (PREEMPT & (exists(Lane, lambda n: enabled(preempt, l=n) | at_table_end(n))
+                  | exists(Lane, lambda n: moving(n) & ~import_waits(n)))))),
     doc="an importing lane always gets its next block until its table covers the prompt (so "
-        "its transfer can start)")
+        "its transfer can start); with preemption, or a computing lane can be preempted for "
+        "it, or a lane at its table's end finishes, or another lane's transfer is in flight")
 m.progress_property("transfers_end", forall(Block, lambda b: implies(
     transfer(b), enabled(transfer_end, r=transfer_req(b), b=b)
     | enabled(transfer_fail, r=transfer_req(b)))),

@@ -244,16 +244,22 @@ def test_an_aborted_request_ends_once_and_frees_its_blocks() -> None:
     assert_clean(c)
 
 
-def test_preemption_is_refused_up_front() -> None:
-    import attrs
-
-    cfg = Config(lanes=2, kv_blocks=4, max_seq_len=S, block_size=C, prefill_chunk=C,
+def test_workers_that_preempt_serve_exactly() -> None:
+    """Both roles with preemption at its (much lower) block minimum: decode workers preempt
+    lanes (imported requests among them, which resume by local recompute), prefill workers
+    preempt prefills for export (never an exporting lane); every request ends once, exactly."""
+    cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, True, "dynamic", 2, preemption=True),
+                 max_seq_len=S, block_size=C, prefill_chunk=C, prefix_cache=True,
                  preemption=True)
-    with pytest.raises(ValueError, match="without preemption"):
-        LocalCluster(cfg, runtime, prefill=1, decode=1, key=KEY)
-    with pytest.raises(ValueError, match="without preemption"):
-        LocalCluster(config(), runtime, prefill=1, decode=1, key=KEY,
-                     pcfg=attrs.evolve(cfg, kv_blocks=4))
+    c = LocalCluster(cfg, runtime, prefill=2, decode=2, key=KEY)
+    rng = random.Random(3)
+    cids = [c.submit([rng.randrange(128) for _ in range(rng.randint(20, 60))], 50)
+            for _ in range(10)]
+    c.run_until_done()
+    assert_exact(c, cids)
+    assert sum(d.worker.batcher.stats.preemptions for d in c.decodes.values()) > 0
+    assert c.frontend.late_events == 0
+    assert_clean(c)
 
 
 def test_the_frontend_forgets_the_oldest_ended_requests() -> None:

@@ -19,6 +19,9 @@ to T * S - 1 tokens, and only then may the import land) or export it after prefi
 side: every block of the lane's table is sent), with transfers that fail, get cancelled (every
 block of the lane drains until the transfer ends, and its one `transfer_end` frees them all)
 and events that arrive late, twice or for the wrong request (refused, changing nothing).
+With preemption too: one importing table grows at a time (a second import is refused until it
+covers its prompt), taking its blocks from computing lanes (preempted: an importing lane never
+is), and an imported request preempted later (it decodes) waits and is recomputed locally.
 The prefix cache's tiers (`TIERS`, one per configuration):
 * hybrid: sliding-window layers; the lane's sliding state is snapshotted at chunk boundaries
   (`snapshot`, at the right and at wrong times), a cache entry keeps its lane's snapshots, a
@@ -114,6 +117,14 @@ IMPORT_DRAINS = "importing lane of several blocks cancelled: every block drains"
 EXPORT_DRAINS = "exporting lane of several blocks cancelled: every block drains"
 DRAINS_END_TOGETHER = "one transfer_end freed several draining blocks"
 IMPORT_SHORT = "import_done refused: the table does not cover the prompt yet"
+# ... and PD with preemption: an import landed (with PREEMPT), an importing lane's table grew
+# by preempting a computing lane (`import_grow_by_policy`), and an imported request (decoding
+# since its import landed) was preempted, and finished later (recomputed here: admitted again
+# as any preempted request).
+IMPORT_WITH_PREEMPTION = "import with preemption landed"
+IMPORT_BLOCK_PREEMPTED = "preempt for a block of an import"
+IMPORTED_PREEMPTED = "imported request preempted"
+IMPORTED_PREEMPTED_FINISHED = "preempted imported request finished"
 # Without the host tier (H = 0) a spill or a host hit names a slot that does not exist: the core
 # refuses the index itself.
 NO_SLOT = "slot index refused without the host tier"
@@ -348,6 +359,8 @@ class Life:
         self.admitted = [0] * c.B  # when each lane's request was admitted (a clock)
         self.clock = 0
         self.preempted: set[int] = set()  # requests preempted at least once
+        self.imported: set[int] = set()  # requests whose import landed (PD, decode side)
+        self.preempted_imports: set[int] = set()  # ... and were preempted after it
 
     # queries -------------------------------------------------------------------------
     @property
@@ -444,11 +457,25 @@ class Life:
         return not all(self.decoding(l) for l in range(self.c.B))
 
     def waits_for_block(self) -> bool:
-        """Some lane needs its next block, or (dynamic scratch) a decode call needs a padding
-        target: what preemption may make room for."""
+        """Some lane needs its next block (an importing lane too, until its table covers the
+        prompt), or (dynamic scratch) a decode call needs a padding target: what preemption
+        may make room for."""
         c = self.c
-        return any(map(self.needs_block, range(c.B))) or (
+        return any(self.needs_block(l) or self.needs_import_block(l) for l in range(c.B)) or (
             not c.RESERVED and self.needs_scratch() and any(map(self.decoding, range(c.B))))
+
+    def import_table_grows(self) -> bool:
+        """With PREEMPT, an importing lane's table is short of its prompt: no other import is
+        admitted until it covers it (one importing table grows at a time)."""
+        return self.c.PREEMPT and any(map(self.needs_import_block, range(self.c.B)))
+
+    def transfer_in_flight(self, l: int) -> bool:
+        """Lane l's transfer runs: it exports, or it imports and its table covers the prompt
+        (an import short of it has not asked for its KV yet). Its blocks free, or it decodes
+        (and can be preempted), when the transfer ends."""
+        r = self.lane[l]
+        return (r is not None and self.status[r] in MOVING
+                and not self.needs_import_block(l))
 
     def oldest(self) -> int | None:
         """The busy lane admitted first."""
@@ -477,8 +504,11 @@ class Life:
                 return _first(("dst_reusable", lambda: self.reusable(args[2])),
                               ("no_cache_hit", lambda: not c.PREFIX or not any(
                                   self.hit_ok(p, b) for b in self.entries)))
-            if name == "admit_import":  # (PD runs without preemption)
-                return _first(("no_preemption", lambda: not c.PREEMPT),
+            if name == "admit_import":
+                # An importing lane computes nothing, so it is never preempted: with
+                # preemption's smaller pool two of them, each holding part of a table, could
+                # wait for each other forever. One importing table grows at a time.
+                return _first(("one_import_table_growing", lambda: not self.import_table_grows()),
                               ("dst_reusable", lambda: self.reusable(args[2])))
             src, dst, n = args[2:]
             whole = ("n_whole_chunks", lambda: n >= c.C and n % c.C == 0)
@@ -839,6 +869,8 @@ class Life:
                 assert self.status[r] == "decode"
                 if r in self.preempted:
                     Stats.events["preempted request finished"] += 1
+                if r in self.preempted_imports:
+                    Stats.events[IMPORTED_PREEMPTED_FINISHED] += 1
             moving = self.status[r] in MOVING
             if moving and len(self.tables[l]) > 1:
                 Stats.events[IMPORT_DRAINS if self.status[r] == "importing"
@@ -859,6 +891,9 @@ class Life:
             # samples its next token); its blocks are freed, never cached
             self.status[r], self.prompt[r] = "waiting", self.seq[l]
             self.preempted.add(r)
+            if r in self.imported:  # it decodes since its import landed: recomputed here
+                self.preempted_imports.add(r)
+                Stats.events[IMPORTED_PREEMPTED] += 1
             for x in self.tables[l]:
                 assert self.owner[x] == "LANE" and x not in self.entries, (x, self.owner)
                 self.filled_snap.pop(x, None)
@@ -912,6 +947,9 @@ class Life:
                 Stats.events[MULTI_IMPORT] += 1
             self.length[l], self.seq[l] = len(p), self.seq[l] + (tok,)
             self.status[r] = "decode"
+            self.imported.add(r)
+            if c.PREEMPT:
+                Stats.events[IMPORT_WITH_PREEMPTION] += 1
             assert kinds == ["Imported"] and effects[0] == (l, r, self.tail(l)), effects
         elif name == "export":
             l = args[0]
@@ -1368,9 +1406,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             (`preempt_by_policy`) until there is one or the lane itself is gone. A lane whose
             hit filled its next block (its copy landed) needs another one: it grows again, as
             the adapter's loop takes the oldest lane first. An importing lane whose table does
-            not cover its prompt gets its next block too (`import_grow_by_policy`). Refinement:
-            the policy's lanes are exactly those the lifecycle model says need a block (in
-            admission order; importing lanes short of their prompt too), its
+            not cover its prompt gets its next block too (`import_grow_by_policy`, preempting
+            likewise). Refinement: the policy's lanes are exactly those the lifecycle model says
+            need a block (in admission order; importing lanes short of their prompt too), its
             block and hit are ones the spec accepts, and it finds a block whenever the spec
             would accept any, and the longest hit. With data, often a call that must be
             refused first (`refuse_full_tail`). False if some lane gets none (a copy pins the
@@ -1385,7 +1423,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                                           f"says {need} (oldest first)", core, self.s)
             for l in lanes:
                 if life.importing(l):
-                    if not self.import_grow_by_policy(data, l):
+                    if not self.import_grow_by_policy(data, l, preempt):
                         return False
                     continue
                 # (not a lane preempted to make room for an older lane; a lane whose copy is
@@ -1421,22 +1459,31 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     assert self.apply("grow", l, dst).rejected is None
             return True
 
-        def import_grow_by_policy(self, data: Any, l: int) -> bool:
+        def import_grow_by_policy(self, data: Any, l: int, preempt: bool = True) -> bool:
             """Importing lane l's table grows until it covers the prompt (`import_grow`, the
-            block `Policy.reusable` picks), as the adapter does before it asks for the KV. With
-            data, often an import_done first, refused while the table is short (even with the
-            whole prompt: `table_covers_prompt`), or a grow into a block it may not take.
-            Refinement: it finds a block whenever the spec would accept any. False if it gets
-            none (a copy pins the only candidate, a block drains, or K is below the capacity
-            rule: no preemption with PD)."""
+            block `Policy.reusable` picks), as the adapter does before it asks for the KV; with
+            preemption (and `preempt`), when there is none, the policy's victims are preempted
+            (`preempt_by_policy`: computing lanes, never l, which computes nothing) until there
+            is one. With data, often an import_done first, refused while the table is short
+            (even with the whole prompt: `table_covers_prompt`), or a grow into a block it may
+            not take. Refinement: it finds a block whenever the spec would accept any, and
+            (quiescent, at capacity) waits only where the spec lets it: with preemption, for
+            another lane's transfer in flight or a lane at its table's end (`import_may_wait`).
+            False if it gets none (a copy pins the only candidate, a block drains, such a wait,
+            or K is below the capacity rule)."""
             life, c = self.life, self.c
             while life.needs_import_block(l):
                 if data is not None and num(data, 0, 3, "refused first (0)") == 0:
                     self.refuse_short_import(data, l)
                 dst = self.policy.reusable(self.s)
+                # (the event preempt_by_policy counts is IMPORT_BLOCK_PREEMPTED)
+                while (dst is None and preempt and c.PREEMPT
+                       and self.preempt_by_policy(data, "block of an import") is not None):
+                    dst = self.policy.reusable(self.s)
                 if dst is None:
                     ok = [b for b in range(c.K) if core.import_grow_guard(self.s, l, b) is None]
-                    if ok or (self.quiescent() and self.at_capacity):
+                    if ok or (self.quiescent() and self.at_capacity and (preempt or not c.PREEMPT)
+                              and not self.import_may_wait(l)):
                         raise RefinementViolation("import_grow", f"no block for lane {l} (the "
                                                   f"spec accepts {ok})", core, self.s)
                     Stats.events["import_grow waits for a block"] += 1
@@ -1444,6 +1491,16 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 self.refine("import_grow", {"l": l, "dst": dst})
                 assert self.apply("import_grow", l, dst).rejected is None
             return True
+
+        def import_may_wait(self, l: int) -> bool:
+            """With preemption, importing lane l may wait for its next block though no block is
+            reusable and no lane can be preempted (`import_table_grows`): another lane's
+            transfer is in flight (its blocks free, or it decodes and can be preempted, when it
+            ends), or a lane at its table's end must finish first (its blocks free then)."""
+            life = self.life
+            return self.c.PREEMPT and any(
+                x != l and (life.transfer_in_flight(x) or life.table_end(x))
+                for x in range(self.c.B))
 
         def refuse_short_import(self, data: Any, l: int) -> None:
             """Importing lane l's table does not cover its prompt: its import_done (even with
@@ -2223,8 +2280,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         def schedule_step(self, data: Any = None) -> bool:
             """One scheduler step with preemption, as the adapter takes it: copies, loads and
-            stores land; the lanes that need a block grow (the oldest first; preempting when
-            there is none);
+            stores land; with PD, a drain ends, then a transfer (an import whose table covers
+            its prompt lands, an export ends); the lanes that need a block grow (the oldest
+            first, importing lanes too; preempting when there is none);
             the oldest waiting request is admitted if the policy finds room; lanes grow again;
             each prefilling lane prefills a chunk; lanes at their table end finish (with data,
             sometimes lanes after a few tokens); then a decode call (preempting for a padding
@@ -2236,6 +2294,19 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 return True
             for h in life.slots("STORING"):  # a spill's store lands (the adapter's: at once)
                 self.apply("store_done", h)
+                return True
+            if life.draining:  # a cancelled transfer ends: every block draining for it frees
+                b = min(life.draining)
+                self.apply("transfer_end", life.draining[b], b)
+                return True
+            moving = [l for l in range(c.B) if life.transfer_in_flight(l)]
+            if moving:  # (an import short of its prompt grows first: its KV is not asked for)
+                l = moving[0]
+                r = life.lane[l]
+                if life.importing(l):
+                    self.apply("import_done", r, seq(life.prompt[r]), ALPHABET[l % len(ALPHABET)])
+                else:
+                    self.apply("export_done", r, c.PREFIX and r % 4 < 2)
                 return True
             if not self.waiting() and all(r is None for r in life.lane):
                 return False
@@ -2270,10 +2341,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         def run_to_completion(self) -> None:
             """With preemption, at capacity: the scheduler (`schedule_step`) runs every waiting
             and running request to its end: each one finishes (preempted ones too, admitted
-            again), none is abandoned, and it does not hang (a bound on the steps: the oldest
-            lane always advances)."""
+            again; with PD, imports land and exports end), none is abandoned, and it does not
+            hang (a bound on the steps: the oldest lane always advances)."""
             life, c = self.life, self.c
-            todo = life.in_phase("waiting", "prefill", "decode")
+            todo = life.in_phase("waiting", "prefill", "decode", *MOVING)
             bound = 4 * (len(todo) + 1) * (c.T * c.S + 2) * c.B
             for _ in range(bound):
                 if not self.schedule_step():
@@ -2308,6 +2379,98 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 if not self.admit_by_policy(self.next_id - 1):
                     break  # (dynamic scratch: room for a padding block too)
             self.run_to_completion()
+
+        def imports_with_preemption(self) -> None:
+            """After `run_to_completion` (every lane idle), with PD: the situations PD with
+            preemption exists for, without draws, once a run each, when the configuration has
+            them (B >= 2 lanes, fewer reusable blocks than B whole tables), each run to its end
+            by the scheduler (`run_to_completion`). (So that coverage does not hang on the
+            flows' draws.) The cache entries are dropped first (no hit).
+            1. A prompt of T * S - 1 tokens is imported; while its table is short a second
+            import is refused (`one_import_table_growing`); local requests then hold every
+            block left (up to B - 1 whole tables), so its table grows by preempting them
+            (`import_grow_by_policy`), and it lands.
+            2. A local request whose prompt ends on a block boundary, local ones holding the
+            blocks but the import's, then an import into those: it lands, and when the older
+            lane grows the import is the victim (the most recently admitted lane); it waits
+            again, is recomputed here and finishes."""
+            life, c = self.life, self.c
+            room = c.K - c.RESERVED  # (every block but the reserved scratch one is reusable)
+            if not pd or c.B < 2 or room >= c.B * c.T or "discard" not in core.ACTIONS:
+                return
+            if not Stats.events[IMPORT_BLOCK_PREEMPTED]:
+                self.drop_entries()
+                l = self.import_prompt(c.T * c.S - 1)
+                r = self.next_id
+                self.next_id += 1
+                assert self.apply("submit", r, seq(STEMS[0][:1])).rejected is None
+                out = self.apply("admit_import", life.lane.index(None), r, 0)
+                assert out.rejected == "one_import_table_growing", out.rejected
+                assert self.apply("abort_waiting", r).rejected is None
+                held = min(room - 1, (c.B - 1) * c.T)
+                self.hold_blocks([min(c.T, held - i) for i in range(0, held, c.T)])
+                assert self.import_grow_by_policy(None, l)
+                assert Stats.events[IMPORT_BLOCK_PREEMPTED]
+                self.land(l)
+                self.run_to_completion()
+            if not Stats.events[IMPORTED_PREEMPTED_FINISHED]:
+                self.drop_entries()
+                k = min(c.T - 1, room - 1)  # the older lane's blocks (it needs its next one)
+                q = min(c.T, room - k)  # the import's
+                rest = room - k - q  # (in at most B - 2 lanes: room < B * T)
+                self.hold_blocks([k], boundary=True)
+                self.hold_blocks([min(c.T, rest - i) for i in range(0, rest, c.T)])
+                l = self.import_prompt(q * c.S - 1)
+                r = life.lane[l]
+                assert self.import_grow_by_policy(None, l)  # (the blocks left: no preemption)
+                self.land(l)
+                assert self.grow_by_policy() and life.lane[l] is None, (l, life.lane)
+                assert r in life.preempted_imports, r
+                self.run_to_completion()
+                assert Stats.events[IMPORTED_PREEMPTED_FINISHED]
+
+        def drop_entries(self) -> None:
+            """Every lane idle: the cache entries are discarded (no admission or growth hits)."""
+            for b in sorted(self.life.entries):
+                assert self.apply("discard", b).rejected is None
+
+        def import_prompt(self, n: int) -> int:
+            """A prompt of n tokens is imported into an idle lane (the policy's lane and
+            block); its lane."""
+            r, l = self.next_id, self.policy.idle_lane(self.s)
+            self.next_id += 1
+            p = seq(tuple(ALPHABET[i % len(ALPHABET)] for i in range(n)))
+            assert self.apply("submit", r, p).rejected is None
+            dst = self.policy.reusable(self.s)
+            assert l is not None and dst is not None
+            assert self.apply("admit_import", l, r, dst).rejected is None
+            return l
+
+        def land(self, l: int) -> None:
+            """Importing lane l's table covers its prompt: its import lands."""
+            r = self.life.lane[l]
+            out = self.apply("import_done", r, seq(self.life.prompt[r]), ALPHABET[0])
+            assert out.rejected is None, out.rejected
+
+        def hold_blocks(self, sizes: list[int], boundary: bool = False) -> None:
+            """For each size j: a local request of j blocks' worth of tokens (one token short
+            of their end; `boundary`: up to it, so it needs its next block) is admitted into
+            an idle lane (a miss: no entry) and prefilled, its table grown by `grow` into the
+            policy's blocks (not `grow_by_policy`: an older importing lane would take them)."""
+            life, c = self.life, self.c
+            for j in sizes:
+                r, l = self.next_id, self.policy.idle_lane(self.s)
+                self.next_id += 1
+                p = seq((ALPHABET[r % len(ALPHABET)],) * (j * c.S - (not boundary)))
+                assert self.apply("submit", r, p).rejected is None
+                dst = self.policy.reusable(self.s)
+                assert l is not None and dst is not None
+                assert self.apply("admit_miss", l, r, dst).rejected is None
+                while life.prefilling(l):
+                    if life.tail_full(l):
+                        dst = self.policy.reusable(self.s)
+                        assert dst is not None and self.apply("grow", l, dst).rejected is None
+                    assert self.apply("prefill", l, ALPHABET[0]).rejected is None
 
         @rule(data=st.data())
         def abort(self, data: Any) -> None:
@@ -2567,15 +2730,17 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         @rule(data=st.data())
         def admit_import(self, data: Any) -> None:
             """Decode side: a waiting request takes an idle lane and a block the policy would
-            reuse, its table's first, to receive its KV by transfer (accepted; refused with
-            PREEMPT); or drawn parameters (rejected unless legal)."""
+            reuse, its table's first, to receive its KV by transfer (accepted; with PREEMPT,
+            refused while another importing table grows: `one_import_table_growing`); or drawn
+            parameters (rejected unless legal)."""
             s, c = self.s, self.c
             idle = [l for l in range(c.B) if not s.busy[l]]
             dst = self.policy.reusable(s)
             if idle and dst is not None and num(data, 0, 3, "drawn (0)"):
                 r = pick(data, self.waiting(), "request")
+                expect = "one_import_table_growing" if self.life.import_table_grows() else None
                 out = self.apply("admit_import", pick(data, idle), r, dst)
-                assert out.rejected == ("no_preemption" if c.PREEMPT else None), out.rejected
+                assert out.rejected == expect, out.rejected
                 return
             l = self.lanes(data, lambda l: not self.s.busy[l])
             w = self.waiting()
@@ -2591,14 +2756,15 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
 
         def pd_step(self, data: Any, feed: bool) -> bool:
             """One PD step, whichever the draw picks among the possible ones: import a waiting
-            request (the policy's lane and block; refused with PREEMPT: PD runs without
-            preemption), grow an importing lane's table toward its prompt's end (`import_grow`,
-            as the adapter does before it asks for the KV), export a prefilled lane (every
-            block of its table), deliver an import (the whole prompt, or a payload
-            `covers_prompt` rejects; refused while the table is short), end an export, fail a
-            transfer, cancel one (abort or failure of its lane: every block drains) or end a
-            drain (every block draining for the request). feed: also submit, complete a copy
-            or prefill (growing first, as the adapter does). False if none is possible."""
+            request (the policy's lane and block; with PREEMPT, refused while another importing
+            table grows), grow an importing lane's table toward its prompt's end (`import_grow`,
+            as the adapter does before it asks for the KV; with PREEMPT, preempting computing
+            lanes for its blocks), export a prefilled lane (every block of its table), deliver
+            an import (the whole prompt, or a payload `covers_prompt` rejects; refused while
+            the table is short), end an export, fail a transfer, cancel one (abort or failure
+            of its lane: every block drains) or end a drain (every block draining for the
+            request). feed: also submit, complete a copy or prefill (growing first, as the
+            adapter does). False if none is possible."""
             life, c, s = self.life, self.c, self.s
             prefilled = [l for l in range(c.B) if life.prefilled(l)]
             prefilling = [l for l, r in enumerate(life.lane)
@@ -2633,8 +2799,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 long = [r for r in w if len(life.prompt[r]) > c.S]
                 l = self.policy.idle_lane(s)
                 r = pick(data, long if long and coin(data, "past one block") else w, "request")
-                if c.PREEMPT:  # an importing lane could not be preempted
-                    assert self.apply("admit_import", l, r, dst).rejected == "no_preemption"
+                if life.import_table_grows():  # one importing table grows at a time
+                    assert self.apply("admit_import", l, r, dst).rejected == (
+                        "one_import_table_growing")
                     return True
                 if life.draining and coin(data, "a draining block first"):  # refused
                     b = pick(data, sorted(life.draining), "draining")
@@ -2799,9 +2966,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             prompts; paged tables: a grow of a lane that needs no block (or into a block it may
             not use), a prefill or decode past a full tail, a hit on an entry that starts later
             in its sequence; PD: an import_grow of a lane that needs none, an import_done while
-            the table does not cover the prompt, an import with PREEMPT; hybrid: a snapshot at
-            a wrong time, a hit past the entry's snapshots; host: a load ended as a copy or a
-            copy as a load: the core must refuse, naming the guard the lifecycle model says."""
+            the table does not cover the prompt, with PREEMPT a second import while one
+            importing table grows; hybrid: a snapshot at a wrong time, a hit past the entry's
+            snapshots; host: a load ended as a copy or a copy as a load: the core must refuse,
+            naming the guard the lifecycle model says."""
             c, s, life = self.c, self.s, self.life
             idle = [l for l in range(c.B) if life.lane[l] is None]
             busy = [l for l in range(c.B) if life.lane[l] is not None]
@@ -2835,11 +3003,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             later = self.hits_on_later_blocks() if idle and c.T > 1 else []
             options += ["later_block_hit"] * 2 if later else []
             # PD: an import_grow of a lane that needs none (idle, computing, its table covers
-            # the prompt), an import_done while the table is short, an import with PREEMPT
+            # the prompt), an import_done while the table is short, with PREEMPT a second
+            # import while one importing table grows
             options += ["import_grow_not_needed"] if pd else []
             short = [l for l in range(c.B) if life.needs_import_block(l)]
             options += ["short_import_done"] * 2 if pd and short else []
-            options += ["preempt_import"] if pd and c.PREEMPT and idle and waiting else []
+            options += ["second_import"] if (pd and idle and waiting
+                                             and life.import_table_grows()) else []
             kind = pick(data, options, "kind")
             block = _ints(0, c.K - 1)
             expect: str | None
@@ -2893,9 +3063,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 l, r = (idle or [0])[0], (waiting or [self.next_id])[0]
                 calls = [("discard", (b,), "not_a_lane_block")]
                 calls += [("admit_miss", (l, r, b), "dst_reusable"),
-                          # (with PREEMPT, refused by no_preemption first)
-                          ("admit_import", (l, r, b),
-                           "no_preemption" if c.PREEMPT else "dst_reusable")
+                          # (while an importing table grows with PREEMPT, refused first by
+                          # one_import_table_growing)
+                          ("admit_import", (l, r, b), "one_import_table_growing"
+                           if life.import_table_grows() else "dst_reusable")
                           ] if idle and waiting else []
                 calls += [("import_grow", (x, b), "dst_reusable")
                           for x in range(c.B) if life.needs_import_block(x)]
@@ -2954,11 +3125,11 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 call, args = "import_done", (r, seq(life.prompt[r]), data.draw(tokens))
                 expect = "table_covers_prompt"
                 Stats.events[IMPORT_SHORT] += 1
-            elif kind == "preempt_import":  # an importing lane could not be preempted
+            elif kind == "second_import":  # with PREEMPT one importing table grows at a time
                 dst = self.policy.reusable(s)
                 call, args = "admit_import", (pick(data, idle, "lane"), pick(data, waiting),
                                               0 if dst is None else dst)
-                expect = "no_preemption"
+                expect = "one_import_table_growing"
             elif kind == "hit_past_snapshot":  # the prefix matches, the snapshots stop short
                 r, src, n = pick(data, past, "request, entry, n")
                 l = pick(data, idle, "lane")
@@ -3044,8 +3215,10 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             PREEMPT every preemption, without the prefix cache or with tables of one block
             every hit past the first block (by the guard the lifecycle model names: an idle,
             decoding or copying lane, a tail not full (T = 1: a prefilling lane's never is), no
-            entry). With PREEMPT, an import (PD runs without preemption) of a request submitted
-            for it (and aborted)."""
+            entry). With PREEMPT (PD runs with it too), an import of a request submitted for it
+            (and aborted): refused while an importing table grows (one grows at a time), else
+            into a block it may not take (refused by dst_reusable alone, so no run without PD
+            admits one)."""
             c, life = self.c, self.life
             if not (c.PREFIX and c.T > 1):
                 for l in range(c.B):
@@ -3070,13 +3243,17 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if not c.PREEMPT:
                 for l in range(c.B):
                     assert self.apply("preempt", l).rejected == "preemption_on"
-            elif None in life.lane:  # PD runs without preemption: no import is admitted
+            elif None in life.lane and (life.import_table_grows() or not all(
+                    map(life.reusable, range(c.K)))):
                 # (a request of its own, aborted at once: an id the run's steps never name, so
                 # that the rest of the teardown runs as it would without it)
                 r = 10**6 + self.next_id
                 assert self.apply("submit", r, seq(STEMS[0][:1])).rejected is None
-                out = self.apply("admit_import", life.lane.index(None), r, 0)
-                assert out.rejected == "no_preemption", out.rejected
+                grows = life.import_table_grows()
+                dst = 0 if grows else min(b for b in range(c.K) if not life.reusable(b))
+                out = self.apply("admit_import", life.lane.index(None), r, dst)
+                assert out.rejected == ("one_import_table_growing" if grows
+                                        else "dst_reusable"), out.rejected
                 assert self.apply("abort_waiting", r).rejected is None
 
         def teardown(self) -> None:
@@ -3100,6 +3277,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             if self.c.PREEMPT and self.at_capacity:
                 self.run_to_completion()
                 self.storm_once()
+                self.imports_with_preemption()
             self.drain()
             if self.c.T > 1 and self.c.PREFIX and self.miss_beside_later_block():
                 self.drain()
@@ -3123,18 +3301,18 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             assert len(self.s.phase) == 0 and len(self.s.prompt) == 0, self.s.phase
 
         def paged_transfers(self) -> None:
-            """After the drain (every lane idle, nothing in flight), with paged tables (T > 1),
-            at capacity and without preemption, the PD situations tables of several blocks
-            exist for, without draws (so that coverage does not hang on the rules' draws): a
-            prompt of T * S - 1 tokens is imported into an idle lane whose table grows to
-            cover it (before, its import_done is refused, and so are an export and a grow into
-            its own block; after, one more grow), lands, is exported again (every block
-            pinned) and cancelled (every block drains, and one transfer_end, after a
-            misdirected one, frees them all); a second is cancelled mid-import, drained and
-            freed the same way; then late events for it are refused by each guard that exists
-            for them."""
+            """After the drain (every lane idle, nothing in flight), with paged tables (T > 1)
+            and at capacity (with preemption too: no other table grows, and one lane's whole
+            table is free), the PD situations tables of several blocks exist for, without draws
+            (so that coverage does not hang on the rules' draws): a prompt of T * S - 1 tokens
+            is imported into an idle lane whose table grows to cover it (before, its
+            import_done is refused, and so are an export and a grow into its own block; after,
+            one more grow), lands, is exported again (every block pinned) and cancelled (every
+            block drains, and one transfer_end, after a misdirected one, frees them all); a
+            second is cancelled mid-import, drained and freed the same way; then late events
+            for it are refused by each guard that exists for them."""
             c, life = self.c, self.life
-            if c.T < 2 or c.PREEMPT or not self.at_capacity:
+            if c.T < 2 or not self.at_capacity:
                 return
             p = seq(tuple(ALPHABET[i % len(ALPHABET)] for i in range(c.T * c.S - 1)))
             for lands in (True, False):
@@ -3369,10 +3547,17 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
         # the machine gets there)
         want |= {("preempt", g) for g in ("lane_computing", "a_lane_waits_for_a_block",
                                           "no_block_reusable")}
-        want |= {("admit_import", "no_preemption")}  # (`foreign_tier_calls`)
         preempted = {"preempt for a next block", "preempt storm: every lane at a block boundary",
                      "preempted request finished", "preempted requests drained",
                      "victim is a lane that waits"}
+        if any(run.preempt and run.pd for run in runs):
+            # PD with preemption: an import refused while another importing table grows,
+            # imports that landed, an importing table that grew by preempting a computing lane,
+            # and imported requests preempted later (they decode) that were admitted again
+            # and finished
+            want |= {("admit_import", "one_import_table_growing")}
+            preempted |= {IMPORT_WITH_PREEMPTION, IMPORT_BLOCK_PREEMPTED, IMPORTED_PREEMPTED,
+                          IMPORTED_PREEMPTED_FINISHED}
         assert preempted <= events, preempted - events
     if not all(run.preempt for run in runs):
         want |= {("preempt", "preemption_on")}
@@ -3442,17 +3627,20 @@ def test_core_machine(prefix: bool, scratch: str, pd: bool) -> None:
     check_coverage("plain", prefix, run_machine(configs(committed, prefix, scratch), pd))
 
 
+@pytest.mark.parametrize("pd", [False, True], ids=["colocated", "pd"])
 @pytest.mark.parametrize("prefix,scratch", FEATURES,
                          ids=[f"{'prefix' if p else 'noprefix'}-{s}" for p, s in FEATURES])
-def test_core_machine_preempt(prefix: bool, scratch: str) -> None:
+def test_core_machine_preempt(prefix: bool, scratch: str, pd: bool) -> None:
     """The same checks with PREEMPT (T in 2..3, K from the preemption rule's minimum, T + 1
     with several lanes, to below every lane's whole table): preemptions as the adapter takes
     them (the policy's victim when a lane waits for a block and none is reusable; refinement:
     never the oldest lane while another may go) and with drawn lanes (every guard predicted),
     preempt storms (`storm`), and runs that end with every request finished
-    (`run_to_completion`). Colocated: the batcher serves no PD request with preemption."""
+    (`run_to_completion`). pd: the same with prefill/decode disaggregation mixed in (one
+    importing table grows at a time, taking blocks from computing lanes; an imported request
+    that is preempted later is recomputed here)."""
     config = configs(committed, prefix, scratch, preempt=True)
-    check_coverage("plain", prefix, run_machine(config, False, preempt=True))
+    check_coverage("plain", prefix, run_machine(config, pd, preempt=True))
 
 
 @pytest.mark.parametrize("scratch", ["reserved", "dynamic"])

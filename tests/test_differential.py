@@ -632,6 +632,14 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[Step]]] = {
         no("transfer_of_request", "transfer_end", 1, 1), ok("transfer_end", 0, 2),
         ok("forget", 0), ok("submit", 1, P7[:3]), ok("admit_import", 1, 1, 2),
         ok("transfer_fail", 1), ok("submit", 2, P7[:3]), ok("abort_waiting", 2)]),
+    # PD with preemption: one importing table grows at a time, an importing lane is no victim,
+    # and an imported request that decodes can be preempted (it waits again, to recompute)
+    "pd with preemption": (paged(B=2, K=3, PREFIX=False, PREEMPT=True), [
+        ok("submit", 0, P7), ok("admit_import", 1, 0, 1), ok("submit", 1, P7),
+        no("one_import_table_growing", "admit_import", 0, 1, 0),
+        no("lane_computing", "preempt", 1), ok("import_grow", 1, 2),
+        ok("import_done", 0, P7, 4), ok("admit_miss", 0, 1, 0), ok("prefill", 0, 1),
+        ok("prefill", 0, 1), ok("preempt", 1), ok("grow", 0, 1)]),
     "preempt": (paged(B=2, K=3, PREFIX=False, PREEMPT=True), [
         ok("submit", 0, P7), ok("submit", 1, P7), ok("admit_miss", 0, 0, 0),
         ok("admit_miss", 1, 1, 1), ok("prefill", 0, 1), ok("prefill", 0, 1),

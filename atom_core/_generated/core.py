@@ -610,6 +610,22 @@ def tail_full(s: State, l: int) -> bool:
     return True
 
 
+def at_table_end(s: State, l: int) -> bool:
+    """Decoding lane l has filled its whole table: it can only finish (which frees it)."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("at_table_end", "l", l, "Lane", s.consts.B)
+    # at_table_end
+    if not s.busy[l]:
+        return False
+    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+        return False
+    if s.length[l] != s.start[s.tail[l]] + s.consts.S:
+        return False
+    if s.nblocks[l] != s.consts.T:
+        return False
+    return True
+
+
 def needs_block(s: State, l: int) -> bool:
     """Lane l cannot compute another token before its table grows."""
     if not 0 <= l < s.consts.B:
@@ -624,6 +640,22 @@ def needs_block(s: State, l: int) -> bool:
     if s.length[l] != s.start[s.tail[l]] + s.consts.S:
         return False
     if s.nblocks[l] >= s.consts.T:
+        return False
+    return True
+
+
+def import_waits(s: State, l: int) -> bool:
+    """Importing lane l's table does not cover its prompt yet: it waits for its next block
+    (`import_grow`) before its transfer can start.
+    """
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("import_waits", "l", l, "Lane", s.consts.B)
+    # import_waits
+    if not s.busy[l]:
+        return False
+    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+        return False
+    if s.lane_plen[l] <= s.start[s.tail[l]] + s.consts.S:
         return False
     return True
 
@@ -2738,13 +2770,17 @@ def preempt_guard(s: State, l: int) -> str | None:
     S = s.consts.S
     nblocks = s.nblocks
     T = s.consts.T
+    lane_plen = s.lane_plen
     # a_lane_waits_for_a_block
     if not (
         any(
-            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
-            and not copying[n]
-            and length[n] == start[tail[n]] + S
-            and nblocks[n] < T
+            (
+                ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+                and not copying[n]
+                and length[n] == start[tail[n]] + S
+                and nblocks[n] < T
+            )
+            or (busy[n] and _m1[n] == PHASE_IMPORTING and lane_plen[n] > start[tail[n]] + S)
             for n in range(B)
         )
         or (not s.consts.RESERVED and not all(_m2) and any(_m2))
@@ -2798,13 +2834,17 @@ def preempt(s: State, l: int) -> Step:
     S = s.consts.S
     nblocks = s.nblocks
     T = s.consts.T
+    lane_plen = s.lane_plen
     # a_lane_waits_for_a_block
     if not (
         any(
-            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
-            and not copying[n]
-            and length[n] == start[tail[n]] + S
-            and nblocks[n] < T
+            (
+                ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+                and not copying[n]
+                and length[n] == start[tail[n]] + S
+                and nblocks[n] < T
+            )
+            or (busy[n] and _m1[n] == PHASE_IMPORTING and lane_plen[n] > start[tail[n]] + S)
             for n in range(B)
         )
         or (not s.consts.RESERVED and not all(_m2) and any(_m2))
@@ -2863,7 +2903,7 @@ def preempt(s: State, l: int) -> Step:
         start,
         length,
         lane_seq,
-        s.lane_plen,
+        lane_plen,
         copying,
         copy_src,
         copy_host,
@@ -2920,13 +2960,17 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     S = s.consts.S
     nblocks = s.nblocks
     T = s.consts.T
+    lane_plen = s.lane_plen
     # a_lane_waits_for_a_block
     if not (
         any(
-            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
-            and not copying[n]
-            and length[n] == start[tail[n]] + S
-            and nblocks[n] < T
+            (
+                ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+                and not copying[n]
+                and length[n] == start[tail[n]] + S
+                and nblocks[n] < T
+            )
+            or (busy[n] and _m1[n] == PHASE_IMPORTING and lane_plen[n] > start[tail[n]] + S)
             for n in range(B)
         )
         or (not s.consts.RESERVED and not all(_m2) and any(_m2))
@@ -2990,13 +3034,17 @@ def ready_preempt(s: State, *, l: int | None = None) -> bool:
     S = s.consts.S
     nblocks = s.nblocks
     T = s.consts.T
+    lane_plen = s.lane_plen
     # a_lane_waits_for_a_block
     if not (
         any(
-            ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
-            and not copying[n]
-            and length[n] == start[tail[n]] + S
-            and nblocks[n] < T
+            (
+                ((busy[n] and _m1[n] == PHASE_PREFILL) or _m2[n])
+                and not copying[n]
+                and length[n] == start[tail[n]] + S
+                and nblocks[n] < T
+            )
+            or (busy[n] and _m1[n] == PHASE_IMPORTING and lane_plen[n] > start[tail[n]] + S)
             for n in range(B)
         )
         or (not s.consts.RESERVED and not all(_m2) and any(_m2))
@@ -5568,15 +5616,29 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
         raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
         raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
+    busy = s.busy
     # lane_idle
-    if s.busy[l]:
+    if busy[l]:
         return "lane_idle"
+    phase = s.phase
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if phase.get(r) != PHASE_WAITING:
         return "request_waiting"
-    # no_preemption
+    B = s.consts.B
+    lane_req = s.lane_req
+    lane_plen = s.lane_plen
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # one_import_table_growing
     if s.consts.PREEMPT:
-        return "no_preemption"
+        for n in range(B):
+            if (
+                busy[n]
+                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and lane_plen[n] > start[tail[n]] + S
+            ):
+                return "one_import_table_growing"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -5584,7 +5646,7 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in range(B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -5610,9 +5672,21 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     # request_waiting
     if phase.get(r) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
-    # no_preemption
+    B = s.consts.B
+    lane_req = s.lane_req
+    lane_plen = s.lane_plen
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # one_import_table_growing
     if s.consts.PREEMPT:
-        return Step(s, (), "no_preemption")
+        for n in range(B):
+            if (
+                busy[n]
+                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and lane_plen[n] > start[tail[n]] + S
+            ):
+                return Step(s, (), "one_import_table_growing")
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -5620,22 +5694,22 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in range(B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_busy = list(busy)
     new_busy[l] = True
     new_busy = tuple(new_busy)
-    new_lane_req = list(s.lane_req)
+    new_lane_req = list(lane_req)
     new_lane_req[l] = r
     new_lane_req = tuple(new_lane_req)
-    new_tail = list(s.tail)
+    new_tail = list(tail)
     new_tail[l] = dst
     new_tail = tuple(new_tail)
     new_nblocks = list(s.nblocks)
     new_nblocks[l] = 1
     new_nblocks = tuple(new_nblocks)
-    new_start = list(s.start)
+    new_start = list(start)
     new_start[dst] = 0
     new_start = tuple(new_start)
     new_length = list(s.length)
@@ -5645,7 +5719,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     _m0 = s.prompt.get(r)
     new_lane_seq[l] = _m0
     new_lane_seq = tuple(new_lane_seq)
-    new_lane_plen = list(s.lane_plen)
+    new_lane_plen = list(lane_plen)
     new_lane_plen[l] = slen(_m0)
     new_lane_plen = tuple(new_lane_plen)
     new_phase = phase.set(r, PHASE_IMPORTING)
@@ -5751,15 +5825,29 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
         raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
     if dst is not None and not 0 <= dst < s.consts.K:
         raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
+    busy = s.busy
     # lane_idle
-    if s.busy[l]:
+    if busy[l]:
         return "lane_idle"
+    phase = s.phase
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if phase.get(r) != PHASE_WAITING:
         return "request_waiting"
-    # no_preemption
+    B = s.consts.B
+    lane_req = s.lane_req
+    lane_plen = s.lane_plen
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # one_import_table_growing
     if s.consts.PREEMPT:
-        return "no_preemption"
+        for n in range(B):
+            if (
+                busy[n]
+                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and lane_plen[n] > start[tail[n]] + S
+            ):
+                return "one_import_table_growing"
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -5767,7 +5855,7 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in range(B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Inbound(l, r, dst),)
@@ -5798,16 +5886,32 @@ def ready_admit_import(
     if dst is not None and not 0 <= dst < s.consts.K:
         raise _bad_index("admit_import", "dst", dst, "Block", s.consts.K)
     if l is not None:
+        busy = s.busy
         # lane_idle
-        if s.busy[l]:
+        if busy[l]:
             return False
     if r is not None:
+        phase = s.phase
         # request_waiting
-        if s.phase.get(r) != PHASE_WAITING:
+        if phase.get(r) != PHASE_WAITING:
             return False
-    # no_preemption
+    B = s.consts.B
+    busy = s.busy
+    lane_req = s.lane_req
+    phase = s.phase
+    lane_plen = s.lane_plen
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # one_import_table_growing
     if s.consts.PREEMPT:
-        return False
+        for n in range(B):
+            if (
+                busy[n]
+                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and lane_plen[n] > start[tail[n]] + S
+            ):
+                return False
     if dst is not None:
         owner = s.owner
         copying = s.copying
@@ -5816,7 +5920,7 @@ def ready_admit_import(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in range(B):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -7128,7 +7232,7 @@ GUARD_READS = {
     "admit_import": {
         "lane_idle": ("l",),
         "request_waiting": ("r",),
-        "no_preemption": (),
+        "one_import_table_growing": (),
         "dst_reusable": ("dst",),
     },
     "import_grow": {
@@ -7225,6 +7329,7 @@ INVARIANTS = (
     "pinned_for_its_transfer",
     "moving_lane_has_transfer",
     "import_target_untouched",
+    "imports_grow_one_at_a_time",
     "import_blocks_untouched",
     "export_after_prefill",
     "length_within_block",
@@ -7678,7 +7783,6 @@ def check_invariants(s: State) -> list[str]:
         bad.append("moving_lane_has_transfer")
     if s.ghost:
         local_junk = s.local_junk
-        PREEMPT = s.consts.PREEMPT
         # import_target_untouched
         if not all(
             not _m6[l]
@@ -7687,11 +7791,16 @@ def check_invariants(s: State) -> list[str]:
                 and length[l] == 0
                 and not copying[l]
                 and start[tail[l]] < lane_plen[l]
-                and not PREEMPT
             )
             for l in range(B)
         ):
             bad.append("import_target_untouched")
+    PREEMPT = s.consts.PREEMPT
+    _m15 = tuple([_m6[l] and lane_plen[l] > start[tail[l]] + S for l in range(B)])
+    # imports_grow_one_at_a_time
+    if not all(not (PREEMPT and _m15[l] and _m15[n]) or l == n for l in range(B) for n in range(B)):
+        bad.append("imports_grow_one_at_a_time")
+    if s.ghost:
         junk = s.junk
         # import_blocks_untouched
         if not all(
@@ -7960,15 +8069,17 @@ def progress_violations(s: State) -> list[str]:
     ):
         bad.append("idle_lane_admits")
     lane_req = s.lane_req
-    _m4 = tuple([phase.get(lane_req[l]) for l in range(B)])
-    _m3 = tuple([busy[l] and _m4[l] == PHASE_DECODE for l in range(B)])
+    _m7 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m3 = tuple([busy[l] and _m7[l] == PHASE_DECODE for l in range(B)])
     length = s.length
     tail = s.tail
     start = s.start
     S = s.consts.S
     nblocks = s.nblocks
     T = s.consts.T
-    _m5 = tuple([busy[l] and _m4[l] == PHASE_IMPORTING for l in range(B)])
+    _m4 = tuple([_m3[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B)])
+    _m5 = tuple([busy[l] and _m7[l] == PHASE_EXPORTING for l in range(B)])
+    _m6 = tuple([busy[l] and _m7[l] == PHASE_IMPORTING for l in range(B)])
     lane_plen = s.lane_plen
     transfer_req = s.transfer_req
     # running_request_advances
@@ -7994,13 +8105,10 @@ def progress_violations(s: State) -> list[str]:
                 )
             )
             or any(any(grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
-            or any(_m3[l] and length[l] == start[tail[l]] + S and nblocks[l] == T for l in range(B))
+            or any(_m4)
             or any(any(import_grow_guard(s, l, dst) is None for dst in range(K)) for l in range(B))
             or any(
-                (
-                    (busy[l] and _m4[l] == PHASE_EXPORTING)
-                    or (_m5[l] and lane_plen[l] <= start[tail[l]] + S)
-                )
+                (_m5[l] or (_m6[l] and lane_plen[l] <= start[tail[l]] + S))
                 and transfer_fail_guard(s, lane_req[l]) is None
                 for l in range(B)
             )
@@ -8018,16 +8126,19 @@ def progress_violations(s: State) -> list[str]:
         bad.append("lone_lane_is_never_preempted")
     # idle_lane_imports
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING and not PREEMPT)
+        not (_m0[l] and phase.get(r) == PHASE_WAITING and _m1)
         or any(admit_import_guard(s, l, r, dst) is None for dst in range(K))
         for l in range(B)
         for r in req_ids
     ):
         bad.append("idle_lane_imports")
+    _m9 = tuple([_m6[l] and lane_plen[l] > start[tail[l]] + S for l in range(B)])
+    _m8 = any((_m6[n] or _m5[n]) and not _m9[n] for n in range(B))
     # import_table_grows
     if not all(
-        not (_m2 and _m5[l] and lane_plen[l] > start[tail[l]] + S)
+        not (_m2 and _m9[l])
         or any(import_grow_guard(s, l, dst) is None for dst in range(K))
+        or (PREEMPT and (any(preempt_guard(s, n) is None or _m4[n] for n in range(B)) or _m8))
         for l in range(B)
     ):
         bad.append("import_table_grows")

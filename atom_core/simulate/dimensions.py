@@ -146,9 +146,8 @@ def _table_choices(c: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _preempt_choices(c: dict[str, Any]) -> tuple[Any, ...]:
-    """Preemption where Config accepts it: paged tables; and colocated (the batcher refuses
-    PD requests with it)."""
-    if (c.get("blocks_per_table") or 1) == 1 or c.get("mode") == "pd":
+    """Preemption where Config accepts it: paged tables (colocated, and both PD workers)."""
+    if (c.get("blocks_per_table") or 1) == 1:
         return ()
     return (False, True)
 
@@ -245,7 +244,11 @@ def parse_fixed(items: Iterable[str]) -> dict[str, Any]:
 
 def _parse_value(dim: Dimension, text: str) -> Any:
     low = text.lower()
-    samples = [v for v in dim.choices({"mode": "pd"}) if v is not None]
+    # (a value's type from some configuration that offers the dimension: preemption, e.g.,
+    # only with paged tables)
+    contexts = ({"mode": "pd"}, {"mode": "pd", "blocks_per_table": 2})
+    samples = list(dict.fromkeys(v for ctx in contexts for v in dim.choices(ctx)
+                                 if v is not None))
     if low in ("none", "off") and dim.name == "sliding_window":
         return None
     kind = type(samples[0]) if samples else str
