@@ -134,8 +134,10 @@ def t_bounded(model: L.Model, lanes: int, blocks: int,
 
 
 def t_progress(model: L.Model, lanes: int, blocks: int, cutoff: int,
-               seq_len: int = checks.SEQ_LEN) -> dict[capacity.Features, list[Check]]:
-    return capacity.progress_by_features(model, lanes, blocks, cutoff, seq_len)
+               seq_len: int = checks.SEQ_LEN, chunk: int = checks.CHUNK,
+               only: tuple[capacity.Features, ...] | None = None
+               ) -> dict[capacity.Features, list[Check]]:
+    return capacity.progress_by_features(model, lanes, blocks, cutoff, seq_len, chunk, only)
 
 
 def unaligned_rule(f: capacity.Features, aligned: capacity.Row, unaligned: capacity.Row,
@@ -331,8 +333,10 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         sizes = [(b, k) for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)]
         feats = [f for f in capacity.COMBINATIONS if capacity.in_table(f, max_blocks)]
         cap = "capacity" in parts
-        prog = ([Task("capacity", t_progress, (b, k, max_lanes), b * k) for b, k in sizes]
-                if cap else [])
+        # (the table at the tight runs' sizes: capacity.TABLE_CHUNK)
+        prog = ([Task("capacity", t_progress, (b, k, max_lanes, capacity.TABLE_SEQ_LEN,
+                                               capacity.TABLE_CHUNK), b * k)
+                 for b, k in sizes] if cap else [])
         replays = [(f, b, tight_w[(f.name, b)]) for f in feats
                    for b in range(1, f.max_lanes(max_lanes) + 1)
                    if (f.name, b) in tight_w] if cap else []
@@ -402,10 +406,20 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
                   if c.stuck and (i in redo or c.name not in single_w)]
         stale += [f"single-block {n}: no longer needed" for n in single_w
                   if cap and n not in {c.name for c in cases if c.stuck}]
+        # Each row's minimum again at the typical eager artifact's sizes (checks.CHUNK).
+        at_min: dict[tuple[int, int], list[capacity.Features]] = {}
+        for row in rows:
+            for b, k_min in row.minimum.items():
+                if k_min is not None:
+                    at_min.setdefault((b, k_min), []).append(row.features)
         searched = runner.run(
             [Task("capacity-tight-search", t_search_tight, (row.features, b, k), 2.0)
              for row, b, k in want]
-            + [Task("capacity-single-block", t_single, (cases[i], None), 1.0) for i in redo])
+            + [Task("capacity-single-block", t_single, (cases[i], None), 1.0) for i in redo]
+            + [Task("capacity", t_progress, (b, k, max_lanes, checks.SEQ_LEN, checks.CHUNK,
+                                             tuple(fs)), b * k) for (b, k), fs in at_min.items()])
+        at_min_r = searched[len(want) + len(redo):]
+        searched = searched[:len(want) + len(redo)]
         found_tight: dict[Any, Witness] = {}
         for (row, b, _k), (tr, w) in zip(want, searched[:len(want)], strict=True):
             row.traces[b] = tr
@@ -437,6 +451,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
             out += urow.checks
             if f in aligned_rows:
                 out.append(unaligned_rule(f, aligned_rows[f], urow, ua_blocks))
+    out += [c for by_f in at_min_r for cs in by_f.values() for c in cs]
     searched_keys = {(row.features.name, b) for row, b, _k in want}
     for row in rows:
         out += row.checks
