@@ -774,7 +774,7 @@ class AtomBatcher:
         loads it from the host tier (`grow_host_hit`) when the host entry is longer."""
         while lanes := self.policy.growth(self.state):
             lane = lanes[0]
-            importing = self.state.phase.get(self.state.lane_req[lane]) == core.PHASE_IMPORTING
+            importing = core.importing(self.state, lane)
             hit = None if importing else self.policy.next_hit(self.state, lane)
             dst = self._block(exclude=None if hit is None else hit[0])
             if dst is None and hit is not None:  # the hit's source is the only block left

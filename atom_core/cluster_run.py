@@ -21,7 +21,6 @@ import datetime
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from typing import Any
@@ -29,7 +28,14 @@ from typing import Any
 import attrs
 
 from atom_core.links import IDLE_POLL
-from atom_core.transport import GlooTransport, Transport, TransportError, _resolve, _source_address
+from atom_core.transport import (
+    GlooTransport,
+    Transport,
+    TransportError,
+    _resolve,
+    _source_address,
+    listen_fd,
+)
 
 __all__ = ["Layout", "Linker", "open_store"]
 
@@ -89,17 +95,7 @@ def open_store(host: str, port: int, rank: int, timeout: float) -> Any:
             raise TransportError(f"rank {rank} could not reach the cluster's store at {where} "
                                  f"within {timeout:g}s ({exc}): start rank 0 (the frontend) "
                                  "with the same --host and --port") from exc
-    # TCPStore's own listener binds every interface; a socket bound here keeps it on `host`
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((addr, port))
-        listener.listen(64)
-    except OSError as exc:
-        listener.close()
-        raise TransportError(f"rank 0 cannot listen on {where} ({exc}): pick a free port or "
-                             "stop the process holding it") from exc
-    fd = listener.detach()  # the store owns (and closes) it from here
+    fd = listen_fd(family, addr, port, where, backlog=64)
     return dist.TCPStore(addr, port, None, True, timeout=td, wait_for_workers=False,
                          master_listen_fd=fd)
 

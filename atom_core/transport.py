@@ -420,6 +420,22 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, str]:
     return family, addr
 
 
+def listen_fd(family: socket.AddressFamily, addr: str, port: int, where: str,
+              backlog: int) -> int:
+    """A listening socket on `addr` (not every interface, as TCPStore's own listener would
+    bind), detached for a store to own and close (`master_listen_fd`)."""
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(backlog)
+    except OSError as exc:
+        listener.close()
+        raise TransportError(f"rank 0 cannot listen on {where} ({exc}): pick a free port or "
+                             "stop the process holding it") from exc
+    return listener.detach()
+
+
 def _source_address(family: socket.AddressFamily, addr: str, port: int) -> str:
     """The local address this machine uses to reach `addr` (connecting UDP sends nothing)."""
     with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -513,17 +529,7 @@ class GlooTransport:
                                      f"at {where} within {self.timeout:g}s ({exc}): start the "
                                      "decode worker (rank 0) with the same host and port") \
                     from exc
-        # TCPStore's own listener binds every interface; a socket bound here keeps it on `host`.
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((addr, self.port))
-            listener.listen(16)
-        except OSError as exc:
-            listener.close()
-            raise TransportError(f"rank 0 cannot listen on {where} ({exc}): pick a free port "
-                                 "or stop the process holding it") from exc
-        fd = listener.detach()  # the store owns (and closes) it from here
+        fd = listen_fd(family, addr, self.port, where, backlog=16)
         try:
             return dist.TCPStore(addr, self.port, 2, True, timeout=td, master_listen_fd=fd)
         except (RuntimeError, OSError) as exc:
