@@ -848,6 +848,8 @@ def admit_import(l: Lane, r: Req, dst: Block):
     require("one_import_table_growing", implies(PREEMPT, forall(Lane, lambda n: ~import_waits(n))))
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, 0, Phase.IMPORTING)
+    # dst may be an evicted entry: its snapshots go with it (an imported lane takes none)
+    assign(snap_upto(dst), 0)
     assign(transfer(dst), True)
     assign(transfer_req(dst), r)
     assign(xfer_live(r), True)
@@ -873,6 +875,7 @@ def import_grow(l: Lane, dst: Block):
     assign(start(dst), start(tail(l)) + S)
     assign(owner(dst), Owner.LANE)
     assign(owner_lane(dst), l)
+    assign(snap_upto(dst), 0)  # as in admit_import
     assign(transfer(dst), True)
     assign(transfer_req(dst), lane_req(l))
     assign(xfer_on(dst), True)
@@ -903,7 +906,6 @@ def import_done(r: Req, p: Seq, tok: INT):
     assign_all(holds, lambda c: ite(full(c), take(p, start(c) + S), ite(c == b, p, holds(c))))
     assign_all(key, lambda c: ite(full(c), take(p, start(c) + S), key(c)))
     assign_all(head, lambda c: ite(full(c), take(take(p, start(c) + S), C), head(c)))
-    assign_all(snap_upto, lambda c: ite(full(c), 0, snap_upto(c)))
     assign_all(snap_junk, lambda c: ite(full(c), False, snap_junk(c)))
     assign_all(snap_taken, lambda c: ite(full(c), 0, snap_taken(c)))
     assign(local_holds(l), p)  # a hybrid payload carries the prompt's sliding state too
@@ -1085,6 +1087,10 @@ inv("entry_snapshots_were_taken", forall(Block, lambda b: implies(
     (owner(b) == Owner.CACHE) | ((owner(b) == Owner.LANE) & (tail(owner_lane(b)) != b)
                                 & ~importing(owner_lane(b))),
     snap_upto(b) == snap_taken(b))))
+# An importing lane's blocks carry no snapshots (an evicted entry's went with it when the lane
+# took the block): the adapter holds none for them, and import_done leaves them so.
+inv("importing_blocks_have_no_snapshots", forall(Block, lambda b: implies(
+    (owner(b) == Owner.LANE) & importing(owner_lane(b)), snap_upto(b) == 0)))
 inv("idle_lane_has_no_snapshots", forall(Lane, lambda l: implies(~busy(l), lane_snap(l) == 0)))
 inv("entry_snapshots_are_its_own", forall(Block, lambda b: implies(
     owner(b) == Owner.CACHE, ~snap_junk(b) & (snap_upto(b) >= 0))))

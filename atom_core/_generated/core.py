@@ -5658,8 +5658,8 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     the whole prompt into fresh blocks.
     """
     # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
-    #   owner, owner_lane, transfer, transfer_req; ghost: local_holds, local_junk, lane_snap_junk,
-    #   lane_snap_taken, xfer_live, xfer_block, xfer_on, xfer_of, junk
+    #   owner, owner_lane, snap_upto, transfer, transfer_req; ghost: local_holds, local_junk,
+    #   lane_snap_junk, lane_snap_taken, xfer_live, xfer_block, xfer_on, xfer_of, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -5730,6 +5730,9 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     new_owner_lane = list(s.owner_lane)
     new_owner_lane[dst] = l
     new_owner_lane = tuple(new_owner_lane)
+    new_snap_upto = list(s.snap_upto)
+    new_snap_upto[dst] = 0
+    new_snap_upto = tuple(new_snap_upto)
     new_transfer = list(s.transfer)
     new_transfer[dst] = True
     new_transfer = tuple(new_transfer)
@@ -5776,7 +5779,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         new_local_holds,
         new_local_junk,
         s.lane_snap,
-        s.snap_upto,
+        new_snap_upto,
         new_lane_snap_junk,
         s.snap_junk,
         new_lane_snap_taken,
@@ -5961,8 +5964,8 @@ def import_grow(s: State, l: int, dst: int) -> Step:
     pinned for the same transfer. The transfer writes only once the table covers the prompt
     (the adapter starts it then), so every block is in place before any KV lands.
     """
-    # modifies: tail, nblocks, start, owner, owner_lane, transfer, transfer_req; ghost: xfer_on,
-    #   xfer_of, junk
+    # modifies: tail, nblocks, start, owner, owner_lane, snap_upto, transfer, transfer_req; ghost:
+    #   xfer_on, xfer_of, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -6008,6 +6011,9 @@ def import_grow(s: State, l: int, dst: int) -> Step:
     new_owner_lane = list(s.owner_lane)
     new_owner_lane[dst] = l
     new_owner_lane = tuple(new_owner_lane)
+    new_snap_upto = list(s.snap_upto)
+    new_snap_upto[dst] = 0
+    new_snap_upto = tuple(new_snap_upto)
     new_transfer = list(s.transfer)
     new_transfer[dst] = True
     new_transfer = tuple(new_transfer)
@@ -6039,7 +6045,7 @@ def import_grow(s: State, l: int, dst: int) -> Step:
         s.local_holds,
         s.local_junk,
         s.lane_snap,
-        s.snap_upto,
+        new_snap_upto,
         s.lane_snap_junk,
         s.snap_junk,
         s.lane_snap_taken,
@@ -6182,8 +6188,8 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
     `transfer_fail`). Every block of the lane now holds its part; the full ones get their keys
     as `extend` gives them (no snapshots: an imported lane took none).
     """
-    # modifies: transfer, key, head, snap_upto, length, lane_seq, phase; ghost: xfer_live, xfer_on,
-    #   holds, snap_junk, snap_taken, local_holds
+    # modifies: transfer, key, head, length, lane_seq, phase; ghost: xfer_live, xfer_on, holds,
+    #   snap_junk, snap_taken, local_holds
     phase = s.phase
     # request_importing
     if phase.get(r) != PHASE_IMPORTING:
@@ -6218,8 +6224,6 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         (take(take(p, start[c] + S), C) if (_m3[c] and c != tail[_m1]) else head[c])
         for c in range(K)
     ])
-    snap_upto = s.snap_upto
-    new_snap_upto = tuple([(0 if (_m3[c] and c != tail[_m1]) else snap_upto[c]) for c in range(K)])
     new_length = list(s.length)
     new_length[_m1] = _m0
     new_length = tuple(new_length)
@@ -6270,7 +6274,7 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
         new_local_holds,
         s.local_junk,
         s.lane_snap,
-        new_snap_upto,
+        s.snap_upto,
         s.lane_snap_junk,
         new_snap_junk,
         s.lane_snap_taken,
@@ -7308,6 +7312,7 @@ INVARIANTS = (
     "lane_snapshots_are_its_own",
     "lane_snapshots_were_taken",
     "entry_snapshots_were_taken",
+    "importing_blocks_have_no_snapshots",
     "idle_lane_has_no_snapshots",
     "entry_snapshots_are_its_own",
     "snapshots_need_hybrid",
@@ -7612,13 +7617,18 @@ def check_invariants(s: State) -> list[str]:
             for b in range(K)
         ):
             bad.append("entry_snapshots_were_taken")
+    snap_upto = s.snap_upto
+    _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
+    # importing_blocks_have_no_snapshots
+    if not all(not (owner[b] == OWNER_LANE and _m8[b]) or snap_upto[b] == 0 for b in range(K)):
+        bad.append("importing_blocks_have_no_snapshots")
     lane_snap = s.lane_snap
     # idle_lane_has_no_snapshots
     if not all(busy[l] or lane_snap[l] == 0 for l in range(B)):
         bad.append("idle_lane_has_no_snapshots")
     if s.ghost:
         snap_junk = s.snap_junk
-        snap_upto = s.snap_upto
         # entry_snapshots_are_its_own
         if not all(
             owner[b] != OWNER_CACHE or (not snap_junk[b] and snap_upto[b] >= 0)
@@ -7626,7 +7636,6 @@ def check_invariants(s: State) -> list[str]:
         ):
             bad.append("entry_snapshots_are_its_own")
     HYBRID = s.consts.HYBRID
-    snap_upto = s.snap_upto
     # snapshots_need_hybrid
     if not (
         all(HYBRID or lane_snap[l] == 0 for l in range(B))
@@ -7717,8 +7726,6 @@ def check_invariants(s: State) -> list[str]:
         and all(owner[b] != OWNER_SPILLING or HOST for b in range(K))
     ):
         bad.append("host_needs_host_cache")
-    _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
-    _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
     if not all(

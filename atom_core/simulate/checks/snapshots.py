@@ -27,12 +27,10 @@ def snapshot_leaks(server: Server) -> list[str]:
         c = s.consts.C
         for kind, held, upto, live in (
                 ("lane", snaps["lanes"], s.lane_snap, s.busy),
-                # cache entries, and full lane blocks (they keep their lane's snapshots); an
-                # importing lane took none, and its blocks' snap_upto is not read before
-                # import_done sets it (it may still be an evicted entry's)
+                # cache entries, and full lane blocks (they keep their lane's snapshots; an
+                # importing lane's have none: importing_blocks_have_no_snapshots)
                 ("block", snaps["entries"], s.snap_upto,
-                 [o == core.OWNER_CACHE or (o == core.OWNER_LANE and s.tail[s.owner_lane[b]] != b
-                                            and not core.importing(s, s.owner_lane[b]))
+                 [o == core.OWNER_CACHE or (o == core.OWNER_LANE and s.tail[s.owner_lane[b]] != b)
                   for b, o in enumerate(s.owner)])):
             for i in sorted(set(held) | set(range(len(upto)))):
                 ok = 0 <= i < len(upto) and live[i]
