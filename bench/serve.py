@@ -19,6 +19,8 @@ server run, since the load of a shared machine drifts. Two ratios per level, med
   e.g. the client's own CPU on the other core slowing the server's).
 
 Wall time is reported too; with the client on the same machine it mostly measures the machine.
+`--stream-interval N` runs the server with that option (a stream sends its first token at once,
+then every N tokens): fewer, larger writes, so less of the serving CPU per token.
 """
 
 from __future__ import annotations
@@ -98,12 +100,12 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(key: str) -> tuple[subprocess.Popen[str], int]:
+def start_server(key: str, interval: int = 1) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "atom_core.cli", "serve", "--model", "tiny", "--port", "0",
          "--lanes", str(LANES), "--max-seq-len", str(MAX_SEQ), "--block-size", str(BLOCK),
          "--prefill-chunk", str(CHUNK), "--prefix-cache", "--max-queue", "100000",
-         "--log-level", "info"],
+         "--stream-interval", str(interval), "--log-level", "info"],
         env={**os.environ, "ATOM_CORE_API_KEY": key}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"rounds per level (default {ROUNDS}; --quick: 1); the ratios are "
                          "medians over them")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                    help="the server's --stream-interval (default 1: every token as it comes)")
     args = ap.parse_args(argv)
     import httpx
     import openai
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     direct(items[:LANES])  # warm-up: the first calls of a process are slower
     want, direct_wall, direct_cpu, direct_tokens = direct(items)
     key = secrets.token_hex(16)
-    proc, port = start_server(key)
+    proc, port = start_server(key, args.stream_interval)
     bar = None
     if not args.json:
         try:
@@ -267,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarize(c, runs[c], len(items)) for c in levels]
     report = {"config": {"lanes": LANES, "max_seq_len": MAX_SEQ, "block_size": BLOCK,
                          "prefill_chunk": CHUNK, "prefix_cache": True,
-                         "requests": len(items), "max_new_tokens": new, "rounds": rounds},
+                         "requests": len(items), "max_new_tokens": new, "rounds": rounds,
+                         "stream_interval": args.stream_interval},
               "direct": {"wall_s": round(direct_wall, 3), "cpu_s": round(direct_cpu, 3),
                          "tokens": direct_tokens,
                          "tokens_per_s": round(direct_tokens / direct_wall, 1)},
@@ -276,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print(f"atom-core serve under load ({len(items)} requests, {new} new tokens each, "
-              f"lanes={LANES}, tiny reference model, {rounds} round(s), medians)")
+              f"lanes={LANES}, tiny reference model, stream interval {args.stream_interval}, "
+              f"{rounds} round(s), medians)")
         for r in rows:
             itl = r["itl_ms"] or {}
             print(f"  concurrency {r['concurrency']:>3}: {r['requests_per_s']:>7} req/s "

@@ -26,7 +26,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from atom_core._generated import core  # noqa: E402
-from atom_core.batcher import AtomBatcher  # noqa: E402
+from atom_core.batcher import AtomBatcher, Event  # noqa: E402
 from atom_core.config import Config, min_kv_blocks  # noqa: E402
 from atom_core.demo import oracle_for  # noqa: E402
 from atom_core.runtime.reference import TorchReferenceRuntime  # noqa: E402
@@ -530,3 +530,49 @@ def test_cli_model_directory_builds_its_tokenizer_and_a_matching_runtime(tmp_pat
                                          "--api-key", KEY]))
     with pytest.raises(ValueError, match="unknown runtime"):
         build(build_parser().parse_args(["serve", "--runtime", "cuda", "--api-key", KEY]))
+
+
+def test_inbox_wakes_at_the_first_token_then_every_n():
+    """`--stream-interval N`: the reader wakes at the first token, then at every N-th, and at
+    once for anything that is not a token (the end, an error)."""
+    from atom_core.serve.app import _Inbox
+
+    def tok(i: int) -> Event:
+        return Event("token", 0, token=i)
+
+    async def run() -> list[list[int | str]]:
+        inbox, takes = _Inbox(every=3), []
+
+        async def reader() -> None:
+            while True:
+                evs = await inbox.take()
+                takes.append([e.token if e.kind == "token" else e.kind for e in evs])
+                if evs[-1].kind == "finished":
+                    return
+
+        task = asyncio.create_task(reader())
+        for i in range(8):
+            inbox.put(tok(i))
+            await asyncio.sleep(0)  # (the reader runs whenever it was woken)
+        inbox.put(Event("finished", 0))
+        await task
+        return takes
+
+    assert asyncio.run(run()) == [[0], [1, 2, 3], [4, 5, 6], [7, "finished"]]
+
+
+def test_stream_interval_keeps_every_token_and_the_stop_string():
+    with Server(tiny_config(), stream_interval=4) as s:
+        c = s.client()
+        want = s.oracle(s.tok.encode("Bursts"), 23)
+        chunks = list(c.completions.create(model=MODEL, prompt="Bursts", max_tokens=23,
+                                           temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True}))
+        assert [t for ch in chunks for t in ch.choices[0].token_ids] == want
+        assert chunks[-1].choices[0].finish_reason == s.reason(want)
+        text = s.tok.decode(want)
+        stop = text[5:7]  # ends the request at its first occurrence, mid-interval or not
+        got = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=MODEL, prompt="Bursts", max_tokens=23, temperature=0, stream=True, stop=[stop]))
+        assert got == text[:text.index(stop)]
+        s.wait_at_rest()

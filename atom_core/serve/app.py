@@ -36,6 +36,9 @@ class ServerSettings:
     api_key: str | None  # None: no authentication (only ever on purpose)
     max_queue: int = 64  # requests waiting beyond the lanes; past that: 429
     request_timeout: float | None = 600.0  # seconds; None: no limit
+    # A stream sends its first token at once, then every `stream_interval` tokens (and its
+    # end at once): fewer, larger writes for burstier tokens. 1: each token as it comes.
+    stream_interval: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
 
 class ApiError(Exception):
@@ -82,18 +85,26 @@ class _Stream(StreamingResponse):
 class _Inbox:
     """One request's events on the event loop. The engine's fan-out appends and wakes the one
     reader, which takes everything that arrived at once: one future per wake-up (an
-    asyncio.Queue costs a get per event); the request's timer wakes it with nothing."""
+    asyncio.Queue costs a get per event); the request's timer wakes it with nothing. With
+    `every` > 1 tokens wake the reader only at the first and then every `every`-th (anything
+    else at once): a reader that sends each wake-up in one write sends 1/`every` as many."""
 
-    __slots__ = ("events", "expired", "_waiter")
+    __slots__ = ("events", "expired", "_waiter", "_every", "_due", "_first")
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
         self.events: list[Event] = []
         self.expired = False
         self._waiter: asyncio.Future[None] | None = None
+        self._every = every
+        self._due = False  # the reader has something to take
+        self._first = True  # no token yet: the first goes out at once (time to first token)
 
     def put(self, ev: Event) -> None:
         self.events.append(ev)
-        self._wake()
+        if ev.kind != "token" or self._first or len(self.events) >= self._every:
+            self._first = False
+            self._due = True
+            self._wake()
 
     def expire(self) -> None:
         self.expired = True
@@ -106,13 +117,13 @@ class _Inbox:
 
     async def take(self) -> list[Event]:
         """The events since the last call (waiting for one); [] once the timer expired."""
-        while not self.events and not self.expired:
+        while not self._due and not self.expired:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        out, self.events = self.events, []
+        out, self.events, self._due = self.events, [], False
         return out
 
 
@@ -299,12 +310,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         job.reserved = True
 
     # ------------------------------------------------------------------ generation
-    async def generate(job: _Job) -> AsyncIterator[list[tuple[str, list[int], str | None]]]:
+    async def generate(job: _Job, every: int = 1) -> AsyncIterator[
+            list[tuple[str, list[int], str | None]]]:
         """Per wake-up, what the engine's events since the last one make: a list of (text
         delta, token ids, finish_reason or None); the last item of the last list has a reason.
-        (A list per wake-up, not an item per token: the stream sends it in one write.)"""
+        (A list per wake-up, not an item per token: the stream sends it in one write.) `every`:
+        see `_Inbox`."""
         loop = asyncio.get_running_loop()
-        inbox = _Inbox()
+        inbox = _Inbox(every)
         # (the engine hands events over through `engine.deliver`, on this loop)
         handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling),
                         sink=inbox.put)
@@ -373,7 +386,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
     async def collect(job: _Job) -> tuple[str, list[int], str]:
         parts, ids, reason = [], [], "length"
-        async for items in generate(job):
+        # nobody reads the tokens before the end unless a stop string or id may end it early
+        every = 1 if job.stop or job.stop_ids else job.max_tokens + 1
+        async for items in generate(job, every):
             for delta, toks, why in items:
                 parts.append(delta)
                 ids.extend(toks)
@@ -412,7 +427,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         if first is not None:
             yield sse(first)
         try:
-            async for items in generate(job):
+            async for items in generate(job, settings.stream_interval):
                 frames = []
                 for delta, toks, why in items:
                     n += len(toks)

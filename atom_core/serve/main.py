@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests waiting beyond the lanes before new ones get 429")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request is ended (0: never)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="a stream sends its first token at once, then every N tokens (fewer, "
+                        "larger writes: less server CPU per token, burstier tokens)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
                         "they are aborted")
@@ -79,6 +82,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                          "'Authorization: Bearer KEY'); --insecure-no-auth serves without one")
     if key is not None and args.insecure_no_auth:
         raise ValueError("--api-key and --insecure-no-auth contradict each other: pick one")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval {args.stream_interval}: must be at least 1 (1 "
+                         "sends every token as it comes)")
     overrides = {field: getattr(args, flag) for flag, field in _FIELDS.items()
                  if getattr(args, flag) is not None}
     opts = ServeOptions(model=args.model, runtime=args.runtime, compiled=args.compiled,
@@ -86,7 +92,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     cfg, rt, tok = build(opts)
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     settings = ServerSettings(model_name=name, api_key=key, max_queue=args.max_queue,
-                              request_timeout=args.request_timeout or None)
+                              request_timeout=args.request_timeout or None,
+                              stream_interval=args.stream_interval)
     engine = Engine(AtomBatcher(cfg, rt))
     return create_app(engine, tok, settings), engine, settings
 
