@@ -18,7 +18,8 @@ without a change here. Families:
 
 Layers, cheapest first; a mutant stops at the first layer that kills it unless `--all-layers`:
 
-  z3          the induction proofs (relational and bounded invariants, transition invariants)
+  z3          the induction proofs (relational, arithmetic and bounded invariants, transition
+              invariants)
               restricted to the mutated action: the other actions' obligations do not change
   bmc         explicit-state bounded model checking over the generated mutant core: every state
               reachable at one lane (two lanes up to a state bound), each feature combination at
@@ -546,7 +547,8 @@ def z3_obligations(model: L.Model, actions: tuple[str, ...]) -> Iterator[Any]:
 
     restricted = only(model, actions)
     yield from checks.relational(restricted)
-    yield from checks.bounded(restricted, *Z3_BOUNDED_SIZE)
+    yield from checks.bounded(restricted, *Z3_BOUNDED_SIZE, kinds=("bounded", "arithmetic"))
+    yield from checks.arithmetic(restricted)
 
 
 def obligation(c: Any) -> tuple[str, str, str, str]:

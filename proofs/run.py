@@ -1,10 +1,11 @@
 """Every proof `atom-core verify` runs, as one report.
 
 The obligations are independent tasks (`plan`): relational base, step and transition
-obligations per action, bounded invariants per size, progress per size (every feature
-combination), a replay per committed witness, the single-block cases. They run over a process
-pool (`jobs`), each task in a fresh z3 context, and the report lists their checks in plan order,
-whatever the number of jobs and whichever task finishes first. Tight capacity rows are
+obligations per action, arithmetic invariants per block size, bounded invariants per size,
+progress per size (every feature combination), a replay per committed witness, the
+single-block cases. They run over a process pool (`jobs`), each task in a fresh z3 context, and
+the report lists their checks in plan order, whatever the number of jobs and whichever task
+finishes first. Tight capacity rows are
 certified by replaying the committed witnesses (proofs/witness.py); only a witness that does
 not replay is searched for again, and `witnesses-current` then fails.
 """
@@ -34,7 +35,7 @@ MAX_LANES, MAX_BLOCKS = 4, 8  # the cutoff for bounded invariants and capacity
 DEEP_LANES, DEEP_BLOCKS = 5, 10  # `verify --deep`
 MODEL_REF = "atom_core.spec.model:MODEL"
 # kinds of tasks, for the CPU seconds spent on each
-KINDS = ("nonvacuity", "relational", "bounded", "capacity", "capacity-tight",
+KINDS = ("nonvacuity", "relational", "arithmetic", "bounded", "capacity", "capacity-tight",
          "capacity-tight-search", "capacity-single-block")
 
 
@@ -122,6 +123,10 @@ def _nonvacuity_tasks() -> list[Task]:
     per = -(-len(fs) // NONVACUITY_TASKS)  # (in order, so the report lists them in order)
     return [Task("nonvacuity", t_nonvacuity, (fs[i:i + per],), per)
             for i in range(0, len(fs), per)]
+
+
+def t_arithmetic(model: L.Model, seq_len: int = checks.SEQ_LEN) -> list[Check]:
+    return list(checks.arithmetic(model, seq_len))
 
 
 def t_bounded(model: L.Model, lanes: int, blocks: int,
@@ -328,8 +333,10 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         # Phase one: everything that needs no other result.
         nv = _nonvacuity_tasks() if "nonvacuity" in parts else []
         rel = _relational_tasks(model) if "relational" in parts else []
-        bnd = ([Task("bounded", t_bounded, (b, k), b * k / 4)
-                for b, k in checks.sizes(max_lanes, max_blocks)] if "bounded" in parts else [])
+        # (arithmetic invariants are proved for all sizes: their tasks come with "bounded")
+        bnd = ([Task("arithmetic", t_arithmetic, (), 8.0)]
+               + [Task("bounded", t_bounded, (b, k), b * k / 4)
+                  for b, k in checks.sizes(max_lanes, max_blocks)] if "bounded" in parts else [])
         sizes = [(b, k) for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)]
         feats = [f for f in capacity.COMBINATIONS if capacity.in_table(f, max_blocks)]
         cap = "capacity" in parts
@@ -350,8 +357,9 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         ua_lanes = min(checks.UNALIGNED_LANES, max_lanes)
         ua_blocks = min(checks.UNALIGNED_BLOCKS, max_blocks)
         ua_sizes = list(checks.sizes(ua_lanes, ua_blocks)) if ua else []
-        ua_bnd = [Task("bounded", t_bounded, (b, k, checks.UNALIGNED_SEQ_LEN), b * k / 4)
-                  for b, k in ua_sizes]
+        ua_bnd = ([Task("arithmetic", t_arithmetic, (checks.UNALIGNED_SEQ_LEN,), 8.0)] if ua
+                  else []) + [Task("bounded", t_bounded, (b, k, checks.UNALIGNED_SEQ_LEN),
+                                   b * k / 4) for b, k in ua_sizes]
         ua_prog = [Task("capacity", t_progress, (b, k, ua_lanes, checks.UNALIGNED_SEQ_LEN),
                         b * k / 2) for b, k in ua_sizes]
         res = runner.run(nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog)

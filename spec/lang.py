@@ -567,9 +567,15 @@ class Model:
         the operations (`atom_core.seq`, tested against every law)."""
         self.laws.append(Named(name, lift(expr, BOOL), "law", doc))
 
-    def invariant(self, name: str, expr: Expr, bounded: bool = False, doc: str = "") -> None:
-        """bounded: proved per size (counting, arithmetic) rather than for all sizes."""
-        kind = "bounded" if bounded else "relational"
+    def invariant(self, name: str, expr: Expr, bounded: bool = False, arithmetic: bool = False,
+                  doc: str = "") -> None:
+        """Proved for all sizes (relational) unless: `arithmetic`, positions modulo the chunk
+        or multiples of the block size, linear only once C and S are numbers: proved for all
+        sizes at the chunk and block size the bounded checks fix; `bounded`, counting (which
+        first-order logic over unbounded sorts cannot state): proved per size up to a cutoff."""
+        if bounded and arithmetic:
+            raise ValueError(f"invariant {name}: bounded or arithmetic, not both")
+        kind = "bounded" if bounded else "arithmetic" if arithmetic else "relational"
         self.invariants.append(Named(name, lift(expr, BOOL), kind, doc))
 
     def safety(self, name: str, expr: Expr, doc: str = "") -> None:

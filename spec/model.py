@@ -1176,20 +1176,23 @@ inv("prefill_before_prompt_end", forall(Lane, lambda l: implies(
 inv("decode_after_prompt", forall(Lane, lambda l: implies(
     decoding(l), length(l) >= lane_plen(l))))
 
-# Bounded: counting and chunk arithmetic, proved for each size up to the cutoff with concrete
-# chunk and block sizes (z3 is decidable there; with a symbolic chunk size `%` is nonlinear).
+# Two kinds here (declared in this order: z3's search depends on the order of the hypotheses).
+# Arithmetic: positions modulo the chunk, multiples of the block size; linear once C and S are
+# numbers (with symbolic ones `%` and `*` are nonlinear), so proved for all lanes and blocks at
+# the chunk and block size the bounded checks fix. Bounded: counting, proved for each size up
+# to the cutoff (first-order logic over unbounded sorts cannot count).
 inv("prefill_on_chunk_boundary", forall(Lane, lambda l: implies(
-    prefilling(l), length(l) % C == 0)), bounded=True)
+    prefilling(l), length(l) % C == 0)), arithmetic=True)
 inv("lane_blocks_are_its_table", forall(Lane, lambda l: count_of(
     Block, lambda b: lane_block(b, l)) == ite(busy(l), nblocks(l), 0)), bounded=True)
 # With `blocks_do_not_overlap` and `lane_blocks_are_its_table`: a lane's nblocks blocks lie in
 # [0, (nblocks - 1) * S] at least S apart, so they start at 0, S, .., (nblocks - 1) * S: what the
 # runtime's table[p // S] assumes.
 inv("tables_are_dense", forall(Lane, lambda l: implies(
-    busy(l), start(tail(l)) == (nblocks(l) - 1) * S)), bounded=True)
+    busy(l), start(tail(l)) == (nblocks(l) - 1) * S)), arithmetic=True)
 inv("snapshots_on_chunk_boundaries", forall(Lane, lambda l: implies(
     busy(l), lane_snap(l) % C == 0)) & forall(Block, lambda b: snap_upto(b) % C == 0),
-    bounded=True)
+    arithmetic=True)
 inv("one_scratch_block_when_reserved",
     count_of(Block, lambda b: owner(b) == Owner.SCRATCH) == ite(RESERVED, 1, 0),
     bounded=True)

@@ -24,6 +24,7 @@ from atom_core.spec.model import MODEL
 ACTIONS = [a.name for a in MODEL.actions]
 RELATIONAL = [i.name for i in MODEL.invariants if i.kind == "relational"]
 BOUNDED = [i.name for i in MODEL.invariants if i.kind == "bounded"]
+ARITHMETIC = [i.name for i in MODEL.invariants if i.kind == "arithmetic"]
 TRANSITION = [t.name for t in MODEL.transition_invariants]
 
 PREFIX_RESERVED = Features(True, "reserved")
@@ -213,14 +214,33 @@ def test_planted_bug_fails_the_check_verify_runs(key, monkeypatch):
     assert bad == [], bad
 
 
-def test_bounded_invariant_mutant_needs_the_bounded_proof():
+def test_unmutated_arithmetic_all_proved_for_all_sizes():
+    """The arithmetic invariants over unbounded sorts at the bounded checks' chunk and block
+    size: every obligation once (base, and one step per action), each proved."""
+    cs = list(checks.arithmetic(MODEL))
+    assert [c for c in cs if c.status != "proved"] == []
+    got = [(c.invariant, c.action, c.kind) for c in cs]
+    want = ({(i, "init", "base") for i in ARITHMETIC}
+            | {(i, a, "step") for i in ARITHMETIC for a in ACTIONS})
+    assert len(got) == len(set(got)) == len(want) and set(got) == want
+    assert {c.size for c in cs} == {f"all sizes,C={checks.CHUNK},S={checks.SEQ_LEN}"}
+
+
+def test_arithmetic_invariant_mutant_needs_the_arithmetic_proof():
     """admit_hit copying a non-chunk-multiple prefix (n >= C, no `n % C == 0`) resumes prefill
     off a chunk boundary (and would give the lane a snapshot boundary off the chunk grid):
-    invisible to the relational proof (which has no `%`), caught per size."""
+    invisible to the relational proof (which has no `%`), not proved by the arithmetic proof
+    over unbounded sorts (so `verify` fails: z3 answers `unknown` rather than build a model with
+    quantified hypotheses), and refuted with a model at small sizes by the bounded check of the
+    same invariants (what the mutation runs use)."""
     n, c = _param("admit_hit", "n"), _const("C")
     mut = MODEL.with_guard("admit_hit", "n_whole_chunks", n >= c)
     assert refuted(mut, "admit_hit") == set()
-    bad = [cc for cc in checks.bounded(mut, 2, 2) if cc.status != "proved"]
+    bad = [cc for cc in checks.arithmetic(only(mut, "admit_hit")) if cc.status != "proved"]
+    assert {(cc.invariant, cc.action) for cc in bad} == {
+        ("prefill_on_chunk_boundary", "admit_hit"), ("snapshots_on_chunk_boundaries", "admit_hit")}
+    bad = [cc for cc in checks.bounded(mut, 2, 2, kinds=("arithmetic",))
+           if cc.status != "proved"]
     assert {(cc.invariant, cc.action, cc.status) for cc in bad} == {
         ("prefill_on_chunk_boundary", "admit_hit", "counterexample"),
         ("snapshots_on_chunk_boundaries", "admit_hit", "counterexample")}
@@ -310,8 +330,15 @@ def caught_relational(model: L.Model, action: str) -> tuple[str, str] | None:
 
 
 def caught_bounded(model: L.Model, action: str) -> tuple[str, str] | None:
-    for c in checks.bounded(only(model, action), 2, 4, base=False):
+    """A bounded or arithmetic obligation of `action` refuted at a size up to B = 2, K = 4
+    (decisive, and a model of the arithmetic proof's unbounded query too); failing that, one
+    the arithmetic proof does not prove."""
+    m = only(model, action)
+    for c in checks.bounded(m, 2, 4, base=False, kinds=("bounded", "arithmetic")):
         if c.status == "counterexample":
+            return c.invariant, c.action
+    for c in checks.arithmetic(m, base=False):
+        if c.status != "proved":
             return c.invariant, c.action
     return None
 

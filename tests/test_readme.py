@@ -89,6 +89,8 @@ def test_bounded_invariants_and_their_fixed_constants_are_stated():
     bullet = _bullet(_what_is_proved(), "Bounded invariants")
     named = set(re.findall(r"`([a-z_]+)`", bullet))
     assert named == {i.name for i in m.invariants if i.kind == "bounded"}
+    arith = set(re.findall(r"`([a-z_]+)`", _bullet(_what_is_proved(), "Arithmetic invariants")))
+    assert arith == {i.name for i in m.invariants if i.kind == "arithmetic"}
     assert f"B <= {run.MAX_LANES}, K <= {run.MAX_BLOCKS}" in bullet
     lanes = 3
     u = checks.bounded_universe(m, lanes, 1)
