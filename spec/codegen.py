@@ -2042,6 +2042,126 @@ class InplaceGenerator(Generator):
             if any(type(x) is Const for x in _walk(e)):
                 raise GenerationError(f"in-place: the default of {f.name} reads a constant")
             self.defaults[f.name] = f"_D_{f.name}"
+        # Maintained indexes (derived from the model's shapes, no spec change), in order:
+        # ("sel", f, E, g): g-value -> {x | f(x) == E and g(x) == that value}, for whole
+        #   updates whose condition has the conjuncts f(v) == E, g(v) == w (w free of v);
+        # ("val", h): h-value -> {x | h(x) == that value}, for guards scanning every x for
+        #   h(x) == e (e free of x). Each is a slot `_ix<i>` of MState, built by thaw and kept
+        #   up to date by every write of the functions it reads.
+        self.indexes: list[tuple[Any, ...]] = []
+        for a in model.actions:
+            for u in a.updates:
+                if u.whole and len(u.args) == 1 and type(u.value) is Ite:
+                    sel = self._sel_match(u.value.cond, u.args[0])
+                    if sel is not None and sel[0] not in self.indexes:
+                        self.indexes.append(sel[0])
+            for _, g in a.guards:
+                for x in _walk(g):
+                    if type(x) is Quant and x.kind == "forall":
+                        val = self._val_match(x)
+                        if val is not None and val[0] not in self.indexes:
+                            self.indexes.append(val[0])
+
+    # -- maintained indexes --------------------------------------------------------------
+    def _indexable(self, fn: Any, v: Var) -> bool:
+        return (isinstance(fn, StateFn) and not fn.ghost and len(fn.args) == 1
+                and fn.args[0] is v.sort and self.layout(fn) == "tuple")
+
+    def _at_var(self, e: Expr, v: Var) -> StateFn | None:
+        """f when `e` is f(v) (pre-state) for an indexable f."""
+        if type(e) is App and not e.post and len(e.args) == 1 and e.args[0] is v \
+                and self._indexable(e.fn, v):
+            return e.fn
+        return None
+
+    def _eqs_at(self, cond: Expr, v: Var) -> list[tuple[StateFn, Expr]]:
+        """(f, w) per top-level conjunct f(v) == w of `cond` with w free of v."""
+        out = []
+        for c in _conjuncts(cond):
+            if type(c) is not Eq:
+                continue
+            for lhs, rhs in ((c.lhs, c.rhs), (c.rhs, c.lhs)):
+                f = self._at_var(lhs, v)
+                if f is not None and not any(x is v for x in self.an.free(rhs)) \
+                        and self.an.total(rhs):
+                    out.append((f, rhs))
+                    break
+        return out
+
+    def _sel_match(self, cond: Expr, v: Var) -> tuple[tuple[Any, ...], Expr] | None:
+        eqs = self._eqs_at(cond, v)
+        for f, e in eqs:
+            if type(e) is not Lit or f.ret.kind != "enum":
+                continue
+            for g, w in eqs:
+                if g is not f and g.ret.kind == "index":
+                    return ("sel", f.name, e.value, g.name), w
+        return None
+
+    def _val_match(self, q: Quant) -> tuple[tuple[Any, ...], Expr] | None:
+        if q.var.sort.kind != "index":
+            return None
+        body = q.body
+        if type(body) is not Not:
+            return None
+        for h, e in self._eqs_at(body.arg, q.var):
+            if type(e) is not Lit:  # a literal (an enum member) selects too little to pay
+                return ("val", h.name), e
+        return None
+
+    def _ix_slot(self, key: tuple[Any, ...]) -> str:
+        return f"_ix{self.indexes.index(key)}"
+
+    def _ix_build(self, key: tuple[Any, ...], m: str) -> str:
+        """An expression building index `key` from MState `m`."""
+        if key[0] == "sel":
+            _, f, e, g = key
+            enum = self.model_fn(f).ret
+            return (f"_select({m}.{f}, {self.enum_const(enum, e)}, {m}.{g})")
+        return f"_by_value({m}.{key[1]})"
+
+    def model_fn(self, name: str) -> StateFn:
+        return next(f for f in self.model.state if f.name == name)
+
+    def _ix_pre_post(self, fname: str, x: str) -> tuple[list[str], list[str]]:
+        """Lines around a write of `fname` at `x` keeping the indexes that read it."""
+        pre: list[str] = []
+        post: list[str] = []
+        for key in self.indexes:
+            slot = f"s.{self._ix_slot(key)}"
+            if key[0] == "sel" and fname in (key[1], key[3]):
+                _, f, e, g = key
+                c = self.enum_const(self.model_fn(f).ret, e)
+                pre.append(f"if s.{f}[{x}] == {c}:")
+                pre.append(f"    {slot}[s.{g}[{x}]].discard({x})")
+                post.append(f"if s.{f}[{x}] == {c}:")
+                post.append(f"    {slot}.setdefault(s.{g}[{x}], set()).add({x})")
+            elif key[0] == "val" and fname == key[1]:
+                pre.append(f"_unindex({slot}, s.{fname}[{x}], {x})")
+                post.append(f"{slot}.setdefault(s.{fname}[{x}], set()).add({x})")
+        return pre, post
+
+    def _ix_rebuild(self, fname: str) -> list[str]:
+        return [f"s.{self._ix_slot(k)} = {self._ix_build(k, 's')}" for k in self.indexes
+                if fname in (k[1], k[3] if k[0] == "sel" else None)]
+
+    def _guard_nodes(self, b: Body, g: Expr, pos: bool, env: dict[int, str]) -> list[Any]:
+        """A universal quantifier whose body fails only where h(x) == e loops over the x the
+        value index of h gives for e (the other x cannot fail it)."""
+        if type(g) is Quant and g.kind == "forall" and pos and id(g) not in b.memo_occ \
+                and not self._whole(b, g) and self.an.total(g.body):
+            hit = self._val_match(g)
+            if hit is not None and hit[0] in self.indexes:
+                name = b.fresh(_base_name(g.var), env)
+                e = render(b.expr(hit[1], env)[0])
+                dom = f"{b.states[False]}.{self._ix_slot(hit[0])}.get({e}, ())"
+                inner = dict(env)
+                inner[id(g.var)] = name
+                b.loop_depth += 1
+                body = self._guard_nodes(b, g.body, pos, inner)
+                b.loop_depth -= 1
+                return [("for", name, dom, body)] if body else []
+        return super()._guard_nodes(b, g, pos, env)
 
     def map_default(self, fn: StateFn) -> list[str]:
         d = self.defaults.get(fn.name)
@@ -2106,15 +2226,55 @@ class InplaceGenerator(Generator):
                  if self.layout(f) == "map"]
         lines.append("# name -> default, per ident-keyed function\n")
         lines.append(render(["MAP_DEFAULTS = ", _dict(items)]) + "\n\n\n")
-        slots = ['"consts"', '"ghost"'] + [f'"{f.name}"' for f in m.state]
+        fields = ['"consts"', '"ghost"'] + [f'"{f.name}"' for f in m.state]
+        lines.append(render(["_FIELDS = ", _tuple(fields)]) + "\n")
+        lines.append("# The maintained indexes (MState slots; see InplaceGenerator):\n")
+        for i, key in enumerate(self.indexes):
+            if key[0] == "sel":
+                what = f"{key[3]} value -> the x with {key[1]}(x) == {key[2]} and {key[3]}(x) " \
+                    "== it"
+            else:
+                what = f"{key[1]} value -> the x with {key[1]}(x) == it"
+            lines.append(f"#   _ix{i}: {what}\n")
+        ix = [f'"_ix{i}"' for i in range(len(self.indexes))]
+        lines.append(render(["INDEXES = ", _tuple(ix)]) + "\n\n\n")
         lines.append("class MState:\n")
         lines.append('    """One mutable state: the fields of core.State, functions as lists (of '
                      'lists) and\n    dicts. Ghost fields are None when `ghost` is False."""\n\n')
-        lines.append(render(["__slots__ = ", _tuple(slots)], 4).join(["    ", "\n\n"]))
+        lines.append("    __slots__ = (*_FIELDS, *INDEXES)\n\n")
         lines.append("    def __init__(self, *fields: Any) -> None:\n"
-                     "        for k, v in zip(self.__slots__, fields, strict=True):\n"
+                     "        for k, v in zip(_FIELDS, fields, strict=True):\n"
                      "            setattr(self, k, v)\n")
         lines.append("\n\n")
+        lines.append(
+            "def _select(f: list[Any], e: Any, g: list[Any]) -> dict[Any, set[int]]:\n"
+            "    out: dict[Any, set[int]] = {}\n"
+            "    for x, fx in enumerate(f):\n"
+            "        if fx == e:\n"
+            "            out.setdefault(g[x], set()).add(x)\n"
+            "    return out\n\n\n"
+            "def _by_value(h: list[Any]) -> dict[Any, set[int]]:\n"
+            "    out: dict[Any, set[int]] = {}\n"
+            "    for x, v in enumerate(h):\n"
+            "        out.setdefault(v, set()).add(x)\n"
+            "    return out\n\n\n"
+            "def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:\n"
+            "    xs = ix[v]\n"
+            "    xs.discard(x)\n"
+            "    if not xs:\n"
+            "        del ix[v]\n\n\n"
+            "def _index(m: MState) -> MState:\n"
+            '    """`m` with its indexes (re)built from its fields."""\n')
+        for i, key in enumerate(self.indexes):
+            lines.append(f"    m._ix{i} = {self._ix_build(key, 'm')}\n")
+        lines.append("    return m\n\n\n")
+        lines.append(
+            "def check_indexes(m: MState) -> list[str]:\n"
+            '    """The indexes of `m` that differ from a rebuild (empty sets aside)."""\n'
+            "    fresh = _index(MState(*(getattr(m, k) for k in _FIELDS)))\n"
+            "    return [k for k in INDEXES\n"
+            "            if {v: xs for v, xs in getattr(m, k).items() if xs}\n"
+            "            != {v: xs for v, xs in getattr(fresh, k).items() if xs}]\n\n\n")
         thaw, freeze = [], []
         for f in m.state:
             lay = self.layout(f)
@@ -2136,7 +2296,8 @@ class InplaceGenerator(Generator):
             freeze.append(fr)
         lines.append("def thaw(s: State) -> MState:\n"
                      '    """A mutable copy of `s` (shares no mutable part with it)."""\n')
-        lines.append(render(["    return ", _call("MState", ["s.consts", "s.ghost", *thaw])], 4))
+        lines.append(render(["    return ", _call("_index", [_call("MState", ["s.consts", "s.ghost",
+                                                                     *thaw])])], 4))
         lines.append("\n\n\n")
         lines.append("def freeze(m: MState) -> State:\n"
                      '    """The pure State equal to `m` (shares no mutable part with it)."""\n')
@@ -2272,7 +2433,8 @@ class InplaceGenerator(Generator):
         new = f"new_{f.name}"
         if lay == "scalar":
             b.stmt(self._assign(new, b.top(ups[-1].value)))
-            writes.append(lambda: b.stmt(f"s.{f.name} = {new}"))
+            writes.append(lambda: [b.stmt(x) for x in [f"s.{f.name} = {new}",
+                                                       *self._ix_rebuild(f.name)]])
             return
         whole = ups[0] if ups and ups[0].whole else None
         points = [u for u in ups if not u.whole]
@@ -2287,7 +2449,8 @@ class InplaceGenerator(Generator):
                 for u in points:
                     idx = [["[", b.top(x)[0], "]"] for x in u.args]
                     b.stmt([new, *idx, " = ", self._breakable(b.top(u.value))])
-                writes.append(lambda: b.stmt(f"s.{f.name} = {new}"))
+                writes.append(lambda: [b.stmt(x) for x in [f"s.{f.name} = {new}",
+                                                       *self._ix_rebuild(f.name)]])
                 return
             if self._direct_ok(f, vs, whole.value, updated):
                 direct.append(lambda: self._chain_loop(b, f, vs, chain, None))
@@ -2304,7 +2467,13 @@ class InplaceGenerator(Generator):
             def write_points() -> None:
                 arr = b.field(f, False)
                 for idx, val in temps:
+                    pre, post = self._ix_pre_post(f.name, idx[0]) if len(idx) == 1 \
+                        else ([], [])
+                    for x in pre:
+                        b.stmt(x) if not x.startswith(" ") else b.line(x)
                     b.stmt([arr, *(["[", x, "]"] for x in idx), " = ", val])
+                    for x in post:
+                        b.stmt(x) if not x.startswith(" ") else b.line(x)
             writes.append(write_points)
 
     def _chain_loop(self, b: Body, f: StateFn, vs: list[Var],
@@ -2316,22 +2485,32 @@ class InplaceGenerator(Generator):
             name = b.fresh(_base_name(v), env)
             env[id(v)] = name
             names.append(name)
-        sizes = [b.size(v.sort) for v in vs]
+        doms = [f"range({b.size(v.sort)})" for v in vs]
+        if len(vs) == 1 and len(chain) == 1 and chain[0][0][0] == "pos":
+            sel = self._sel_match(chain[0][0][1], vs[0])
+            if sel is not None and sel[0] in self.indexes:  # only the blocks it selects
+                w = render(b.expr(sel[1], b.env0)[0])
+                doms = [f"tuple(s.{self._ix_slot(sel[0])}.get({w}, ()))"]
         b.loop_depth += 1
         arms = [(self._cond_doc(b, c, env), b._at(x, env, TERN))
                 for c, x in chain]
         arr = b.field(f, False) if collect is None else None
         b.loop_depth -= 1
         b.flush()  # prerequisites before the loop, never inside it
-        for name, size in zip(names, sizes, strict=True):
-            b.line(f"for {name} in range({size}):")
+        for name, dom in zip(names, doms, strict=True):
+            b.line(f"for {name} in {dom}:")
             b.indent += 4
         target = [arr, *(f"[{n}]" for n in names)] if collect is None else None
+        pre, post = self._ix_pre_post(f.name, names[0]) if len(vs) == 1 else ([], [])
         for i, (cond, val) in enumerate(arms):
             b.line([("if " if i == 0 else "elif "), self._breakable(cond), ":"])
             b.indent += 4
             if collect is None:
+                for x in pre:
+                    b.line(x)
                 b.line([*target, " = ", val])
+                for x in post:
+                    b.line(x)
             else:
                 key = names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
                 b.line([f"{collect}.append(({key}, ", val, "))"])
@@ -2342,8 +2521,10 @@ class InplaceGenerator(Generator):
         arr = b.field(f, False)
         b.flush()
         if len(vs) == 1:
+            pre, post = self._ix_pre_post(f.name, "_k")
             b.line(f"for _k, _v in {new}:")
-            b.line(f"    {arr}[_k] = _v")
+            for x in [*pre, f"{arr}[_k] = _v", *post]:
+                b.line(f"    {x}")
         else:
             b.line(f"for (_k, _j), _v in {new}:")
             b.line(f"    {arr}[_k][_j] = _v")
@@ -2383,6 +2564,12 @@ class InplaceGenerator(Generator):
                     b.line([d, "[", k, "] = ", v])
                     b.indent -= 4
         writes.append(write)
+
+
+def _conjuncts(e: Expr) -> list[Expr]:
+    if type(e) is And:
+        return [c for x in e.args for c in _conjuncts(x)]
+    return [e]
 
 
 def _names_used(source: str) -> set[str]:

@@ -4,14 +4,16 @@ Both are generated from the same spec; the pure core is the reference (proofs an
 tests use it). Random action sequences run on both, on several configurations (prefix cache,
 reserved/dynamic scratch, T > 1 tables, hybrid, host cache, PD, preemption) with ghost state on
 and off: after every step `freeze(m)` equals the pure state, the Step's state is the very object
-passed in, effects and rejections are equal, the dicts hold no default value, and the read-only
+passed in, effects and rejections are equal, the dicts hold no default value, the maintained
+indexes equal a rebuild from the fields, and the read-only
 functions (every guard over the candidate arguments, check_invariants, progress_violations,
 the definitions) agree on MState. Most steps pick among the arguments the guard accepts, so
 runs go deep; one in eight takes any candidate, so rejections are compared too.
 
 The planted-bug tests generate broken in-place emitters in memory (`codegen.load_inplace`): one
 that drops an update, one that writes each function as soon as it is computed (so later
-right-hand sides read the post-state); the same differential run must catch both.
+right-hand sides read the post-state), one that never updates its indexes; the same
+differential run must catch each.
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def run(draw: Any, c: core.Consts, ghost: bool, variant: Any) -> None:
         assert v_step.effects == p_step.effects, where
         assert variant.freeze(m) == p_step.state, where
         _maps_hold_no_default(m)
+        assert not variant.check_indexes(m), (where, variant.check_indexes(m))
         ps = p_step.state
         if p_step.rejected is None:
             _same_reads(ps, m, variant)
@@ -257,6 +260,13 @@ class _WritesEarly(codegen.InplaceGenerator):
             w()
 
 
+class _StaleIndex(codegen.InplaceGenerator):
+    """Never updates the maintained indexes after thaw (a write without its hooks)."""
+
+    def _ix_pre_post(self, fname: str, x: str) -> tuple[list[str], list[str]]:
+        return [], []
+
+
 def _caught(variant: Any) -> bool:
     seen: list[BaseException] = []
 
@@ -278,7 +288,7 @@ def _caught(variant: Any) -> bool:
     return bool(seen)
 
 
-@pytest.mark.parametrize("emitter", [_DropsAnUpdate, _WritesEarly])
+@pytest.mark.parametrize("emitter", [_DropsAnUpdate, _WritesEarly, _StaleIndex])
 def test_planted_bug_is_caught(emitter: type[codegen.InplaceGenerator]) -> None:
     variant = codegen.load_inplace(generator=emitter)
     assert _caught(variant), f"{emitter.__name__}: the differential run found no difference"

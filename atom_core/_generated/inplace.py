@@ -74,113 +74,159 @@ MAP_DEFAULTS = {
 }
 
 
+_FIELDS = (
+    "consts",
+    "ghost",
+    "owner",
+    "owner_lane",
+    "key",
+    "head",
+    "holds",
+    "junk",
+    "local_holds",
+    "local_junk",
+    "lane_snap",
+    "snap_upto",
+    "lane_snap_junk",
+    "snap_junk",
+    "lane_snap_taken",
+    "snap_taken",
+    "busy",
+    "lane_req",
+    "tail",
+    "nblocks",
+    "start",
+    "length",
+    "lane_seq",
+    "lane_plen",
+    "copying",
+    "copy_src",
+    "copy_host",
+    "copy_slot",
+    "transfer",
+    "transfer_req",
+    "xfer_live",
+    "xfer_block",
+    "xfer_on",
+    "xfer_of",
+    "slot_state",
+    "slot_key",
+    "slot_head",
+    "slot_start",
+    "slot_block",
+    "spill_slot",
+    "load_lane",
+    "slot_holds",
+    "slot_junk",
+    "phase",
+    "req_lane",
+    "prompt",
+)
+# The maintained indexes (MState slots; see InplaceGenerator):
+#   _ix0: head value -> the x with head(x) == it
+#   _ix1: owner_lane value -> the x with owner(x) == LANE and owner_lane(x) == it
+INDEXES = ("_ix0", "_ix1")
+
+
 class MState:
     """One mutable state: the fields of core.State, functions as lists (of lists) and
     dicts. Ghost fields are None when `ghost` is False."""
 
-    __slots__ = (
-        "consts",
-        "ghost",
-        "owner",
-        "owner_lane",
-        "key",
-        "head",
-        "holds",
-        "junk",
-        "local_holds",
-        "local_junk",
-        "lane_snap",
-        "snap_upto",
-        "lane_snap_junk",
-        "snap_junk",
-        "lane_snap_taken",
-        "snap_taken",
-        "busy",
-        "lane_req",
-        "tail",
-        "nblocks",
-        "start",
-        "length",
-        "lane_seq",
-        "lane_plen",
-        "copying",
-        "copy_src",
-        "copy_host",
-        "copy_slot",
-        "transfer",
-        "transfer_req",
-        "xfer_live",
-        "xfer_block",
-        "xfer_on",
-        "xfer_of",
-        "slot_state",
-        "slot_key",
-        "slot_head",
-        "slot_start",
-        "slot_block",
-        "spill_slot",
-        "load_lane",
-        "slot_holds",
-        "slot_junk",
-        "phase",
-        "req_lane",
-        "prompt",
-    )
+    __slots__ = (*_FIELDS, *INDEXES)
 
     def __init__(self, *fields: Any) -> None:
-        for k, v in zip(self.__slots__, fields, strict=True):
+        for k, v in zip(_FIELDS, fields, strict=True):
             setattr(self, k, v)
+
+
+def _select(f: list[Any], e: Any, g: list[Any]) -> dict[Any, set[int]]:
+    out: dict[Any, set[int]] = {}
+    for x, fx in enumerate(f):
+        if fx == e:
+            out.setdefault(g[x], set()).add(x)
+    return out
+
+
+def _by_value(h: list[Any]) -> dict[Any, set[int]]:
+    out: dict[Any, set[int]] = {}
+    for x, v in enumerate(h):
+        out.setdefault(v, set()).add(x)
+    return out
+
+
+def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
+    xs = ix[v]
+    xs.discard(x)
+    if not xs:
+        del ix[v]
+
+
+def _index(m: MState) -> MState:
+    """`m` with its indexes (re)built from its fields."""
+    m._ix0 = _by_value(m.head)
+    m._ix1 = _select(m.owner, OWNER_LANE, m.owner_lane)
+    return m
+
+
+def check_indexes(m: MState) -> list[str]:
+    """The indexes of `m` that differ from a rebuild (empty sets aside)."""
+    fresh = _index(MState(*(getattr(m, k) for k in _FIELDS)))
+    return [k for k in INDEXES
+            if {v: xs for v, xs in getattr(m, k).items() if xs}
+            != {v: xs for v, xs in getattr(fresh, k).items() if xs}]
 
 
 def thaw(s: State) -> MState:
     """A mutable copy of `s` (shares no mutable part with it)."""
-    return MState(
-        s.consts,
-        s.ghost,
-        list(s.owner),
-        list(s.owner_lane),
-        list(s.key),
-        list(s.head),
-        None if s.holds is None else list(s.holds),
-        None if s.junk is None else list(s.junk),
-        None if s.local_holds is None else list(s.local_holds),
-        None if s.local_junk is None else list(s.local_junk),
-        list(s.lane_snap),
-        list(s.snap_upto),
-        None if s.lane_snap_junk is None else list(s.lane_snap_junk),
-        None if s.snap_junk is None else list(s.snap_junk),
-        None if s.lane_snap_taken is None else list(s.lane_snap_taken),
-        None if s.snap_taken is None else list(s.snap_taken),
-        list(s.busy),
-        list(s.lane_req),
-        list(s.tail),
-        list(s.nblocks),
-        list(s.start),
-        list(s.length),
-        list(s.lane_seq),
-        list(s.lane_plen),
-        list(s.copying),
-        list(s.copy_src),
-        list(s.copy_host),
-        list(s.copy_slot),
-        list(s.transfer),
-        list(s.transfer_req),
-        None if s.xfer_live is None else dict(s.xfer_live.items()),
-        None if s.xfer_block is None else dict(s.xfer_block.items()),
-        None if s.xfer_on is None else list(s.xfer_on),
-        None if s.xfer_of is None else list(s.xfer_of),
-        list(s.slot_state),
-        list(s.slot_key),
-        list(s.slot_head),
-        list(s.slot_start),
-        list(s.slot_block),
-        list(s.spill_slot),
-        list(s.load_lane),
-        None if s.slot_holds is None else list(s.slot_holds),
-        None if s.slot_junk is None else list(s.slot_junk),
-        dict(s.phase.items()),
-        dict(s.req_lane.items()),
-        dict(s.prompt.items()),
+    return _index(
+        MState(
+            s.consts,
+            s.ghost,
+            list(s.owner),
+            list(s.owner_lane),
+            list(s.key),
+            list(s.head),
+            None if s.holds is None else list(s.holds),
+            None if s.junk is None else list(s.junk),
+            None if s.local_holds is None else list(s.local_holds),
+            None if s.local_junk is None else list(s.local_junk),
+            list(s.lane_snap),
+            list(s.snap_upto),
+            None if s.lane_snap_junk is None else list(s.lane_snap_junk),
+            None if s.snap_junk is None else list(s.snap_junk),
+            None if s.lane_snap_taken is None else list(s.lane_snap_taken),
+            None if s.snap_taken is None else list(s.snap_taken),
+            list(s.busy),
+            list(s.lane_req),
+            list(s.tail),
+            list(s.nblocks),
+            list(s.start),
+            list(s.length),
+            list(s.lane_seq),
+            list(s.lane_plen),
+            list(s.copying),
+            list(s.copy_src),
+            list(s.copy_host),
+            list(s.copy_slot),
+            list(s.transfer),
+            list(s.transfer_req),
+            None if s.xfer_live is None else dict(s.xfer_live.items()),
+            None if s.xfer_block is None else dict(s.xfer_block.items()),
+            None if s.xfer_on is None else list(s.xfer_on),
+            None if s.xfer_of is None else list(s.xfer_of),
+            list(s.slot_state),
+            list(s.slot_key),
+            list(s.slot_head),
+            list(s.slot_start),
+            list(s.slot_block),
+            list(s.spill_slot),
+            list(s.load_lane),
+            None if s.slot_holds is None else list(s.slot_holds),
+            None if s.slot_junk is None else list(s.slot_junk),
+            dict(s.phase.items()),
+            dict(s.req_lane.items()),
+            dict(s.prompt.items()),
+        ),
     )
 
 
@@ -522,21 +568,21 @@ def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
             return "dst_reusable"
     _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
-    _m0 = slen(_m2) > C
+    _m0 = take(_m2, C)
+    _m1 = slen(_m2) > C
     start = s.start
     head = s.head
-    _m1 = take(_m2, C)
     key = s.key
     snap_upto = s.snap_upto
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in range(s.consts.K):
+        for b in s._ix0.get(_m0, ()):
             if (
-                _m0
+                _m1
                 and owner[b] == OWNER_CACHE
                 and start[b] == 0
-                and head[b] == _m1
+                and head[b] == _m0
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
             ):
@@ -571,33 +617,33 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     for l2 in range(s.consts.B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
-    _m3 = s.prompt.get(r, _D_prompt)
-    _m2 = slen(_m3)
+    _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
-    _m0 = _m2 > C
+    _m0 = take(_m2, C)
+    _m3 = slen(_m2)
+    _m1 = _m3 > C
     start = s.start
     head = s.head
-    _m1 = take(_m3, C)
     key = s.key
     snap_upto = s.snap_upto
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in range(s.consts.K):
+        for b in s._ix0.get(_m0, ()):
             if (
-                _m0
+                _m1
                 and owner[b] == OWNER_CACHE
                 and start[b] == 0
-                and head[b] == _m1
+                and head[b] == _m0
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
             ):
                 return Step(s, (), "no_cache_hit")
-    new_lane_seq_v0 = _m3
-    new_lane_plen_v0 = _m2
+    new_lane_seq_v0 = _m2
+    new_lane_plen_v0 = _m3
     effects = (Admit(l, r, dst),)
     if s.ghost:
-        _m4 = take(_m3, 0)
+        _m4 = take(_m2, 0)
         new_local_holds_v0 = _m4
         new_holds_v0 = _m4
     if s.ghost:
@@ -620,8 +666,16 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
         s.req_lane.pop(r, None)
     else:
         s.req_lane[r] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     return Step(s, effects, None)
 
 
@@ -653,21 +707,21 @@ def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | st
             return "dst_reusable"
     _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
-    _m0 = slen(_m2) > C
+    _m0 = take(_m2, C)
+    _m1 = slen(_m2) > C
     start = s.start
     head = s.head
-    _m1 = take(_m2, C)
     key = s.key
     snap_upto = s.snap_upto
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in range(s.consts.K):
+        for b in s._ix0.get(_m0, ()):
             if (
-                _m0
+                _m1
                 and owner[b] == OWNER_CACHE
                 and start[b] == 0
-                and head[b] == _m1
+                and head[b] == _m0
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
             ):
@@ -721,22 +775,22 @@ def ready_admit_miss(
     if r is not None:
         _m2 = s.prompt.get(r, _D_prompt)
         C = s.consts.C
-        _m0 = slen(_m2) > C
+        _m0 = take(_m2, C)
+        _m1 = slen(_m2) > C
         owner = s.owner
         start = s.start
         head = s.head
-        _m1 = take(_m2, C)
         key = s.key
         snap_upto = s.snap_upto
         HYBRID = s.consts.HYBRID
         # no_cache_hit
         if s.consts.PREFIX:
-            for b in range(s.consts.K):
+            for b in s._ix0.get(_m0, ()):
                 if (
-                    _m0
+                    _m1
                     and owner[b] == OWNER_CACHE
                     and start[b] == 0
-                    and head[b] == _m1
+                    and head[b] == _m0
                     and slen(key[b]) >= C
                     and (not HYBRID or snap_upto[b] >= C)
                 ):
@@ -896,8 +950,16 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
         s.req_lane.pop(r, None)
     else:
         s.req_lane[r] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     s.lane_snap[l] = new_lane_snap_v0
     copying[l] = True
     copy_host[l] = False
@@ -1503,13 +1565,23 @@ def grow(s: MState, l: int, dst: int) -> Step:
         s.holds[dst] = new_holds_v0
         s.junk[dst] = False
     s.key[new_key_i00] = new_key_v0
+    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
     s.head[new_head_i00] = new_head_v0
+    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     return Step(s, effects, None)
 
 
@@ -1778,13 +1850,23 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
         lane_snap_taken[l] = new_lane_snap_taken_v0
         s.junk[dst] = True
     key[new_key_i00] = new_key_v0
+    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
     s.head[new_head_i00] = new_head_v0
+    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
     snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     length[l] = new_length_v0
     lane_snap[l] = new_lane_snap_v0
     copying[l] = True
@@ -2123,9 +2205,13 @@ def preempt(s: MState, l: int) -> Step:
     new_prompt_v0 = lane_seq[l]
     effects = (Preempt(l, lane_req[l]),)
     owner_lane = s.owner_lane
-    for b in range(K):
+    for b in tuple(s._ix1.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = OWNER_FREE
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     phase[new_phase_k0] = PHASE_WAITING
     if new_prompt_v0 == _D_prompt:
         s.prompt.pop(new_prompt_k0, None)
@@ -2402,7 +2488,11 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     _m5 = _m1 and not RESERVED
     for b in range(K):
         if _m5 and b == pad and owner[b] == OWNER_CACHE:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = OWNER_FREE
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         local_junk = s.local_junk
         for n in range(B):
@@ -2591,15 +2681,21 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m1 = (OWNER_CACHE if keep else OWNER_FREE)
-    for b in range(s.consts.K):
+    for b in tuple(s._ix1.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = _m1
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         s.snap_junk[new_snap_junk_i00] = new_snap_junk_v0
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
     phase[new_phase_k0] = PHASE_FINISHED
     s.key[new_key_i00] = new_key_v0
+    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
     s.head[new_head_i00] = new_head_v0
+    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     busy[l] = False
     lane_snap[l] = 0
@@ -2725,9 +2821,13 @@ def abort_running(s: MState, l: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in range(s.consts.K):
+    for b in tuple(s._ix1.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     s.phase[new_phase_k0] = PHASE_ABORTED
     busy[l] = False
     copying[l] = False
@@ -2807,9 +2907,13 @@ def fail(s: MState, l: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in range(s.consts.K):
+    for b in tuple(s._ix1.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         s.junk[new_junk_i00] = True
         s.local_junk[l] = True
@@ -2898,7 +3002,11 @@ def discard(s: MState, b: int) -> Step:
     new_owner_v0 = (OWNER_FREE if _m0 else owner[b])
     if s.ghost:
         s.junk[b] = True
+    if s.owner[b] == OWNER_LANE:
+        s._ix1[s.owner_lane[b]].discard(b)
     owner[b] = new_owner_v0
+    if s.owner[b] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     return Step(s, (), None)
 
 
@@ -2987,7 +3095,11 @@ def spill(s: MState, b: int, h: int) -> Step:
     new_slot_head_v0 = s.head[b]
     new_slot_start_v0 = s.start[b]
     effects = (Store(b, h),)
+    if s.owner[b] == OWNER_LANE:
+        s._ix1[s.owner_lane[b]].discard(b)
     owner[b] = OWNER_SPILLING
+    if s.owner[b] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     s.spill_slot[b] = h
     slot_state[h] = SLOTSTATE_STORING
     s.slot_block[h] = b
@@ -3094,7 +3206,11 @@ def store_done(s: MState, h: int) -> Step:
         s.slot_holds[h] = new_slot_holds_v0
         s.slot_junk[h] = new_slot_junk_v0
     slot_state[h] = SLOTSTATE_STORED
+    if s.owner[new_owner_i00] == OWNER_LANE:
+        s._ix1[s.owner_lane[new_owner_i00]].discard(new_owner_i00)
     s.owner[new_owner_i00] = OWNER_FREE
+    if s.owner[new_owner_i00] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
     return Step(s, (), None)
 
 
@@ -3141,7 +3257,11 @@ def store_fail(s: MState, h: int) -> Step:
         return Step(s, (), "slot_storing")
     new_owner_i00 = s.slot_block[h]
     slot_state[h] = SLOTSTATE_EMPTY
+    if s.owner[new_owner_i00] == OWNER_LANE:
+        s._ix1[s.owner_lane[new_owner_i00]].discard(new_owner_i00)
     s.owner[new_owner_i00] = OWNER_FREE
+    if s.owner[new_owner_i00] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
     return Step(s, (), None)
 
 
@@ -3346,8 +3466,16 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
         s.req_lane.pop(r, None)
     else:
         s.req_lane[r] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     copying[l] = True
     copy_host[l] = True
     s.copy_slot[l] = h
@@ -3672,13 +3800,23 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
         s.junk[dst] = True
     s.key[new_key_i00] = new_key_v0
+    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
     s.head[new_head_i00] = new_head_v0
+    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     length[l] = new_length_v0
     copying[l] = True
     copy_host[l] = True
@@ -4138,8 +4276,16 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
         s.req_lane.pop(r, None)
     else:
         s.req_lane[r] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     s.transfer[dst] = True
     s.transfer_req[dst] = r
     return Step(s, effects, None)
@@ -4336,8 +4482,16 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
+    if s.owner[dst] == OWNER_LANE:
+        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
     s.transfer[dst] = True
     s.transfer_req[dst] = new_transfer_req_v0
     return Step(s, effects, None)
@@ -4471,16 +4625,16 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m3 = tuple([owner[c] == OWNER_LANE and owner_lane[c] == _m1 for c in range(K)])
-    for c in range(K):
+    for c in tuple(s._ix1.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_key.append((c, take(p, start[c] + S)))
     new_head = []
     C = s.consts.C
-    for c in range(K):
+    for c in tuple(s._ix1.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_head.append((c, take(take(p, start[c] + S), C)))
     new_snap_upto = []
-    for c in range(K):
+    for c in tuple(s._ix1.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_snap_upto.append((c, 0))
     new_length_i00 = _m1
@@ -4496,16 +4650,16 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
             elif c == tail[_m1]:
                 new_holds.append((c, p))
         new_snap_junk = []
-        for c in range(K):
+        for c in tuple(s._ix1.get(_m1, ())):
             if _m3[c] and c != tail[_m1]:
                 new_snap_junk.append((c, False))
         new_snap_taken = []
-        for c in range(K):
+        for c in tuple(s._ix1.get(_m1, ())):
             if _m3[c] and c != tail[_m1]:
                 new_snap_taken.append((c, 0))
         new_local_holds_i00 = _m1
     transfer = s.transfer
-    for c in range(K):
+    for c in tuple(s._ix1.get(_m1, ())):
         if _m3[c]:
             transfer[c] = False
     if s.ghost:
@@ -4525,7 +4679,9 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     for _k, _v in new_key:
         s.key[_k] = _v
     for _k, _v in new_head:
+        _unindex(s._ix0, s.head[_k], _k)
         s.head[_k] = _v
+        s._ix0.setdefault(s.head[_k], set()).add(_k)
     for _k, _v in new_snap_upto:
         s.snap_upto[_k] = _v
     s.length[new_length_i00] = new_length_v0
@@ -4638,11 +4794,11 @@ def export(s: MState, l: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in range(K):
+    for b in tuple(s._ix1.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             transfer[b] = True
     transfer_req = s.transfer_req
-    for b in range(K):
+    for b in tuple(s._ix1.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             transfer_req[b] = lane_req[l]
     if s.ghost:
@@ -4651,7 +4807,7 @@ def export(s: MState, l: int) -> Step:
             if owner[b] == OWNER_LANE and owner_lane[b] == l:
                 xfer_on[b] = True
         xfer_of = s.xfer_of
-        for b in range(K):
+        for b in tuple(s._ix1.get(l, ())):
             if owner[b] == OWNER_LANE and owner_lane[b] == l:
                 xfer_of[b] = lane_req[l]
         s.xfer_live[new_xfer_live_k0] = True
@@ -4733,34 +4889,38 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
         return Step(s, (), "keep_needs_prefix_cache")
     new_transfer = []
     K = s.consts.K
+    _m0 = s.req_lane.get(r)
     owner = s.owner
     owner_lane = s.owner_lane
-    _m1 = s.req_lane.get(r)
-    _m0 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m1 for b in range(K)])
-    for b in range(K):
-        if _m0[b]:
+    _m1 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m0 for b in range(K)])
+    for b in tuple(s._ix1.get(_m0, ())):
+        if _m1[b]:
             new_transfer.append((b, False))
-    _m2 = s.tail[_m1]
+    _m2 = s.tail[_m0]
     new_key_i00 = _m2
-    _m3 = take(s.lane_seq[_m1], s.length[_m1])
+    _m3 = take(s.lane_seq[_m0], s.length[_m0])
     new_key_v0 = _m3
     new_head_i00 = _m2
     new_head_v0 = take(_m3, s.consts.C)
     new_snap_upto_i00 = _m2
     lane_snap = s.lane_snap
-    new_snap_upto_v0 = lane_snap[_m1]
-    new_busy_i00 = _m1
-    new_lane_snap_i00 = _m1
-    effects = (Release(_m1, _m2),)
+    new_snap_upto_v0 = lane_snap[_m0]
+    new_busy_i00 = _m0
+    new_lane_snap_i00 = _m0
+    effects = (Release(_m0, _m2),)
     if s.ghost:
         new_snap_junk_i00 = _m2
-        new_snap_junk_v0 = s.lane_snap_junk[_m1]
+        new_snap_junk_v0 = s.lane_snap_junk[_m0]
         new_snap_taken_i00 = _m2
-        new_snap_taken_v0 = s.lane_snap_taken[_m1]
+        new_snap_taken_v0 = s.lane_snap_taken[_m0]
     _m4 = (OWNER_CACHE if keep else OWNER_FREE)
-    for b in range(K):
-        if _m0[b]:
+    for b in tuple(s._ix1.get(_m0, ())):
+        if _m1[b]:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = _m4
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
@@ -4774,7 +4934,9 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     for _k, _v in new_transfer:
         s.transfer[_k] = _v
     s.key[new_key_i00] = new_key_v0
+    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
     s.head[new_head_i00] = new_head_v0
+    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     s.busy[new_busy_i00] = False
     lane_snap[new_lane_snap_i00] = 0
@@ -4915,25 +5077,29 @@ def transfer_fail(s: MState, r: int) -> Step:
         return Step(s, (), "request_transferring")
     new_transfer = []
     K = s.consts.K
+    _m1 = s.req_lane.get(r)
     owner = s.owner
     owner_lane = s.owner_lane
-    _m2 = s.req_lane.get(r)
-    _m1 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m2 for b in range(K)])
-    for b in range(K):
-        if _m1[b]:
+    _m2 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m1 for b in range(K)])
+    for b in tuple(s._ix1.get(_m1, ())):
+        if _m2[b]:
             new_transfer.append((b, False))
-    new_busy_i00 = _m2
-    new_lane_snap_i00 = _m2
-    effects = (Release(_m2, s.tail[_m2]),)
+    new_busy_i00 = _m1
+    new_lane_snap_i00 = _m1
+    effects = (Release(_m1, s.tail[_m1]),)
     if s.ghost:
         new_junk = []
         for b in range(K):
-            if _m1[b]:
+            if _m2[b]:
                 new_junk.append((b, True))
     _m3 = OWNER_FREE
-    for b in range(K):
-        if _m1[b]:
+    for b in tuple(s._ix1.get(_m1, ())):
+        if _m2[b]:
+            if s.owner[b] == OWNER_LANE:
+                s._ix1[s.owner_lane[b]].discard(b)
             owner[b] = _m3
+            if s.owner[b] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
@@ -5028,7 +5194,11 @@ def transfer_end(s: MState, r: int, b: int) -> Step:
                 new_junk.append((c, True))
     for c in range(K):
         if c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r):
+            if s.owner[c] == OWNER_LANE:
+                s._ix1[s.owner_lane[c]].discard(c)
             owner[c] = OWNER_FREE
+            if s.owner[c] == OWNER_LANE:
+                s._ix1.setdefault(s.owner_lane[c], set()).add(c)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
