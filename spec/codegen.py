@@ -2542,6 +2542,9 @@ class InplaceGenerator(Generator):
                 how = "pop" if u.value.value == init.value else "set"
             elif type(u.value) is Lit and init is None:
                 how = "pop" if u.value.value is None else "set"
+            elif type(u.value) is Var and id(u.value) in b.param_ids \
+                    and u.value.sort.kind == "index" and init is None:
+                how = "set"  # an index parameter is range-checked: never None
             else:
                 how = "test"
             temps.append((k, v, how))

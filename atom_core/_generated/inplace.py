@@ -662,10 +662,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     s.lane_seq[l] = new_lane_seq_v0
     s.lane_plen[l] = new_lane_plen_v0
     phase[r] = PHASE_PREFILL
-    if l is None:
-        s.req_lane.pop(r, None)
-    else:
-        s.req_lane[r] = l
+    s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
@@ -946,10 +943,7 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     s.lane_seq[l] = new_lane_seq_v0
     s.lane_plen[l] = new_lane_plen_v0
     phase[r] = PHASE_PREFILL
-    if l is None:
-        s.req_lane.pop(r, None)
-    else:
-        s.req_lane[r] = l
+    s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
@@ -3462,10 +3456,7 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
     s.lane_seq[l] = new_lane_seq_v0
     s.lane_plen[l] = new_lane_plen_v0
     phase[r] = PHASE_PREFILL
-    if l is None:
-        s.req_lane.pop(r, None)
-    else:
-        s.req_lane[r] = l
+    s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
@@ -4256,10 +4247,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
         s.lane_snap_junk[l] = False
         s.lane_snap_taken[l] = 0
         s.xfer_live[r] = True
-        if dst is None:
-            s.xfer_block.pop(r, None)
-        else:
-            s.xfer_block[r] = dst
+        s.xfer_block[r] = dst
         s.xfer_on[dst] = True
         s.xfer_of[dst] = r
         s.junk[dst] = False
@@ -4272,10 +4260,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     s.lane_seq[l] = new_lane_seq_v0
     lane_plen[l] = new_lane_plen_v0
     phase[r] = PHASE_IMPORTING
-    if l is None:
-        s.req_lane.pop(r, None)
-    else:
-        s.req_lane[r] = l
+    s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix1[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
