@@ -2109,6 +2109,15 @@ class InplaceGenerator(Generator):
                 return ("val", h.name), e
         return None
 
+    def _ix_key(self, key: tuple[Any, ...], value: str) -> str:
+        """The key a value index files `value` under: the value itself, or for a sequence
+        its signature (length, first and last token), so that filing a new sequence never
+        hashes all its tokens; equal values have equal keys, so a lookup finds a superset of
+        the matches and the loop still checks the whole condition."""
+        if key[0] == "val" and self.model_fn(key[1]).ret.kind == "value":
+            return f"_sig({value})"
+        return value
+
     def _ix_slot(self, key: tuple[Any, ...]) -> str:
         return f"_ix{self.indexes.index(key)}"
 
@@ -2118,7 +2127,8 @@ class InplaceGenerator(Generator):
             _, f, e, g = key
             enum = self.model_fn(f).ret
             return (f"_select({m}.{f}, {self.enum_const(enum, e)}, {m}.{g})")
-        return f"_by_value({m}.{key[1]})"
+        sig = "_sig" if self.model_fn(key[1]).ret.kind == "value" else "None"
+        return f"_by_value({m}.{key[1]}, {sig})"
 
     def model_fn(self, name: str) -> StateFn:
         return next(f for f in self.model.state if f.name == name)
@@ -2137,8 +2147,9 @@ class InplaceGenerator(Generator):
                 post.append(f"if s.{f}[{x}] == {c}:")
                 post.append(f"    {slot}.setdefault(s.{g}[{x}], set()).add({x})")
             elif key[0] == "val" and fname == key[1]:
-                pre.append(f"_unindex({slot}, s.{fname}[{x}], {x})")
-                post.append(f"{slot}.setdefault(s.{fname}[{x}], set()).add({x})")
+                k = self._ix_key(key, f"s.{fname}[{x}]")
+                pre.append(f"_unindex({slot}, {k}, {x})")
+                post.append(f"{slot}.setdefault({k}, set()).add({x})")
         return pre, post
 
     def _ix_rebuild(self, fname: str) -> list[str]:
@@ -2154,7 +2165,8 @@ class InplaceGenerator(Generator):
             if hit is not None and hit[0] in self.indexes:
                 name = b.fresh(_base_name(g.var), env)
                 e = render(b.expr(hit[1], env)[0])
-                dom = f"{b.states[False]}.{self._ix_slot(hit[0])}.get({e}, ())"
+                dom = f"{b.states[False]}.{self._ix_slot(hit[0])}.get(" \
+                    f"{self._ix_key(hit[0], e)}, ())"
                 inner = dict(env)
                 inner[id(g.var)] = name
                 b.loop_depth += 1
@@ -2236,6 +2248,8 @@ class InplaceGenerator(Generator):
             else:
                 what = f"{key[1]} value -> the x with {key[1]}(x) == it"
             lines.append(f"#   _ix{i}: {what}\n")
+            if key[0] == "val" and self.model_fn(key[1]).ret.kind == "value":
+                lines.append("#     (filed by _sig(value), a superset of the matches)\n")
         ix = [f'"_ix{i}"' for i in range(len(self.indexes))]
         lines.append(render(["INDEXES = ", _tuple(ix)]) + "\n\n\n")
         lines.append("class MState:\n")
@@ -2253,11 +2267,17 @@ class InplaceGenerator(Generator):
             "        if fx == e:\n"
             "            out.setdefault(g[x], set()).add(x)\n"
             "    return out\n\n\n"
-            "def _by_value(h: list[Any]) -> dict[Any, set[int]]:\n"
+            "def _by_value(h: list[Any], sig: Any) -> dict[Any, set[int]]:\n"
             "    out: dict[Any, set[int]] = {}\n"
             "    for x, v in enumerate(h):\n"
-            "        out.setdefault(v, set()).add(x)\n"
+            "        out.setdefault(v if sig is None else sig(v), set()).add(x)\n"
             "    return out\n\n\n"
+            "def _sig(v: Any) -> Any:\n"
+            '    """A sequence\'s index key: equal sequences have equal keys."""\n'
+            "    if v is None:\n"
+            "        return None\n"
+            "    n = v.n\n"
+            "    return (n, v.buf[0], v.buf[n - 1]) if n else 0\n\n\n"
             "def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:\n"
             "    xs = ix[v]\n"
             "    xs.discard(x)\n"

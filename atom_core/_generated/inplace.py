@@ -124,6 +124,7 @@ _FIELDS = (
 )
 # The maintained indexes (MState slots; see InplaceGenerator):
 #   _ix0: head value -> the x with head(x) == it
+#     (filed by _sig(value), a superset of the matches)
 #   _ix1: owner_lane value -> the x with owner(x) == LANE and owner_lane(x) == it
 INDEXES = ("_ix0", "_ix1")
 
@@ -147,11 +148,19 @@ def _select(f: list[Any], e: Any, g: list[Any]) -> dict[Any, set[int]]:
     return out
 
 
-def _by_value(h: list[Any]) -> dict[Any, set[int]]:
+def _by_value(h: list[Any], sig: Any) -> dict[Any, set[int]]:
     out: dict[Any, set[int]] = {}
     for x, v in enumerate(h):
-        out.setdefault(v, set()).add(x)
+        out.setdefault(v if sig is None else sig(v), set()).add(x)
     return out
+
+
+def _sig(v: Any) -> Any:
+    """A sequence's index key: equal sequences have equal keys."""
+    if v is None:
+        return None
+    n = v.n
+    return (n, v.buf[0], v.buf[n - 1]) if n else 0
 
 
 def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
@@ -163,7 +172,7 @@ def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
 
 def _index(m: MState) -> MState:
     """`m` with its indexes (re)built from its fields."""
-    m._ix0 = _by_value(m.head)
+    m._ix0 = _by_value(m.head, _sig)
     m._ix1 = _select(m.owner, OWNER_LANE, m.owner_lane)
     return m
 
@@ -577,7 +586,7 @@ def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in s._ix0.get(_m0, ()):
+        for b in s._ix0.get(_sig(_m0), ()):
             if (
                 _m1
                 and owner[b] == OWNER_CACHE
@@ -629,7 +638,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in s._ix0.get(_m0, ()):
+        for b in s._ix0.get(_sig(_m0), ()):
             if (
                 _m1
                 and owner[b] == OWNER_CACHE
@@ -713,7 +722,7 @@ def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | st
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in s._ix0.get(_m0, ()):
+        for b in s._ix0.get(_sig(_m0), ()):
             if (
                 _m1
                 and owner[b] == OWNER_CACHE
@@ -782,7 +791,7 @@ def ready_admit_miss(
         HYBRID = s.consts.HYBRID
         # no_cache_hit
         if s.consts.PREFIX:
-            for b in s._ix0.get(_m0, ()):
+            for b in s._ix0.get(_sig(_m0), ()):
                 if (
                     _m1
                     and owner[b] == OWNER_CACHE
@@ -1559,9 +1568,9 @@ def grow(s: MState, l: int, dst: int) -> Step:
         s.holds[dst] = new_holds_v0
         s.junk[dst] = False
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
+    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
+    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
@@ -1844,9 +1853,9 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
         lane_snap_taken[l] = new_lane_snap_taken_v0
         s.junk[dst] = True
     key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
+    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
+    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
@@ -2687,9 +2696,9 @@ def finish(s: MState, l: int, keep: bool) -> Step:
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
     phase[new_phase_k0] = PHASE_FINISHED
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
+    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
+    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     busy[l] = False
     lane_snap[l] = 0
@@ -3791,9 +3800,9 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
         s.junk[dst] = True
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
+    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
+    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
@@ -4664,9 +4673,9 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     for _k, _v in new_key:
         s.key[_k] = _v
     for _k, _v in new_head:
-        _unindex(s._ix0, s.head[_k], _k)
+        _unindex(s._ix0, _sig(s.head[_k]), _k)
         s.head[_k] = _v
-        s._ix0.setdefault(s.head[_k], set()).add(_k)
+        s._ix0.setdefault(_sig(s.head[_k]), set()).add(_k)
     for _k, _v in new_snap_upto:
         s.snap_upto[_k] = _v
     s.length[new_length_i00] = new_length_v0
@@ -4919,9 +4928,9 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     for _k, _v in new_transfer:
         s.transfer[_k] = _v
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, s.head[new_head_i00], new_head_i00)
+    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(s.head[new_head_i00], set()).add(new_head_i00)
+    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     s.busy[new_busy_i00] = False
     lane_snap[new_lane_snap_i00] = 0
