@@ -1,4 +1,5 @@
-"""Translate the spec model into the executable core, `atom_core/_generated/core.py`.
+"""Translate the spec model into the executable core, `atom_core/_generated/core.py`, and its
+in-place variant `atom_core/_generated/inplace.py` (`InplaceGenerator`, documented there).
 
     python -m atom_core.spec.codegen          # (re)write atom_core/_generated/
     python -m atom_core.spec.codegen --check  # exit 1 and print a diff if it is stale
@@ -2028,6 +2029,8 @@ class InplaceGenerator(Generator):
     `ite(c, x, f(v))` (or `f(v) | c`, `f(v) & c`, nested) writes only where `c` holds: straight
     from the loop when its expression is total and reads no function the action updates (except
     `f` at `v` itself), else through a list of changes collected before the first write.
+    Maintained indexes (`self.indexes`, slots `_ix<i>`) narrow two kinds of loops to the
+    elements that can matter; see `__init__`.
     """
 
     def __init__(self, model: Model, core_module: str = INPLACE_CORE) -> None:
