@@ -2060,8 +2060,8 @@ class InplaceGenerator(Generator):
                         self.indexes.append(sel[0])
             for _, g in a.guards:
                 for x in _walk(g):
-                    if type(x) is Quant and x.kind == "forall":
-                        val = self._val_match(x)
+                    if type(x) is Quant:
+                        val = self._val_match(x, x.kind == "forall")
                         if val is not None and val[0] not in self.indexes:
                             self.indexes.append(val[0])
 
@@ -2101,13 +2101,21 @@ class InplaceGenerator(Generator):
                     return ("sel", f.name, e.value, g.name), w
         return None
 
-    def _val_match(self, q: Quant) -> tuple[tuple[Any, ...], Expr] | None:
+    def _val_match(self, q: Quant, pos: bool = True) -> tuple[tuple[Any, ...], Expr] | None:
+        """For a quantifier a guard requires to be `pos` whose failing instances all satisfy
+        h(x) == e (a conjunct of the failing condition), ("val", h) and e."""
         if q.var.sort.kind != "index":
             return None
         body = q.body
-        if type(body) is not Not:
+        if q.kind == "exists" and not pos:
+            fails = body  # fails where the body holds
+        elif q.kind == "forall" and pos and type(body) is Not:
+            fails = body.arg
+        elif q.kind == "forall" and pos and type(body) is Implies and type(body.concl) is Not:
+            fails = And(body.hyp, body.concl.arg)
+        else:
             return None
-        for h, e in self._eqs_at(body.arg, q.var):
+        for h, e in self._eqs_at(fails, q.var):
             if type(e) is not Lit:  # a literal (an enum member) selects too little to pay
                 return ("val", h.name), e
         return None
@@ -2162,10 +2170,11 @@ class InplaceGenerator(Generator):
     def _guard_nodes(self, b: Body, g: Expr, pos: bool, env: dict[int, str]) -> list[Any]:
         """A universal quantifier whose body fails only where h(x) == e loops over the x the
         value index of h gives for e (the other x cannot fail it)."""
-        if type(g) is Quant and g.kind == "forall" and pos and id(g) not in b.memo_occ \
+        if type(g) is Quant and (g.kind == "forall") == pos and id(g) not in b.memo_occ \
                 and not self._whole(b, g) and self.an.total(g.body):
-            hit = self._val_match(g)
+            hit = self._val_match(g, pos)
             if hit is not None and hit[0] in self.indexes:
+                self.used_ix.add(hit[0])
                 name = b.fresh(_base_name(g.var), env)
                 e = render(b.expr(hit[1], env)[0])
                 dom = f"{b.states[False]}.{self._ix_slot(hit[0])}.get(" \
@@ -2184,6 +2193,16 @@ class InplaceGenerator(Generator):
 
     # -- module --------------------------------------------------------------------------
     def source(self) -> str:
+        """The module; an index no loop ended up using (e.g. its quantifier is a memo) is
+        dropped and the module generated again without its upkeep."""
+        self.used_ix: set[tuple[Any, ...]] = set()
+        text = self._module()
+        if any(k not in self.used_ix for k in self.indexes):
+            self.indexes = [k for k in self.indexes if k in self.used_ix]
+            text = self._module()
+        return text
+
+    def _module(self) -> str:
         sections = [self._mstate(), self._init(), self._definitions(), self._actions(),
                     self._checkers(), self._describe()]
         body = "\n\n".join(sections)
@@ -2512,6 +2531,7 @@ class InplaceGenerator(Generator):
         if len(vs) == 1 and len(chain) == 1 and chain[0][0][0] == "pos":
             sel = self._sel_match(chain[0][0][1], vs[0])
             if sel is not None and sel[0] in self.indexes:  # only the blocks it selects
+                self.used_ix.add(sel[0])
                 w = render(b.expr(sel[1], b.env0)[0])
                 doms = [f"tuple(s.{self._ix_slot(sel[0])}.get({w}, ()))"]
         b.loop_depth += 1

@@ -123,10 +123,12 @@ _FIELDS = (
     "prompt",
 )
 # The maintained indexes (MState slots; see InplaceGenerator):
-#   _ix0: head value -> the x with head(x) == it
+#   _ix0: copy_src value -> the x with copy_src(x) == it
+#   _ix1: head value -> the x with head(x) == it
 #     (filed by _sig(value), a superset of the matches)
-#   _ix1: owner_lane value -> the x with owner(x) == LANE and owner_lane(x) == it
-INDEXES = ("_ix0", "_ix1")
+#   _ix2: owner_lane value -> the x with owner(x) == LANE and owner_lane(x) == it
+#   _ix3: transfer_req value -> the x with transfer_req(x) == it
+INDEXES = ("_ix0", "_ix1", "_ix2", "_ix3")
 
 
 class MState:
@@ -172,8 +174,10 @@ def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
 
 def _index(m: MState) -> MState:
     """`m` with its indexes (re)built from its fields."""
-    m._ix0 = _by_value(m.head, _sig)
-    m._ix1 = _select(m.owner, OWNER_LANE, m.owner_lane)
+    m._ix0 = _by_value(m.copy_src, None)
+    m._ix1 = _by_value(m.head, _sig)
+    m._ix2 = _select(m.owner, OWNER_LANE, m.owner_lane)
+    m._ix3 = _by_value(m.transfer_req, None)
     return m
 
 
@@ -480,7 +484,7 @@ def reusable(s: MState, b: int) -> bool:
     # reusable
     if not (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE):
         return False
-    for l in range(s.consts.B):
+    for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return False
     return True
@@ -572,7 +576,7 @@ def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     _m2 = s.prompt.get(r, _D_prompt)
@@ -586,7 +590,7 @@ def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in s._ix0.get(_sig(_m0), ()):
+        for b in s._ix1.get(_sig(_m0), ()):
             if (
                 _m1
                 and owner[b] == OWNER_CACHE
@@ -623,7 +627,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     _m2 = s.prompt.get(r, _D_prompt)
@@ -638,7 +642,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in s._ix0.get(_sig(_m0), ()):
+        for b in s._ix1.get(_sig(_m0), ()):
             if (
                 _m1
                 and owner[b] == OWNER_CACHE
@@ -673,15 +677,15 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     phase[r] = PHASE_PREFILL
     s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     return Step(s, effects, None)
 
 
@@ -708,7 +712,7 @@ def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | st
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     _m2 = s.prompt.get(r, _D_prompt)
@@ -722,7 +726,7 @@ def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | st
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in s._ix0.get(_sig(_m0), ()):
+        for b in s._ix1.get(_sig(_m0), ()):
             if (
                 _m1
                 and owner[b] == OWNER_CACHE
@@ -775,7 +779,7 @@ def ready_admit_miss(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     if r is not None:
@@ -791,7 +795,7 @@ def ready_admit_miss(
         HYBRID = s.consts.HYBRID
         # no_cache_hit
         if s.consts.PREFIX:
-            for b in s._ix0.get(_sig(_m0), ()):
+            for b in s._ix1.get(_sig(_m0), ()):
                 if (
                     _m1
                     and owner[b] == OWNER_CACHE
@@ -857,7 +861,7 @@ def admit_hit_guard(s: MState, l: int, r: int, src: int, dst: int, n: int) -> st
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -925,7 +929,7 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_lane_seq_v0 = _m1
@@ -954,19 +958,21 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     phase[r] = PHASE_PREFILL
     s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     s.lane_snap[l] = new_lane_snap_v0
     copying[l] = True
     copy_host[l] = False
+    _unindex(s._ix0, s.copy_src[l], l)
     copy_src[l] = src
+    s._ix0.setdefault(s.copy_src[l], set()).add(l)
     return Step(s, effects, None)
 
 
@@ -1027,7 +1033,7 @@ def admit_hit_plan(s: MState, l: int, r: int, src: int, dst: int, n: int) -> tup
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Admit(l, r, dst), Copy(l, src, dst, n))
@@ -1139,7 +1145,7 @@ def ready_admit_hit(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -1505,7 +1511,7 @@ def grow_guard(s: MState, l: int, dst: int) -> str | None:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -1543,7 +1549,7 @@ def grow(s: MState, l: int, dst: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_key_i00 = tail[l]
@@ -1568,23 +1574,23 @@ def grow(s: MState, l: int, dst: int) -> Step:
         s.holds[dst] = new_holds_v0
         s.junk[dst] = False
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
+    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     return Step(s, effects, None)
 
 
@@ -1619,7 +1625,7 @@ def grow_plan(s: MState, l: int, dst: int) -> tuple[Any, ...] | str:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]),)
@@ -1668,7 +1674,7 @@ def ready_grow(s: MState, *, l: int | None = None, dst: int | None = None) -> bo
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -1737,7 +1743,7 @@ def grow_hit_guard(s: MState, l: int, src: int, dst: int, n: int) -> str | None:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -1821,7 +1827,7 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_key_i00 = tail[l]
@@ -1853,28 +1859,30 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
         lane_snap_taken[l] = new_lane_snap_taken_v0
         s.junk[dst] = True
     key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
+    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     length[l] = new_length_v0
     lane_snap[l] = new_lane_snap_v0
     copying[l] = True
     copy_host[l] = False
+    _unindex(s._ix0, s.copy_src[l], l)
     copy_src[l] = src
+    s._ix0.setdefault(s.copy_src[l], set()).add(l)
     return Step(s, effects, None)
 
 
@@ -1946,7 +1954,7 @@ def grow_hit_plan(s: MState, l: int, src: int, dst: int, n: int) -> tuple[Any, .
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]), Copy(l, src, dst, n))
@@ -2076,7 +2084,7 @@ def ready_grow_hit(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -2208,13 +2216,13 @@ def preempt(s: MState, l: int) -> Step:
     new_prompt_v0 = lane_seq[l]
     effects = (Preempt(l, lane_req[l]),)
     owner_lane = s.owner_lane
-    for b in tuple(s._ix1.get(l, ())):
+    for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = OWNER_FREE
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     phase[new_phase_k0] = PHASE_WAITING
     if new_prompt_v0 == _D_prompt:
         s.prompt.pop(new_prompt_k0, None)
@@ -2394,7 +2402,7 @@ def decode_guard(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> str | 
         else:
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                 return "scratch_target_ok"
-            for l in range(B):
+            for l in s._ix0.get(pad, ()):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
     # local_pad_ok
@@ -2443,7 +2451,7 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
         else:
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                 return Step(s, (), "scratch_target_ok")
-            for l in range(B):
+            for l in s._ix0.get(pad, ()):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return Step(s, (), "scratch_target_ok")
     HYBRID = s.consts.HYBRID
@@ -2492,10 +2500,10 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     for b in range(K):
         if _m5 and b == pad and owner[b] == OWNER_CACHE:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = OWNER_FREE
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         local_junk = s.local_junk
         for n in range(B):
@@ -2546,7 +2554,7 @@ def decode_plan(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[A
         else:
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                 return "scratch_target_ok"
-            for l in range(B):
+            for l in s._ix0.get(pad, ()):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
                     return "scratch_target_ok"
     # local_pad_ok
@@ -2623,7 +2631,7 @@ def ready_decode(
             else:
                 if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
                     return False
-                for l in range(B):
+                for l in s._ix0.get(pad, ()):
                     if copying[l] and not copy_host[l] and copy_src[l] == pad:
                         return False
     if lpad is not None:
@@ -2684,21 +2692,21 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m1 = (OWNER_CACHE if keep else OWNER_FREE)
-    for b in tuple(s._ix1.get(l, ())):
+    for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = _m1
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         s.snap_junk[new_snap_junk_i00] = new_snap_junk_v0
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
     phase[new_phase_k0] = PHASE_FINISHED
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
+    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     busy[l] = False
     lane_snap[l] = 0
@@ -2824,13 +2832,13 @@ def abort_running(s: MState, l: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in tuple(s._ix1.get(l, ())):
+    for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     s.phase[new_phase_k0] = PHASE_ABORTED
     busy[l] = False
     copying[l] = False
@@ -2910,13 +2918,13 @@ def fail(s: MState, l: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in tuple(s._ix1.get(l, ())):
+    for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         s.junk[new_junk_i00] = True
         s.local_junk[l] = True
@@ -2977,7 +2985,7 @@ def discard_guard(s: MState, b: int) -> str | None:
     copy_host = s.copy_host
     copy_src = s.copy_src
     # not_pinned
-    for l in range(s.consts.B):
+    for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return "not_pinned"
     return None
@@ -2999,17 +3007,17 @@ def discard(s: MState, b: int) -> Step:
     copy_host = s.copy_host
     copy_src = s.copy_src
     # not_pinned
-    for l in range(s.consts.B):
+    for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return Step(s, (), "not_pinned")
     new_owner_v0 = (OWNER_FREE if _m0 else owner[b])
     if s.ghost:
         s.junk[b] = True
     if s.owner[b] == OWNER_LANE:
-        s._ix1[s.owner_lane[b]].discard(b)
+        s._ix2[s.owner_lane[b]].discard(b)
     owner[b] = new_owner_v0
     if s.owner[b] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+        s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     return Step(s, (), None)
 
 
@@ -3038,7 +3046,7 @@ def ready_discard(s: MState, *, b: int | None = None) -> bool:
         copy_host = s.copy_host
         copy_src = s.copy_src
         # not_pinned
-        for l in range(s.consts.B):
+        for l in s._ix0.get(b, ()):
             if copying[l] and not copy_host[l] and copy_src[l] == b:
                 return False
     return True
@@ -3060,7 +3068,7 @@ def spill_guard(s: MState, b: int, h: int) -> str | None:
     copy_host = s.copy_host
     copy_src = s.copy_src
     # entry_unpinned
-    for l in range(s.consts.B):
+    for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return "entry_unpinned"
     # slot_empty
@@ -3087,7 +3095,7 @@ def spill(s: MState, b: int, h: int) -> Step:
     copy_host = s.copy_host
     copy_src = s.copy_src
     # entry_unpinned
-    for l in range(s.consts.B):
+    for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return Step(s, (), "entry_unpinned")
     slot_state = s.slot_state
@@ -3099,10 +3107,10 @@ def spill(s: MState, b: int, h: int) -> Step:
     new_slot_start_v0 = s.start[b]
     effects = (Store(b, h),)
     if s.owner[b] == OWNER_LANE:
-        s._ix1[s.owner_lane[b]].discard(b)
+        s._ix2[s.owner_lane[b]].discard(b)
     owner[b] = OWNER_SPILLING
     if s.owner[b] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+        s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     s.spill_slot[b] = h
     slot_state[h] = SLOTSTATE_STORING
     s.slot_block[h] = b
@@ -3132,7 +3140,7 @@ def spill_plan(s: MState, b: int, h: int) -> tuple[Any, ...] | str:
     copy_host = s.copy_host
     copy_src = s.copy_src
     # entry_unpinned
-    for l in range(s.consts.B):
+    for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return "entry_unpinned"
     # slot_empty
@@ -3171,7 +3179,7 @@ def ready_spill(s: MState, *, b: int | None = None, h: int | None = None) -> boo
         copy_host = s.copy_host
         copy_src = s.copy_src
         # entry_unpinned
-        for l in range(s.consts.B):
+        for l in s._ix0.get(b, ()):
             if copying[l] and not copy_host[l] and copy_src[l] == b:
                 return False
     if h is not None:
@@ -3210,10 +3218,10 @@ def store_done(s: MState, h: int) -> Step:
         s.slot_junk[h] = new_slot_junk_v0
     slot_state[h] = SLOTSTATE_STORED
     if s.owner[new_owner_i00] == OWNER_LANE:
-        s._ix1[s.owner_lane[new_owner_i00]].discard(new_owner_i00)
+        s._ix2[s.owner_lane[new_owner_i00]].discard(new_owner_i00)
     s.owner[new_owner_i00] = OWNER_FREE
     if s.owner[new_owner_i00] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
+        s._ix2.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
     return Step(s, (), None)
 
 
@@ -3261,10 +3269,10 @@ def store_fail(s: MState, h: int) -> Step:
     new_owner_i00 = s.slot_block[h]
     slot_state[h] = SLOTSTATE_EMPTY
     if s.owner[new_owner_i00] == OWNER_LANE:
-        s._ix1[s.owner_lane[new_owner_i00]].discard(new_owner_i00)
+        s._ix2[s.owner_lane[new_owner_i00]].discard(new_owner_i00)
     s.owner[new_owner_i00] = OWNER_FREE
     if s.owner[new_owner_i00] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
+        s._ix2.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
     return Step(s, (), None)
 
 
@@ -3382,7 +3390,7 @@ def admit_host_hit_guard(s: MState, l: int, r: int, h: int, dst: int, n: int) ->
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -3442,7 +3450,7 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_lane_seq_v0 = _m1
@@ -3467,15 +3475,15 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
     phase[r] = PHASE_PREFILL
     s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     copying[l] = True
     copy_host[l] = True
     s.copy_slot[l] = h
@@ -3537,7 +3545,7 @@ def admit_host_hit_plan(
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Admit(l, r, dst), Load(l, h, dst, n))
@@ -3640,7 +3648,7 @@ def ready_admit_host_hit(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -3702,7 +3710,7 @@ def grow_host_hit_guard(s: MState, l: int, h: int, dst: int, n: int) -> str | No
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -3776,7 +3784,7 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_key_i00 = tail[l]
@@ -3800,23 +3808,23 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
         s.junk[dst] = True
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
+    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     length[l] = new_length_v0
     copying[l] = True
     copy_host[l] = True
@@ -3887,7 +3895,7 @@ def grow_host_hit_plan(s: MState, l: int, h: int, dst: int, n: int) -> tuple[Any
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]), Load(l, h, dst, n))
@@ -4004,7 +4012,7 @@ def ready_grow_host_hit(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -4171,7 +4179,6 @@ def admit_import_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
-    B = s.consts.B
     lane_req = s.lane_req
     lane_plen = s.lane_plen
     tail = s.tail
@@ -4179,7 +4186,7 @@ def admit_import_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     S = s.consts.S
     # one_import_table_growing
     if s.consts.PREEMPT:
-        for n in range(B):
+        for n in range(s.consts.B):
             if (
                 busy[n]
                 and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
@@ -4193,7 +4200,7 @@ def admit_import_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -4219,7 +4226,6 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
-    B = s.consts.B
     lane_req = s.lane_req
     lane_plen = s.lane_plen
     tail = s.tail
@@ -4227,7 +4233,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     S = s.consts.S
     # one_import_table_growing
     if s.consts.PREEMPT:
-        for n in range(B):
+        for n in range(s.consts.B):
             if (
                 busy[n]
                 and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
@@ -4241,7 +4247,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     _m0 = s.prompt.get(r, _D_prompt)
@@ -4271,17 +4277,19 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     phase[r] = PHASE_IMPORTING
     s.req_lane[r] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     s.transfer[dst] = True
+    _unindex(s._ix3, s.transfer_req[dst], dst)
     s.transfer_req[dst] = r
+    s._ix3.setdefault(s.transfer_req[dst], set()).add(dst)
     return Step(s, effects, None)
 
 
@@ -4303,7 +4311,6 @@ def admit_import_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | 
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
-    B = s.consts.B
     lane_req = s.lane_req
     lane_plen = s.lane_plen
     tail = s.tail
@@ -4311,7 +4318,7 @@ def admit_import_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | 
     S = s.consts.S
     # one_import_table_growing
     if s.consts.PREEMPT:
-        for n in range(B):
+        for n in range(s.consts.B):
             if (
                 busy[n]
                 and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
@@ -4325,7 +4332,7 @@ def admit_import_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | 
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Inbound(l, r, dst),)
@@ -4365,7 +4372,6 @@ def ready_admit_import(
         # request_waiting
         if phase.get(r, _D_phase) != PHASE_WAITING:
             return False
-    B = s.consts.B
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
@@ -4375,7 +4381,7 @@ def ready_admit_import(
     S = s.consts.S
     # one_import_table_growing
     if s.consts.PREEMPT:
-        for n in range(B):
+        for n in range(s.consts.B):
             if (
                 busy[n]
                 and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
@@ -4390,7 +4396,7 @@ def ready_admit_import(
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -4420,7 +4426,7 @@ def import_grow_guard(s: MState, l: int, dst: int) -> str | None:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return None
@@ -4460,7 +4466,7 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
     new_nblocks_v0 = nblocks[l] + 1
@@ -4477,17 +4483,19 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     nblocks[l] = new_nblocks_v0
     start[dst] = new_start_v0
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     owner[dst] = OWNER_LANE
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     if s.owner[dst] == OWNER_LANE:
-        s._ix1[s.owner_lane[dst]].discard(dst)
+        s._ix2[s.owner_lane[dst]].discard(dst)
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
-        s._ix1.setdefault(s.owner_lane[dst], set()).add(dst)
+        s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     s.transfer[dst] = True
+    _unindex(s._ix3, s.transfer_req[dst], dst)
     s.transfer_req[dst] = new_transfer_req_v0
+    s._ix3.setdefault(s.transfer_req[dst], set()).add(dst)
     return Step(s, effects, None)
 
 
@@ -4520,7 +4528,7 @@ def import_grow_plan(s: MState, l: int, dst: int) -> tuple[Any, ...] | str:
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
     return (Grow(l, dst, nblocks[l]),)
@@ -4566,7 +4574,7 @@ def ready_import_grow(s: MState, *, l: int | None = None, dst: int | None = None
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     return True
@@ -4619,16 +4627,16 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m3 = tuple([owner[c] == OWNER_LANE and owner_lane[c] == _m1 for c in range(K)])
-    for c in tuple(s._ix1.get(_m1, ())):
+    for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_key.append((c, take(p, start[c] + S)))
     new_head = []
     C = s.consts.C
-    for c in tuple(s._ix1.get(_m1, ())):
+    for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_head.append((c, take(take(p, start[c] + S), C)))
     new_snap_upto = []
-    for c in tuple(s._ix1.get(_m1, ())):
+    for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_snap_upto.append((c, 0))
     new_length_i00 = _m1
@@ -4644,16 +4652,16 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
             elif c == tail[_m1]:
                 new_holds.append((c, p))
         new_snap_junk = []
-        for c in tuple(s._ix1.get(_m1, ())):
+        for c in tuple(s._ix2.get(_m1, ())):
             if _m3[c] and c != tail[_m1]:
                 new_snap_junk.append((c, False))
         new_snap_taken = []
-        for c in tuple(s._ix1.get(_m1, ())):
+        for c in tuple(s._ix2.get(_m1, ())):
             if _m3[c] and c != tail[_m1]:
                 new_snap_taken.append((c, 0))
         new_local_holds_i00 = _m1
     transfer = s.transfer
-    for c in tuple(s._ix1.get(_m1, ())):
+    for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c]:
             transfer[c] = False
     if s.ghost:
@@ -4673,9 +4681,9 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     for _k, _v in new_key:
         s.key[_k] = _v
     for _k, _v in new_head:
-        _unindex(s._ix0, _sig(s.head[_k]), _k)
+        _unindex(s._ix1, _sig(s.head[_k]), _k)
         s.head[_k] = _v
-        s._ix0.setdefault(_sig(s.head[_k]), set()).add(_k)
+        s._ix1.setdefault(_sig(s.head[_k]), set()).add(_k)
     for _k, _v in new_snap_upto:
         s.snap_upto[_k] = _v
     s.length[new_length_i00] = new_length_v0
@@ -4788,20 +4796,22 @@ def export(s: MState, l: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in tuple(s._ix1.get(l, ())):
+    for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
             transfer[b] = True
     transfer_req = s.transfer_req
-    for b in tuple(s._ix1.get(l, ())):
+    for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
+            _unindex(s._ix3, s.transfer_req[b], b)
             transfer_req[b] = lane_req[l]
+            s._ix3.setdefault(s.transfer_req[b], set()).add(b)
     if s.ghost:
         xfer_on = s.xfer_on
         for b in range(K):
             if owner[b] == OWNER_LANE and owner_lane[b] == l:
                 xfer_on[b] = True
         xfer_of = s.xfer_of
-        for b in tuple(s._ix1.get(l, ())):
+        for b in tuple(s._ix2.get(l, ())):
             if owner[b] == OWNER_LANE and owner_lane[b] == l:
                 xfer_of[b] = lane_req[l]
         s.xfer_live[new_xfer_live_k0] = True
@@ -4887,7 +4897,7 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m1 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m0 for b in range(K)])
-    for b in tuple(s._ix1.get(_m0, ())):
+    for b in tuple(s._ix2.get(_m0, ())):
         if _m1[b]:
             new_transfer.append((b, False))
     _m2 = s.tail[_m0]
@@ -4908,13 +4918,13 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
         new_snap_taken_i00 = _m2
         new_snap_taken_v0 = s.lane_snap_taken[_m0]
     _m4 = (OWNER_CACHE if keep else OWNER_FREE)
-    for b in tuple(s._ix1.get(_m0, ())):
+    for b in tuple(s._ix2.get(_m0, ())):
         if _m1[b]:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = _m4
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
@@ -4928,9 +4938,9 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     for _k, _v in new_transfer:
         s.transfer[_k] = _v
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix0, _sig(s.head[new_head_i00]), new_head_i00)
+    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
     s.head[new_head_i00] = new_head_v0
-    s._ix0.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     s.busy[new_busy_i00] = False
     lane_snap[new_lane_snap_i00] = 0
@@ -4988,7 +4998,7 @@ def forget_guard(s: MState, r: int) -> str | None:
     transfer_req = s.transfer_req
     owner = s.owner
     # no_transfer_of_request
-    for b in range(s.consts.K):
+    for b in s._ix3.get(r, ()):
         if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
             return "no_transfer_of_request"
     return None
@@ -5009,7 +5019,7 @@ def forget(s: MState, r: int) -> Step:
     transfer_req = s.transfer_req
     owner = s.owner
     # no_transfer_of_request
-    for b in range(s.consts.K):
+    for b in s._ix3.get(r, ()):
         if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
             return Step(s, (), "no_transfer_of_request")
     new_prompt_v0 = empty()
@@ -5044,7 +5054,7 @@ def ready_forget(s: MState, *, r: int | None = None) -> bool:
         transfer_req = s.transfer_req
         owner = s.owner
         # no_transfer_of_request
-        for b in range(s.consts.K):
+        for b in s._ix3.get(r, ()):
             if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
                 return False
     return True
@@ -5075,7 +5085,7 @@ def transfer_fail(s: MState, r: int) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m2 = tuple([owner[b] == OWNER_LANE and owner_lane[b] == _m1 for b in range(K)])
-    for b in tuple(s._ix1.get(_m1, ())):
+    for b in tuple(s._ix2.get(_m1, ())):
         if _m2[b]:
             new_transfer.append((b, False))
     new_busy_i00 = _m1
@@ -5087,13 +5097,13 @@ def transfer_fail(s: MState, r: int) -> Step:
             if _m2[b]:
                 new_junk.append((b, True))
     _m3 = OWNER_FREE
-    for b in tuple(s._ix1.get(_m1, ())):
+    for b in tuple(s._ix2.get(_m1, ())):
         if _m2[b]:
             if s.owner[b] == OWNER_LANE:
-                s._ix1[s.owner_lane[b]].discard(b)
+                s._ix2[s.owner_lane[b]].discard(b)
             owner[b] = _m3
             if s.owner[b] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[b], set()).add(b)
+                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
@@ -5189,10 +5199,10 @@ def transfer_end(s: MState, r: int, b: int) -> Step:
     for c in range(K):
         if c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r):
             if s.owner[c] == OWNER_LANE:
-                s._ix1[s.owner_lane[c]].discard(c)
+                s._ix2[s.owner_lane[c]].discard(c)
             owner[c] = OWNER_FREE
             if s.owner[c] == OWNER_LANE:
-                s._ix1.setdefault(s.owner_lane[c], set()).add(c)
+                s._ix2.setdefault(s.owner_lane[c], set()).add(c)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
