@@ -2144,11 +2144,15 @@ class InplaceGenerator(Generator):
     def model_fn(self, name: str) -> StateFn:
         return next(f for f in self.model.state if f.name == name)
 
-    def _ix_pre_post(self, fname: str, x: str) -> tuple[list[str], list[str]]:
-        """Lines around a write of `fname` at `x` keeping the indexes that read it."""
+    def _ix_pre_post(self, fname: str, x: str,
+                     skip: tuple[Any, ...] | None = None) -> tuple[list[str], list[str]]:
+        """Lines around a write of `fname` at `x` keeping the indexes that read it (but
+        `skip`, which the caller keeps)."""
         pre: list[str] = []
         post: list[str] = []
         for key in self.indexes:
+            if key == skip:
+                continue
             slot = f"s.{self._ix_slot(key)}"
             if key[0] == "sel" and fname in (key[1], key[3]):
                 _, f, e, g = key
@@ -2528,12 +2532,19 @@ class InplaceGenerator(Generator):
             env[id(v)] = name
             names.append(name)
         doms = [f"range({b.size(v.sort)})" for v in vs]
+        leaves_out: tuple[Any, ...] | None = None  # the sel index every write leaves
         if len(vs) == 1 and len(chain) == 1 and chain[0][0][0] == "pos":
             sel = self._sel_match(chain[0][0][1], vs[0])
             if sel is not None and sel[0] in self.indexes:  # only the blocks it selects
                 self.used_ix.add(sel[0])
                 w = render(b.expr(sel[1], b.env0)[0])
                 doms = [f"tuple(s.{self._ix_slot(sel[0])}.get({w}, ()))"]
+                leaves = _leaves(chain[0][1])
+                if f.name == sel[0][1] and all(type(x) is Lit and x.value != sel[0][2]
+                                               for x in leaves):
+                    # the condition put x in the set, the new value takes it out
+                    leaves_out = sel[0]
+                    drop = f"s.{self._ix_slot(sel[0])}[{w}].discard"
         b.loop_depth += 1
         arms = [(self._cond_doc(b, c, env), b._at(x, env, TERN))
                 for c, x in chain]
@@ -2544,7 +2555,10 @@ class InplaceGenerator(Generator):
             b.line(f"for {name} in {dom}:")
             b.indent += 4
         target = [arr, *(f"[{n}]" for n in names)] if collect is None else None
-        pre, post = self._ix_pre_post(f.name, names[0]) if len(vs) == 1 else ([], [])
+        pre, post = self._ix_pre_post(f.name, names[0], skip=leaves_out) if len(vs) == 1 \
+            else ([], [])
+        if leaves_out is not None:
+            pre = [f"{drop}({names[0]})", *pre]
         for i, (cond, val) in enumerate(arms):
             b.line([("if " if i == 0 else "elif "), self._breakable(cond), ":"])
             b.indent += 4
@@ -2610,6 +2624,13 @@ class InplaceGenerator(Generator):
                     b.line([d, "[", k, "] = ", v])
                     b.indent -= 4
         writes.append(write)
+
+
+def _leaves(e: Expr) -> list[Expr]:
+    """The values a (nested) conditional may take."""
+    if type(e) is Ite:
+        return _leaves(e.then) + _leaves(e.other)
+    return [e]
 
 
 def _conjuncts(e: Expr) -> list[Expr]:

@@ -263,7 +263,8 @@ class _WritesEarly(codegen.InplaceGenerator):
 class _StaleIndex(codegen.InplaceGenerator):
     """Never updates the maintained indexes after thaw (a write without its hooks)."""
 
-    def _ix_pre_post(self, fname: str, x: str) -> tuple[list[str], list[str]]:
+    def _ix_pre_post(self, fname: str, x: str,
+                     skip: tuple[Any, ...] | None = None) -> tuple[list[str], list[str]]:
         return [], []
 
 

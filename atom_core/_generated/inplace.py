@@ -2218,11 +2218,8 @@ def preempt(s: MState, l: int) -> Step:
     owner_lane = s.owner_lane
     for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            if s.owner[b] == OWNER_LANE:
-                s._ix2[s.owner_lane[b]].discard(b)
+            s._ix2[l].discard(b)
             owner[b] = OWNER_FREE
-            if s.owner[b] == OWNER_LANE:
-                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     phase[new_phase_k0] = PHASE_WAITING
     if new_prompt_v0 == _D_prompt:
         s.prompt.pop(new_prompt_k0, None)
@@ -2694,11 +2691,8 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     _m1 = (OWNER_CACHE if keep else OWNER_FREE)
     for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            if s.owner[b] == OWNER_LANE:
-                s._ix2[s.owner_lane[b]].discard(b)
+            s._ix2[l].discard(b)
             owner[b] = _m1
-            if s.owner[b] == OWNER_LANE:
-                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         s.snap_junk[new_snap_junk_i00] = new_snap_junk_v0
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
@@ -2834,11 +2828,8 @@ def abort_running(s: MState, l: int) -> Step:
     transfer = s.transfer
     for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            if s.owner[b] == OWNER_LANE:
-                s._ix2[s.owner_lane[b]].discard(b)
+            s._ix2[l].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
-            if s.owner[b] == OWNER_LANE:
-                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     s.phase[new_phase_k0] = PHASE_ABORTED
     busy[l] = False
     copying[l] = False
@@ -2920,11 +2911,8 @@ def fail(s: MState, l: int) -> Step:
     transfer = s.transfer
     for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            if s.owner[b] == OWNER_LANE:
-                s._ix2[s.owner_lane[b]].discard(b)
+            s._ix2[l].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
-            if s.owner[b] == OWNER_LANE:
-                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         s.junk[new_junk_i00] = True
         s.local_junk[l] = True
@@ -4920,11 +4908,8 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     _m4 = (OWNER_CACHE if keep else OWNER_FREE)
     for b in tuple(s._ix2.get(_m0, ())):
         if _m1[b]:
-            if s.owner[b] == OWNER_LANE:
-                s._ix2[s.owner_lane[b]].discard(b)
+            s._ix2[_m0].discard(b)
             owner[b] = _m4
-            if s.owner[b] == OWNER_LANE:
-                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
@@ -5099,11 +5084,8 @@ def transfer_fail(s: MState, r: int) -> Step:
     _m3 = OWNER_FREE
     for b in tuple(s._ix2.get(_m1, ())):
         if _m2[b]:
-            if s.owner[b] == OWNER_LANE:
-                s._ix2[s.owner_lane[b]].discard(b)
+            s._ix2[_m1].discard(b)
             owner[b] = _m3
-            if s.owner[b] == OWNER_LANE:
-                s._ix2.setdefault(s.owner_lane[b], set()).add(b)
     if s.ghost:
         xfer_of = s.xfer_of
         xfer_on = s.xfer_on
