@@ -22,6 +22,11 @@ precedes the timed ones. Repeating a call from one pre-state keeps the CPU cache
   would time that copy, which production never does. Each round therefore chains `--calls`
   decode steps (each from the state the previous one returned) from a freshly built pre-state.
 * finish: `finish(keep=True)` of one lane of the 32-lane decoding state.
+* in-place rows: the same calls on the in-place core (`atom_core/_generated/inplace.py`), each
+  checked once against the pure core; `ip/pure` is the ratio of the medians. An in-place call
+  consumes its pre-state, so each call gets its own `thaw`ed copy, made outside the timed
+  region 16 at a time (then those 16 calls are timed); decode chains on one mutable state, as
+  the pure row chains states.
 * policy admission: `Policy.admission` on the admit pre-states. It is not part of the core
   transition and has no target.
 
@@ -44,6 +49,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from atom_core._generated import core as g
+from atom_core._generated import inplace as ip
 from atom_core.config import Config
 from atom_core.policy import Policy
 from atom_core.seq import seq
@@ -70,6 +76,13 @@ ROWS: dict[str, tuple[str, float | None, str]] = {
     "decode_step": (f"decode step, {LANES} lanes", 1.0 * LANES, "256-320 (8-10 per lane)"),
     "decode_per_lane": ("decode step, per lane", 1.0, "8-10"),
     "finish": ("finish (keep=True)", 8.0, "5-7 (free)"),
+    "ip_admit_miss": ("in-place admit (miss)", 15.0, ""),
+    "ip_admit_hit": ("in-place admit_hit alone", None, ""),
+    "ip_copy_done": ("in-place copy_done alone", None, ""),
+    "ip_admit_hit_total": ("in-place admit_hit + copy_done", 25.0, ""),
+    "ip_decode_step": (f"in-place decode step, {LANES} lanes", 1.0 * LANES, ""),
+    "ip_decode_per_lane": ("in-place decode, per lane", 1.0, ""),
+    "ip_finish": ("in-place finish (keep=True)", 8.0, ""),
     "policy_admission_miss": ("policy.admission, miss (not core)", None, ""),
     "policy_admission_hit": ("policy.admission, hit (not core)", None, ""),
 }
@@ -204,6 +217,63 @@ def fixed_round(fn: Callable[..., Any], args: tuple[Any, ...], calls: int) -> Ro
     return run
 
 
+POOL = 16  # in-place pre-states thawed per timed batch (fresh, so warm in the CPU caches)
+
+
+def pool_round(fn: Callable[..., Any], pre: g.State, args: tuple[Any, ...], calls: int) -> Round:
+    """One round of `calls` calls of the in-place `fn(m, *args)`, each on its own mutable copy
+    of `pre` (an in-place call consumes its pre-state). Copies are made (`thaw`) POOL at a
+    time outside the timed region, then those POOL calls are timed, so each call finds its
+    state recently written, as a long-lived state would be."""
+
+    def run() -> float:
+        dt = 0
+        left = calls
+        with _NoGC():
+            while left > 0:
+                pool = [ip.thaw(pre) for _ in repeat(None, min(POOL, left))]
+                t0 = perf_counter_ns()
+                for m in pool:
+                    fn(m, *args)
+                dt += perf_counter_ns() - t0
+                left -= len(pool)
+        return dt / calls / 1000
+
+    return run
+
+
+def ip_decode_round(ghost: bool, calls: int) -> Round:
+    """decode_round for the in-place core: `calls` chained decode steps on one MState."""
+    tok = tuple(random.Random(SEED).randrange(VOCAB) for _ in range(LANES))
+    decode = ip.decode
+
+    def run() -> float:
+        d, pad = decode_state(ghost)
+        m = ip.thaw(d.s)
+        length0 = list(m.length)
+        with _NoGC():
+            t0 = perf_counter_ns()
+            for _ in repeat(None, calls):
+                decode(m, pad, 0, tok)
+            dt = perf_counter_ns() - t0
+        if m.length != [n + calls for n in length0]:
+            raise AssertionError("a chained in-place decode step was rejected")
+        return dt / calls / 1000
+
+    return run
+
+
+def _ip_accepted(fn: Callable[..., Any], pre: g.State, args: tuple[Any, ...],
+                 what: str) -> None:
+    """The in-place call is accepted and agrees with the pure one (state and effects)."""
+    m = ip.thaw(pre)
+    st = fn(m, *args)
+    _accepted(st, what)
+    ref = getattr(g, what)(pre, *args)
+    if ip.freeze(m) != ref.state or st.effects != ref.effects:
+        raise AssertionError(f"in-place {what} differs from the pure core")
+
+
 def decode_round(ghost: bool, calls: int) -> Round:
     """One round of `calls` chained decode steps from a freshly built pre-state (see the module
     docstring); the state is built outside the timed region."""
@@ -245,6 +315,8 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
     args = (d.s, a["l"], a["r"], a["dst"])
     _accepted(g.admit_miss(*args), "admit_miss")
     res["admit_miss"] = fixed_round(g.admit_miss, args, calls)
+    _ip_accepted(ip.admit_miss, args[0], args[1:], "admit_miss")
+    res["ip_admit_miss"] = pool_round(ip.admit_miss, args[0], args[1:], calls)
     res["policy_admission_miss"] = fixed_round(d.policy.admission, (d.s, r), calls)
 
     d, r = admission_state(ghost, hit=True)
@@ -264,13 +336,26 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
         copy_done(admit_hit(*hit_args).state, lane)
 
     res["admit_hit_total"] = fixed_round(hit_then_copy, (), calls)
+    _ip_accepted(ip.admit_hit, hit_args[0], hit_args[1:], "admit_hit")
+    _ip_accepted(ip.copy_done, post, (lane,), "copy_done")
+    res["ip_admit_hit"] = pool_round(ip.admit_hit, hit_args[0], hit_args[1:], calls)
+    res["ip_copy_done"] = pool_round(ip.copy_done, post, (lane,), calls)
+    ip_admit_hit, ip_copy_done = ip.admit_hit, ip.copy_done
+
+    def ip_hit_then_copy(m: ip.MState, *a: Any) -> None:
+        ip_copy_done(ip_admit_hit(m, *a).state, lane)
+
+    res["ip_admit_hit_total"] = pool_round(ip_hit_then_copy, hit_args[0], hit_args[1:], calls)
     res["policy_admission_hit"] = fixed_round(d.policy.admission, (d.s, r), calls)
 
     res["decode_step"] = decode_round(ghost, decode_calls(calls))
+    res["ip_decode_step"] = ip_decode_round(ghost, decode_calls(calls))
 
     d, _ = decode_state(ghost)
     _accepted(g.finish(d.s, 0, True), "finish")
     res["finish"] = fixed_round(g.finish, (d.s, 0, True), calls)
+    _ip_accepted(ip.finish, d.s, (0, True), "finish")
+    res["ip_finish"] = pool_round(ip.finish, d.s, (0, True), calls)
     return res
 
 
@@ -289,6 +374,7 @@ def measure(calls: int, rounds: int) -> dict[str, dict[str, list[float]]]:
                     out[mode][name].append(t)
     for res in out.values():
         res["decode_per_lane"] = [t / LANES for t in res["decode_step"]]
+        res["ip_decode_per_lane"] = [t / LANES for t in res["ip_decode_step"]]
     return out
 
 
@@ -311,6 +397,9 @@ def run(calls: int, rounds: int) -> dict[str, Any]:
         for mode in raw:
             row[mode] = summarize(raw[mode][name])
             row[f"ratio_{mode}"] = (row[mode]["median_us"] / target) if target else None
+            if name.startswith("ip_"):  # in-place / pure, medians of the same mode
+                pure = summarize(raw[mode][name[3:]])["median_us"]
+                row[f"inplace_over_pure_{mode}"] = row[mode]["median_us"] / pure
         rows[name] = row
     c = config()
     return {
@@ -336,7 +425,8 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def print_table(report: dict[str, Any]) -> None:
     cols = ["measurement", "ghost off us", "IQR", "min", "ghost on us", "IQR", "min",
-            "target us", "off/target", "on/target", "vLLM v1 ref us (issue)"]
+            "target us", "off/target", "on/target", "ip/pure off", "ip/pure on",
+            "vLLM v1 ref us (issue)"]
     rows = []
     for m in report["measurements"].values():
         off, on = m["ghost_off"], m["ghost_on"]
@@ -345,7 +435,8 @@ def print_table(report: dict[str, Any]) -> None:
                      _fmt(on["median_us"]), f"{_fmt(on['q1_us'])}-{_fmt(on['q3_us'])}",
                      _fmt(on["min_us"]),
                      _fmt(m["target_us"], 0), _fmt(m["ratio_ghost_off"]),
-                     _fmt(m["ratio_ghost_on"]), m["vllm_v1_reference_us"] or "-"])
+                     _fmt(m["ratio_ghost_on"]), _fmt(m.get("inplace_over_pure_ghost_off")),
+                     _fmt(m.get("inplace_over_pure_ghost_on")), m["vllm_v1_reference_us"] or "-"])
     c = report["config"]
     title = (f"atom-core core transitions: B={c['lanes']} K={c['kv_blocks']} "
              f"C={c['prefill_chunk']} S={c['max_seq_len']}, prefix cache, {c['scratch']} "
