@@ -4200,8 +4200,8 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     the whole prompt into fresh blocks.
     """
     # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
-    #   owner, owner_lane, transfer, transfer_req; ghost: local_holds, local_junk, lane_snap_junk,
-    #   lane_snap_taken, xfer_live, xfer_block, xfer_on, xfer_of, junk
+    #   owner, owner_lane, snap_upto, transfer, transfer_req; ghost: local_holds, local_junk,
+    #   lane_snap_junk, lane_snap_taken, xfer_live, xfer_block, xfer_on, xfer_of, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("admit_import", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -4274,6 +4274,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
+    s.snap_upto[dst] = 0
     s.transfer[dst] = True
     _unindex(s._ix3, s.transfer_req[dst], dst)
     s.transfer_req[dst] = r
@@ -4425,8 +4426,8 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     pinned for the same transfer. The transfer writes only once the table covers the prompt
     (the adapter starts it then), so every block is in place before any KV lands.
     """
-    # modifies: tail, nblocks, start, owner, owner_lane, transfer, transfer_req; ghost: xfer_on,
-    #   xfer_of, junk
+    # modifies: tail, nblocks, start, owner, owner_lane, snap_upto, transfer, transfer_req; ghost:
+    #   xfer_on, xfer_of, junk
     if not 0 <= l < s.consts.B:
         raise _bad_index("import_grow", "l", l, "Lane", s.consts.B)
     if not 0 <= dst < s.consts.K:
@@ -4480,6 +4481,7 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
+    s.snap_upto[dst] = 0
     s.transfer[dst] = True
     _unindex(s._ix3, s.transfer_req[dst], dst)
     s.transfer_req[dst] = new_transfer_req_v0
@@ -4591,8 +4593,8 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     `transfer_fail`). Every block of the lane now holds its part; the full ones get their keys
     as `extend` gives them (no snapshots: an imported lane took none).
     """
-    # modifies: transfer, key, head, snap_upto, length, lane_seq, phase; ghost: xfer_live, xfer_on,
-    #   holds, snap_junk, snap_taken, local_holds
+    # modifies: transfer, key, head, length, lane_seq, phase; ghost: xfer_live, xfer_on, holds,
+    #   snap_junk, snap_taken, local_holds
     phase = s.phase
     # request_importing
     if phase.get(r, _D_phase) != PHASE_IMPORTING:
@@ -4623,10 +4625,6 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_head.append((c, take(take(p, start[c] + S), C)))
-    new_snap_upto = []
-    for c in tuple(s._ix2.get(_m1, ())):
-        if _m3[c] and c != tail[_m1]:
-            new_snap_upto.append((c, 0))
     new_length_i00 = _m1
     new_length_v0 = _m0
     new_lane_seq_i00 = _m1
@@ -4672,8 +4670,6 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
         _unindex(s._ix1, _sig(s.head[_k]), _k)
         s.head[_k] = _v
         s._ix1.setdefault(_sig(s.head[_k]), set()).add(_k)
-    for _k, _v in new_snap_upto:
-        s.snap_upto[_k] = _v
     s.length[new_length_i00] = new_length_v0
     lane_seq[new_lane_seq_i00] = new_lane_seq_v0
     phase[r] = PHASE_DECODE
@@ -5463,6 +5459,7 @@ INVARIANTS = (
     "lane_snapshots_are_its_own",
     "lane_snapshots_were_taken",
     "entry_snapshots_were_taken",
+    "importing_blocks_have_no_snapshots",
     "idle_lane_has_no_snapshots",
     "entry_snapshots_are_its_own",
     "snapshots_need_hybrid",
@@ -5774,13 +5771,18 @@ def check_invariants(s: MState) -> list[str]:
             for b in range(K)
         ):
             bad.append("entry_snapshots_were_taken")
+    snap_upto = s.snap_upto
+    _m9 = tuple([phase.get(lane_req[owner_lane[b]], _D_phase) for b in range(K)])
+    _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
+    # importing_blocks_have_no_snapshots
+    if not all(not (owner[b] == OWNER_LANE and _m8[b]) or snap_upto[b] == 0 for b in range(K)):
+        bad.append("importing_blocks_have_no_snapshots")
     lane_snap = s.lane_snap
     # idle_lane_has_no_snapshots
     if not all(busy[l] or lane_snap[l] == 0 for l in range(B)):
         bad.append("idle_lane_has_no_snapshots")
     if s.ghost:
         snap_junk = s.snap_junk
-        snap_upto = s.snap_upto
         # entry_snapshots_are_its_own
         if not all(
             owner[b] != OWNER_CACHE or (not snap_junk[b] and snap_upto[b] >= 0)
@@ -5788,7 +5790,6 @@ def check_invariants(s: MState) -> list[str]:
         ):
             bad.append("entry_snapshots_are_its_own")
     HYBRID = s.consts.HYBRID
-    snap_upto = s.snap_upto
     # snapshots_need_hybrid
     if not (
         all(HYBRID or lane_snap[l] == 0 for l in range(B))
@@ -5879,8 +5880,6 @@ def check_invariants(s: MState) -> list[str]:
         and all(owner[b] != OWNER_SPILLING or HOST for b in range(K))
     ):
         bad.append("host_needs_host_cache")
-    _m9 = tuple([phase.get(lane_req[owner_lane[b]], _D_phase) for b in range(K)])
-    _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
     transfer = s.transfer
     # transfer_block_held
     if not all(
