@@ -12,6 +12,10 @@ still talks to "its peer" over one transport. Here that transport is a set of pe
   ones get a local prefill_failed instead (it frees a block draining for them). When no prefill
   worker is left, the decode worker is told its peer is lost (its own `peer_lost` handling: the
   waiting requests are prefilled locally, the cluster resubmits the importing ones locally).
+  A prefill worker that refuses a request for backpressure (full: `prefill_failed` with
+  `busy`) has it asked again, same id and nonce, of another live prefill worker that has not
+  refused it (`busy_retried`); when every live one has, the refusal reaches the decode worker,
+  whose node prefills the request locally (`DecodeNode`): it never fails for backpressure.
 - `DecodeLinks`, a prefill worker's links to the decode workers. Answers go back on the link the
   request came from; a decode worker that is lost (or says shutdown) has its requests cancelled
   inside the prefill worker (blocks freed) and nothing else: the prefill worker keeps serving the
@@ -131,7 +135,9 @@ class PrefillLinks(_Links):
         self._asked: dict[str, dict[str, Any]] = {}  # wire id -> its prefill message
         self._cancelled: set[str] = set()
         self._told_lost = False  # the worker was told no prefill worker is left
+        self._refused: dict[str, set[int]] = {}  # wire id -> prefill workers that were full
         self.retried = 0  # prefill requests sent again after their prefill worker was lost
+        self.busy_retried = 0  # prefill requests sent again after a worker refused them (full)
 
     def route(self, wire: str, prefill: int | None) -> None:
         """Ask `prefill` for `wire`'s KV (None or not live: the least busy live one)."""
@@ -176,9 +182,10 @@ class PrefillLinks(_Links):
         else:
             raise ValueError(f"a decode worker sends prefill, cancel or shutdown, not {kind!r}")
 
-    def _ask(self, header: dict[str, Any], prefer: int | None) -> None:
+    def _ask(self, header: dict[str, Any], prefer: int | None,
+             exclude: frozenset[int] = frozenset()) -> None:
         wire = header["id"]
-        tried: set[int] = set()
+        tried: set[int] = set(exclude)
         while True:
             live = [p for p in self.live() if p not in tried]
             if not live:
@@ -206,14 +213,33 @@ class PrefillLinks(_Links):
             wire = header.get("request_id" if kind == "kv" else "id")
             if kind in ("kv", "prefill_failed") and isinstance(wire, str) and \
                     self._where.get(wire) == peer:
+                if kind == "prefill_failed" and header.get("busy") is True and \
+                        self._ask_another(wire, peer):
+                    continue
                 self._answered(wire)
             out.append((header, tensor))
         return out
+
+    def _ask_another(self, wire: str, peer: int) -> bool:
+        """`peer` was full: ask a live prefill worker that has not refused `wire` (True), or
+        False when there is none (or it was cancelled): the refusal then goes to the worker."""
+        refused = self._refused.setdefault(wire, set())
+        refused.add(peer)
+        if wire in self._cancelled:
+            return False
+        header = self._asked[wire]
+        try:
+            self._ask(header, None, frozenset(refused))
+        except TransportError:
+            return False
+        self.busy_retried += 1
+        return True
 
     def _answered(self, wire: str) -> None:
         self._where.pop(wire, None)
         self._asked.pop(wire, None)
         self._cancelled.discard(wire)
+        self._refused.pop(wire, None)
 
     def _lose(self, peer: int, why: str, out: list[Message]) -> None:
         link = self.links.pop(peer, None)
@@ -239,6 +265,7 @@ class PrefillLinks(_Links):
             self._where.clear()
             self._asked.clear()
             self._cancelled.clear()
+            self._refused.clear()
             out.append(({"kind": PEER_LOST, "error": f"every prefill worker is lost (the last, "
                                                      f"{peer}: {why})"}, None))
 
