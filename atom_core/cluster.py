@@ -8,7 +8,9 @@ Control messages (frontend <-> node), none carrying a tensor:
 
 - frontend -> decode node: `{"kind": "request", "id", "prompt", "max_new_tokens", "eos",
   "prefill"}` (the router's choices: this node, and the prefill worker to ask or None), `{"kind":
-  "abort", "id"}`; to every node: `{"kind": "shutdown"}`.
+  "abort", "id"}`, `{"kind": "prefill_ready", "ranks"}` (the prefill workers that reported
+  ready, whenever that changes: the only ones the node asks, retries included); to every node:
+  `{"kind": "shutdown"}`.
 - node -> frontend: `{"kind": "load", "load": Load, "stats": {...}}` whenever it changed (the
   first ready one makes the worker eligible; the stats feed `Frontend.worker_stats`), and from a
   decode node `{"kind": "events", "events": [[id, kind, token, error], ...]}` per step.
@@ -132,6 +134,9 @@ class DecodeNode:
                 self._submit(header)
             elif kind == "abort":
                 self._abort(header.get("id"))
+            elif kind == "prefill_ready" and isinstance(header.get("ranks"), list) and all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in header["ranks"]):
+                self.links.set_ready(header["ranks"])
             elif kind in ("shutdown", PEER_LOST):
                 self.done = True  # (the frontend gone: nobody would read the results)
         if self.done:
@@ -310,6 +315,7 @@ class Frontend:
         self.late_events = 0  # for requests already ended: dropped (each ends once)
         self._next = 0
         self._open: set[int] = set()
+        self._told_ready: dict[int, list[int]] = {}  # decode rank -> prefill ranks it was told
 
     def add(self, role: str, rank: int, control: Transport) -> None:
         """A worker's control link (a new worker, or a restarted one): it is chosen once it
@@ -319,6 +325,17 @@ class Frontend:
             old.close()
             self._lost(role, rank, "restarted")
         self.controls[(role, rank)] = control
+        if role == "decode":
+            self._told_ready.pop(rank, None)  # a new worker: tell it
+        self._tell_ready()
+
+    def _tell_ready(self) -> None:
+        """Tell each decode worker which prefill workers are ready, when that changed."""
+        ready = self.router.ready("prefill")
+        for (role, rank), link in self.controls.items():
+            if role == "decode" and self._told_ready.get(rank) != ready and \
+                    _send(link, {"kind": "prefill_ready", "ranks": ready}):
+                self._told_ready[rank] = ready
 
     def submit(self, prompt: Iterable[int], max_new_tokens: int, eos: int | None = None) -> int:
         prompt = list(prompt)
@@ -369,6 +386,7 @@ class Frontend:
                     self._on_message(role, rank, header)
                 except (TypeError, ValueError, KeyError, IndexError):
                     pass  # a malformed report: dropped, the worker's next one counts
+        self._tell_ready()
         return progress
 
     def _on_message(self, role: str, rank: int, h: dict[str, Any]) -> None:

@@ -6,12 +6,14 @@ still talks to "its peer" over one transport. Here that transport is a set of pe
 
 - `PrefillLinks`, a decode worker's links to the prefill workers. A prefill request goes to the
   prefill worker the router chose for it (`route`), or to the live one with the fewest
-  unanswered requests. When a prefill worker is lost, every request it had not answered is
-  sent again, same id and nonce, to another live prefill worker (`retried`): it never saw a
-  token, so nothing is duplicated, and the decode worker only sees the answer arrive. Cancelled
-  ones get a local prefill_failed instead (it frees a block draining for them). When no prefill
-  worker is left, the decode worker is told its peer is lost (its own `peer_lost` handling: the
-  waiting requests are prefilled locally, the cluster resubmits the importing ones locally).
+  unanswered requests; in a cluster "live" also means reported ready (`set_ready`: a worker
+  still starting is linked, but asked nothing). When a prefill worker is lost, every request
+  it had not answered is sent again, same id and nonce, to another live prefill worker
+  (`retried`): it never saw a token, so nothing is duplicated, and the decode worker only sees
+  the answer arrive. Cancelled ones get a local prefill_failed instead (it frees a block
+  draining for them). When no prefill worker is left, the decode worker is told its peer is
+  lost (its own `peer_lost` handling: the waiting requests are prefilled locally, the cluster
+  resubmits the importing ones locally).
   A prefill worker that refuses a request for backpressure (full: `prefill_failed` with
   `busy`) has it asked again, same id and nonce, of another live prefill worker that has not
   refused it (`busy_retried`); when every live one has, the refusal reaches the decode worker,
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Self
 
@@ -135,6 +137,7 @@ class PrefillLinks(_Links):
         self._asked: dict[str, dict[str, Any]] = {}  # wire id -> its prefill message
         self._cancelled: set[str] = set()
         self._told_lost = False  # the worker was told no prefill worker is left
+        self.ready: frozenset[int] | None = None  # None: every linked one (`set_ready`)
         self._refused: dict[str, set[int]] = {}  # wire id -> prefill workers that were full
         self.retried = 0  # prefill requests sent again after their prefill worker was lost
         self.busy_retried = 0  # prefill requests sent again after a worker refused them (full)
@@ -147,7 +150,15 @@ class PrefillLinks(_Links):
             self._assigned.pop(wire, None)
 
     def live(self) -> list[int]:
-        return sorted(p for p, link in self.links.items() if link.alive)
+        """The prefill workers to ask: linked, alive and, once the frontend said which are
+        ready (`set_ready`), ready."""
+        return sorted(p for p, link in self.links.items() if link.alive
+                      and (self.ready is None or p in self.ready))
+
+    def set_ready(self, ready: Iterable[int]) -> None:
+        """The prefill workers that reported ready to the frontend: a worker that is linked
+        but still starting (or restarting) is asked nothing until it is one of them."""
+        self.ready = frozenset(ready)
 
     def add(self, peer: int, link: Transport) -> None:
         super().add(peer, link)

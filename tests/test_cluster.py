@@ -313,3 +313,29 @@ def test_the_router_learns_of_every_request_a_worker_took() -> None:
         for w, node in nodes.items():
             assert c.frontend.router.loads[role][w] == (
                 node.load() if role == "decode" else load_of(node.worker.batcher)), (role, w)
+
+
+def test_a_prefill_worker_is_asked_nothing_until_it_reports_ready() -> None:
+    """A restarted prefill worker that is linked but not ready yet: the decode workers prefill
+    locally rather than ask it (not even to retry the requests of the one that died), and ask
+    it once it reports ready."""
+    c = cluster(prefill=2, decode=1)
+    c.kill("prefill", 1)
+    c.step()
+    c.start("prefill", 1, ready=False)
+    c.step()
+    assert c.frontend.router.ready("prefill") == [0]
+    cids = submit_workload(c, n=8)
+    c.run_until_done(each=lambda i: c.kill("prefill", 0) if i == 2 else None)
+    assert_exact(c, cids)
+    assert c.prefills[1].worker.stats.requests == 0
+    assert c.decodes[0].worker.local_fallbacks + c.decodes[0].resubmitted > 0
+    c.prefills[1].ready = True
+    c.step()
+    c.step()
+    assert c.frontend.router.ready("prefill") == [1]
+    more = submit_workload(c, n=4, seed=3)
+    c.run_until_done()
+    assert_exact(c, more)
+    assert c.prefills[1].worker.stats.exports > 0
+    assert_clean(c)

@@ -505,7 +505,7 @@ def test_cli_deep_mode_runs_seeds_and_stops_at_the_first_failure(capsys: Any,
 # prefill worker's requests, refuse for backpressure (retried elsewhere and prefilled
 # locally), fall back to local prefill with every prefill worker gone, and fail a killed
 # decode worker's requests
-CLUSTER_SEEDS, CLUSTER_STEPS = (5, 9, 10, 13), 60
+CLUSTER_SEEDS, CLUSTER_STEPS = (9, 20, 24), 60
 
 
 @pytest.fixture(scope="module")
@@ -541,9 +541,6 @@ def test_cluster_mode_same_seed_byte_identical_report() -> None:
     a, b = run(24, 60, mode="cluster"), run(24, 60, mode="cluster")
     assert a.cluster["kills"] > 0 and a.cluster["busy_refused"] > 0
     assert text(a) == text(b) and a == b
-    again = simulate.replay(24, 60, a.events, mode="cluster")
-    assert text(again) == text(a)
-    assert run(25, 60, mode="cluster").events != a.events
     # and in a fresh process (another hash seed): the same JSON
     out = subprocess.run([sys.executable, "-m", "atom_core.cli", "simulate", "--seed", "24",
                           "--steps", "60", "--mode", "cluster", "--json"], cwd=ROOT,
@@ -624,8 +621,16 @@ def _remembers_lost(monkeypatch: Any) -> None:
     monkeypatch.setattr(router.Router, "mark_lost", mark_lost)
 
 
+def _asks_not_ready(monkeypatch: Any) -> None:
+    """A cluster bug: decode workers ask any linked prefill worker, ready or not."""
+    from atom_core import links
+
+    monkeypatch.setattr(links.PrefillLinks, "set_ready", lambda self, ready: None)
+
+
 @pytest.mark.parametrize("plant, seed, steps, kind", [
     (_not_retried, 9, 20, "lifecycle"),
+    (_asks_not_ready, 3, 20, "router"),
     (_ignores_ready, 1, 20, "router"),
     (_keeps_lost_requests, 4, 40, "router"),
     (_remembers_lost, 2, 70, "router"),

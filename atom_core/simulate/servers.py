@@ -268,7 +268,14 @@ class Clustered:
         return False
 
     def tick(self) -> list[tuple[int, str]]:
+        waiting = {r: self.c.prefills[r].worker.stats.requests
+                   for r in self.not_ready("prefill")}
         self.c.step()
+        for r, asked in waiting.items():
+            got = self.c.prefills[r].worker.stats.requests - asked
+            if got:
+                self.problems.append(f"prefill worker {r} was asked for {got} prefills before "
+                                     "it reported ready")
         out = []
         for cid in sorted(self.open):
             r = self.fe.results[cid]

@@ -10,7 +10,8 @@ truth, and why a request may fail.
   has a load; each load's ready flag, free lanes and free blocks are the worker's own; a
   decode worker's queue is exactly its own, a prefill worker's its own plus the requests
   assigned to it that it has not reported since; no event arrived for an ended request (each
-  ends once); every open request's decode worker is running.
+  ends once); every open request's decode worker is running; no prefill worker that has not
+  reported ready was asked for a prefill (by a decode worker's links, retries included).
 - When a request ends with an error (`ending_problems`): only an abort the client sent, a
   decode worker that was killed or restarted after the request was assigned to it ("decode
   worker N was lost"), or no decode worker ready at submission explain it. A refusal for
