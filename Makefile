@@ -97,6 +97,7 @@ pd-demo: install
 # its shortest failing prefix and replay command.
 simulate: install
 	.venv/bin/atom-core simulate --seeds 0..9 --steps 100
+	.venv/bin/atom-core simulate --seeds 0..9 --steps 100 --mode cluster
 
 simulate-deep: install
 	.venv/bin/atom-core simulate --minutes 10 --seed $(SIMULATE_SEED)

@@ -8,7 +8,9 @@ Control messages (frontend <-> node), none carrying a tensor:
 
 - frontend -> decode node: `{"kind": "request", "id", "prompt", "max_new_tokens", "eos",
   "prefill"}` (the router's choices: this node, and the prefill worker to ask or None), `{"kind":
-  "abort", "id"}`; to every node: `{"kind": "shutdown"}`.
+  "abort", "id"}`, `{"kind": "prefill_ready", "ranks"}` (the prefill workers that reported
+  ready, whenever that changes: the only ones the node asks, retries included); to every node:
+  `{"kind": "shutdown"}`.
 - node -> frontend: `{"kind": "load", "load": Load, "stats": {...}}` whenever it changed (the
   first ready one makes the worker eligible; the stats feed `Frontend.worker_stats`), and from a
   decode node `{"kind": "events", "events": [[id, kind, token, error], ...]}` per step.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -68,21 +70,27 @@ STATS_EVERY = 0.05
 
 
 class _Reporter:
-    """Sends a node's load report when the load changed, or its counters did and STATS_EVERY
-    passed since the last report."""
+    """Sends a node's load report when the load changed, or the node took new requests since
+    its last report (`took`: the router counted them in its load when it assigned them, and
+    only a report corrects that count, even when taking them left the load as it was), or its
+    counters changed and STATS_EVERY passed (on `clock`) since the last report."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._load: dict[str, Any] | None = None
         self._stats: dict[str, Any] | None = None
         self._at = 0.0
+        self._took = 0
+        self.clock = clock
 
-    def report(self, control: Transport, load: Load, stats: dict[str, Any]) -> None:
-        now = time.monotonic()
+    def report(self, control: Transport, load: Load, stats: dict[str, Any],
+               took: int = 0) -> None:
+        now = self.clock()
         ld = load.as_json()
-        if ld == self._load and (stats == self._stats or now - self._at < STATS_EVERY):
+        if ld == self._load and took == self._took and (
+                stats == self._stats or now - self._at < STATS_EVERY):
             return
         if _send(control, {"kind": "load", "load": ld, "stats": stats}):
-            self._load, self._stats, self._at = ld, stats, now
+            self._load, self._stats, self._at, self._took = ld, stats, now, took
 
 
 def _send(link: Transport, header: dict[str, Any]) -> bool:
@@ -98,15 +106,18 @@ class DecodeNode:
     """A decode worker serving what the frontend sends it, its KV from the prefill workers."""
 
     def __init__(self, rank: int, worker: DecodeWorker, links: PrefillLinks,
-                 control: Transport) -> None:
+                 control: Transport, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what paces reports of counters alone (a simulation passes its own)."""
         if worker.transport is not links:
             raise ValueError("the decode worker must run over this node's PrefillLinks")
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
         self._job: dict[int, tuple[list[int], int, int | None]] = {}  # to resubmit locally
-        self._reporter = _Reporter()
-        self.resubmitted = 0  # requests prefilled here after every prefill worker was lost
+        self._reporter = _Reporter(clock)
+        self.taken = 0  # request messages received from the frontend
+        self.resubmitted = 0  # requests prefilled here after their transfer failed
+        self.busy_local = 0  # of which because every live prefill worker was full
         self.done = False
         # reported with the load: the process sets it once its links are up (cluster_run)
         self.ready = True
@@ -119,9 +130,13 @@ class DecodeNode:
             progress = True
             kind = header.get("kind")
             if kind == "request":
+                self.taken += 1
                 self._submit(header)
             elif kind == "abort":
                 self._abort(header.get("id"))
+            elif kind == "prefill_ready" and isinstance(header.get("ranks"), list) and all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in header["ranks"]):
+                self.links.set_ready(header["ranks"])
             elif kind in ("shutdown", PEER_LOST):
                 self.done = True  # (the frontend gone: nobody would read the results)
         if self.done:
@@ -153,7 +168,9 @@ class DecodeNode:
     def _report(self) -> None:
         self._reporter.report(self.control, self.load(), {
             **_stats_of(self.worker.batcher), "retried": self.links.retried,
-            "resubmitted": self.resubmitted, "local_fallbacks": self.worker.local_fallbacks})
+            "resubmitted": self.resubmitted, "busy_retried": self.links.busy_retried,
+            "busy_local": self.busy_local, "local_fallbacks": self.worker.local_fallbacks},
+            took=self.taken)
 
     def _submit(self, h: dict[str, Any]) -> None:
         cid = h.get("id")
@@ -173,15 +190,19 @@ class DecodeNode:
                          p if isinstance(p, int) and not isinstance(p, bool) else None)
 
     def _resubmit(self, wid: int, cid: int) -> bool:
-        """A request whose transfer failed because every prefill worker was lost, before it
-        produced a token: prefilled here instead (True), so it still ends once."""
+        """A request whose transfer failed before it produced a token because every prefill
+        worker was lost, or every live one refused it for backpressure (full): prefilled here
+        instead (True), so it still ends once."""
         req = self.worker.requests.get(wid)
-        if req is None or req.kind != "peer_lost" or self._tokens.get(cid) or \
-                self.worker.lost is None:
+        if req is None or self._tokens.get(cid):
+            return False
+        if req.kind == "prefill_busy":
+            self.busy_local += 1
+        elif req.kind != "peer_lost" or self.worker.lost is None:
             return False
         prompt, max_new, eos = self._job[cid]
         self._end(wid, cid)
-        new = self.worker.submit(prompt, max_new, eos)  # local: the worker knows it is alone
+        new = self.worker.submit(prompt, max_new, eos, local=True)
         self._cid[new] = cid
         self._job[cid] = (prompt, max_new, eos)
         self.resubmitted += 1
@@ -215,11 +236,11 @@ class PrefillNode:
     """A prefill worker serving every decode worker's prefill requests."""
 
     def __init__(self, rank: int, worker: PrefillWorker, links: DecodeLinks,
-                 control: Transport) -> None:
+                 control: Transport, clock: Callable[[], float] = time.monotonic) -> None:
         if worker.transport is not links:
             raise ValueError("the prefill worker must run over this node's DecodeLinks")
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
-        self._reporter = _Reporter()
+        self._reporter = _Reporter(clock)
         self.ready = True  # as DecodeNode.ready
 
     @property
@@ -238,7 +259,9 @@ class PrefillNode:
             return False
         progress = self.worker.step_once() or progress
         self._reporter.report(self.control, load_of(self.worker.batcher, ready=self.ready),
-                              _stats_of(self.worker.batcher))
+                              {**_stats_of(self.worker.batcher),
+                               "refused_busy": self.worker.stats.refused_busy},
+                              took=self.worker.stats.requests)
         return progress
 
     def serve(self, idle_wait: float = 0.005) -> None:
@@ -269,6 +292,8 @@ class ClusterResult:
     ended: bool = False
     t_first: float | None = None
     t_end: float | None = None
+    # the router's report counts of its workers when it assigned them (`Router.release`)
+    since: tuple[int, int] = (0, 0)
 
 
 class Frontend:
@@ -290,6 +315,7 @@ class Frontend:
         self.late_events = 0  # for requests already ended: dropped (each ends once)
         self._next = 0
         self._open: set[int] = set()
+        self._told_ready: dict[int, list[int]] = {}  # decode rank -> prefill ranks it was told
 
     def add(self, role: str, rank: int, control: Transport) -> None:
         """A worker's control link (a new worker, or a restarted one): it is chosen once it
@@ -299,6 +325,17 @@ class Frontend:
             old.close()
             self._lost(role, rank, "restarted")
         self.controls[(role, rank)] = control
+        if role == "decode":
+            self._told_ready.pop(rank, None)  # a new worker: tell it
+        self._tell_ready()
+
+    def _tell_ready(self) -> None:
+        """Tell each decode worker which prefill workers are ready, when that changed."""
+        ready = self.router.ready("prefill")
+        for (role, rank), link in self.controls.items():
+            if role == "decode" and self._told_ready.get(rank) != ready and \
+                    _send(link, {"kind": "prefill_ready", "ranks": ready}):
+                self._told_ready[rank] = ready
 
     def submit(self, prompt: Iterable[int], max_new_tokens: int, eos: int | None = None) -> int:
         prompt = list(prompt)
@@ -317,7 +354,11 @@ class Frontend:
             self._end(cid, t0)
             return cid
         self.route_seconds.append(time.perf_counter() - t)
-        self.results[cid] = ClusterResult(prompt, max_new_tokens, a.decode, a.prefill, t0)
+        reports = self.router.reports
+        self.results[cid] = ClusterResult(
+            prompt, max_new_tokens, a.decode, a.prefill, t0,
+            since=(reports["decode"].get(a.decode, 0),
+                   reports["prefill"].get(a.prefill, 0) if a.prefill is not None else 0))
         self._open.add(cid)
         if not _send(self.controls[("decode", a.decode)],
                      {"kind": "request", "id": cid, "prompt": prompt,
@@ -345,6 +386,7 @@ class Frontend:
                     self._on_message(role, rank, header)
                 except (TypeError, ValueError, KeyError, IndexError):
                     pass  # a malformed report: dropped, the worker's next one counts
+        self._tell_ready()
         return progress
 
     def _on_message(self, role: str, rank: int, h: dict[str, Any]) -> None:
@@ -383,6 +425,11 @@ class Frontend:
                 self._end(cid, now)
 
     def _end(self, cid: int, now: float) -> None:
+        r = self.results[cid]
+        if r.decode is not None:
+            self.router.release("decode", r.decode, r.since[0])
+        if r.prefill is not None:
+            self.router.release("prefill", r.prefill, r.since[1])
         self.results[cid].ended, self.results[cid].t_end = True, now
         self._open.discard(cid)
         self._ended.append(cid)
@@ -438,13 +485,22 @@ class LocalCluster:
     def __init__(self, cfg: Config, runtime_for: Callable[[Config], Any], *, prefill: int,
                  decode: int, key: bytes | None = None, insecure: bool = False,
                  policy: Policy | None = None, prefetch: int = 0,
-                 pcfg: Config | None = None) -> None:
+                 pcfg: Config | None = None, prefill_options: Mapping[str, Any] | None = None,
+                 decode_options: Mapping[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`prefill_options` / `decode_options`: more keyword arguments of every
+        `PrefillWorker` (e.g. max_queued, ghost) / `DecodeWorker` (e.g. clock,
+        transfer_timeout); `clock`: what paces the nodes' reports of counters alone (a
+        simulation passes its own, so that runs replay exactly)."""
         if key is None and not insecure:
             from atom_core.workers import NO_KEY
 
             raise ValueError(NO_KEY)
         self.cfg, self.pcfg = cfg, pcfg or cfg
         self.runtime_for, self.key, self.prefetch = runtime_for, key, prefetch
+        self.prefill_options = dict(prefill_options or {})
+        self.decode_options = dict(decode_options or {})
+        self.clock = clock
         self.frontend = Frontend(Router(prefix_unit(self.pcfg), policy))
         self.prefills: dict[int, PrefillNode] = {}
         self.decodes: dict[int, DecodeNode] = {}
@@ -455,33 +511,36 @@ class LocalCluster:
             self.start("decode", d)
         self.step()  # the first load reports: every worker ready
 
-    def start(self, role: str, rank: int) -> None:
+    def start(self, role: str, rank: int, ready: bool = True) -> None:
         """Start worker `rank` of `role` (again, after `kill`), linked to every live worker of
-        the other role and to the frontend."""
+        the other role and to the frontend. `ready` False: it reports not ready (as a process
+        still linking to its peers) until its node's `ready` is set."""
         self._gen += 1
         key, insecure = self.key, self.key is None
         fe_end, control = _pair(key)
         if role == "prefill":
             links = DecodeLinks(secure=key is not None)
             worker = PrefillWorker(self.pcfg, self.runtime_for(self.pcfg), links, key=key,
-                                   insecure=insecure)
+                                   insecure=insecure, **self.prefill_options)
             for d, dn in self.decodes.items():
                 if not dn.done:
                     de, pe = _pair(key)
                     dn.links.add(rank, de)
                     links.add(d, pe)
-            self.prefills[rank] = PrefillNode(rank, worker, links, control)
+            self.prefills[rank] = PrefillNode(rank, worker, links, control, self.clock)
+            self.prefills[rank].ready = ready
         else:
             links_p = PrefillLinks(secure=key is not None)
             dworker = DecodeWorker(self.cfg, self.runtime_for(self.cfg), links_p, key=key,
                                    insecure=insecure, prefetch=self.prefetch,
-                                   wire_prefix=f"d{rank}g{self._gen}.")
+                                   wire_prefix=f"d{rank}g{self._gen}.", **self.decode_options)
             for p, pn in self.prefills.items():
                 if not pn.done:
                     de, pe = _pair(key)
                     pn.links.add(rank, pe)
                     links_p.add(p, de)
-            self.decodes[rank] = DecodeNode(rank, dworker, links_p, control)
+            self.decodes[rank] = DecodeNode(rank, dworker, links_p, control, self.clock)
+            self.decodes[rank].ready = ready
         self.frontend.add(role, rank, fe_end)
 
     def kill(self, role: str, rank: int) -> None:

@@ -6,12 +6,18 @@ still talks to "its peer" over one transport. Here that transport is a set of pe
 
 - `PrefillLinks`, a decode worker's links to the prefill workers. A prefill request goes to the
   prefill worker the router chose for it (`route`), or to the live one with the fewest
-  unanswered requests. When a prefill worker is lost, every request it had not answered is
-  sent again, same id and nonce, to another live prefill worker (`retried`): it never saw a
-  token, so nothing is duplicated, and the decode worker only sees the answer arrive. Cancelled
-  ones get a local prefill_failed instead (it frees a block draining for them). When no prefill
-  worker is left, the decode worker is told its peer is lost (its own `peer_lost` handling: the
-  waiting requests are prefilled locally, the cluster resubmits the importing ones locally).
+  unanswered requests; in a cluster "live" also means reported ready (`set_ready`: a worker
+  still starting is linked, but asked nothing). When a prefill worker is lost, every request
+  it had not answered is sent again, same id and nonce, to another live prefill worker
+  (`retried`): it never saw a token, so nothing is duplicated, and the decode worker only sees
+  the answer arrive. Cancelled ones get a local prefill_failed instead (it frees a block
+  draining for them). When no prefill worker is left, the decode worker is told its peer is
+  lost (its own `peer_lost` handling: the waiting requests are prefilled locally, the cluster
+  resubmits the importing ones locally).
+  A prefill worker that refuses a request for backpressure (full: `prefill_failed` with
+  `busy`) has it asked again, same id and nonce, of another live prefill worker that has not
+  refused it (`busy_retried`); when every live one has, the refusal reaches the decode worker,
+  whose node prefills the request locally (`DecodeNode`): it never fails for backpressure.
 - `DecodeLinks`, a prefill worker's links to the decode workers. Answers go back on the link the
   request came from; a decode worker that is lost (or says shutdown) has its requests cancelled
   inside the prefill worker (blocks freed) and nothing else: the prefill worker keeps serving the
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Self
 
@@ -131,7 +137,10 @@ class PrefillLinks(_Links):
         self._asked: dict[str, dict[str, Any]] = {}  # wire id -> its prefill message
         self._cancelled: set[str] = set()
         self._told_lost = False  # the worker was told no prefill worker is left
+        self.ready: frozenset[int] | None = None  # None: every linked one (`set_ready`)
+        self._refused: dict[str, set[int]] = {}  # wire id -> prefill workers that were full
         self.retried = 0  # prefill requests sent again after their prefill worker was lost
+        self.busy_retried = 0  # prefill requests sent again after a worker refused them (full)
 
     def route(self, wire: str, prefill: int | None) -> None:
         """Ask `prefill` for `wire`'s KV (None or not live: the least busy live one)."""
@@ -141,7 +150,15 @@ class PrefillLinks(_Links):
             self._assigned.pop(wire, None)
 
     def live(self) -> list[int]:
-        return sorted(p for p, link in self.links.items() if link.alive)
+        """The prefill workers to ask: linked, alive and, once the frontend said which are
+        ready (`set_ready`), ready."""
+        return sorted(p for p, link in self.links.items() if link.alive
+                      and (self.ready is None or p in self.ready))
+
+    def set_ready(self, ready: Iterable[int]) -> None:
+        """The prefill workers that reported ready to the frontend: a worker that is linked
+        but still starting (or restarting) is asked nothing until it is one of them."""
+        self.ready = frozenset(ready)
 
     def add(self, peer: int, link: Transport) -> None:
         super().add(peer, link)
@@ -176,9 +193,10 @@ class PrefillLinks(_Links):
         else:
             raise ValueError(f"a decode worker sends prefill, cancel or shutdown, not {kind!r}")
 
-    def _ask(self, header: dict[str, Any], prefer: int | None) -> None:
+    def _ask(self, header: dict[str, Any], prefer: int | None,
+             exclude: frozenset[int] = frozenset()) -> None:
         wire = header["id"]
-        tried: set[int] = set()
+        tried: set[int] = set(exclude)
         while True:
             live = [p for p in self.live() if p not in tried]
             if not live:
@@ -206,14 +224,33 @@ class PrefillLinks(_Links):
             wire = header.get("request_id" if kind == "kv" else "id")
             if kind in ("kv", "prefill_failed") and isinstance(wire, str) and \
                     self._where.get(wire) == peer:
+                if kind == "prefill_failed" and header.get("busy") is True and \
+                        self._ask_another(wire, peer):
+                    continue
                 self._answered(wire)
             out.append((header, tensor))
         return out
+
+    def _ask_another(self, wire: str, peer: int) -> bool:
+        """`peer` was full: ask a live prefill worker that has not refused `wire` (True), or
+        False when there is none (or it was cancelled): the refusal then goes to the worker."""
+        refused = self._refused.setdefault(wire, set())
+        refused.add(peer)
+        if wire in self._cancelled:
+            return False
+        header = self._asked[wire]
+        try:
+            self._ask(header, None, frozenset(refused))
+        except TransportError:
+            return False
+        self.busy_retried += 1
+        return True
 
     def _answered(self, wire: str) -> None:
         self._where.pop(wire, None)
         self._asked.pop(wire, None)
         self._cancelled.discard(wire)
+        self._refused.pop(wire, None)
 
     def _lose(self, peer: int, why: str, out: list[Message]) -> None:
         link = self.links.pop(peer, None)
@@ -239,6 +276,7 @@ class PrefillLinks(_Links):
             self._where.clear()
             self._asked.clear()
             self._cancelled.clear()
+            self._refused.clear()
             out.append(({"kind": PEER_LOST, "error": f"every prefill worker is lost (the last, "
                                                      f"{peer}: {why})"}, None))
 

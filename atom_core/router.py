@@ -18,7 +18,10 @@ the most free blocks, then the lowest worker id (deterministic). A policy is any
 
 Between two reports the router counts what it assigned itself (`Load.queued` + 1 per
 assignment), so a burst of requests spreads over the workers instead of all going to the one
-that was least loaded at the last report.
+that was least loaded at the last report. A worker's next report replaces that count (a worker
+reports after taking requests); an assignment whose request ended before the worker's next
+report (it never reached the worker: refused, aborted, its decode worker lost or it asked
+another prefill worker) is taken back (`release`), so no count stays inflated.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class Router:
         # role -> worker -> prefix hash -> steps (an LRU: most recent last)
         self._seen: dict[str, dict[int, OrderedDict[bytes, int]]] = {r: {} for r in ROLES}
         self.affinity_hits = {r: 0 for r in ROLES}  # choices of a worker holding a prefix
+        self.reports: dict[str, dict[int, int]] = {r: {} for r in ROLES}  # reports received
 
     # ------------------------------------------------------------------ reports
     def report(self, role: str, worker: int, load: Load) -> None:
@@ -144,6 +148,14 @@ class Router:
             self.lost[role].discard(worker)
             self._seen[role].pop(worker, None)
         self.loads[role][worker] = load
+        self.reports[role][worker] = self.reports[role].get(worker, 0) + 1
+
+    def release(self, role: str, worker: int, since: int) -> None:
+        """A request assigned to `worker` when it had sent `since` reports (`reports`) ended:
+        if it has sent none since, the assignment is still in its count: taken back."""
+        ld = self.loads[role].get(worker)
+        if ld is not None and self.reports[role].get(worker, 0) == since and ld.queued > 0:
+            ld.queued -= 1
 
     def mark_lost(self, role: str, worker: int) -> None:
         """`worker` is gone: never chosen until it reports ready again."""

@@ -124,6 +124,7 @@ class PrefillStats:
     cancelled: int = 0
     ignored: int = 0  # duplicate or unknown-kind messages
     bad_messages: int = 0  # malformed: dropped (their handler raised nothing further)
+    refused_busy: int = 0  # refused for backpressure (max_queued): answered busy
 
 
 class PrefillWorker:
@@ -213,8 +214,9 @@ class PrefillWorker:
             self.stats.ignored += 1
             return
         self.stats.requests += 1
+        busy = len(self._local) >= self.max_queued
         try:
-            if len(self._local) >= self.max_queued:
+            if busy:
                 raise ValueError(f"it holds {len(self._local)} requests already (max_queued); "
                                  "ask again once some are answered")
             if not isinstance(prompt, list) or not all(
@@ -223,8 +225,12 @@ class PrefillWorker:
             rid = self.batcher.submit(prompt, 1, export=True)
         except Exception as exc:  # noqa: BLE001 - refuse this request, keep serving
             self.stats.failures += 1
+            self.stats.refused_busy += busy
+            # "busy": refused for backpressure alone, nothing wrong with the request: the
+            # decode side may ask another prefill worker or prefill it locally
             _send(self.transport, {"kind": "prefill_failed", "id": wire, "nonce": nonce,
-                                   "error": f"prefill worker refused the request: {exc}"})
+                                   "error": f"prefill worker refused the request: {exc}",
+                                   "busy": busy})
             return
         self._wire[rid] = wire
         self._local[wire] = rid
@@ -370,19 +376,20 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ client API
     def submit(self, prompt: Iterable[int], max_new_tokens: int,
-               eos: int | None = None) -> int:
+               eos: int | None = None, *, local: bool = False) -> int:
         """Queue a request; its KV comes from the prefill worker (or from local prefill once
-        that worker is lost, with fallback_local). Raises ValueError like `AtomBatcher.submit`."""
+        that worker is lost, with fallback_local; or with `local`: prefilled here whatever the
+        prefill worker's state). Raises ValueError like `AtomBatcher.submit`."""
         prompt = list(prompt)
         wid = self._next_wid
         req = _Req(prompt, max_new_tokens, eos, None, self.clock())
-        if self.lost is not None and not self.fallback_local:
+        if self.lost is not None and not self.fallback_local and not local:
             # Nothing can prefill it: it fails now instead of waiting forever.
             req.error = f"{LOST}: {self.lost}; not served (no local fallback)"
             req.kind, req.t_end = "peer_lost", req.t_submit
         else:
             req.brid = self.batcher.submit(prompt, max_new_tokens, eos,
-                                           remote=self.lost is None)
+                                           remote=self.lost is None and not local)
             self._by_brid[req.brid] = wid
         self._next_wid += 1
         self.requests[wid] = req
@@ -551,8 +558,9 @@ class DecodeWorker:
             why = header.get("error")
             # the peer's text, bounded and printable: it ends up in results and logs
             why = ascii(why)[:300] if not isinstance(why, str) else ascii(why)[1:-1][:300]
-            self._fail(wid, "prefill_failed", f"the prefill worker failed this request: {why}",
-                       out)
+            # refused for backpressure alone ("busy"): a cluster's node prefills it locally
+            self._fail(wid, "prefill_busy" if header.get("busy") is True else "prefill_failed",
+                       f"the prefill worker failed this request: {why}", out)
             return
         try:
             payload = pd.from_wire(header, tensor)

@@ -14,7 +14,7 @@ from atom_core._generated import core
 from atom_core.cluster import STATS_EVERY, LocalCluster
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for, workload
-from atom_core.router import Load
+from atom_core.router import Load, load_of
 from atom_core.runtime.reference import TorchReferenceRuntime
 
 KEY = b"cluster-test-key-0123456789abcdef"
@@ -269,3 +269,73 @@ def test_the_frontend_forgets_the_oldest_ended_requests() -> None:
     c.run_until_done()
     assert len(c.frontend.results) == 3
     assert_exact(c, [cid for cid in cids if cid in c.frontend.results])
+
+
+def test_a_prefill_worker_that_is_full_has_its_requests_retried_not_failed() -> None:
+    """Backpressure: prefill workers holding one request at most (max_queued=1) refuse the
+    rest ("busy"); each refused request is asked of the other prefill worker, or, when both
+    are full, prefilled locally by its decode worker: none fails, all token-exact."""
+    c = cluster(prefetch=2, prefill_options={"max_queued": 1})
+    cids = submit_workload(c, n=16)
+    c.run_until_done()
+    assert_exact(c, cids)
+    refused = sum(n.worker.stats.refused_busy for n in c.prefills.values())
+    retried = sum(n.links.busy_retried for n in c.decodes.values())
+    local = sum(n.busy_local for n in c.decodes.values())
+    assert refused > 0 and retried > 0 and local > 0, (refused, retried, local)
+    assert all(n.worker.lost is None for n in c.decodes.values())  # nobody was lost
+    assert sum(n.worker.stats.exports for n in c.prefills.values()) > 0
+    assert c.frontend.late_events == 0
+    assert_clean(c)
+
+
+def test_a_lone_full_prefill_worker_sends_its_refusals_to_local_prefill() -> None:
+    c = cluster(prefill=1, decode=1, prefetch=2, prefill_options={"max_queued": 1})
+    cids = submit_workload(c, n=8, seed=4)
+    c.run_until_done()
+    assert_exact(c, cids)
+    assert c.decodes[0].links.busy_retried == 0  # no other prefill worker to ask
+    assert c.decodes[0].busy_local == c.prefills[0].worker.stats.refused_busy > 0
+    assert_clean(c)
+
+
+def test_the_router_learns_of_every_request_a_worker_took() -> None:
+    """A worker reports its load after taking requests even when taking them left its load as
+    it was (here: a decode worker refuses prompts too long for it): the router's count of what
+    it assigned is corrected, never left inflated (which would steer requests away from an
+    idle worker for good)."""
+    c = cluster(prefill=1, decode=2)
+    for _ in range(3):
+        c.submit(list(range(1, S + 10)), 2)  # longer than max_seq_len: refused at once
+    c.step()
+    assert all(r.ended and "refused" in (r.error or "") for r in c.frontend.results.values())
+    for role, nodes in (("prefill", c.prefills), ("decode", c.decodes)):
+        for w, node in nodes.items():
+            assert c.frontend.router.loads[role][w] == (
+                node.load() if role == "decode" else load_of(node.worker.batcher)), (role, w)
+
+
+def test_a_prefill_worker_is_asked_nothing_until_it_reports_ready() -> None:
+    """A restarted prefill worker that is linked but not ready yet: the decode workers prefill
+    locally rather than ask it (not even to retry the requests of the one that died), and ask
+    it once it reports ready."""
+    c = cluster(prefill=2, decode=1)
+    c.kill("prefill", 1)
+    c.step()
+    c.start("prefill", 1, ready=False)
+    c.step()
+    assert c.frontend.router.ready("prefill") == [0]
+    cids = submit_workload(c, n=8)
+    c.run_until_done(each=lambda i: c.kill("prefill", 0) if i == 2 else None)
+    assert_exact(c, cids)
+    assert c.prefills[1].worker.stats.requests == 0
+    assert c.decodes[0].worker.local_fallbacks + c.decodes[0].resubmitted > 0
+    c.prefills[1].ready = True
+    c.step()
+    c.step()
+    assert c.frontend.router.ready("prefill") == [1]
+    more = submit_workload(c, n=4, seed=3)
+    c.run_until_done()
+    assert_exact(c, more)
+    assert c.prefills[1].worker.stats.exports > 0
+    assert_clean(c)

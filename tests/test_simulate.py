@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,8 +155,10 @@ def test_fault_kinds_all_fire_across_the_combinations(
         combo_reports: dict[str, simulate.Report]) -> None:
     fired = {kind: sum(r.faults_by_kind.get(kind, 0) for r in combo_reports.values())
              for kind in FAULTS}
-    # kill fires only in some runs (once, late); it has its own test below
-    assert {k for k, n in fired.items() if n == 0} <= {"kill"}, fired
+    # kill fires only in some runs (once, late); it has its own test below; the worker_ kinds
+    # are cluster mode's (the cluster tests below)
+    assert {k for k, n in fired.items() if n == 0} <= {"kill", "worker_kill", "worker_start",
+                                                       "worker_ready"}, fired
 
 
 def test_seed_picks_different_configurations() -> None:
@@ -495,3 +498,145 @@ def test_cli_deep_mode_runs_seeds_and_stops_at_the_first_failure(capsys: Any,
     assert out["seeds_run"] == 1 and out["failing_seed"] == 1
     assert out["replay"].startswith("atom-core simulate --seed 1 --steps 12")
     assert out["report"]["failing_prefix_events"] > 0
+
+
+# --------------------------------------------------------------------------- cluster mode
+# seeds that together kill, restart and late-join workers of both roles, retry a killed
+# prefill worker's requests, refuse for backpressure (retried elsewhere and prefilled
+# locally), fall back to local prefill with every prefill worker gone, and fail a killed
+# decode worker's requests
+CLUSTER_SEEDS, CLUSTER_STEPS = (9, 20, 24), 60
+
+
+@pytest.fixture(scope="module")
+def cluster_reports() -> dict[int, simulate.Report]:
+    return {seed: run(seed, CLUSTER_STEPS, mode="cluster") for seed in CLUSTER_SEEDS}
+
+
+def test_cluster_mode_seeds_pass_and_exercise_every_fault(
+        cluster_reports: dict[int, simulate.Report]) -> None:
+    for rep in cluster_reports.values():
+        assert rep.ok, simulate.render(rep)
+        assert rep.config["mode"] == "cluster" and rep.router_errors == 0
+        assert rep.completed + rep.errors + rep.aborted == rep.requests  # each ended once
+        assert rep.cluster["late_events"] == 0
+        assert rep.cluster["busy_refused"] == rep.cluster["busy_retried"] + \
+            rep.cluster["busy_local"]  # no refusal for backpressure failed its request
+    got = {k: sum(r.cluster[k] for r in cluster_reports.values())
+           for k in next(iter(cluster_reports.values())).cluster}
+    for key in ("kills", "restarts", "late_joins", "retried", "busy_retried", "busy_local",
+                "local_fallbacks", "affinity_hits", "exports"):
+        assert got[key] > 0, (key, got)
+    assert sum(r.errors for r in cluster_reports.values()) > 0  # a killed decode worker's
+    workers = {(r.config["prefill_workers"], r.config["decode_workers"])
+               for r in cluster_reports.values()}
+    assert len(workers) > 1
+
+
+def test_cluster_mode_same_seed_byte_identical_report() -> None:
+    def text(rep: simulate.Report) -> str:
+        return json.dumps({k: v for k, v in rep.as_json().items()
+                           if k not in ("seconds", "steps_per_second")}, sort_keys=True)
+
+    a, b = run(24, 60, mode="cluster"), run(24, 60, mode="cluster")
+    assert a.cluster["kills"] > 0 and a.cluster["busy_refused"] > 0
+    assert text(a) == text(b) and a == b
+    # and in a fresh process (another hash seed): the same JSON
+    out = subprocess.run([sys.executable, "-m", "atom_core.cli", "simulate", "--seed", "24",
+                          "--steps", "60", "--mode", "cluster", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["replay"] == "atom-core simulate --seed 24 --steps 60 --set mode=cluster"
+    assert json.dumps({k: v for k, v in got.items() if k not in ("seconds", "steps_per_second")},
+                      sort_keys=True) == text(a)
+
+
+def test_cluster_mode_draws_its_dimensions_and_never_unless_fixed() -> None:
+    assert all(simulate.draw_config(s).mode != "cluster" for s in range(40))
+    cfgs = [simulate.draw_config(s, {"mode": "cluster"}) for s in range(40)]
+    assert {c.prefill_workers for c in cfgs} == {1, 2, 3} == {c.decode_workers for c in cfgs}
+    assert {c.prefill_max_queued for c in cfgs} == {1, 2, 4, 64}
+    assert all(c.fallback_local for c in cfgs)
+    fixed = simulate.draw_config(3, {"mode": "cluster", "prefill_workers": 2,
+                                     "decode_workers": 1})
+    assert (fixed.prefill_workers, fixed.decode_workers) == (2, 1)
+    with pytest.raises(simulate.UsageError):
+        simulate.draw_config(3, {"mode": "cluster", "prefill_workers": 0})
+    with pytest.raises(simulate.UsageError):
+        simulate.draw_config(3, {"mode": "pd", "decode_workers": 2})
+
+
+def _not_retried(monkeypatch: Any) -> None:
+    """A cluster bug: a request a full prefill worker refused fails instead of being retried."""
+    from atom_core import cluster, links
+
+    monkeypatch.setattr(links.PrefillLinks, "_ask_another", lambda self, wire, peer: False)
+    resubmit = cluster.DecodeNode._resubmit
+
+    def no_local(self: Any, wid: int, cid: int) -> bool:
+        req = self.worker.requests.get(wid)
+        return False if req is not None and req.kind == "prefill_busy" else \
+            resubmit(self, wid, cid)
+
+    monkeypatch.setattr(cluster.DecodeNode, "_resubmit", no_local)
+
+
+def _ignores_ready(monkeypatch: Any) -> None:
+    """A router bug: workers that have not reported ready are chosen too."""
+    from atom_core import router
+
+    pick = router.Router.pick
+
+    def pick_any(self: Any, role: str, keys: Any, exclude: Any = frozenset()) -> Any:
+        saved = {w: ld.ready for w, ld in self.loads[role].items()}
+        for ld in self.loads[role].values():
+            ld.ready = True
+        try:
+            return pick(self, role, keys, exclude)
+        finally:
+            for w, ready in saved.items():
+                self.loads[role][w].ready = ready
+
+    monkeypatch.setattr(router.Router, "pick", pick_any)
+
+
+def _keeps_lost_requests(monkeypatch: Any) -> None:
+    """A frontend bug: a lost decode worker's requests stay open (they never end)."""
+    from atom_core import cluster
+
+    monkeypatch.setattr(cluster.Frontend, "_lost",
+                        lambda self, role, rank, why: self.router.mark_lost(role, rank))
+
+
+def _remembers_lost(monkeypatch: Any) -> None:
+    """A router bug: a lost worker's prefixes are remembered (affinity to a new, empty cache)."""
+    from atom_core import router
+
+    def mark_lost(self: Any, role: str, worker: int) -> None:
+        self.lost[role].add(worker)
+        self.loads[role].pop(worker, None)
+
+    monkeypatch.setattr(router.Router, "mark_lost", mark_lost)
+
+
+def _asks_not_ready(monkeypatch: Any) -> None:
+    """A cluster bug: decode workers ask any linked prefill worker, ready or not."""
+    from atom_core import links
+
+    monkeypatch.setattr(links.PrefillLinks, "set_ready", lambda self, ready: None)
+
+
+@pytest.mark.parametrize("plant, seed, steps, kind", [
+    (_not_retried, 9, 20, "lifecycle"),
+    (_asks_not_ready, 3, 20, "router"),
+    (_ignores_ready, 1, 20, "router"),
+    (_keeps_lost_requests, 4, 40, "router"),
+    (_remembers_lost, 2, 70, "router"),
+])
+def test_cluster_bugs_are_caught(monkeypatch: Any, plant: Any, seed: int, steps: int,
+                                 kind: str) -> None:
+    plant(monkeypatch)
+    rep = run(seed, steps, mode="cluster")
+    assert not rep.ok and rep.failures[0].kind == kind, rep.failures[:3]

@@ -62,10 +62,13 @@ def simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="ticks with fault injection before the drain (default 200)")
     p.add_argument("--faults", default=None,
                    help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
-                        "alloc, delay, drop, corrupt, duplicate, late, kill, abort), all "
+                        "alloc, delay, drop, corrupt, duplicate, late, kill, abort; cluster: "
+                        "worker_kill, worker_start, worker_ready), all "
                         "(default) or none")
-    p.add_argument("--mode", choices=("colocated", "pd"), default=None,
-                   help="fix the serving mode (default: the seed picks)")
+    p.add_argument("--mode", choices=("colocated", "pd", "cluster"), default=None,
+                   help="fix the serving mode (default: the seed picks colocated or pd; "
+                        "cluster: prefill and decode workers behind the router, with worker "
+                        "kills, restarts and late joins)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="fix the prefix cache on or off (default: the seed picks)")
     p.add_argument("--scratch", choices=SCRATCH_MODES, default=None,

@@ -6,7 +6,11 @@ discipline, hybrid sliding window, lanes, blocks, ...; any of them can be fixed)
 batcher (colocated) or a PD prefill worker and decode worker (over `InProcessTransport.pair()`)
 on the tiny torch reference runtime for `steps` ticks while injecting faults: runtime calls that
 raise, transfer delays, drops, duplicates, late and corrupted messages, a lost prefill worker,
-client aborts. Then it stops injecting and drains: every request must end.
+client aborts. Then it stops injecting and drains: every request must end. Cluster mode
+(`mode=cluster`, never drawn) drives a `LocalCluster` of 1..3 prefill and 1..3 decode workers
+and its router instead, with workers killed, restarted and joining late (not ready at first,
+sometimes) and prefill workers that refuse requests when full; see `checks/cluster.py` for what
+it checks beyond the per-batcher rules below.
 
 What is checked, through public APIs only (the batcher's `state` is read, never written):
 
@@ -42,10 +46,12 @@ The package, one part per module (each imports only the ones above it):
     workload        the requests a seed submits
     faulty_runtime  FaultyRuntime: runtime calls that scribble, then raise
     faulty_link     SimLink: PD messages dropped, duplicated, corrupted, late
-    servers         Colocated and Disaggregated (PD prefill + decode worker), SimClock
+    servers         Colocated, Disaggregated (PD prefill + decode worker), Clustered
+                    (LocalCluster: prefill and decode workers behind the router), SimClock
     faults          FAULTS: each fault kind's when, draw and apply; --faults parsing
     checks/         one rule per module: invariants, blocks, prefetch, host_tier, snapshots
-                    (after every tick), endings (when a request ends), at_rest (after the drain)
+                    (after every tick), endings (when a request ends), at_rest (after the drain),
+                    cluster (cluster mode: the router against the workers; why a request fails)
     report          Report, render
     driver          Sim (one run: events in, checks after each tick, the drain), run, replay,
                     shortest_failing_prefix

@@ -25,7 +25,7 @@ class SimConfig:
     """One simulated deployment. PD-only fields are None when colocated."""
 
     seed: int
-    mode: str = "colocated"  # "colocated" | "pd"
+    mode: str = "colocated"  # "colocated" | "pd" | "cluster"
     max_seq_len: int = 128
     sliding_window: int | None = None  # hybrid model when set
     prefix_cache: bool = False  # the serving batcher's (PD: the decode worker's)
@@ -44,10 +44,20 @@ class SimConfig:
     # "reference": the tiny reference model; "hf": the same shapes as a transformers model
     # (tiny-llama, or tiny-gemma3 with the window) on HFRuntime, checked against generate()
     runtime: str = "reference"
+    # cluster: prefill and decode workers (LocalCluster); how many requests a prefill worker
+    # holds before it refuses more (backpressure; None: the worker's default)
+    prefill_workers: int | None = None
+    decode_workers: int | None = None
+    prefill_max_queued: int | None = None
 
     @property
     def pd(self) -> bool:
-        return self.mode == "pd"
+        """Prefill and decode batchers: the PD pair, or a cluster of each."""
+        return self.mode in ("pd", "cluster")
+
+    @property
+    def cluster(self) -> bool:
+        return self.mode == "cluster"
 
     def as_json(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if k != "seed" and v is not None}
@@ -74,7 +84,16 @@ def _always(*values: Any) -> Choices:
 
 
 def _pd_only(*values: Any) -> Choices:
-    return lambda c: values if c.get("mode") == "pd" else ()
+    return lambda c: values if c.get("mode") in ("pd", "cluster") else ()
+
+
+def _cluster_only(*values: Any) -> Choices:
+    return lambda c: values if c.get("mode") == "cluster" else ()
+
+
+def _fallback_choices(c: dict[str, Any]) -> tuple[Any, ...]:
+    # a cluster's decode workers always prefill locally what no prefill worker serves
+    return {"pd": (True, False), "cluster": (True,)}.get(c.get("mode") or "", ())
 
 
 @functools.cache
@@ -114,7 +133,7 @@ def _prefix_choices(window_key: str, host_key: str) -> Choices:
 
 def _prefill_prefix(c: dict[str, Any]) -> tuple[Any, ...]:
     return _prefix_choices("sliding_window", "prefill_host_cache_blocks")(c) \
-        if c.get("mode") == "pd" else ()
+        if c.get("mode") in ("pd", "cluster") else ()
 
 
 def _window_choices(c: dict[str, Any]) -> tuple[Any, ...]:
@@ -131,7 +150,7 @@ def _host_choices(prefix_key: str, pd_only: bool) -> Choices:
     """A host tier where Config accepts one (prefix cache on, a model it is allowed on); 0
     (off) elsewhere, so `--set ...=0` always works."""
     def choices(c: dict[str, Any]) -> tuple[Any, ...]:
-        if pd_only and c.get("mode") != "pd":
+        if pd_only and c.get("mode") not in ("pd", "cluster"):
             return ()
         if c.get(prefix_key) and host_cache_allowed(c.get("sliding_window")):
             return HOST_CHOICES
@@ -153,8 +172,12 @@ def _preempt_choices(c: dict[str, Any]) -> tuple[Any, ...]:
 
 
 DIMENSIONS: tuple[Dimension, ...] = (
-    Dimension("mode", "colocated batcher, or a PD prefill worker feeding a decode worker",
-              _always("colocated", "pd")),
+    # cluster is never drawn (weight 0: every seed's mode stays what it was); fixed by
+    # `--mode cluster` or `--set mode=cluster`
+    Dimension("mode", "colocated batcher, a PD prefill worker feeding a decode worker, or a "
+              "cluster of prefill and decode workers behind the router, with worker kills, "
+              "restarts and late joins", _always("colocated", "pd", "cluster"),
+              weights=(1, 1, 0)),
     Dimension("max_seq_len", "tokens per sequence", _always(128, 256),
               weights=(3, 1), open=True),
     Dimension("sliding_window", "hybrid model's window (none: every layer global)",
@@ -171,8 +194,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
               _pd_only("reserved", "dynamic")),
     Dimension("prefetch", "PD: KV asked for ahead, per waiting request", _pd_only(0, 1, 2),
               open=True),
-    Dimension("fallback_local", "PD: prefill locally once the prefill worker is lost",
-              _pd_only(True, False)),
+    Dimension("fallback_local", "PD: prefill locally once the prefill worker is lost "
+              "(cluster: always)", _fallback_choices),
     # last, so that adding them left every earlier dimension's draw as it was
     Dimension("host_cache_blocks", "host cache tier (slots) of the serving batcher (PD: decode "
               "worker); needs its prefix cache", _host_choices("prefix_cache", False),
@@ -189,6 +212,13 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension("runtime", "the model: reference (the tiny reference model) or hf (tiny-llama, "
               "or tiny-gemma3 with the window, on HFRuntime; oracle: transformers' generate)",
               _always("reference", "hf"), weights=(1, 0)),
+    Dimension("prefill_workers", "cluster: prefill workers (ranks; some may join late)",
+              _cluster_only(1, 2, 3), open=True),
+    Dimension("decode_workers", "cluster: decode workers (ranks; some may join late)",
+              _cluster_only(1, 2, 3), open=True),
+    Dimension("prefill_max_queued", "cluster: requests a prefill worker holds before it "
+              "refuses more for backpressure (they are retried elsewhere or prefilled locally)",
+              _cluster_only(1, 2, 4, 64), weights=(2, 1, 1, 1), open=True),
 )
 _DIMS = {d.name: d for d in DIMENSIONS}
 
@@ -246,7 +276,7 @@ def _parse_value(dim: Dimension, text: str) -> Any:
     low = text.lower()
     # (a value's type from some configuration that offers the dimension: preemption, e.g.,
     # only with paged tables)
-    contexts = ({"mode": "pd"}, {"mode": "pd", "blocks_per_table": 2})
+    contexts = ({"mode": "pd"}, {"mode": "pd", "blocks_per_table": 2}, {"mode": "cluster"})
     samples = list(dict.fromkeys(v for ctx in contexts for v in dim.choices(ctx)
                                  if v is not None))
     if low in ("none", "off") and dim.name == "sliding_window":
@@ -280,6 +310,12 @@ def batcher_configs(cfg: SimConfig) -> dict[str, Config]:
                       sliding_window=cfg.sliding_window, host_cache_blocks=host,
                       preemption=pre)
 
+    if cfg.cluster:
+        for name, most in (("prefill_workers", 16), ("decode_workers", 16),
+                           ("prefill_max_queued", 1024)):
+            v = getattr(cfg, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+                raise ValueError(f"{name} must be an integer in 1..{most}, got {v!r}")
     serving = one(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.host_cache_blocks)
     if not cfg.pd:
         return {"local": serving}

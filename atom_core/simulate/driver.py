@@ -18,6 +18,7 @@ import torch
 from atom_core.config import Config
 from atom_core.demo import oracle_for
 from atom_core.simulate.checks import LEAK_CHECKS
+from atom_core.simulate.checks import cluster as cluster_checks
 from atom_core.simulate.checks.at_rest import at_rest
 from atom_core.simulate.checks.endings import ending_problems
 from atom_core.simulate.checks.invariants import invariant_violations
@@ -27,7 +28,7 @@ from atom_core.simulate.faults import FAULTS, applicable
 from atom_core.simulate.faulty_runtime import FaultyRuntime
 from atom_core.simulate.model import hf_runtime, reference_runtime
 from atom_core.simulate.report import Report, report_of
-from atom_core.simulate.servers import Colocated, Disaggregated, Server, SimClock
+from atom_core.simulate.servers import Clustered, Colocated, Disaggregated, Server, SimClock
 from atom_core.simulate.workload import make_workload
 
 DRAIN_BASE, DRAIN_PER_REQUEST = 400, 40  # the drain's tick cap: base + per unfinished request
@@ -56,7 +57,8 @@ class Sim:
         self.tick_no = 0
         self.drain_ticks = 0
         self.oracle: Any = None
-        self.server: Server = Disaggregated(self) if cfg.pd else Colocated(self)
+        self.server: Server = Clustered(self) if cfg.cluster else \
+            Disaggregated(self) if cfg.pd else Colocated(self)
 
     # ------------------------------------------------------------------ plumbing
     def runtime(self, side: str, conf: Config) -> FaultyRuntime:
@@ -121,12 +123,18 @@ class Sim:
         for sid, kind in self.server.tick():
             self.ended(by_id[sid], kind)
         self.check()
+        if isinstance(self.server, Clustered):  # (the frontend just read every report)
+            for problem in cluster_checks.router_problems(self.server):
+                self.fail("router", problem)
 
     def ended(self, i: int, kind: str) -> None:
         """Request `i` ended (`kind`: finished, error, abort); `ending_problems` checks it."""
         self.outcomes[i].append(kind)
         for failure_kind, detail in ending_problems(self, i, kind):
             self.fail(failure_kind, detail)
+        if isinstance(self.server, Clustered):
+            for failure_kind, detail in cluster_checks.ending_problems(self, i, kind):
+                self.fail(failure_kind, detail)
 
     def check(self) -> None:
         for problem in invariant_violations(self.server):

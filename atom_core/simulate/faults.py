@@ -170,7 +170,67 @@ def _apply_kill(sim: Sim, ev: SimEvent) -> None:
 
 
 def _pd(cfg: SimConfig) -> bool:
-    return cfg.pd
+    return cfg.mode == "pd"  # the pair's link (a cluster's faults are its workers)
+
+
+def _not_cluster(cfg: SimConfig) -> bool:
+    # runtime faults stay with the pair and colocated: in a cluster every failure must be
+    # explained by a killed decode worker or an abort (checks/cluster.py)
+    return not cfg.cluster
+
+
+def _cluster(cfg: SimConfig) -> bool:
+    return cfg.cluster
+
+
+ROLES = ("decode", "prefill")
+
+
+def _draw_worker_kill(sim: Sim, rng: random.Random) -> dict[str, Any] | None:
+    """A running worker dies; a decode worker only while another one is running and ready
+    (with none, requests fail at once: a run without any is not worth its ticks)."""
+    server = sim.server
+    options = [("prefill", r) for r in server.running("prefill")]
+    ready = [r for r in server.running("decode") if server.c.decodes[r].ready]
+    if len(ready) > 1:
+        options += [("decode", r) for r in ready]
+    if not options:
+        return None
+    role, rank = options[rng.randrange(len(options))]
+    return {"role": role, "rank": rank}
+
+
+def _apply_worker_kill(sim: Sim, ev: SimEvent) -> None:
+    if sim.server.kill(ev.arg("role"), ev.arg("rank")):
+        sim.count("worker_kill")
+
+
+def _draw_worker_start(sim: Sim, rng: random.Random) -> dict[str, Any] | None:
+    """A stopped rank starts: a late joiner (never started) or a restart; half the time it
+    is not ready yet (still linking) until a worker_ready event."""
+    options = [(role, r) for role in ROLES for r in sim.server.stopped(role)]
+    if not options:
+        return None
+    role, rank = options[rng.randrange(len(options))]
+    return {"role": role, "rank": rank, "ready": rng.random() < 0.5}
+
+
+def _apply_worker_start(sim: Sim, ev: SimEvent) -> None:
+    if sim.server.start(ev.arg("role"), ev.arg("rank"), ready=ev.arg("ready")):
+        sim.count("worker_start")
+
+
+def _draw_worker_ready(sim: Sim, rng: random.Random) -> dict[str, Any] | None:
+    options = [(role, r) for role in ROLES for r in sim.server.not_ready(role)]
+    if not options:
+        return None
+    role, rank = options[rng.randrange(len(options))]
+    return {"role": role, "rank": rank}
+
+
+def _apply_worker_ready(sim: Sim, ev: SimEvent) -> None:
+    if sim.server.make_ready(ev.arg("role"), ev.arg("rank")):
+        sim.count("worker_ready")
 
 
 _prefill = _runtime_fault(lambda c: [(side, "prefill") for side in _serving(c)])
@@ -182,20 +242,20 @@ _alloc = _runtime_fault(_allocs)
 
 FAULTS: dict[str, FaultKind] = {f.name: f for f in (
     FaultKind("prefill", "a prefill call raises (after scribbling its block)",
-              lambda c: True, *_prefill),
+              _not_cluster, *_prefill),
     FaultKind("decode", "a decode call raises (after scribbling every row's target)",
-              lambda c: True, *_decode),
-    FaultKind("copy", "copy_kv_cache (a prefix hit) raises", lambda c: bool(_with_cache(c)),
-              *_copy, rate=0.05),
+              _not_cluster, *_decode),
+    FaultKind("copy", "copy_kv_cache (a prefix hit) raises",
+              lambda c: _not_cluster(c) and bool(_with_cache(c)), *_copy, rate=0.05),
     FaultKind("fetch", "fetch_kv_cache / fetch_local_cache (PD export, host store, hybrid "
               "snapshot) raises",
-              lambda c: bool(_moves(c, "prefill", "fetch")), *_fetch),
+              lambda c: _not_cluster(c) and bool(_moves(c, "prefill", "fetch")), *_fetch),
     FaultKind("update", "update_kv_cache / update_local_cache (PD import, host load, hybrid "
               "hit) raises",
-              lambda c: bool(_moves(c, "decode", "update")), *_update),
+              lambda c: _not_cluster(c) and bool(_moves(c, "decode", "update")), *_update),
     FaultKind("alloc", "new_host_buffer / new_local_host_buffer (PD export and import, host "
               "store, hybrid snapshot) raises: host memory ran out",
-              lambda c: bool(_allocs(c)), *_alloc),
+              lambda c: _not_cluster(c) and bool(_allocs(c)), *_alloc),
     FaultKind("delay", "PD: an end's messages are held, then released in order", _pd,
               _draw_delay, _apply_delay, rate=0.15),
     FaultKind("drop", "PD: the next message an end sends is lost", _pd,
@@ -210,6 +270,13 @@ FAULTS: dict[str, FaultKind] = {f.name: f for f in (
               _draw_kill, _apply_kill, rate=0.004),
     FaultKind("abort", "a client aborts a request, at any moment", lambda c: True,
               _draw_abort, _apply_abort, rate=0.04),
+    FaultKind("worker_kill", "cluster: a prefill or decode worker dies (every link it has "
+              "ends at once)", _cluster, _draw_worker_kill, _apply_worker_kill, rate=0.02),
+    FaultKind("worker_start", "cluster: a stopped worker starts (a late join, or a restart "
+              "of a killed one), sometimes not ready at first", _cluster, _draw_worker_start,
+              _apply_worker_start, rate=0.03),
+    FaultKind("worker_ready", "cluster: a started worker reports ready", _cluster,
+              _draw_worker_ready, _apply_worker_ready, rate=0.1),
 )}
 
 

@@ -43,6 +43,8 @@ class Report:
     prefix_failures: tuple[Failure, ...] = ()
     fixed: dict[str, Any] = attrs.Factory(dict)
     batcher_stats: dict[str, dict[str, int]] = attrs.Factory(dict)  # by side: what was covered
+    router_errors: int = 0  # cluster: the router's choices or bookkeeping against the truth
+    cluster: dict[str, int] = attrs.Factory(dict)  # cluster: kills, restarts, retries, ...
     seconds: float = attrs.field(default=0.0, eq=False)
 
     @property
@@ -88,6 +90,8 @@ class Report:
             else len(self.failing_prefix),
             "prefix_failures": [str(f) for f in self.prefix_failures[:20]],
             "replay": self.replay_command(), "batcher_stats": self.batcher_stats,
+            **({"router_errors": self.router_errors, "cluster": self.cluster}
+               if self.cluster else {}),
             "seconds": round(self.seconds, 3), "steps_per_second": self.steps_per_second,
         }
 
@@ -107,6 +111,7 @@ def report_of(sim: Sim, seed: int, steps: int, fixed: dict[str, Any], seconds: f
         drain_cap_hit=bool(kinds["drain"]), crash=crash, ticks=sim.tick_no,
         events=tuple(sim.events), failures=tuple(sim.failures), fixed=dict(fixed),
         batcher_stats={side: attrs.asdict(b.stats) for side, b in sim.server.batchers().items()},
+        router_errors=kinds["router"], cluster=sim.server.counters(),
         seconds=seconds)
 
 
@@ -125,6 +130,9 @@ def render(report: Report) -> str:
              f"leaks, {report.token_mismatches} token mismatches, {report.lifecycle_errors} "
              f"lifecycle errors" + (", drain cap hit" if report.drain_cap_hit else "")
              + (f", crash: {report.crash}" if report.crash else "")]
+    if report.cluster:
+        lines.insert(3, "  cluster: " + ", ".join(f"{k} {n}" for k, n in report.cluster.items())
+                     + f"; {report.router_errors} router errors")
     if c.get("host_cache_blocks") or c.get("prefill_host_cache_blocks"):
         st = {k: sum(v.get(k, 0) for v in report.batcher_stats.values()) for k in
               ("host_stores", "host_store_failures", "host_hit_tokens", "host_load_failures")}
