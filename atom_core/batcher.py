@@ -60,6 +60,38 @@ class Result:
 
 
 @attrs.frozen(eq=False)
+class Plan:
+    """One step's runtime call, as `AtomBatcher.plan()` chose it: `call` is "prefill",
+    "decode" or None (nothing to compute this step: `complete()` with no outputs). The inputs
+    are the runtime's (`args()` in its order): token ids, positions, block tables (a prefill's
+    one row, or decode's [B, T] with each padding row at its padding target), the local block
+    tables of a hybrid model (else None) and, for a prefill, the index of the chunk's last
+    token. `lanes` are the lanes computing (a prefill's one lane, or decode's live rows),
+    `padding` decode's padding rows. `events` are those of the choices made so far (admissions,
+    growth, preemptions); `complete()` returns them first. `effect` is the core's plan for the
+    call (a `core.Prefill` or `core.Decode`), `pad` and `lpad` decode's padding targets."""
+
+    call: str | None
+    events: tuple[Event, ...]
+    ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+    lanes: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    effect: Any = None
+    pad: int = 0
+    lpad: int = 0
+
+    def args(self) -> tuple[Any, ...]:
+        """The runtime call's positional arguments."""
+        if self.call == "prefill":
+            return (self.ids, self.positions, self.tables, self.local, self.last)
+        return (self.ids, self.positions, self.tables, self.local)
+
+
+@attrs.frozen(eq=False)
 class Export:
     """What `take_export` hands out: the request's prompt, its first generated token, a host
     tensor holding its blocks in token order (`runtime.new_host_buffer()` for one block, the
@@ -203,6 +235,9 @@ class AtomBatcher:
         # (positions past a lane's length are never read, and nothing is written there)
         self._tab = torch.zeros((config.lanes, config.blocks_per_table), dtype=torch.int16)
         self._trace = trace
+        # the pending plan (between plan() and complete()) and the core state it was made in
+        self._plan: Plan | None = None
+        self._planned: core.State | None = None
         if trace is not None:
             trace.write(json.dumps({"consts": attrs.asdict(config.consts())}) + "\n")
 
@@ -241,7 +276,10 @@ class AtomBatcher:
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
         rid = self._next_id
+        planned = self._plan is not None and self.state is self._planned
         self._apply("submit", r=rid, p=seq(prompt))
+        if planned:  # a new waiting request changes nothing a pending plan chose
+            self._planned = self.state
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
                                      export=export, sampler=sampler)
@@ -542,6 +580,25 @@ class AtomBatcher:
             self.stats.forgotten += 1
 
     def step(self) -> list[Event]:
+        """One step: `plan()`, the runtime call it names, `complete()`."""
+        plan = self.plan()
+        if plan.call is None:
+            return self.complete()
+        try:
+            out = getattr(self.runtime, plan.call)(*plan.args())
+        except Exception as exc:  # noqa: BLE001 - fails the requests the call touched
+            return self.complete(error=exc)
+        return self.complete(out)
+
+    def plan(self) -> Plan:
+        """The core's choices for this step, up to its runtime call: lanes get their next
+        blocks, waiting requests are admitted (copies and loads of prefix hits run here), and
+        one prefill or one decode call over every lane is planned. Run that call (or have an
+        engine run it) and pass its logits to `complete()`; nothing else may change the
+        batcher in between but `submit` (abort and the PD calls: before `plan()` or after
+        `complete()`)."""
+        if self._plan is not None:
+            raise RuntimeError("plan() called while a plan is pending: call complete() first")
         events: list[Event] = []
         # running lanes get their next blocks before an admission can take them, and an
         # admission whose hit fills its first block grows before the next call
@@ -549,10 +606,30 @@ class AtomBatcher:
         self._admit(events)
         self._grow(events)
         lane = self._prefilling_lane()
-        if lane is not None:
-            self._prefill(lane, events)
-        else:
-            self._decode(events)
+        plan = self._plan_prefill(lane, events) if lane is not None \
+            else self._plan_decode(events)
+        self._plan, self._planned = plan, self.state
+        return plan
+
+    def complete(self, logits: Any = None, *, error: BaseException | None = None
+                 ) -> list[Event]:
+        """End the planned step: `logits` are the planned call's output ([1, c, V] for a
+        prefill, [B, 1, V] for decode; none when the plan has no call), `error` the exception
+        the call raised instead (it fails the requests the call touched, nothing else). Returns
+        the step's events, the plan's first."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("complete() called without a pending plan: call plan() first "
+                               "(once per complete())")
+        self._plan = None
+        if self.state is not self._planned:
+            raise RuntimeError("the batcher changed between plan() and complete() (abort or a "
+                               "PD call): its plan no longer holds")
+        events = list(plan.events)
+        if plan.call == "prefill":
+            self._complete_prefill(plan, logits, error, events)
+        elif plan.call == "decode":
+            self._complete_decode(plan, logits, error, events)
         return events
 
     def busy(self) -> bool:
@@ -852,10 +929,9 @@ class AtomBatcher:
                 return ln
         return None
 
-    def _prefill(self, lane: int, events: list[Event]) -> None:
+    def _plan_prefill(self, lane: int, events: list[Event]) -> Plan:
         (eff,) = core.prefill_plan(self.state, lane, None)
-        rid = self.state.lane_req[lane]
-        req = self.requests[rid]
+        req = self.requests[self.state.lane_req[lane]]
         prompt = req.prompt + req.tokens  # after a preemption: its tokens so far too
         c = self.config.prefill_chunk
         chunk = prompt[eff.start:eff.end]
@@ -863,27 +939,36 @@ class AtomBatcher:
         ids[0, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
         pos = torch.arange(eff.start, eff.start + c, dtype=torch.int32).unsqueeze(0)
         assert self._tables[lane][eff.start // self.config.block_size] == eff.block, eff
-        table = self._tab[lane].clone()
         # hybrid: the lane's own local slot (local_block_tables[lane] == lane)
         local = torch.tensor([lane], dtype=torch.int16) if self._hybrid else None
-        try:
-            logits = self.runtime.prefill(ids, pos, table, local,
-                                          torch.tensor(len(chunk) - 1, dtype=torch.int16))
-            tok = int(torch.argmax(logits[0, -1]))
-        except Exception as exc:  # noqa: BLE001
-            self._end(lane, events, f"prefill failed: {exc!r}")
+        return Plan("prefill", tuple(events), ids, pos, self._tab[lane].clone(), local,
+                    torch.tensor(len(chunk) - 1, dtype=torch.int16), lanes=(lane,), effect=eff)
+
+    def _complete_prefill(self, plan: Plan, logits: Any, error: BaseException | None,
+                          events: list[Event]) -> None:
+        (lane,), eff = plan.lanes, plan.effect
+        rid = self.state.lane_req[lane]
+        req = self.requests[rid]
+        if error is None:
+            try:
+                tok = int(torch.argmax(logits[0, -1]))
+            except Exception as exc:  # noqa: BLE001 - logits the call got wrong
+                error = exc
+        if error is not None:
+            self._end(lane, events, f"prefill failed: {error!r}")
             return
-        if req.sampler is not None and eff.end == len(prompt):  # (a token is emitted)
+        emits = eff.end == len(req.prompt) + len(req.tokens)  # the prompt's last chunk
+        if req.sampler is not None and emits:
             try:
                 tok = self._sample(req, logits[0, -1])
             except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
                 self._end(lane, events, f"sampler failed: {exc!r}")
                 return
-        self.stats.prefill_tokens += len(chunk)
+        self.stats.prefill_tokens += eff.end - eff.start
         self._apply("prefill", l=lane, tok=tok)
         self._snapshot(lane)
-        if eff.end == len(prompt):
-            if self.requests[rid].export:
+        if emits:
+            if req.export:
                 (out,) = self._apply("export", l=lane).effects
                 self._transfers[rid] = out.block
                 self._exports[rid] = tok
@@ -892,27 +977,26 @@ class AtomBatcher:
                 self._emit_token(lane, tok, events)
 
     # --------------------------------------------------------------- decode
-    def _decode(self, events: list[Event]) -> None:
-        s = self.state
-        pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
-        plan = core.decode_plan(s, pad, lpad, None)
-        if isinstance(plan, str):
-            # no lane decodes, or no padding target yet: a prefill comes first, or (with
-            # preemption, every block held by lanes) a lane makes room; or (hybrid) every lane
-            # is busy and one is not decoding, so no local slot may take padding: that lane
-            # prefills or its transfer ends first
-            self._preempt(events)
-            return
-        (eff,) = plan
-        if (self.config.host_cache_blocks and not all(eff.live) and self._is_cache_entry(pad)
-                and self._spill(pad)):
+    def _plan_decode(self, events: list[Event]) -> Plan:
+        while True:
+            s = self.state
+            pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
+            plan = core.decode_plan(s, pad, lpad, None)
+            if isinstance(plan, str):
+                # no lane decodes, or no padding target yet: a prefill comes first, or (with
+                # preemption, every block held by lanes) a lane makes room; or (hybrid) every
+                # lane is busy and one is not decoding, so no local slot may take padding:
+                # that lane prefills or its transfer ends first
+                self._preempt(events)
+                return Plan(None, tuple(events))
+            (eff,) = plan
+            if not (self.config.host_cache_blocks and not all(eff.live)
+                    and self._is_cache_entry(pad) and self._spill(pad)):
+                break
             # padding would evict that entry: it went to the host tier first; choose again
-            self._decode(events)
-            return
-        lanes = [ln for ln, live in enumerate(eff.live) if live]
+        lanes = tuple(ln for ln, live in enumerate(eff.live) if live)
         if not lanes:
-            return
-        b = s.consts.B
+            return Plan(None, tuple(events))
         ids = torch.tensor([[self.requests[s.lane_req[ln]].tokens[-1] if live else 0]
                             for ln, live in enumerate(eff.live)], dtype=torch.int64)
         pos = torch.tensor(eff.positions, dtype=torch.int32).unsqueeze(1)
@@ -929,15 +1013,24 @@ class AtomBatcher:
         # hybrid: the local slot the spec gives each row (a decoding lane its own; padding rows
         # an idle lane's, whose window they may overwrite)
         local = torch.tensor(eff.local, dtype=torch.int16).unsqueeze(1) if self._hybrid else None
-        try:
-            logits = self.runtime.decode(ids, pos, tables, local)
-            toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
-        except Exception as exc:  # noqa: BLE001
+        padding = tuple(ln for ln, live in enumerate(eff.live) if not live)
+        return Plan("decode", tuple(events), ids, pos, tables, local, lanes=lanes,
+                    padding=padding, effect=eff, pad=pad, lpad=lpad)
+
+    def _complete_decode(self, plan: Plan, logits: Any, error: BaseException | None,
+                         events: list[Event]) -> None:
+        s, lanes = self.state, plan.lanes
+        if error is None:
+            try:
+                toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
+            except Exception as exc:  # noqa: BLE001 - logits the call got wrong
+                error = exc
+        if error is not None:
             # Every row was computed, so every row's target may be half-written.
             for ln in lanes:
-                self._end(ln, events, f"decode failed: {exc!r}")
-            if not all(eff.live):
-                self._apply("discard", b=pad)
+                self._end(ln, events, f"decode failed: {error!r}")
+            if plan.padding:
+                self._apply("discard", b=plan.pad)
             return
         # a request's own sampler failing fails that request alone, after the step (its row's
         # KV was written like every other row's)
@@ -950,8 +1043,8 @@ class AtomBatcher:
                 except Exception as exc:  # noqa: BLE001
                     bad[ln] = f"sampler failed: {exc!r}"
         self.stats.decode_steps += 1
-        self.stats.decode_rows_padding += b - len(lanes)
-        self._apply("decode", pad=pad, lpad=lpad, tok=tuple(int(t) for t in toks))
+        self.stats.decode_rows_padding += len(plan.padding)
+        self._apply("decode", pad=plan.pad, lpad=plan.lpad, tok=tuple(int(t) for t in toks))
         for ln in lanes:
             if ln in bad:
                 self._end(ln, events, bad[ln])
