@@ -846,58 +846,33 @@ class AtomBatcher:
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:
         """Every lane whose tail block is full gets its next block before the next runtime call
-        (decode is one call over every row, so all of them at once), the oldest lane first. A
-        prefilling lane whose next block's worth of prompt is cached copies it (`grow_hit`), or
-        loads it from the host tier (`grow_host_hit`) when the host entry is longer."""
+        (decode is one call over every row, so all of them at once), the oldest lane first, as
+        the policy chooses (`Policy.grow`): a plain block, a cached continuation copied
+        (`grow_hit`) or loaded from the host tier (`grow_host_hit`), or a victim preempted to
+        free one."""
         while lanes := self.policy.growth(self.state):
             lane = lanes[0]
-            importing = core.importing(self.state, lane)
-            hit = None if importing else self.policy.next_hit(self.state, lane)
-            dst = self._block(exclude=None if hit is None else hit[0])
-            if dst is None and hit is not None:  # the hit's source is the only block left
-                hit, dst = None, self._block()
-            if dst is None:
-                if self._in_flight():
-                    return  # a block frees when a transfer or store ends: wait, as admission does
-                if self._preempt(events):  # (never an importing lane: it computes nothing)
-                    continue
+            choice = self.policy.grow(self.state, lane)
+            if choice is None:
+                if self.policy.in_flight(self.state):
+                    return  # a block frees when a transfer or store ends: wait for it
                 # with nothing in flight, the capacity rule Config checks excludes this
                 raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is "
                                    "below the capacity rule (Config checks it; was it bypassed?)")
-            if importing:
-                self._apply("import_grow", l=lane, dst=dst)
-                self.stats.table_grows += 1
-                self._import_ready(lane, events)
+            if choice.action == "preempt":
+                self._preempt_lane(choice.args["l"], events)
                 continue
-            # (after `_block`: its spill may have evicted a host entry)
-            host = self.policy.next_host_hit(self.state, lane) if self.config.host_cache_blocks \
-                else None
+            dst = choice.args["dst"]
+            if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
+                continue  # the entry went to the host tier; its block is free now: choose again
             self.stats.table_grows += 1
-            if host is not None and (hit is None or host[1] > hit[1]):
-                step = self._apply("grow_host_hit", l=lane, h=host[0], dst=dst, n=host[1])
+            step = self._apply(choice.action, **choice.args)
+            if choice.action == "import_grow":
+                self._import_ready(lane, events)
+            elif choice.action == "grow_host_hit":
                 self._load(next(e for e in step.effects if isinstance(e, core.Load)))
-            elif hit is not None:
-                step = self._apply("grow_hit", l=lane, src=hit[0], dst=dst, n=hit[1])
+            elif choice.action == "grow_hit":
                 self._copy(next(e for e in step.effects if isinstance(e, core.Copy)), events)
-            else:
-                self._apply("grow", l=lane, dst=dst)
-
-    def _in_flight(self) -> bool:
-        """A transfer or a store is running, and frees or unpins blocks when it ends: a lane's
-        transfer (an import whose table is complete, an export), a block draining for one, a
-        block being stored to the host tier. An import still waiting for its table has not
-        started its transfer."""
-        s = self.state
-        return (any(core.moving(s, n) and not core.import_waits(s, n) for n in range(s.consts.B))
-                or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING) for o in s.owner))
-
-    def _block(self, exclude: int | None = None) -> int | None:
-        """The policy's reusable block; a cache entry there goes to the host tier first."""
-        while True:
-            dst = self.policy.reusable(self.state, exclude=exclude)
-            if not (dst is not None and self.config.host_cache_blocks
-                    and self._is_cache_entry(dst) and self._spill(dst)):
-                return dst
 
     def _preempt(self, events: list[Event]) -> bool:
         """Free a lane's blocks for a lane that waits for one (`Policy.victim`); its request
@@ -908,6 +883,10 @@ class AtomBatcher:
         lane = self.policy.victim(self.state)
         if lane is None:
             return False
+        self._preempt_lane(lane, events)
+        return True
+
+    def _preempt_lane(self, lane: int, events: list[Event]) -> None:
         rid, lost = self.state.lane_req[lane], self.state.length[lane]
         self._apply("preempt", l=lane)
         # An imported request resumes here, by recomputing its prompt and tokens as any
@@ -919,7 +898,6 @@ class AtomBatcher:
         self.stats.preemptions += 1
         self.stats.recomputed_tokens += lost
         events.append(Event("preempted", rid))
-        return True
 
     # --------------------------------------------------------------- prefill
     def _prefilling_lane(self) -> int | None:
