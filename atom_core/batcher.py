@@ -138,9 +138,21 @@ class Request:
     export: bool = False  # prefill only, then hand the KV out
     tokens: list[int] = attrs.Factory(list)
     error: str | None = None
-    ended: bool = False
     # picks the request's next token from its logits [V]; None: greedy (argmax)
     sampler: Callable[[torch.Tensor], int] | None = None
+    # the batcher whose core state holds the request's phase (read, never copied here)
+    _batcher: AtomBatcher | None = attrs.field(default=None, repr=False, eq=False)
+
+    @property
+    def ended(self) -> bool:
+        """Finished, aborted or failed (or forgotten since), as the core's phase says."""
+        assert self._batcher is not None
+        return self._batcher.state.phase.get(self.id) not in _LIVE
+
+
+# the phases of a request that has not ended (waiting again after a preemption included)
+_LIVE = frozenset((core.PHASE_WAITING, core.PHASE_PREFILL, core.PHASE_DECODE,
+                   core.PHASE_IMPORTING, core.PHASE_EXPORTING))
 
 
 def _token(t: Any) -> int:
@@ -222,8 +234,6 @@ class AtomBatcher:
         self.waiting: deque[int] = deque()
         self.stats = Stats()
         self._next_id = 0
-        self._transfers: dict[int, int] = {}  # request -> block of its unfinished transfer
-        self._asked: set[int] = set()  # imports whose "import" event went out
         # (host buffer shape, dtype, (local slot shape, dtype) or None): import_kv's layout,
         # asked of the runtime on the first import
         self._import_ref: tuple[Any, ...] | None = None
@@ -282,7 +292,7 @@ class AtomBatcher:
             self._planned = self.state
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
-                                     export=export, sampler=sampler)
+                                     export=export, sampler=sampler, batcher=self)
         self.waiting.append(rid)
         return rid
 
@@ -299,13 +309,14 @@ class AtomBatcher:
             self.waiting.remove(request_id)
             self._apply("abort_waiting", r=request_id)
         else:  # a block in a transfer drains until `transfer_ended` (see the module doc)
+            asked = self.awaits_kv(request_id)
             self._apply("abort_running", l=self.state.req_lane.get(request_id))
-            if phase == core.PHASE_IMPORTING and request_id not in self._asked:
+            if phase == core.PHASE_IMPORTING and not asked:
                 # its table was still growing: nobody was asked for its KV, so no end of that
                 # transfer will ever be reported; it ends here (nothing wrote the blocks)
-                self._apply("transfer_end", r=request_id, b=self._transfers.pop(request_id))
+                self._apply("transfer_end", r=request_id, b=self._draining(request_id))
         self._exports.pop(request_id, None)
-        req.ended, req.error = True, "aborted"
+        req.error = "aborted"
         self._ended_now(request_id)
         return True
 
@@ -398,8 +409,6 @@ class AtomBatcher:
             except Exception as exc:  # noqa: BLE001 - this request's import failed
                 self._transfer_failed(request_id, f"update_local_cache failed: {exc!r}", events)
                 return events
-        del self._transfers[request_id]
-        self._asked.discard(request_id)
         self._apply("import_done", r=request_id, p=p, tok=first_token)
         self.stats.imported_tokens += len(p)
         self._emit_token(self.state.req_lane.get(request_id), first_token, events)
@@ -441,9 +450,7 @@ class AtomBatcher:
         if error is not None:
             self._transfer_failed(request_id, error, events)
             return events
-        del self._transfers[request_id]
         self._apply("export_done", r=request_id, keep=self.config.prefix_cache)
-        self.requests[request_id].ended = True
         self.stats.exports += 1
         events.append(Event("finished", request_id))
         self._ended_now(request_id)
@@ -451,14 +458,28 @@ class AtomBatcher:
 
     def awaits_kv(self, request_id: int) -> bool:
         """The request's lane has its whole table and its "import" event went out: `import_kv`
-        can write its KV now (before that, keep the KV until the event)."""
-        return (request_id in self._asked
-                and self.state.phase.get(request_id) == core.PHASE_IMPORTING)
+        can write its KV now (before that, keep the KV until the event). The event goes out
+        exactly when an importing lane's table comes to cover the prompt (`_import_ready`), so
+        the core's state says whether it has."""
+        s = self.state
+        return (s.phase.get(request_id) == core.PHASE_IMPORTING
+                and core.table_covers_prompt(s, s.req_lane.get(request_id)))
 
     def transfers(self) -> dict[int, int]:
-        """Unfinished transfers: request -> its first block (including requests whose blocks
+        """Unfinished transfers, as the core records them (`transfer`, `transfer_req`):
+        request -> the lowest-numbered block its transfer uses (including requests whose blocks
         drain after an abort)."""
-        return dict(self._transfers)
+        s, out = self.state, {}
+        for b in range(s.consts.K):
+            if s.transfer[b]:
+                out.setdefault(s.transfer_req[b], b)
+        return out
+
+    def _draining(self, rid: int) -> int | None:
+        """A block draining for rid's transfer (its end frees them all), or None."""
+        s = self.state
+        return next((b for b in range(s.consts.K)
+                     if s.owner[b] == core.OWNER_DRAINING and s.transfer_req[b] == rid), None)
 
     def new_import_buffer(self) -> torch.Tensor:
         """A host tensor for `import_kv` as long as a lane's table (max_seq_len positions) in
@@ -530,21 +551,16 @@ class AtomBatcher:
         return bufs[0] if len(bufs) == 1 else torch.cat(bufs, dim=3)
 
     def _transfer_failed(self, rid: int, error: str, events: list[Event]) -> None:
-        self._transfers.pop(rid, None)
-        self._asked.discard(rid)
         self._exports.pop(rid, None)
         self._apply("transfer_fail", r=rid)
         self.stats.transfer_failures += 1
-        req = self.requests[rid]
-        req.ended, req.error = True, error
+        self.requests[rid].error = error
         events.append(Event("error", rid, error=error))
         self._ended_now(rid)
 
     def _stale_or_drained(self, rid: int) -> None:
-        block = self._transfers.get(rid)
-        if block is not None and core.enabled_transfer_end(self.state, r=rid, b=block):
-            del self._transfers[rid]
-            self._asked.discard(rid)
+        block = self._draining(rid)
+        if block is not None:
             self._apply("transfer_end", r=rid, b=block)
             self._trim_ended()  # it may have held back older ones
         else:
@@ -558,8 +574,7 @@ class AtomBatcher:
     def forget(self, request_id: int) -> bool:
         """Drop an ended request now (its `requests` entry and the core's record of it). False,
         and nothing changes, for a request that has not ended or whose blocks still drain."""
-        req = self.requests.get(request_id)
-        if req is None or not req.ended or request_id in self._transfers:
+        if request_id not in self.requests or not core.enabled_forget(self.state, r=request_id):
             return False
         self._apply("forget", r=request_id)
         del self.requests[request_id]
@@ -573,7 +588,8 @@ class AtomBatcher:
         (its transfer's end will name it) holds back the rest until that end."""
         if self.keep_ended is None:
             return
-        while len(self._ended) > self.keep_ended and self._ended[0] not in self._transfers:
+        while len(self._ended) > self.keep_ended and core.enabled_forget(self.state,
+                                                                          r=self._ended[0]):
             rid = self._ended.popleft()
             self._apply("forget", r=rid)
             del self.requests[rid]
@@ -633,7 +649,8 @@ class AtomBatcher:
         return events
 
     def busy(self) -> bool:
-        return bool(self.waiting) or any(self.state.busy) or bool(self._transfers)
+        s = self.state
+        return bool(self.waiting) or any(s.busy) or any(s.transfer)
 
     def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
         """Step until nothing waits, runs or transfers. With PD, transfers end only when the
@@ -781,7 +798,6 @@ class AtomBatcher:
             self.stats.runtime_errors += 1
             req.error = error
             events.append(Event("error", rid, error=error))
-        req.ended = True
         self._ended_now(rid)
 
     def _emit_token(self, lane: int, tok: int, events: list[Event]) -> None:
@@ -808,7 +824,6 @@ class AtomBatcher:
             step = self._apply(choice.action, **choice.args)
             for eff in step.effects:
                 if isinstance(eff, core.Inbound):
-                    self._transfers[eff.request] = eff.block
                     self._import_ready(eff.lane, events)
                 elif isinstance(eff, core.Copy):
                     self._copy(eff, events)
@@ -839,9 +854,7 @@ class AtomBatcher:
         grow it further exactly then."""
         s = self.state
         if core.importing(s, lane) and core.table_covers_prompt(s, lane):
-            rid = self.state.lane_req[lane]
-            self._asked.add(rid)
-            events.append(Event("import", rid))
+            events.append(Event("import", self.state.lane_req[lane]))
 
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:
@@ -947,8 +960,7 @@ class AtomBatcher:
         self._snapshot(lane)
         if emits:
             if req.export:
-                (out,) = self._apply("export", l=lane).effects
-                self._transfers[rid] = out.block
+                self._apply("export", l=lane)
                 self._exports[rid] = tok
                 events.append(Event("export", rid, token=tok))
             else:
