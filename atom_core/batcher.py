@@ -676,18 +676,22 @@ class AtomBatcher:
         slot, evict = place
         if evict:
             self._apply("host_evict", h=slot)
-        self._apply("spill", b=block, h=slot)
-        try:  # the allocation too: host memory can run out, and the store must still end
-            if slot not in self._host:
-                self._host[slot] = self.runtime.new_host_buffer()
-            self.runtime.fetch_kv_cache(self._host[slot], block)
-        except Exception:  # noqa: BLE001 - only this entry is lost; its block is free either way
-            self._apply("store_fail", h=slot)
-            self.stats.host_store_failures += 1
-            return True
-        self._apply("store_done", h=slot)
-        self.stats.host_stores += 1
+        self._dispatch(self._apply("spill", b=block, h=slot), [])
         return True
+
+    def _store(self, eff: Any) -> None:
+        """Store a spilled block into its host slot and end the store (`store_done`); a failed
+        store (`store_fail`) loses only that entry: its block is free either way."""
+        try:  # the allocation too: host memory can run out, and the store must still end
+            if eff.slot not in self._host:
+                self._host[eff.slot] = self.runtime.new_host_buffer()
+            self.runtime.fetch_kv_cache(self._host[eff.slot], eff.block)
+        except Exception:  # noqa: BLE001 - only this entry is lost
+            self._apply("store_fail", h=eff.slot)
+            self.stats.host_store_failures += 1
+            return
+        self._apply("store_done", h=eff.slot)
+        self.stats.host_stores += 1
 
     def _load(self, eff: Any) -> None:
         """A host-tier hit: load the slot into the lane's fresh block. If the load fails, the
@@ -821,14 +825,25 @@ class AtomBatcher:
             if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.waiting.popleft()
-            step = self._apply(choice.action, **choice.args)
-            for eff in step.effects:
-                if isinstance(eff, core.Inbound):
-                    self._import_ready(eff.lane, events)
-                elif isinstance(eff, core.Copy):
-                    self._copy(eff, events)
-                elif isinstance(eff, core.Load):
-                    self._load(eff)
+            self._dispatch(self._apply(choice.action, **choice.args), events)
+
+    def _dispatch(self, step: core.Step, events: list[Event]) -> None:
+        """Run what an applied choice's effects ask of the runtime, in their order: a prefix
+        hit's copy (`Copy`), a host-tier load (`Load`), a store into the host tier (`Store`);
+        and ask for an import's KV once its table covers the prompt (`Inbound`, `Grow`). The
+        one place effects become runtime calls, besides the step's own prefill or decode call,
+        which `plan()` builds from the core's `*_plan` effects; `_apply` keeps the block tables
+        from the same effects."""
+        for eff in step.effects:
+            kind = type(eff)
+            if kind is core.Copy:
+                self._copy(eff, events)
+            elif kind is core.Load:
+                self._load(eff)
+            elif kind is core.Store:
+                self._store(eff)
+            elif kind is core.Inbound or kind is core.Grow:
+                self._import_ready(eff.lane, events)
 
     def _copy(self, eff: Any, events: list[Event]) -> None:
         """Run a prefix hit's copy (an admission's, or a `grow_hit`'s into a later block) and
@@ -879,13 +894,7 @@ class AtomBatcher:
             if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.stats.table_grows += 1
-            step = self._apply(choice.action, **choice.args)
-            if choice.action == "import_grow":
-                self._import_ready(lane, events)
-            elif choice.action == "grow_host_hit":
-                self._load(next(e for e in step.effects if isinstance(e, core.Load)))
-            elif choice.action == "grow_hit":
-                self._copy(next(e for e in step.effects if isinstance(e, core.Copy)), events)
+            self._dispatch(self._apply(choice.action, **choice.args), events)
 
     def _preempt(self, events: list[Event]) -> bool:
         """Free a lane's blocks for a lane that waits for one (`Policy.victim`); its request
