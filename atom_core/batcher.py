@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import operator
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any
 
 import attrs
@@ -627,12 +627,15 @@ class AtomBatcher:
         self._plan, self._planned = plan, self.state
         return plan
 
-    def complete(self, logits: Any = None, *, error: BaseException | None = None
-                 ) -> list[Event]:
+    def complete(self, logits: Any = None, *, tokens: Sequence[int] | None = None,
+                 error: BaseException | None = None) -> list[Event]:
         """End the planned step: `logits` are the planned call's output ([1, c, V] for a
-        prefill, [B, 1, V] for decode; none when the plan has no call), `error` the exception
-        the call raised instead (it fails the requests the call touched, nothing else). Returns
-        the step's events, the plan's first."""
+        prefill, [B, 1, V] for decode; none when the plan has no call), or `tokens` the tokens
+        an engine sampled from them (one for a prefill, one per row for decode, padding rows'
+        ignored; the requests' own samplers are then not called, and a token that is not an id
+        in the vocabulary fails its request alone), or `error` the exception the call raised
+        (it fails the requests the call touched, nothing else). Returns the step's events, the
+        plan's first."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("complete() called without a pending plan: call plan() first "
@@ -643,9 +646,9 @@ class AtomBatcher:
                                "PD call): its plan no longer holds")
         events = list(plan.events)
         if plan.call == "prefill":
-            self._complete_prefill(plan, logits, error, events)
+            self._complete_prefill(plan, logits, tokens, error, events)
         elif plan.call == "decode":
-            self._complete_decode(plan, logits, error, events)
+            self._complete_decode(plan, logits, tokens, error, events)
         return events
 
     def busy(self) -> bool:
@@ -944,12 +947,12 @@ class AtomBatcher:
         return Plan("prefill", tuple(events), ids, pos, self._tab[lane].clone(), local,
                     torch.tensor(len(chunk) - 1, dtype=torch.int16), lanes=(lane,), effect=eff)
 
-    def _complete_prefill(self, plan: Plan, logits: Any, error: BaseException | None,
-                          events: list[Event]) -> None:
+    def _complete_prefill(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
+                          error: BaseException | None, events: list[Event]) -> None:
         (lane,), eff = plan.lanes, plan.effect
         rid = self.state.lane_req[lane]
         req = self.requests[rid]
-        if error is None:
+        if error is None and tokens is None:
             try:
                 tok = int(torch.argmax(logits[0, -1]))
             except Exception as exc:  # noqa: BLE001 - logits the call got wrong
@@ -958,7 +961,14 @@ class AtomBatcher:
             self._end(lane, events, f"prefill failed: {error!r}")
             return
         emits = eff.end == len(req.prompt) + len(req.tokens)  # the prompt's last chunk
-        if req.sampler is not None and emits:
+        if tokens is not None:
+            try:
+                (tok,) = tokens
+                tok = self._checked(tok)
+            except Exception as exc:  # noqa: BLE001 - this request's token, nothing else
+                self._end(lane, events, f"token rejected: {exc!r}")
+                return
+        elif req.sampler is not None and emits:
             try:
                 tok = self._sample(req, logits[0, -1])
             except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
@@ -1016,13 +1026,18 @@ class AtomBatcher:
         return Plan("decode", tuple(events), ids, pos, tables, local, lanes=lanes,
                     padding=padding, effect=eff, pad=pad, lpad=lpad)
 
-    def _complete_decode(self, plan: Plan, logits: Any, error: BaseException | None,
-                         events: list[Event]) -> None:
+    def _complete_decode(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
+                         error: BaseException | None, events: list[Event]) -> None:
         s, lanes = self.state, plan.lanes
         if error is None:
             try:
-                toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
-            except Exception as exc:  # noqa: BLE001 - logits the call got wrong
+                if tokens is None:
+                    toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
+                elif len(tokens) != s.consts.B:
+                    raise ValueError(f"{len(tokens)} tokens for {s.consts.B} rows")
+                else:
+                    toks = list(tokens)
+            except Exception as exc:  # noqa: BLE001 - outputs the call got wrong
                 error = exc
         if error is not None:
             # Every row was computed, so every row's target may be half-written.
@@ -1034,9 +1049,18 @@ class AtomBatcher:
         # a request's own sampler failing fails that request alone, after the step (its row's
         # KV was written like every other row's)
         bad: dict[int, str] = {}
-        for ln in lanes:
+        for ln, live in enumerate(plan.effect.live):
+            if not live:
+                if tokens is not None:
+                    toks[ln] = 0  # (the engine's for a padding row: never used, maybe None)
+                continue
             req = self.requests[s.lane_req[ln]]
-            if req.sampler is not None:
+            if tokens is not None:
+                try:
+                    toks[ln] = self._checked(toks[ln])
+                except Exception as exc:  # noqa: BLE001
+                    bad[ln], toks[ln] = f"token rejected: {exc!r}", 0
+            elif req.sampler is not None:
                 try:
                     toks[ln] = self._sample(req, logits[ln, -1])
                 except Exception as exc:  # noqa: BLE001
@@ -1049,6 +1073,15 @@ class AtomBatcher:
                 self._end(ln, events, bad[ln])
             else:
                 self._emit_token(ln, int(toks[ln]), events)
+
+    def _checked(self, tok: Any) -> int:
+        """A token an engine sampled: an id in the vocabulary (else the next decode call
+        would fail for every lane)."""
+        tok = _token(tok)
+        vocab = getattr(self.runtime, "vocab_size", None)
+        if tok < 0 or vocab is not None and tok >= vocab:
+            raise ValueError(f"token {tok} outside the vocabulary")
+        return tok
 
     def _sample(self, req: Request, logits: Any) -> int:
         """The request's sampler's token, checked: a token outside the vocabulary would fail

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from atom_core.batcher import AtomBatcher
+from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config
 from atom_core.runtime import TorchReferenceRuntime
 
@@ -118,3 +118,37 @@ def test_submit_between_plan_and_complete_keeps_the_plan_abort_does_not():
     with pytest.raises(RuntimeError, match="changed between plan"):
         a.complete(getattr(a.runtime, plan.call)(*plan.args()))
     a.step()  # the batcher goes on: the next step plans afresh
+
+
+def test_complete_with_tokens_sampled_elsewhere_is_step():
+    """An engine that samples itself passes tokens (greedy here: the same as step's argmax);
+    a token outside the vocabulary fails its request alone."""
+    a, b = _pair(kv_blocks=12, block_size=64, prefix_cache=True)
+    for p in PROMPTS:
+        a.submit(p, 12)
+        b.submit(p, 12)
+    while a.busy() or b.busy():
+        plan = a.plan()
+        if plan.call is None:
+            got = a.complete()
+        else:
+            logits = getattr(a.runtime, plan.call)(*plan.args())
+            got = a.complete(tokens=torch.argmax(logits[:, -1, :], dim=-1).tolist())
+        assert got == b.step()
+        assert a.state == b.state
+    assert {r: q.tokens for r, q in a.requests.items()} == \
+        {r: q.tokens for r, q in b.requests.items()}
+
+    a, _ = _pair(kv_blocks=3)
+    bad, good = a.submit([1, 2, 3], 4), a.submit([4, 5], 4)
+    assert a.plan().call == "prefill"
+    a.complete(tokens=[5])
+    assert a.plan().call == "prefill"
+    a.complete(tokens=[7])
+    plan = a.plan()
+    assert plan.call == "decode" and plan.lanes == (0, 1)
+    events = a.complete(tokens=[128, 9])  # 128: outside the tiny model's vocabulary
+    assert a.requests[bad].ended and "token rejected" in a.requests[bad].error
+    assert Event("token", good, token=9) in events and not a.requests[good].ended
+    a.run_until_done()
+    assert a.requests[good].error is None and len(a.requests[good].tokens) == 4
