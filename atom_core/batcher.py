@@ -237,7 +237,6 @@ class AtomBatcher:
         # (host buffer shape, dtype, (local slot shape, dtype) or None): import_kv's layout,
         # asked of the runtime on the first import
         self._import_ref: tuple[Any, ...] | None = None
-        self._exports: dict[int, int] = {}  # request -> first token, KV not yet taken
         # each lane's block table in token order, kept from the core's effects (admit, grow,
         # release): what the runtime's block_tables rows hold
         self._tables: list[list[int]] = [[] for _ in range(config.lanes)]
@@ -315,7 +314,6 @@ class AtomBatcher:
                 # its table was still growing: nobody was asked for its KV, so no end of that
                 # transfer will ever be reported; it ends here (nothing wrote the blocks)
                 self._apply("transfer_end", r=request_id, b=self._draining(request_id))
-        self._exports.pop(request_id, None)
         req.error = "aborted"
         self._ended_now(request_id)
         return True
@@ -430,14 +428,18 @@ class AtomBatcher:
         pinned block, and for a hybrid model its lane's local slot (the lane stays the request's
         until `export_done`). Call `export_done` once the KV is handed to the transport, or
         `export_done(request_id, error)` if this raises (a runtime read or allocation failed)."""
-        if request_id not in self._exports:
+        s = self.state
+        if s.phase.get(request_id) != core.PHASE_EXPORTING:
             raise KeyError(f"request {request_id} has no export pending")
-        host = self._read_blocks(self._tables[self.state.req_lane.get(request_id)])
+        lane = s.req_lane.get(request_id)
+        host = self._read_blocks(self._tables[lane])
         local = None
         if self._hybrid:
             local = self.runtime.new_local_host_buffer()
-            self.runtime.fetch_local_cache(local, self.state.req_lane.get(request_id))
-        return Export(self.requests[request_id].prompt, self._exports[request_id], host, local)
+            self.runtime.fetch_local_cache(local, lane)
+        # the first token is the one the core's sequence holds past the prompt
+        return Export(self.requests[request_id].prompt, s.lane_seq[lane][s.lane_plen[lane]],
+                      host, local)
 
     def export_done(self, request_id: int, error: str | None = None) -> list[Event]:
         """The export of `request_id` was sent (error None) or could not be: its block is
@@ -446,7 +448,6 @@ class AtomBatcher:
         if self.state.phase.get(request_id) != core.PHASE_EXPORTING:
             self._stale_or_drained(request_id)
             return events
-        self._exports.pop(request_id, None)
         if error is not None:
             self._transfer_failed(request_id, error, events)
             return events
@@ -551,7 +552,6 @@ class AtomBatcher:
         return bufs[0] if len(bufs) == 1 else torch.cat(bufs, dim=3)
 
     def _transfer_failed(self, rid: int, error: str, events: list[Event]) -> None:
-        self._exports.pop(rid, None)
         self._apply("transfer_fail", r=rid)
         self.stats.transfer_failures += 1
         self.requests[rid].error = error
@@ -980,7 +980,6 @@ class AtomBatcher:
         if emits:
             if req.export:
                 self._apply("export", l=lane)
-                self._exports[rid] = tok
                 events.append(Event("export", rid, token=tok))
             else:
                 self._emit_token(lane, tok, events)
