@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import operator
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any
 
 import attrs
@@ -57,6 +57,38 @@ class Event:
 class Result:
     tokens: list[int]
     error: str | None = None
+
+
+@attrs.frozen(eq=False)
+class Plan:
+    """One step's runtime call, as `AtomBatcher.plan()` chose it: `call` is "prefill",
+    "decode" or None (nothing to compute this step: `complete()` with no outputs). The inputs
+    are the runtime's (`args()` in its order): token ids, positions, block tables (a prefill's
+    one row, or decode's [B, T] with each padding row at its padding target), the local block
+    tables of a hybrid model (else None) and, for a prefill, the index of the chunk's last
+    token. `lanes` are the lanes computing (a prefill's one lane, or decode's live rows),
+    `padding` decode's padding rows. `events` are those of the choices made so far (admissions,
+    growth, preemptions); `complete()` returns them first. `effect` is the core's plan for the
+    call (a `core.Prefill` or `core.Decode`), `pad` and `lpad` decode's padding targets."""
+
+    call: str | None
+    events: tuple[Event, ...]
+    ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    last: torch.Tensor | None = None
+    lanes: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    effect: Any = None
+    pad: int = 0
+    lpad: int = 0
+
+    def args(self) -> tuple[Any, ...]:
+        """The runtime call's positional arguments."""
+        if self.call == "prefill":
+            return (self.ids, self.positions, self.tables, self.local, self.last)
+        return (self.ids, self.positions, self.tables, self.local)
 
 
 @attrs.frozen(eq=False)
@@ -106,9 +138,21 @@ class Request:
     export: bool = False  # prefill only, then hand the KV out
     tokens: list[int] = attrs.Factory(list)
     error: str | None = None
-    ended: bool = False
     # picks the request's next token from its logits [V]; None: greedy (argmax)
     sampler: Callable[[torch.Tensor], int] | None = None
+    # the batcher whose core state holds the request's phase (read, never copied here)
+    _batcher: AtomBatcher | None = attrs.field(default=None, repr=False, eq=False)
+
+    @property
+    def ended(self) -> bool:
+        """Finished, aborted or failed (or forgotten since), as the core's phase says."""
+        assert self._batcher is not None
+        return self._batcher.state.phase.get(self.id) not in _LIVE
+
+
+# the phases of a request that has not ended (waiting again after a preemption included)
+_LIVE = frozenset((core.PHASE_WAITING, core.PHASE_PREFILL, core.PHASE_DECODE,
+                   core.PHASE_IMPORTING, core.PHASE_EXPORTING))
 
 
 def _token(t: Any) -> int:
@@ -190,12 +234,9 @@ class AtomBatcher:
         self.waiting: deque[int] = deque()
         self.stats = Stats()
         self._next_id = 0
-        self._transfers: dict[int, int] = {}  # request -> block of its unfinished transfer
-        self._asked: set[int] = set()  # imports whose "import" event went out
         # (host buffer shape, dtype, (local slot shape, dtype) or None): import_kv's layout,
         # asked of the runtime on the first import
         self._import_ref: tuple[Any, ...] | None = None
-        self._exports: dict[int, int] = {}  # request -> first token, KV not yet taken
         # each lane's block table in token order, kept from the core's effects (admit, grow,
         # release): what the runtime's block_tables rows hold
         self._tables: list[list[int]] = [[] for _ in range(config.lanes)]
@@ -203,6 +244,9 @@ class AtomBatcher:
         # (positions past a lane's length are never read, and nothing is written there)
         self._tab = torch.zeros((config.lanes, config.blocks_per_table), dtype=torch.int16)
         self._trace = trace
+        # the pending plan (between plan() and complete()) and the core state it was made in
+        self._plan: Plan | None = None
+        self._planned: core.State | None = None
         if trace is not None:
             trace.write(json.dumps({"consts": attrs.asdict(config.consts())}) + "\n")
 
@@ -241,10 +285,13 @@ class AtomBatcher:
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
         rid = self._next_id
+        planned = self._plan is not None and self.state is self._planned
         self._apply("submit", r=rid, p=seq(prompt))
+        if planned:  # a new waiting request changes nothing a pending plan chose
+            self._planned = self.state
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
-                                     export=export, sampler=sampler)
+                                     export=export, sampler=sampler, batcher=self)
         self.waiting.append(rid)
         return rid
 
@@ -261,13 +308,13 @@ class AtomBatcher:
             self.waiting.remove(request_id)
             self._apply("abort_waiting", r=request_id)
         else:  # a block in a transfer drains until `transfer_ended` (see the module doc)
+            asked = self.awaits_kv(request_id)
             self._apply("abort_running", l=self.state.req_lane.get(request_id))
-            if phase == core.PHASE_IMPORTING and request_id not in self._asked:
+            if phase == core.PHASE_IMPORTING and not asked:
                 # its table was still growing: nobody was asked for its KV, so no end of that
                 # transfer will ever be reported; it ends here (nothing wrote the blocks)
-                self._apply("transfer_end", r=request_id, b=self._transfers.pop(request_id))
-        self._exports.pop(request_id, None)
-        req.ended, req.error = True, "aborted"
+                self._apply("transfer_end", r=request_id, b=self._draining(request_id))
+        req.error = "aborted"
         self._ended_now(request_id)
         return True
 
@@ -360,8 +407,6 @@ class AtomBatcher:
             except Exception as exc:  # noqa: BLE001 - this request's import failed
                 self._transfer_failed(request_id, f"update_local_cache failed: {exc!r}", events)
                 return events
-        del self._transfers[request_id]
-        self._asked.discard(request_id)
         self._apply("import_done", r=request_id, p=p, tok=first_token)
         self.stats.imported_tokens += len(p)
         self._emit_token(self.state.req_lane.get(request_id), first_token, events)
@@ -383,14 +428,18 @@ class AtomBatcher:
         pinned block, and for a hybrid model its lane's local slot (the lane stays the request's
         until `export_done`). Call `export_done` once the KV is handed to the transport, or
         `export_done(request_id, error)` if this raises (a runtime read or allocation failed)."""
-        if request_id not in self._exports:
+        s = self.state
+        if s.phase.get(request_id) != core.PHASE_EXPORTING:
             raise KeyError(f"request {request_id} has no export pending")
-        host = self._read_blocks(self._tables[self.state.req_lane.get(request_id)])
+        lane = s.req_lane.get(request_id)
+        host = self._read_blocks(self._tables[lane])
         local = None
         if self._hybrid:
             local = self.runtime.new_local_host_buffer()
-            self.runtime.fetch_local_cache(local, self.state.req_lane.get(request_id))
-        return Export(self.requests[request_id].prompt, self._exports[request_id], host, local)
+            self.runtime.fetch_local_cache(local, lane)
+        # the first token is the one the core's sequence holds past the prompt
+        return Export(self.requests[request_id].prompt, s.lane_seq[lane][s.lane_plen[lane]],
+                      host, local)
 
     def export_done(self, request_id: int, error: str | None = None) -> list[Event]:
         """The export of `request_id` was sent (error None) or could not be: its block is
@@ -399,13 +448,10 @@ class AtomBatcher:
         if self.state.phase.get(request_id) != core.PHASE_EXPORTING:
             self._stale_or_drained(request_id)
             return events
-        self._exports.pop(request_id, None)
         if error is not None:
             self._transfer_failed(request_id, error, events)
             return events
-        del self._transfers[request_id]
         self._apply("export_done", r=request_id, keep=self.config.prefix_cache)
-        self.requests[request_id].ended = True
         self.stats.exports += 1
         events.append(Event("finished", request_id))
         self._ended_now(request_id)
@@ -413,14 +459,28 @@ class AtomBatcher:
 
     def awaits_kv(self, request_id: int) -> bool:
         """The request's lane has its whole table and its "import" event went out: `import_kv`
-        can write its KV now (before that, keep the KV until the event)."""
-        return (request_id in self._asked
-                and self.state.phase.get(request_id) == core.PHASE_IMPORTING)
+        can write its KV now (before that, keep the KV until the event). The event goes out
+        exactly when an importing lane's table comes to cover the prompt (`_import_ready`), so
+        the core's state says whether it has."""
+        s = self.state
+        return (s.phase.get(request_id) == core.PHASE_IMPORTING
+                and core.table_covers_prompt(s, s.req_lane.get(request_id)))
 
     def transfers(self) -> dict[int, int]:
-        """Unfinished transfers: request -> its first block (including requests whose blocks
+        """Unfinished transfers, as the core records them (`transfer`, `transfer_req`):
+        request -> the lowest-numbered block its transfer uses (including requests whose blocks
         drain after an abort)."""
-        return dict(self._transfers)
+        s, out = self.state, {}
+        for b in range(s.consts.K):
+            if s.transfer[b]:
+                out.setdefault(s.transfer_req[b], b)
+        return out
+
+    def _draining(self, rid: int) -> int | None:
+        """A block draining for rid's transfer (its end frees them all), or None."""
+        s = self.state
+        return next((b for b in range(s.consts.K)
+                     if s.owner[b] == core.OWNER_DRAINING and s.transfer_req[b] == rid), None)
 
     def new_import_buffer(self) -> torch.Tensor:
         """A host tensor for `import_kv` as long as a lane's table (max_seq_len positions) in
@@ -492,21 +552,15 @@ class AtomBatcher:
         return bufs[0] if len(bufs) == 1 else torch.cat(bufs, dim=3)
 
     def _transfer_failed(self, rid: int, error: str, events: list[Event]) -> None:
-        self._transfers.pop(rid, None)
-        self._asked.discard(rid)
-        self._exports.pop(rid, None)
         self._apply("transfer_fail", r=rid)
         self.stats.transfer_failures += 1
-        req = self.requests[rid]
-        req.ended, req.error = True, error
+        self.requests[rid].error = error
         events.append(Event("error", rid, error=error))
         self._ended_now(rid)
 
     def _stale_or_drained(self, rid: int) -> None:
-        block = self._transfers.get(rid)
-        if block is not None and core.enabled_transfer_end(self.state, r=rid, b=block):
-            del self._transfers[rid]
-            self._asked.discard(rid)
+        block = self._draining(rid)
+        if block is not None:
             self._apply("transfer_end", r=rid, b=block)
             self._trim_ended()  # it may have held back older ones
         else:
@@ -520,8 +574,7 @@ class AtomBatcher:
     def forget(self, request_id: int) -> bool:
         """Drop an ended request now (its `requests` entry and the core's record of it). False,
         and nothing changes, for a request that has not ended or whose blocks still drain."""
-        req = self.requests.get(request_id)
-        if req is None or not req.ended or request_id in self._transfers:
+        if request_id not in self.requests or not core.enabled_forget(self.state, r=request_id):
             return False
         self._apply("forget", r=request_id)
         del self.requests[request_id]
@@ -535,13 +588,33 @@ class AtomBatcher:
         (its transfer's end will name it) holds back the rest until that end."""
         if self.keep_ended is None:
             return
-        while len(self._ended) > self.keep_ended and self._ended[0] not in self._transfers:
+        while len(self._ended) > self.keep_ended and core.enabled_forget(self.state,
+                                                                          r=self._ended[0]):
             rid = self._ended.popleft()
             self._apply("forget", r=rid)
             del self.requests[rid]
             self.stats.forgotten += 1
 
     def step(self) -> list[Event]:
+        """One step: `plan()`, the runtime call it names, `complete()`."""
+        plan = self.plan()
+        if plan.call is None:
+            return self.complete()
+        try:
+            out = getattr(self.runtime, plan.call)(*plan.args())
+        except Exception as exc:  # noqa: BLE001 - fails the requests the call touched
+            return self.complete(error=exc)
+        return self.complete(out)
+
+    def plan(self) -> Plan:
+        """The core's choices for this step, up to its runtime call: lanes get their next
+        blocks, waiting requests are admitted (copies and loads of prefix hits run here), and
+        one prefill or one decode call over every lane is planned. Run that call (or have an
+        engine run it) and pass its logits to `complete()`; nothing else may change the
+        batcher in between but `submit` (abort and the PD calls: before `plan()` or after
+        `complete()`)."""
+        if self._plan is not None:
+            raise RuntimeError("plan() called while a plan is pending: call complete() first")
         events: list[Event] = []
         # running lanes get their next blocks before an admission can take them, and an
         # admission whose hit fills its first block grows before the next call
@@ -549,14 +622,38 @@ class AtomBatcher:
         self._admit(events)
         self._grow(events)
         lane = self._prefilling_lane()
-        if lane is not None:
-            self._prefill(lane, events)
-        else:
-            self._decode(events)
+        plan = self._plan_prefill(lane, events) if lane is not None \
+            else self._plan_decode(events)
+        self._plan, self._planned = plan, self.state
+        return plan
+
+    def complete(self, logits: Any = None, *, tokens: Sequence[int] | None = None,
+                 error: BaseException | None = None) -> list[Event]:
+        """End the planned step: `logits` are the planned call's output ([1, c, V] for a
+        prefill, [B, 1, V] for decode; none when the plan has no call), or `tokens` the tokens
+        an engine sampled from them (one for a prefill, one per row for decode, padding rows'
+        ignored; the requests' own samplers are then not called, and a token that is not an id
+        in the vocabulary fails its request alone), or `error` the exception the call raised
+        (it fails the requests the call touched, nothing else). Returns the step's events, the
+        plan's first."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("complete() called without a pending plan: call plan() first "
+                               "(once per complete())")
+        self._plan = None
+        if self.state is not self._planned:
+            raise RuntimeError("the batcher changed between plan() and complete() (abort or a "
+                               "PD call): its plan no longer holds")
+        events = list(plan.events)
+        if plan.call == "prefill":
+            self._complete_prefill(plan, logits, tokens, error, events)
+        elif plan.call == "decode":
+            self._complete_decode(plan, logits, tokens, error, events)
         return events
 
     def busy(self) -> bool:
-        return bool(self.waiting) or any(self.state.busy) or bool(self._transfers)
+        s = self.state
+        return bool(self.waiting) or any(s.busy) or any(s.transfer)
 
     def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
         """Step until nothing waits, runs or transfers. With PD, transfers end only when the
@@ -582,18 +679,22 @@ class AtomBatcher:
         slot, evict = place
         if evict:
             self._apply("host_evict", h=slot)
-        self._apply("spill", b=block, h=slot)
-        try:  # the allocation too: host memory can run out, and the store must still end
-            if slot not in self._host:
-                self._host[slot] = self.runtime.new_host_buffer()
-            self.runtime.fetch_kv_cache(self._host[slot], block)
-        except Exception:  # noqa: BLE001 - only this entry is lost; its block is free either way
-            self._apply("store_fail", h=slot)
-            self.stats.host_store_failures += 1
-            return True
-        self._apply("store_done", h=slot)
-        self.stats.host_stores += 1
+        self._dispatch(self._apply("spill", b=block, h=slot), [])
         return True
+
+    def _store(self, eff: Any) -> None:
+        """Store a spilled block into its host slot and end the store (`store_done`); a failed
+        store (`store_fail`) loses only that entry: its block is free either way."""
+        try:  # the allocation too: host memory can run out, and the store must still end
+            if eff.slot not in self._host:
+                self._host[eff.slot] = self.runtime.new_host_buffer()
+            self.runtime.fetch_kv_cache(self._host[eff.slot], eff.block)
+        except Exception:  # noqa: BLE001 - only this entry is lost
+            self._apply("store_fail", h=eff.slot)
+            self.stats.host_store_failures += 1
+            return
+        self._apply("store_done", h=eff.slot)
+        self.stats.host_stores += 1
 
     def _load(self, eff: Any) -> None:
         """A host-tier hit: load the slot into the lane's fresh block. If the load fails, the
@@ -704,7 +805,6 @@ class AtomBatcher:
             self.stats.runtime_errors += 1
             req.error = error
             events.append(Event("error", rid, error=error))
-        req.ended = True
         self._ended_now(rid)
 
     def _emit_token(self, lane: int, tok: int, events: list[Event]) -> None:
@@ -728,15 +828,25 @@ class AtomBatcher:
             if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.waiting.popleft()
-            step = self._apply(choice.action, **choice.args)
-            for eff in step.effects:
-                if isinstance(eff, core.Inbound):
-                    self._transfers[eff.request] = eff.block
-                    self._import_ready(eff.lane, events)
-                elif isinstance(eff, core.Copy):
-                    self._copy(eff, events)
-                elif isinstance(eff, core.Load):
-                    self._load(eff)
+            self._dispatch(self._apply(choice.action, **choice.args), events)
+
+    def _dispatch(self, step: core.Step, events: list[Event]) -> None:
+        """Run what an applied choice's effects ask of the runtime, in their order: a prefix
+        hit's copy (`Copy`), a host-tier load (`Load`), a store into the host tier (`Store`);
+        and ask for an import's KV once its table covers the prompt (`Inbound`, `Grow`). The
+        one place effects become runtime calls, besides the step's own prefill or decode call,
+        which `plan()` builds from the core's `*_plan` effects; `_apply` keeps the block tables
+        from the same effects."""
+        for eff in step.effects:
+            kind = type(eff)
+            if kind is core.Copy:
+                self._copy(eff, events)
+            elif kind is core.Load:
+                self._load(eff)
+            elif kind is core.Store:
+                self._store(eff)
+            elif kind is core.Inbound or kind is core.Grow:
+                self._import_ready(eff.lane, events)
 
     def _copy(self, eff: Any, events: list[Event]) -> None:
         """Run a prefix hit's copy (an admission's, or a `grow_hit`'s into a later block) and
@@ -762,65 +872,32 @@ class AtomBatcher:
         grow it further exactly then."""
         s = self.state
         if core.importing(s, lane) and core.table_covers_prompt(s, lane):
-            rid = self.state.lane_req[lane]
-            self._asked.add(rid)
-            events.append(Event("import", rid))
+            events.append(Event("import", self.state.lane_req[lane]))
 
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:
         """Every lane whose tail block is full gets its next block before the next runtime call
-        (decode is one call over every row, so all of them at once), the oldest lane first. A
-        prefilling lane whose next block's worth of prompt is cached copies it (`grow_hit`), or
-        loads it from the host tier (`grow_host_hit`) when the host entry is longer."""
+        (decode is one call over every row, so all of them at once), the oldest lane first, as
+        the policy chooses (`Policy.grow`): a plain block, a cached continuation copied
+        (`grow_hit`) or loaded from the host tier (`grow_host_hit`), or a victim preempted to
+        free one."""
         while lanes := self.policy.growth(self.state):
             lane = lanes[0]
-            importing = core.importing(self.state, lane)
-            hit = None if importing else self.policy.next_hit(self.state, lane)
-            dst = self._block(exclude=None if hit is None else hit[0])
-            if dst is None and hit is not None:  # the hit's source is the only block left
-                hit, dst = None, self._block()
-            if dst is None:
-                if self._in_flight():
-                    return  # a block frees when a transfer or store ends: wait, as admission does
-                if self._preempt(events):  # (never an importing lane: it computes nothing)
-                    continue
+            choice = self.policy.grow(self.state, lane)
+            if choice is None:
+                if self.policy.in_flight(self.state):
+                    return  # a block frees when a transfer or store ends: wait for it
                 # with nothing in flight, the capacity rule Config checks excludes this
                 raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is "
                                    "below the capacity rule (Config checks it; was it bypassed?)")
-            if importing:
-                self._apply("import_grow", l=lane, dst=dst)
-                self.stats.table_grows += 1
-                self._import_ready(lane, events)
+            if choice.action == "preempt":
+                self._preempt_lane(choice.args["l"], events)
                 continue
-            # (after `_block`: its spill may have evicted a host entry)
-            host = self.policy.next_host_hit(self.state, lane) if self.config.host_cache_blocks \
-                else None
+            dst = choice.args["dst"]
+            if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
+                continue  # the entry went to the host tier; its block is free now: choose again
             self.stats.table_grows += 1
-            if host is not None and (hit is None or host[1] > hit[1]):
-                step = self._apply("grow_host_hit", l=lane, h=host[0], dst=dst, n=host[1])
-                self._load(next(e for e in step.effects if isinstance(e, core.Load)))
-            elif hit is not None:
-                step = self._apply("grow_hit", l=lane, src=hit[0], dst=dst, n=hit[1])
-                self._copy(next(e for e in step.effects if isinstance(e, core.Copy)), events)
-            else:
-                self._apply("grow", l=lane, dst=dst)
-
-    def _in_flight(self) -> bool:
-        """A transfer or a store is running, and frees or unpins blocks when it ends: a lane's
-        transfer (an import whose table is complete, an export), a block draining for one, a
-        block being stored to the host tier. An import still waiting for its table has not
-        started its transfer."""
-        s = self.state
-        return (any(core.moving(s, n) and not core.import_waits(s, n) for n in range(s.consts.B))
-                or any(o in (core.OWNER_DRAINING, core.OWNER_SPILLING) for o in s.owner))
-
-    def _block(self, exclude: int | None = None) -> int | None:
-        """The policy's reusable block; a cache entry there goes to the host tier first."""
-        while True:
-            dst = self.policy.reusable(self.state, exclude=exclude)
-            if not (dst is not None and self.config.host_cache_blocks
-                    and self._is_cache_entry(dst) and self._spill(dst)):
-                return dst
+            self._dispatch(self._apply(choice.action, **choice.args), events)
 
     def _preempt(self, events: list[Event]) -> bool:
         """Free a lane's blocks for a lane that waits for one (`Policy.victim`); its request
@@ -831,6 +908,10 @@ class AtomBatcher:
         lane = self.policy.victim(self.state)
         if lane is None:
             return False
+        self._preempt_lane(lane, events)
+        return True
+
+    def _preempt_lane(self, lane: int, events: list[Event]) -> None:
         rid, lost = self.state.lane_req[lane], self.state.length[lane]
         self._apply("preempt", l=lane)
         # An imported request resumes here, by recomputing its prompt and tokens as any
@@ -842,7 +923,6 @@ class AtomBatcher:
         self.stats.preemptions += 1
         self.stats.recomputed_tokens += lost
         events.append(Event("preempted", rid))
-        return True
 
     # --------------------------------------------------------------- prefill
     def _prefilling_lane(self) -> int | None:
@@ -852,10 +932,9 @@ class AtomBatcher:
                 return ln
         return None
 
-    def _prefill(self, lane: int, events: list[Event]) -> None:
+    def _plan_prefill(self, lane: int, events: list[Event]) -> Plan:
         (eff,) = core.prefill_plan(self.state, lane, None)
-        rid = self.state.lane_req[lane]
-        req = self.requests[rid]
+        req = self.requests[self.state.lane_req[lane]]
         prompt = req.prompt + req.tokens  # after a preemption: its tokens so far too
         c = self.config.prefill_chunk
         chunk = prompt[eff.start:eff.end]
@@ -863,56 +942,69 @@ class AtomBatcher:
         ids[0, :len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
         pos = torch.arange(eff.start, eff.start + c, dtype=torch.int32).unsqueeze(0)
         assert self._tables[lane][eff.start // self.config.block_size] == eff.block, eff
-        table = self._tab[lane].clone()
         # hybrid: the lane's own local slot (local_block_tables[lane] == lane)
         local = torch.tensor([lane], dtype=torch.int16) if self._hybrid else None
-        try:
-            logits = self.runtime.prefill(ids, pos, table, local,
-                                          torch.tensor(len(chunk) - 1, dtype=torch.int16))
-            tok = int(torch.argmax(logits[0, -1]))
-        except Exception as exc:  # noqa: BLE001
-            self._end(lane, events, f"prefill failed: {exc!r}")
+        return Plan("prefill", tuple(events), ids, pos, self._tab[lane].clone(), local,
+                    torch.tensor(len(chunk) - 1, dtype=torch.int16), lanes=(lane,), effect=eff)
+
+    def _complete_prefill(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
+                          error: BaseException | None, events: list[Event]) -> None:
+        (lane,), eff = plan.lanes, plan.effect
+        rid = self.state.lane_req[lane]
+        req = self.requests[rid]
+        if error is None and tokens is None:
+            try:
+                tok = int(torch.argmax(logits[0, -1]))
+            except Exception as exc:  # noqa: BLE001 - logits the call got wrong
+                error = exc
+        if error is not None:
+            self._end(lane, events, f"prefill failed: {error!r}")
             return
-        if req.sampler is not None and eff.end == len(prompt):  # (a token is emitted)
+        emits = eff.end == len(req.prompt) + len(req.tokens)  # the prompt's last chunk
+        if tokens is not None:
+            try:
+                (tok,) = tokens
+                tok = self._checked(tok)
+            except Exception as exc:  # noqa: BLE001 - this request's token, nothing else
+                self._end(lane, events, f"token rejected: {exc!r}")
+                return
+        elif req.sampler is not None and emits:
             try:
                 tok = self._sample(req, logits[0, -1])
             except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
                 self._end(lane, events, f"sampler failed: {exc!r}")
                 return
-        self.stats.prefill_tokens += len(chunk)
+        self.stats.prefill_tokens += eff.end - eff.start
         self._apply("prefill", l=lane, tok=tok)
         self._snapshot(lane)
-        if eff.end == len(prompt):
-            if self.requests[rid].export:
-                (out,) = self._apply("export", l=lane).effects
-                self._transfers[rid] = out.block
-                self._exports[rid] = tok
+        if emits:
+            if req.export:
+                self._apply("export", l=lane)
                 events.append(Event("export", rid, token=tok))
             else:
                 self._emit_token(lane, tok, events)
 
     # --------------------------------------------------------------- decode
-    def _decode(self, events: list[Event]) -> None:
-        s = self.state
-        pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
-        plan = core.decode_plan(s, pad, lpad, None)
-        if isinstance(plan, str):
-            # no lane decodes, or no padding target yet: a prefill comes first, or (with
-            # preemption, every block held by lanes) a lane makes room; or (hybrid) every lane
-            # is busy and one is not decoding, so no local slot may take padding: that lane
-            # prefills or its transfer ends first
-            self._preempt(events)
-            return
-        (eff,) = plan
-        if (self.config.host_cache_blocks and not all(eff.live) and self._is_cache_entry(pad)
-                and self._spill(pad)):
+    def _plan_decode(self, events: list[Event]) -> Plan:
+        while True:
+            s = self.state
+            pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
+            plan = core.decode_plan(s, pad, lpad, None)
+            if isinstance(plan, str):
+                # no lane decodes, or no padding target yet: a prefill comes first, or (with
+                # preemption, every block held by lanes) a lane makes room; or (hybrid) every
+                # lane is busy and one is not decoding, so no local slot may take padding:
+                # that lane prefills or its transfer ends first
+                self._preempt(events)
+                return Plan(None, tuple(events))
+            (eff,) = plan
+            if not (self.config.host_cache_blocks and not all(eff.live)
+                    and self._is_cache_entry(pad) and self._spill(pad)):
+                break
             # padding would evict that entry: it went to the host tier first; choose again
-            self._decode(events)
-            return
-        lanes = [ln for ln, live in enumerate(eff.live) if live]
+        lanes = tuple(ln for ln, live in enumerate(eff.live) if live)
         if not lanes:
-            return
-        b = s.consts.B
+            return Plan(None, tuple(events))
         ids = torch.tensor([[self.requests[s.lane_req[ln]].tokens[-1] if live else 0]
                             for ln, live in enumerate(eff.live)], dtype=torch.int64)
         pos = torch.tensor(eff.positions, dtype=torch.int32).unsqueeze(1)
@@ -929,34 +1021,66 @@ class AtomBatcher:
         # hybrid: the local slot the spec gives each row (a decoding lane its own; padding rows
         # an idle lane's, whose window they may overwrite)
         local = torch.tensor(eff.local, dtype=torch.int16).unsqueeze(1) if self._hybrid else None
-        try:
-            logits = self.runtime.decode(ids, pos, tables, local)
-            toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
-        except Exception as exc:  # noqa: BLE001
+        padding = tuple(ln for ln, live in enumerate(eff.live) if not live)
+        return Plan("decode", tuple(events), ids, pos, tables, local, lanes=lanes,
+                    padding=padding, effect=eff, pad=pad, lpad=lpad)
+
+    def _complete_decode(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
+                         error: BaseException | None, events: list[Event]) -> None:
+        s, lanes = self.state, plan.lanes
+        if error is None:
+            try:
+                if tokens is None:
+                    toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
+                elif len(tokens) != s.consts.B:
+                    raise ValueError(f"{len(tokens)} tokens for {s.consts.B} rows")
+                else:
+                    toks = list(tokens)
+            except Exception as exc:  # noqa: BLE001 - outputs the call got wrong
+                error = exc
+        if error is not None:
             # Every row was computed, so every row's target may be half-written.
             for ln in lanes:
-                self._end(ln, events, f"decode failed: {exc!r}")
-            if not all(eff.live):
-                self._apply("discard", b=pad)
+                self._end(ln, events, f"decode failed: {error!r}")
+            if plan.padding:
+                self._apply("discard", b=plan.pad)
             return
         # a request's own sampler failing fails that request alone, after the step (its row's
         # KV was written like every other row's)
         bad: dict[int, str] = {}
-        for ln in lanes:
+        for ln, live in enumerate(plan.effect.live):
+            if not live:
+                if tokens is not None:
+                    toks[ln] = 0  # (the engine's for a padding row: never used, maybe None)
+                continue
             req = self.requests[s.lane_req[ln]]
-            if req.sampler is not None:
+            if tokens is not None:
+                try:
+                    toks[ln] = self._checked(toks[ln])
+                except Exception as exc:  # noqa: BLE001
+                    bad[ln], toks[ln] = f"token rejected: {exc!r}", 0
+            elif req.sampler is not None:
                 try:
                     toks[ln] = self._sample(req, logits[ln, -1])
                 except Exception as exc:  # noqa: BLE001
                     bad[ln] = f"sampler failed: {exc!r}"
         self.stats.decode_steps += 1
-        self.stats.decode_rows_padding += b - len(lanes)
-        self._apply("decode", pad=pad, lpad=lpad, tok=tuple(int(t) for t in toks))
+        self.stats.decode_rows_padding += len(plan.padding)
+        self._apply("decode", pad=plan.pad, lpad=plan.lpad, tok=tuple(int(t) for t in toks))
         for ln in lanes:
             if ln in bad:
                 self._end(ln, events, bad[ln])
             else:
                 self._emit_token(ln, int(toks[ln]), events)
+
+    def _checked(self, tok: Any) -> int:
+        """A token an engine sampled: an id in the vocabulary (else the next decode call
+        would fail for every lane)."""
+        tok = _token(tok)
+        vocab = getattr(self.runtime, "vocab_size", None)
+        if tok < 0 or vocab is not None and tok >= vocab:
+            raise ValueError(f"token {tok} outside the vocabulary")
+        return tok
 
     def _sample(self, req: Request, logits: Any) -> int:
         """The request's sampler's token, checked: a token outside the vocabulary would fail

@@ -29,6 +29,12 @@ def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int, at: int = 0) -> 
     return n
 
 
+def prefer_host(hit: tuple[int, int] | None, host: tuple[int, int] | None) -> bool:
+    """Take the host tier's hit over the device's: only when it is longer (a load costs a host
+    transfer, a device copy does not)."""
+    return host is not None and (hit is None or host[1] > hit[1])
+
+
 class Policy:
     """The scheduler's choices among what the spec allows.
 
@@ -204,7 +210,8 @@ class Policy:
                                                    {"l": lane, "r": r, "dst": dst})
         hit = self.best_hit(s, prompt) if s.consts.PREFIX else None
         host = self.best_host_hit(s, prompt) if s.consts.HOST else None
-        if host is not None and (hit is None or host[1] > hit[1]):
+        if prefer_host(hit, host):
+            assert host is not None
             dst = self.reusable(s)
             if dst is None:
                 return None
@@ -244,6 +251,47 @@ class Policy:
         lanes = [ln for ln in range(s.consts.B)
                  if g.ready_grow(s, l=ln) or g.ready_import_grow(s, l=ln)]
         return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
+
+    def grow(self, s: g.State, lane: int) -> Choice | None:
+        """How lane (one of `growth`'s) gets its next block: an importing lane the reusable
+        block (`import_grow`); a prefilling lane a block besides its cached continuation's
+        source, loaded from the host tier when that hit is longer (`grow_host_hit`), else
+        copied (`grow_hit`), else a plain block (`grow`: also when the hit's source is the
+        only block left). With no block: None while a transfer or a store is in flight (a
+        block frees when it ends: wait, as admission does), else the victim to preempt
+        (`preempt`), else None (no victim: K below the capacity rule, or preemption off)."""
+        if g.importing(s, lane):
+            dst = self.reusable(s)
+            return self._no_block(s) if dst is None else Choice("import_grow",
+                                                               {"l": lane, "dst": dst})
+        hit = self.next_hit(s, lane)
+        dst = self.reusable(s, exclude=None if hit is None else hit[0])
+        if dst is None and hit is not None:  # the hit's source is the only block left
+            hit, dst = None, self.reusable(s)
+        if dst is None:
+            return self._no_block(s)
+        host = self.next_host_hit(s, lane) if s.consts.HOST else None
+        if prefer_host(hit, host):
+            assert host is not None
+            return Choice("grow_host_hit", {"l": lane, "h": host[0], "dst": dst, "n": host[1]})
+        if hit is not None:
+            return Choice("grow_hit", {"l": lane, "src": hit[0], "dst": dst, "n": hit[1]})
+        return Choice("grow", {"l": lane, "dst": dst})
+
+    def _no_block(self, s: g.State) -> Choice | None:
+        if self.in_flight(s) or not s.consts.PREEMPT:
+            return None
+        lane = self.victim(s)  # (never an importing lane: it computes nothing)
+        return None if lane is None else Choice("preempt", {"l": lane})
+
+    @staticmethod
+    def in_flight(s: g.State) -> bool:
+        """A transfer or a store is running, and frees or unpins blocks when it ends: a lane's
+        transfer (an import whose table is complete, an export), a block draining for one, a
+        block being stored to the host tier. An import still waiting for its table has not
+        started its transfer."""
+        return (any(g.moving(s, n) and not g.import_waits(s, n) for n in range(s.consts.B))
+                or any(o in (g.OWNER_DRAINING, g.OWNER_SPILLING) for o in s.owner))
 
     def victim(self, s: g.State) -> int | None:
         """The lane to preempt when a lane waits for a block and none is reusable: the most

@@ -78,7 +78,7 @@ from hypothesis.stateful import (
 
 from atom_core._generated import core as committed
 from atom_core.config import min_kv_blocks
-from atom_core.policy import Policy, common_chunks
+from atom_core.policy import Policy, common_chunks, prefer_host
 from atom_core.seq import TokSeq, seq
 from atom_core.spec import codegen, lang
 from atom_core.spec import model as spec
@@ -1429,6 +1429,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 # (not a lane preempted to make room for an older lane; a lane whose copy is
                 # in flight grows once it lands)
                 while life.needs_block(l):
+                    self.refine_grow(l)
                     if data is not None and num(data, 0, 2, "refused first (0)") == 0:
                         self.refuse_full_tail(data, l)
                     if c.HOST and self.grow_host_hit_by_policy(data, l):
@@ -1459,6 +1460,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                     assert self.apply("grow", l, dst).rejected is None
             return True
 
+        def refine_grow(self, l: int) -> None:
+            """Refinement: the batcher's choice for lane l's next block (`Policy.grow`: a
+            block, a hit, a victim to preempt) is a step the spec allows."""
+            choice = self.policy.grow(self.s, l)
+            if choice is not None:
+                self.refine(choice.action, choice.args)
+
         def import_grow_by_policy(self, data: Any, l: int, preempt: bool = True) -> bool:
             """Importing lane l's table grows until it covers the prompt (`import_grow`, the
             block `Policy.reusable` picks), as the adapter does before it asks for the KV; with
@@ -1473,6 +1481,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
             or K is below the capacity rule)."""
             life, c = self.life, self.c
             while life.needs_import_block(l):
+                self.refine_grow(l)
                 if data is not None and num(data, 0, 3, "refused first (0)") == 0:
                     self.refuse_short_import(data, l)
                 dst = self.policy.reusable(self.s)
@@ -1579,12 +1588,13 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
                 raise RefinementViolation("grow_host_hit", f"lane {l}'s next host hit is "
                                           f"{host}, the longest the spec accepts {longest}",
                                           core, self.s)
-            if host is None or hit is not None and host[1] <= hit[1]:
+            if not prefer_host(hit, host):  # (the one rule, admission's too)
                 if host is not None:
                     Stats.events["host hit shorter than the device hit"] += 1
                 return False
             if dst is None:
                 return False
+            assert host is not None
             h, n = host
             self.refine("grow_host_hit", {"l": l, "h": h, "dst": dst, "n": n})
             assert self.apply("grow_host_hit", l, h, dst, n).rejected is None

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from atom_core import cli, simulate
+from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config
 from atom_core.runtime import TorchReferenceRuntime
@@ -387,7 +388,8 @@ def test_leak_checks_see_an_adapter_that_forgets() -> None:
     waiting = b.submit([4, 5], 4)
     b.step()
     assert block_leaks("local", b) == []
-    b.requests[rid].ended = True  # the adapter thinks it ended, the core still holds its block
+    # the core says it ended while a lane still holds its block
+    b.state = b.state._replace(phase=b.state.phase.set(rid, core.PHASE_FINISHED))
     b.waiting.clear()  # and a request the core has waiting is in no queue
     problems = block_leaks("local", b)
     assert any(f"for request {rid}, which has ended" in p for p in problems)
