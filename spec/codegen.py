@@ -1749,18 +1749,19 @@ class Generator:
                 + self._range_checks(a))
         return head + self._two_pass(lambda counts: self._action_body(a, counts))
 
-    def _action_body(self, a: Any, counts: dict[tuple[Any, ...], int] | None) -> Body:
+    def _action_head(self, a: Any, counts: dict[tuple[Any, ...], int] | None) -> tuple[
+            Body, dict[str, list[Any]], dict[str, StateFn], list[str], list[str]]:
+        """What both cores' actions start with: the body with its memos chosen and the guards
+        emitted, and the updates grouped per function in spec order (the last whole or scalar
+        update wins): (body, updates per function, functions, plain names, ghost names)."""
         b = Body(self, params=a.params, consts="s.consts", states={False: "s"},
                  mode="action effect", counts=counts, local_names="s new effects")
-        # Group the updates per function, keeping spec order; the last whole update wins.
         per_fn: dict[str, list[Any]] = {}
         fns: dict[str, StateFn] = {}
         for u in a.updates:
             fns[u.fn.name] = u.fn
             ups = per_fn.setdefault(u.fn.name, [])
-            if u.whole:
-                ups[:] = [u]
-            elif self.layout(u.fn) == "scalar":
+            if u.whole or self.layout(u.fn) == "scalar":
                 ups[:] = [u]
             else:
                 ups.append(u)
@@ -1781,6 +1782,10 @@ class Generator:
         b.select_memos(main, roots(ghost))
         for name, g in a.guards:
             self._guard_stmt(b, name, g, f'return Step(s, (), "{name}")')
+        return b, per_fn, fns, plain, ghost
+
+    def _action_body(self, a: Any, counts: dict[tuple[Any, ...], int] | None) -> Body:
+        b, per_fn, fns, plain, ghost = self._action_head(a, counts)
         for n in plain:
             self._update(b, fns[n], per_fn[n])
         effects = []
@@ -2360,34 +2365,7 @@ class InplaceGenerator(Generator):
 
     # -- actions -------------------------------------------------------------------------
     def _action_body(self, a: Any, counts: dict[tuple[Any, ...], int] | None) -> Body:
-        b = Body(self, params=a.params, consts="s.consts", states={False: "s"},
-                 mode="action effect", counts=counts, local_names="s new effects")
-        per_fn: dict[str, list[Any]] = {}
-        fns: dict[str, StateFn] = {}
-        for u in a.updates:
-            fns[u.fn.name] = u.fn
-            ups = per_fn.setdefault(u.fn.name, [])
-            if u.whole or self.layout(u.fn) == "scalar":
-                ups[:] = [u]
-            else:
-                ups.append(u)
-        plain = [n for n in per_fn if not fns[n].ghost]
-        ghost = [n for n in per_fn if fns[n].ghost]
-
-        def roots(names: list[str]) -> list[tuple[Expr, tuple[Var, ...]]]:
-            out: list[tuple[Expr, tuple[Var, ...]]] = []
-            for n in names:
-                for u in per_fn[n]:
-                    out.append((u.value, tuple(u.args) if u.whole else ()))
-                    if not u.whole:
-                        out.extend((x, ()) for x in u.args)
-            return out
-
-        main = [(g, ()) for _, g in a.guards] + roots(plain)
-        main += [(v, ()) for eff in a.effects for v in eff.args.values()]
-        b.select_memos(main, roots(ghost))
-        for name, g in a.guards:
-            self._guard_stmt(b, name, g, f'return Step(s, (), "{name}")')
+        b, per_fn, fns, plain, ghost = self._action_head(a, counts)
         updated = set(per_fn)
         # compute phase: every new value from the pre-state; writes are deferred (closures)
         direct: dict[bool, list[Callable[[], None]]] = {False: [], True: []}
