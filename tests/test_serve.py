@@ -576,3 +576,10 @@ def test_stream_interval_keeps_every_token_and_the_stop_string():
             model=MODEL, prompt="Bursts", max_tokens=23, temperature=0, stream=True, stop=[stop]))
         assert got == text[:text.index(stop)]
         s.wait_at_rest()
+
+
+def test_cli_refuses_a_stream_interval_below_one(capsys):
+    from atom_core.cli import main
+
+    assert main(["serve", "--port", "0", "--api-key", KEY, "--stream-interval", "0"]) == 2
+    assert "--stream-interval 0: must be at least 1" in capsys.readouterr().err
