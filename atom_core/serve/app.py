@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -174,12 +175,27 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
 
-        def fan_out(batch: list[tuple[Handle, Event]]) -> None:  # on the event loop
+        # the engine's events wait here for the loop; at most one wake-up is pending, so a loop
+        # slower than the engine takes several steps' events in one wake-up (each costs a
+        # syscall and a GIL hand-over) instead of falling further behind
+        pending: list[tuple[Handle, Event]] = []
+        lock = threading.Lock()
+
+        def fan_out() -> None:  # on the event loop
+            nonlocal pending
+            with lock:
+                batch, pending = pending, []
             for h, ev in batch:
                 h.sink(ev)
 
-        # one wake-up of the loop per engine step; sinks run on the loop (plain put_nowait)
-        engine.deliver = lambda batch: loop.call_soon_threadsafe(fan_out, batch)
+        def deliver(batch: list[tuple[Handle, Event]]) -> None:  # on the engine thread
+            with lock:
+                wake = not pending
+                pending.extend(batch)
+            if wake:
+                loop.call_soon_threadsafe(fan_out)
+
+        engine.deliver = deliver
         if not engine.running:
             engine.start()
         try:
