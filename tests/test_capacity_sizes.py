@@ -42,3 +42,26 @@ def test_verify_proves_each_minimum_at_both_sizes() -> None:
     assert {s for s in by_size if "S=" not in s} == {
         f"B=1,K={r.minimum[1]},{r.features.name}" for r in rows}
     assert checks.CHUNK == 128 and checks.SEQ_LEN == 4096
+
+
+@pytest.mark.parametrize("lanes,blocks", [(2, 3), (1, 8)])
+def test_progress_asked_together_decides_as_each_combination_alone(lanes: int,
+                                                                   blocks: int) -> None:
+    """`checks.progress` first asks every feature combination and property of a size in one
+    query: its verdicts (and the properties it names as broken) are those of each combination
+    asked alone. B = 2, K = 3 is below some rows' minimum (the joint query finds a stuck state
+    and each combination is decided on its own), B = 1, K = 8 above every one (one query)."""
+    size = dict(seq_len=capacity.TABLE_SEQ_LEN, chunk=capacity.TABLE_CHUNK)
+    together = capacity.progress_by_features(MODEL, lanes, blocks, **size)
+    verdicts = {"proved": 0, "counterexample": 0}
+    assert len(together) > 1
+    for f, cs in together.items():
+        alone = capacity.progress_by_features(MODEL, lanes, blocks, only=(f,), **size)[f]
+        assert [(c.invariant, c.status) for c in cs] == [(c.invariant, c.status)
+                                                         for c in alone], f.name
+        for c in cs:
+            verdicts[c.status] += 1
+    if (lanes, blocks) == (2, 3):
+        assert verdicts["proved"] and verdicts["counterexample"], verdicts
+    else:
+        assert not verdicts["counterexample"], verdicts
