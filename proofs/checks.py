@@ -322,7 +322,7 @@ BOUNDED_TIMEOUT_MS = 60_000
 # `solve`'s attempts), so a try past this goes to those attempts, with their full timeout.
 FIRST_TRY_MS = 2_000
 # The query for all of a size's feature combinations at once (`progress`): past this, each
-# combination is decided on its own (the slowest measured: 3 s at B = 4, K = 8).
+# combination is decided on its own (the slowest measured: 6 s, at B = 4, K = 5).
 TOGETHER_MS = 15_000
 
 
