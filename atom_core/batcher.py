@@ -658,7 +658,7 @@ class AtomBatcher:
     def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
         """Step until nothing waits, runs or transfers. With PD, transfers end only when the
         caller reports them (`import_kv`, `transfer_ended`, `export_done`): drive PD batchers
-        through a worker (atom_core/workers.py), or pass `max_steps`."""
+        through a worker (atom_core/pd/workers.py), or pass `max_steps`."""
         steps = 0
         while self.busy():
             self.step()

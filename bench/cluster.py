@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # bench/ is a top-level directory, not an install
     sys.path.insert(0, str(ROOT))
 
 from atom_core.cli.pd import PD_KEY_ENV  # noqa: E402
-from atom_core.router import Load, Router  # noqa: E402
+from atom_core.pd.router import Load, Router  # noqa: E402
 
 SHAPES = ((1, 1), (1, 2), (2, 2))
 

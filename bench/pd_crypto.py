@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from atom_core import pd
-from atom_core.pdlink import SecureLink, establish_pair
-from atom_core.transport import InProcessTransport
+from atom_core.pd import payload as pd
+from atom_core.pd.secure_link import SecureLink, establish_pair
+from atom_core.pd.transport import InProcessTransport
 
 KEY = b"bench-pd-crypto-key-0123456789ab"
 MIB = 1 << 20

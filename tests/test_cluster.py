@@ -11,10 +11,10 @@ from collections.abc import Mapping
 import pytest
 
 from atom_core._generated import core
-from atom_core.cluster import STATS_EVERY, LocalCluster
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for, workload
-from atom_core.router import Load, load_of
+from atom_core.pd.cluster import STATS_EVERY, LocalCluster
+from atom_core.pd.router import Load, load_of
 from atom_core.runtime.reference import TorchReferenceRuntime
 
 KEY = b"cluster-test-key-0123456789abcdef"

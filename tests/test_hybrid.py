@@ -31,15 +31,15 @@ import attrs
 import pytest
 import torch
 
-from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, ConfigError, min_kv_blocks
 from atom_core.demo import oracle_for
+from atom_core.pd import payload as pd
+from atom_core.pd.transport import InProcessTransport
+from atom_core.pd.workers import DecodeWorker, PrefillWorker
 from atom_core.policy import Policy
 from atom_core.runtime import TorchReferenceRuntime
-from atom_core.transport import InProcessTransport
-from atom_core.workers import DecodeWorker, PrefillWorker
 from tests.test_pd_workers import Rig
 
 S, C, V = 256, 64, 128

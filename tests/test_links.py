@@ -1,12 +1,12 @@
-"""The per-peer link sets a cluster's workers run over (atom_core/links.py), message by message
+"""The per-peer link sets a cluster's workers run over (atom_core/pd/links.py), message by message
 over in-process pairs: routing, re-asking after a loss, cancels, and what a lost peer leaves."""
 
 from __future__ import annotations
 
 import pytest
 
-from atom_core.links import DecodeLinks, PrefillLinks
-from atom_core.transport import PEER_LOST, InProcessTransport, TransportError
+from atom_core.pd.links import DecodeLinks, PrefillLinks
+from atom_core.pd.transport import PEER_LOST, InProcessTransport, TransportError
 
 N1, N2 = "1" * 32, "2" * 32
 

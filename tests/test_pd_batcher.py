@@ -30,11 +30,11 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for
+from atom_core.pd import payload as pd
 from atom_core.replay import replay
 from atom_core.runtime import TorchReferenceRuntime
 

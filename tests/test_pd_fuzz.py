@@ -14,12 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atom_core import pd
 from atom_core.config import Config
 from atom_core.demo import oracle_for
+from atom_core.pd import payload as pd
+from atom_core.pd.transport import InProcessTransport, _ProtocolError, parse_header
+from atom_core.pd.workers import DecodeWorker, PrefillWorker
 from atom_core.runtime.reference import TorchReferenceRuntime
-from atom_core.transport import InProcessTransport, _ProtocolError, parse_header
-from atom_core.workers import DecodeWorker, PrefillWorker
 
 S, C = 128, 64
 CONFIG = Config(lanes=2, kv_blocks=3, max_seq_len=S, prefill_chunk=C)

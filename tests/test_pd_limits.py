@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from atom_core import pd
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config
+from atom_core.pd import payload as pd
+from atom_core.pd.transport import GlooTransport, InProcessTransport, TransportError
+from atom_core.pd.workers import PrefillWorker
 from atom_core.runtime.reference import TorchReferenceRuntime
-from atom_core.transport import GlooTransport, InProcessTransport, TransportError
-from atom_core.workers import PrefillWorker
 
 S, C = 128, 64
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_import_kv_takes_exactly_the_host_layout(make, field: str) -> None:
 # --------------------------------------------------------------------------- gloo
 ROGUE = """
 import sys, torch
-from atom_core.transport import GlooTransport
+from atom_core.pd.transport import GlooTransport
 t = GlooTransport(1, port=int(sys.argv[1]), timeout=20.0)
 what = sys.argv[2]
 if what == "oversized":

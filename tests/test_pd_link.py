@@ -1,8 +1,8 @@
-"""The authenticated, encrypted PD link (`atom_core.pdlink.SecureLink`): the key handshake, what
-a box is bound to (session, direction, kind, request nonce, sequence number), and attacks on it:
-in one process over an in-process pair, and in two over gloo on loopback (a rogue peer without
-the key, replays from an earlier session, boxes for another request, tampered control
-messages)."""
+"""The authenticated, encrypted PD link (`atom_core.pd.secure_link.SecureLink`): the key
+handshake, what a box is bound to (session, direction, kind, request nonce, sequence number),
+and attacks on it: in one process over an in-process pair, and in two over gloo on loopback (a
+rogue peer without the key, replays from an earlier session, boxes for another request, tampered
+control messages)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import torch
 
 from atom_core.config import Config
 from atom_core.demo import oracle_for
-from atom_core.pdlink import LinkError, SecureLink, establish_pair
+from atom_core.pd.secure_link import LinkError, SecureLink, establish_pair
+from atom_core.pd.transport import GlooTransport, InProcessTransport
+from atom_core.pd.workers import DecodeWorker
 from atom_core.runtime.reference import TorchReferenceRuntime
-from atom_core.transport import GlooTransport, InProcessTransport
-from atom_core.workers import DecodeWorker
 
 KEY = b"pd-link-test-key-0123456789abcdef"
 OTHER_KEY = b"pd-link-other-key-0123456789abcd"
@@ -162,7 +162,7 @@ def _free_port() -> int:
 
 ROGUE = """
 import json, os, sys
-from atom_core.transport import GlooTransport
+from atom_core.pd.transport import GlooTransport
 t = GlooTransport(1, port=int(sys.argv[1]), timeout=20.0)
 got = []
 while t.alive:
@@ -210,10 +210,10 @@ def test_gloo_rogue_peer_without_the_key_is_refused_at_the_handshake() -> None:
 PREFILL = f"""
 import json, sys, torch
 from atom_core.config import Config
-from atom_core.pdlink import SecureLink
+from atom_core.pd.secure_link import SecureLink
 from atom_core.runtime.reference import TorchReferenceRuntime
-from atom_core.transport import GlooTransport
-from atom_core.workers import PrefillWorker
+from atom_core.pd.transport import GlooTransport
+from atom_core.pd.workers import PrefillWorker
 
 port, mode, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 

@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 
-from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, min_kv_blocks
+from atom_core.pd import payload as pd
+from atom_core.pd.transport import InProcessTransport
+from atom_core.pd.workers import DecodeWorker, PrefillWorker
 from atom_core.proofs import capacity, checks, search
 from atom_core.replay import replay
 from atom_core.runtime import TorchReferenceRuntime
@@ -33,8 +35,6 @@ from atom_core.seq import seq
 from atom_core.spec import lang
 from atom_core.spec import model as spec
 from atom_core.spec.model import MODEL
-from atom_core.transport import InProcessTransport
-from atom_core.workers import DecodeWorker, PrefillWorker
 from tests.test_pd_batcher import (
     LOST,
     SYSTEM,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from atom_core.config import Config
-from atom_core.pd import (
+from atom_core.pd.payload import (
     KVPayload,
     PayloadError,
     compute_checksum,
@@ -427,11 +427,11 @@ def test_load_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_pd_needs_no_z3_or_hypothesis_and_the_core_no_torch() -> None:
-    code = "import atom_core.pd\nimport sys; print(' '.join(sys.modules))"
+    code = "import atom_core.pd.payload\nimport sys; print(' '.join(sys.modules))"
     mods = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                               text=True).stdout.split())
     assert "torch" in mods and not {"z3", "hypothesis"} & mods
     code = "import atom_core\nimport sys; print(' '.join(sys.modules))"
     mods = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                               text=True).stdout.split())
-    assert not {"torch", "atom_core.pd"} & mods
+    assert not {"torch", "atom_core.pd.payload"} & mods

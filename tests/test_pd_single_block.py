@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, ConfigError, min_kv_blocks
 from atom_core.demo import oracle_for
+from atom_core.pd import payload as pd
 from atom_core.proofs import capacity, search
 from atom_core.proofs.capacity import Features
 from atom_core.replay import replay

@@ -21,14 +21,15 @@ import attrs
 import pytest
 import torch
 
-from atom_core import cli, pd
+from atom_core import cli
 from atom_core._generated import core
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for
-from atom_core.pdlink import SecureLink, derive_key
+from atom_core.pd import payload as pd
+from atom_core.pd.secure_link import SecureLink, derive_key
+from atom_core.pd.transport import GlooTransport, InProcessTransport
+from atom_core.pd.workers import DecodeWorker, PrefillWorker
 from atom_core.runtime.reference import TorchReferenceRuntime
-from atom_core.transport import GlooTransport, InProcessTransport
-from atom_core.workers import DecodeWorker, PrefillWorker
 
 S, C = 128, 64
 KEY = b"pd-test-key-0123456789abcdef"
@@ -554,8 +555,8 @@ SLOW_PREFILL = f"""
 import sys, time
 from atom_core.config import Config
 from atom_core.runtime.reference import TorchReferenceRuntime
-from atom_core.transport import GlooTransport
-from atom_core.workers import PrefillWorker
+from atom_core.pd.transport import GlooTransport
+from atom_core.pd.workers import PrefillWorker
 
 
 class Slow:  # each prefill chunk takes 0.25 s: the kill lands while one is in flight

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from atom_core.config import Config, min_kv_blocks
-from atom_core.router import LeastLoaded, Load, Router, load_of
+from atom_core.pd.router import LeastLoaded, Load, Router, load_of
 
 U = 4  # prefix unit
 

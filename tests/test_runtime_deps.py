@@ -27,6 +27,6 @@ def test_batcher_needs_no_z3_or_hypothesis():
 def test_batcher_and_runtimes_need_no_transformers():
     """Only atom_core.runtime.hf imports transformers (the `hf` extra)."""
     mods = _imported_after("from atom_core import AtomBatcher\n"
-                           "import atom_core.runtime, atom_core.workers, atom_core.demo")
+                           "import atom_core.runtime, atom_core.pd.workers, atom_core.demo")
     assert "transformers" not in mods
     assert "transformers" in _imported_after("import atom_core.runtime.hf")

@@ -24,10 +24,10 @@ pytest.importorskip("transformers")
 
 from atom_core.batcher import AtomBatcher  # noqa: E402
 from atom_core.config import Config, min_kv_blocks  # noqa: E402
+from atom_core.pd.transport import InProcessTransport  # noqa: E402
+from atom_core.pd.workers import DecodeWorker, PrefillWorker  # noqa: E402
 from atom_core.runtime import hf  # noqa: E402
 from atom_core.runtime.hf import HFRuntime, UnsupportedModelError  # noqa: E402
-from atom_core.transport import InProcessTransport  # noqa: E402
-from atom_core.workers import DecodeWorker, PrefillWorker  # noqa: E402
 
 S, C, B = 256, 64, 64  # max_seq_len, prefill chunk, block size (paged: 4 blocks a table)
 SEED = 0  # the model's weights

@@ -23,10 +23,10 @@ pytest.importorskip("transformers")
 
 from atom_core.batcher import AtomBatcher  # noqa: E402
 from atom_core.config import Config  # noqa: E402
+from atom_core.pd.transport import InProcessTransport  # noqa: E402
+from atom_core.pd.workers import DecodeWorker, PrefillWorker  # noqa: E402
 from atom_core.runtime import hf  # noqa: E402
 from atom_core.runtime.hf import HFRuntime, UnsupportedModelError  # noqa: E402
-from atom_core.transport import InProcessTransport  # noqa: E402
-from atom_core.workers import DecodeWorker, PrefillWorker  # noqa: E402
 from tests.test_runtime_hf import (  # noqa: E402
     F64,
     SEED,

@@ -572,7 +572,7 @@ def test_cluster_mode_draws_its_dimensions_and_never_unless_fixed() -> None:
 
 def _not_retried(monkeypatch: Any) -> None:
     """A cluster bug: a request a full prefill worker refused fails instead of being retried."""
-    from atom_core import cluster, links
+    from atom_core.pd import cluster, links
 
     monkeypatch.setattr(links.PrefillLinks, "_ask_another", lambda self, wire, peer: False)
     resubmit = cluster.DecodeNode._resubmit
@@ -587,7 +587,7 @@ def _not_retried(monkeypatch: Any) -> None:
 
 def _ignores_ready(monkeypatch: Any) -> None:
     """A router bug: workers that have not reported ready are chosen too."""
-    from atom_core import router
+    from atom_core.pd import router
 
     pick = router.Router.pick
 
@@ -606,7 +606,7 @@ def _ignores_ready(monkeypatch: Any) -> None:
 
 def _keeps_lost_requests(monkeypatch: Any) -> None:
     """A frontend bug: a lost decode worker's requests stay open (they never end)."""
-    from atom_core import cluster
+    from atom_core.pd import cluster
 
     monkeypatch.setattr(cluster.Frontend, "_lost",
                         lambda self, role, rank, why: self.router.mark_lost(role, rank))
@@ -614,7 +614,7 @@ def _keeps_lost_requests(monkeypatch: Any) -> None:
 
 def _remembers_lost(monkeypatch: Any) -> None:
     """A router bug: a lost worker's prefixes are remembered (affinity to a new, empty cache)."""
-    from atom_core import router
+    from atom_core.pd import router
 
     def mark_lost(self: Any, role: str, worker: int) -> None:
         self.lost[role].add(worker)
@@ -625,7 +625,7 @@ def _remembers_lost(monkeypatch: Any) -> None:
 
 def _asks_not_ready(monkeypatch: Any) -> None:
     """A cluster bug: decode workers ask any linked prefill worker, ready or not."""
-    from atom_core import links
+    from atom_core.pd import links
 
     monkeypatch.setattr(links.PrefillLinks, "set_ready", lambda self, ready: None)
 

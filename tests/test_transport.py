@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from atom_core.transport import (
+from atom_core.pd.transport import (
     GlooTransport,
     InProcessTransport,
     Message,

@@ -72,7 +72,7 @@ def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
 
 
 def _pd_key(args: argparse.Namespace) -> bytes | None:
-    from atom_core import pd
+    from atom_core.pd import payload as pd
 
     if args.key == "":
         raise UsageError("--key is empty: give a key of at least 16 bytes (literal, env:NAME or "
@@ -190,7 +190,7 @@ def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
     """The worker's transport: gloo with this config's frame limits, and with a key a
     SecureLink whose handshake has completed (LinkError, a TransportError, if the peer
     fails it)."""
-    from atom_core.transport import GlooTransport
+    from atom_core.pd.transport import GlooTransport
 
     role = "decode worker: waiting for the prefill worker on" if rank == 0 else \
         "prefill worker: connecting to the decode worker at"
@@ -200,7 +200,7 @@ def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
                               **limits)
     if key is None:
         return transport
-    from atom_core.pdlink import LinkError, SecureLink
+    from atom_core.pd.secure_link import LinkError, SecureLink
 
     # the key handshake, before either worker handles anything
     link = SecureLink(transport, key, "decode" if rank == 0 else "prefill",
@@ -216,8 +216,8 @@ def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
 def _wire_limits(cfg: Any, rt: Any) -> dict[str, int]:
     """The transport's frame limits from this worker's config (`pd.frame_limits`), room for a
     sealed box's overhead included."""
-    from atom_core import pd
-    from atom_core.pdlink import box_limit
+    from atom_core.pd import payload as pd
+    from atom_core.pd.secure_link import box_limit
 
     lim = pd.frame_limits(cfg, rt)
     return {"max_header_bytes": lim.header_bytes,
@@ -227,7 +227,7 @@ def _wire_limits(cfg: Any, rt: Any) -> dict[str, int]:
 def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
     """(config, runtime, key, transport), or the exit code: 2 for a bad setting (before any
     connection is tried), 1 when the peer cannot be reached."""
-    from atom_core.transport import TransportError
+    from atom_core.pd.transport import TransportError
 
     try:
         cfg, rt, key = pd_setup(args, decode=decode)
@@ -241,7 +241,7 @@ def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
 
 
 def cmd_pd_prefill(args: argparse.Namespace) -> int:
-    from atom_core.workers import PrefillWorker
+    from atom_core.pd.workers import PrefillWorker
 
     started = _pd_start(args, decode=False)
     if isinstance(started, int):
@@ -265,7 +265,7 @@ def run_pd_decode(args: argparse.Namespace, cfg: Any, rt: Any, key: bytes | None
     """Serve the demo workload through a DecodeWorker on `transport`; its summary, checked
     against the oracle when `args.check`."""
     from atom_core.demo import workload
-    from atom_core.workers import DecodeWorker
+    from atom_core.pd.workers import DecodeWorker
 
     items = workload(args.requests, args.max_new_tokens, args.workload_seed, rt.vocab_size,
                      cfg.max_seq_len)

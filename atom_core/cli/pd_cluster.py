@@ -1,5 +1,5 @@
-"""`atom-core pd-cluster`: N prefill and M decode workers behind a router (`atom_core.router`),
-one process each over gloo, launched here or under torchrun (`atom_core.cluster_run`)."""
+"""`atom-core pd-cluster`: N prefill and M decode workers behind a router (`atom_core.pd.router`),
+one process each over gloo, launched here or under torchrun (`atom_core.pd.cluster_run`)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _kill_spec(text: str) -> tuple[str, int, int]:
 def _cluster_rank(args: argparse.Namespace) -> tuple[int | None, str, int | None]:
     """(this process's rank or None for the launcher, the store's host, its port), from
     --rank or from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    from atom_core.cluster_run import Layout
+    from atom_core.pd.cluster_run import Layout
 
     world = Layout(args.prefill, args.decode).world
     if args.rank is None and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -91,7 +91,7 @@ def _cluster_rank(args: argparse.Namespace) -> tuple[int | None, str, int | None
 
 def cmd_pd_cluster(args: argparse.Namespace) -> int:
     """Launch (or, with --rank / under torchrun, be one process of) a PD cluster."""
-    from atom_core.cluster_run import BACKENDS, Layout
+    from atom_core.pd.cluster_run import BACKENDS, Layout
 
     if args.check is None:
         args.check = args.runtime in ("reference", "hf")
@@ -110,7 +110,7 @@ def cmd_pd_cluster(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     if role != "frontend":
-        from atom_core.cluster_run import run_worker
+        from atom_core.pd.cluster_run import run_worker
 
         prefetch = cfg.lanes if args.prefetch is None else args.prefetch
         out = run_worker(layout, rank, host=host, port=port, timeout=args.timeout,  # type: ignore[arg-type]
@@ -128,9 +128,9 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
     it against the oracle, print the summary."""
     import subprocess
 
-    from atom_core.cluster_run import FrontendProcess
     from atom_core.demo import workload
-    from atom_core.transport import TransportError
+    from atom_core.pd.cluster_run import FrontendProcess
+    from atom_core.pd.transport import TransportError
 
     if port is None:
         port = free_port(host)

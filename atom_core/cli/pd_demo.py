@@ -33,8 +33,8 @@ def _colocated(args: argparse.Namespace) -> dict[str, Any]:
     """The same workload on one batcher (the `atom-core demo` path), timed the same way."""
     from atom_core.batcher import AtomBatcher
     from atom_core.demo import MODEL_SEED, demo_config, oracle_for, workload
+    from atom_core.pd.workers import _quantile
     from atom_core.runtime.reference import TorchReferenceRuntime
-    from atom_core.workers import _quantile
 
     cfg = demo_config(args.lanes)
     rt = TorchReferenceRuntime.tiny(cfg, seed=MODEL_SEED)
@@ -111,7 +111,7 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     """The workload over PD (on-demand and prefetching), then colocated; a comparison."""
     import subprocess
 
-    from atom_core.transport import TransportError
+    from atom_core.pd.transport import TransportError
 
     try:
         runs = {"pd_on_demand": _pd_session(args, prefetch=0),

@@ -523,7 +523,7 @@ class HFRuntime:
     @property
     def fingerprint(self) -> str:
         """SHA-256 hex of the model config (less bookkeeping fields), the weights and the dtype,
-        for `atom_core.pd`: a decode worker refuses KV computed by another model."""
+        for `atom_core.pd.payload`: a decode worker refuses KV computed by another model."""
         if self._fingerprint is None:
             cfg = {k: v for k, v in self.model.config.to_dict().items()
                    if not k.startswith("_") and k not in ("transformers_version", "dtype",

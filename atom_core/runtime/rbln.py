@@ -414,8 +414,8 @@ class RblnRuntime:
     among its first rows. `inputs` says which inputs the graphs take (`graph_inputs` of the
     artifact; default: the plain Llama-style signature). `hybrid=True` for models with
     sliding-window layers (their graphs take `local_block_tables`). `fingerprint` names the
-    model for PD KV transfer (`atom_core.pd.model_fingerprint`). `host_kv_transfers` turns on
-    `fetch_kv_cache`/`update_kv_cache`/`new_host_buffer` (module docstring).
+    model for PD KV transfer (`atom_core.pd.payload.model_fingerprint`). `host_kv_transfers`
+    turns on `fetch_kv_cache`/`update_kv_cache`/`new_host_buffer` (module docstring).
     """
 
     def __init__(self, *, prefill: Any, decoders: Mapping[int, Any], num_blocks: int,

@@ -319,8 +319,8 @@ class TorchReferenceRuntime:
     @property
     def fingerprint(self) -> str:
         """SHA-256 hex of the model (the spec's model fields), the seed and the cache dtype, for
-        `atom_core.pd`: the same in every process for the same three, whatever the artifact's
-        sizes (blocks, lanes, chunk), which do not change the KV a position gets."""
+        `atom_core.pd.payload`: the same in every process for the same three, whatever the
+        artifact's sizes (blocks, lanes, chunk), which do not change the KV a position gets."""
         skip = _ARTIFACT_FIELDS | (frozenset() if self.spec.hybrid else _HYBRID_FIELDS)
         model = {k: v for k, v in attrs.asdict(self.spec).items() if k not in skip}
         facts = {"runtime": "atom_core.TorchReferenceRuntime", "model": model,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from atom_core.transport import InProcessTransport, TransportError
+from atom_core.pd.transport import InProcessTransport, TransportError
 
 
 class SimLink:

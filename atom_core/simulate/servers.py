@@ -7,13 +7,13 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-from atom_core import pdlink, workers
 from atom_core.batcher import AtomBatcher
-from atom_core.cluster import LocalCluster
 from atom_core.config import Config
+from atom_core.pd import secure_link, workers
+from atom_core.pd.cluster import LocalCluster
+from atom_core.pd.transport import InProcessTransport
 from atom_core.simulate.faulty_link import SimLink
 from atom_core.simulate.workload import Item
-from atom_core.transport import InProcessTransport
 
 if TYPE_CHECKING:
     from atom_core.simulate.driver import Sim
@@ -93,9 +93,9 @@ class Disaggregated:
         # ghost batchers: the checks cover the ghost invariants too
         # the workers' links are SecureLinks over the SimLinks (faults act on the sealed boxes),
         # their handshake done here, before any fault can be armed
-        dlink = pdlink.SecureLink(self.links["decode"], SIM_KEY, "decode", clock=sim.clock)
-        plink = pdlink.SecureLink(self.links["prefill"], SIM_KEY, "prefill", clock=sim.clock)
-        pdlink.establish_pair(dlink, plink)
+        dlink = secure_link.SecureLink(self.links["decode"], SIM_KEY, "decode", clock=sim.clock)
+        plink = secure_link.SecureLink(self.links["prefill"], SIM_KEY, "prefill", clock=sim.clock)
+        secure_link.establish_pair(dlink, plink)
         self.pw = workers.PrefillWorker(pconf, self.runtimes["prefill"], plink, key=SIM_KEY,
                                         ghost=True)
         self.dw = workers.DecodeWorker(dconf, self.runtimes["decode"], dlink, key=SIM_KEY,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from atom_core.router import ROLES
+from atom_core.pd.router import ROLES
 
 if TYPE_CHECKING:
     from atom_core.simulate.driver import Sim
@@ -108,7 +108,7 @@ def router_problems(server: Clustered) -> list[str]:
 
 
 def _prefill_load(node: object) -> object:
-    from atom_core.router import load_of
+    from atom_core.pd.router import load_of
 
     return load_of(node.worker.batcher, ready=node.ready)  # type: ignore[attr-defined]
 

@@ -40,7 +40,8 @@ transports one after another and the rest of the process's torch.distributed use
   the prefill host `GlooTransport(1, host=<the same address>, port=P)`, and open P plus the
   ephemeral ports gloo listens on between the two hosts only. Nothing here authenticates the
   peer: anyone who reaches the port during the rendezvous can take rank 1's place, so the
-  workers run over `atom_core.pdlink.SecureLink` (a key handshake, then every message sealed).
+  workers run over `atom_core.pd.secure_link.SecureLink` (a key handshake, then every message
+  sealed).
 - Limits: a received meta announcing a header above `max_header_bytes` or a tensor above
   `max_tensor_bytes` (the worker's `pd.frame_limits`) ends the link before anything is allocated
   for it; the inbox holds at most `inbox_messages` (gloo: the receiver then stops reading, so the
@@ -460,7 +461,7 @@ class GlooTransport:
         """`store`: a torch.distributed store both ends already share (a cluster's, under a
         prefix of this link's own): no rendezvous of its own, `port` is then unused.
         `max_header_bytes` / `max_tensor_bytes`: the largest header and tensor the peer may
-        announce (`atom_core.pd.frame_limits` of the worker's config); a larger announcement
+        announce (`atom_core.pd.payload.frame_limits` of the worker's config); a larger announcement
         is a protocol error that ends the link before anything is allocated for it.
         `inbox_messages`: unread messages held before the receiver stops reading
         (backpressure)."""

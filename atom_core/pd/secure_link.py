@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from atom_core.transport import (
+from atom_core.pd.transport import (
     _CODE_DTYPES,
     _DTYPE_CODES,
     PEER_LOST,

@@ -1,7 +1,7 @@
 """A PD cluster: N prefill workers, M decode workers and a router (`Frontend`).
 
-Each worker is a node: one PD worker (atom_core/workers.py, unchanged), its links to the
-workers of the other role (atom_core/links.py) and a control link to the frontend. Every link is
+Each worker is a node: one PD worker (atom_core/pd/workers.py, unchanged), its links to the
+workers of the other role (atom_core/pd/links.py) and a control link to the frontend. Every link is
 its own authenticated `SecureLink` when there is a key (required unless `insecure=True`).
 
 Control messages (frontend <-> node), none carrying a tensor:
@@ -24,7 +24,7 @@ and nothing else changes. A worker that starts late or restarts is used once it 
 (`Frontend.add`, `PrefillLinks.add`).
 
 `LocalCluster` runs all of it in one thread over `InProcessTransport` pairs (tests, bench);
-`atom-core pd-cluster` (atom_core/cluster_run.py) runs one process per worker over gloo.
+`atom-core pd-cluster` (atom_core/pd/cluster_run.py) runs one process per worker over gloo.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any
 import attrs
 
 from atom_core.config import Config
-from atom_core.links import DecodeLinks, PrefillLinks, poll_until
-from atom_core.router import Load, Policy, Router, load_of
-from atom_core.transport import PEER_LOST, InProcessTransport, Transport, TransportError
-from atom_core.workers import DecodeWorker, PrefillWorker, _quantile
+from atom_core.pd.links import DecodeLinks, PrefillLinks, poll_until
+from atom_core.pd.router import Load, Policy, Router, load_of
+from atom_core.pd.transport import PEER_LOST, InProcessTransport, Transport, TransportError
+from atom_core.pd.workers import DecodeWorker, PrefillWorker, _quantile
 
 __all__ = ["ClusterResult", "DecodeNode", "Frontend", "LocalCluster", "PrefillNode"]
 
@@ -469,7 +469,7 @@ def _pair(key: bytes | None) -> tuple[Transport, Transport]:
     a, b = InProcessTransport.pair()
     if key is None:
         return a, b
-    from atom_core.pdlink import SecureLink, establish_pair
+    from atom_core.pd.secure_link import SecureLink, establish_pair
 
     la = SecureLink(a, key, "decode", max_box_bytes=None)
     lb = SecureLink(b, key, "prefill", max_box_bytes=None)
@@ -493,7 +493,7 @@ class LocalCluster:
         transfer_timeout); `clock`: what paces the nodes' reports of counters alone (a
         simulation passes its own, so that runs replay exactly)."""
         if key is None and not insecure:
-            from atom_core.workers import NO_KEY
+            from atom_core.pd.workers import NO_KEY
 
             raise ValueError(NO_KEY)
         self.cfg, self.pcfg = cfg, pcfg or cfg

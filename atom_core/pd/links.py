@@ -1,6 +1,6 @@
 """One worker's links to many peers, as the one `Transport` its PD worker expects.
 
-A cluster runs the unchanged `DecodeWorker` and `PrefillWorker` (atom_core/workers.py): each
+A cluster runs the unchanged `DecodeWorker` and `PrefillWorker` (atom_core/pd/workers.py): each
 still talks to "its peer" over one transport. Here that transport is a set of per-peer links
 (each its own authenticated `SecureLink` when there is a key):
 
@@ -36,7 +36,7 @@ from typing import Any, Self
 
 import torch
 
-from atom_core.transport import PEER_LOST, Message, Transport, TransportError
+from atom_core.pd.transport import PEER_LOST, Message, Transport, TransportError
 
 __all__ = ["DecodeLinks", "PrefillLinks"]
 

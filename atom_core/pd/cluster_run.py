@@ -27,8 +27,8 @@ from typing import Any
 
 import attrs
 
-from atom_core.links import IDLE_POLL
-from atom_core.transport import (
+from atom_core.pd.links import IDLE_POLL
+from atom_core.pd.transport import (
     GlooTransport,
     Transport,
     TransportError,
@@ -182,7 +182,7 @@ class Linker:
                 0 if first else 1, host=self.host, local_host=self.local, timeout=self.timeout,
                 store=self._prefix(prefix, own), **self.limits(peer))
             if self.key is not None:
-                from atom_core.pdlink import SecureLink
+                from atom_core.pd.secure_link import SecureLink
 
                 secure = SecureLink(link, self.key, "decode" if first else "prefill",
                                     max_box_bytes=self.limits(peer)["max_tensor_bytes"])
@@ -220,9 +220,9 @@ def wait_for(cond: Any, timeout: float, what: Any, pump: Any = None) -> None:
 
 def link_limits(cfg: Any, rt: Any) -> dict[str, int]:
     """Frame limits for every link of a process: a KV payload of `cfg` sealed in a box, or a
-    control message (atom_core.cluster.CONTROL_BYTES), whichever is larger."""
-    from atom_core import pd
-    from atom_core.cluster import CONTROL_BYTES
+    control message (atom_core.pd.cluster.CONTROL_BYTES), whichever is larger."""
+    from atom_core.pd import payload as pd
+    from atom_core.pd.cluster import CONTROL_BYTES
 
     lim = pd.frame_limits(cfg, rt)
     header = max(lim.header_bytes, CONTROL_BYTES)
@@ -242,9 +242,9 @@ def run_worker(layout: Layout, rank: int, *, host: str, port: int, timeout: floa
                rt: Any, key: bytes | None, prefetch: int = 0,
                transfer_timeout: float = 30.0) -> dict[str, Any]:
     """Rank `rank`'s worker until the frontend says shutdown (or is lost); its stats."""
-    from atom_core.cluster import DecodeNode, PrefillNode, _wait
-    from atom_core.links import DecodeLinks, PrefillLinks
-    from atom_core.workers import DecodeWorker, PrefillWorker
+    from atom_core.pd.cluster import DecodeNode, PrefillNode, _wait
+    from atom_core.pd.links import DecodeLinks, PrefillLinks
+    from atom_core.pd.workers import DecodeWorker, PrefillWorker
 
     role, index = layout.role(rank)
     store = open_store(host, port, rank, timeout)
@@ -293,8 +293,8 @@ class FrontendProcess:
 
     def __init__(self, layout: Layout, *, host: str, port: int, timeout: float, cfg: Any,
                  rt: Any, key: bytes | None, policy: Any = None) -> None:
-        from atom_core.cluster import Frontend, prefix_unit
-        from atom_core.router import Router
+        from atom_core.pd.cluster import Frontend, prefix_unit
+        from atom_core.pd.router import Router
 
         self.layout, self.timeout = layout, timeout
         self.store = open_store(host, port, 0, timeout)

@@ -33,8 +33,8 @@ otherwise go unnoticed:
 - mac: an unauthenticated peer must not inject KV into a lane (it would steer the output of
   someone else's request). With a key configured, the HMAC is checked first and nothing in the
   payload is trusted before it passes. A checksum alone does not help here: anyone can recompute
-  it. (The workers also run over `atom_core.pdlink.SecureLink`, which encrypts and authenticates
-  every message; their payload MAC key is derived from the shared key with HKDF.)
+  it. (The workers also run over `atom_core.pd.secure_link.SecureLink`, which encrypts and
+  authenticates every message; their payload MAC key is derived from the shared key with HKDF.)
 
 Parsing and validation are total: whatever a peer sends, `from_wire` and `validate` raise
 `PayloadError` or nothing; hex digests are checked by pattern and compared as bytes in constant

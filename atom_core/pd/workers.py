@@ -4,7 +4,7 @@ The decode worker owns the requests. Each is submitted to its batcher as `remote
 lane and blocks for its whole prompt (an "import" event) the decode worker asks the prefill
 worker for its KV with `{"kind": "prefill", "id", "nonce", "prompt"}`. The prefill worker
 prefills it as an `export` request and answers with the payload (`{"kind": "kv", "nonce",
-...}`, see `atom_core.pd`) or with `{"kind": "prefill_failed", "id", "nonce", "error"}`. The
+...}`, see `atom_core.pd.payload`) or with `{"kind": "prefill_failed", "id", "nonce", "error"}`. The
 decode worker validates every payload before anything is written into a block; a bad one fails
 that request alone. Meanwhile the other lanes
 keep decoding: nothing waits for the transport except an idle loop. With `prefetch=N` the decode
@@ -24,7 +24,7 @@ so a message for an id whose transfer is over is late or duplicated: counted, ne
 When the prefill worker is lost, transfers into a lane fail; requests holding no lane are
 prefilled locally (`fallback_local`) or fail at once; prefetched KV that arrived is still used.
 With a key (required unless `insecure=True`) the transport is wrapped in a
-`pdlink.SecureLink`: a key handshake, then every message, control messages included, sealed and
+`secure_link.SecureLink`: a key handshake, then every message, control messages included, sealed and
 bound to its session, direction, kind, request nonce and sequence number. Each prefill request
 carries a fresh nonce that every answer (kv, prefill_failed) and cancel must echo: one that does
 not is another request's and is dropped (`misdirected`). A message handler never raises into the
@@ -49,11 +49,11 @@ from typing import Any
 
 import attrs
 
-from atom_core import pd
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event, Result
 from atom_core.config import Config
-from atom_core.transport import Transport, TransportError
+from atom_core.pd import payload as pd
+from atom_core.pd.transport import Transport, TransportError
 
 __all__ = ["DecodeWorker", "PrefillWorker"]
 
@@ -64,10 +64,10 @@ LOST = "prefill worker lost"
 # hold lanes forever.
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 
-NO_KEY = ("PD workers need a shared key (key=..., `atom_core.pd.load_key`): without one any "
-          "process that reaches the link can take the peer's place and read or inject KV, on "
-          "loopback too (any local user can connect). Pass insecure=True only for tests on a "
-          "machine you alone use")
+NO_KEY = ("PD workers need a shared key (key=..., `atom_core.pd.payload.load_key`): without "
+          "one any process that reaches the link can take the peer's place and read or inject "
+          "KV, on loopback too (any local user can connect). Pass insecure=True only for tests "
+          "on a machine you alone use")
 
 
 def _need_key(key: bytes | None, insecure: bool) -> None:
@@ -84,19 +84,20 @@ _NONCE = re.compile(r"[0-9a-f]{32}\Z")
 def _secure(transport: Transport, key: bytes | None, role: str, config: Config, runtime: Any,
             tensors: bool, **link: Any) -> tuple[Transport, bytes | None]:
     """(the transport to use, the payload MAC key): with a key, a transport that is not secure
-    already is wrapped in a `pdlink.SecureLink` (handshake, AEAD, replay window; boxes above
+    already is wrapped in a `secure_link.SecureLink` (handshake, AEAD, replay window; boxes above
     this side's frame limits dropped unopened: `tensors` False takes headers only), and
     payloads carry an HMAC under a key derived for that purpose."""
     if key is None:
         return transport, None
-    from atom_core import pdlink  # needs `cryptography` (the pd extra)
+    from atom_core.pd import secure_link  # needs `cryptography` (the pd extra)
 
     if not getattr(transport, "secure", False):
         lim = pd.frame_limits(config, runtime)
-        transport = pdlink.SecureLink(
+        transport = secure_link.SecureLink(
             transport, key, role, **link,
-            max_box_bytes=pdlink.box_limit(lim.header_bytes, lim.tensor_bytes if tensors else 0))
-    return transport, pdlink.derive_key(key, "payload mac")
+            max_box_bytes=secure_link.box_limit(lim.header_bytes,
+                                                lim.tensor_bytes if tensors else 0))
+    return transport, secure_link.derive_key(key, "payload mac")
 
 
 def _same_nonce(got: Any, want: str | None) -> bool:
