@@ -21,6 +21,14 @@ server run, since the load of a shared machine drifts. Two ratios per level, med
 Wall time is reported too; with the client on the same machine it mostly measures the machine.
 `--stream-interval N` runs the server with that option (a stream sends its first token at once,
 then every N tokens): fewer, larger writes, so less of the serving CPU per token.
+
+What serving costs is mostly per request (HTTP, JSON, the client's connection: about 2 ms of
+CPU here) and per token (an SSE frame, a wake-up of the event loop: about 0.1-0.2 ms), so its
+share depends on what a step costs. The tiny model's step is about a millisecond of CPU per
+token, the worst case; `--model small-llama` serves an 8-layer, 512-wide Llama (random weights,
+the transformers runtime, `serve --runtime hf --model DIR`), whose step costs tens of
+milliseconds, as a small real model's does. Both sides run torch on one thread, so the CPU inside
+a step is the engine thread's own.
 """
 
 from __future__ import annotations
@@ -47,6 +55,14 @@ from atom_core.runtime.reference import TorchReferenceRuntime
 from atom_core.serve.tokenizer import ByteTokenizer
 
 LANES, MAX_SEQ, BLOCK, CHUNK = 4, 256, 64, 64
+SERVED = "bench"  # the served model name the clients ask for
+# `--model small-llama`: a Llama of a size whose decode step costs what a small real model's
+# does on this CPU (random weights, a locally trained tokenizer), served with `--runtime hf
+# --model DIR` and driven directly through HFRuntime.from_pretrained(DIR): the overhead of
+# serving against a step that is not unrealistically cheap
+SMALL_LLAMA = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+SMALL_VOCAB = 320
 LEVELS, ROUNDS = (1, 16, 64), 3
 REQUESTS, NEW_TOKENS = 64, 32
 QUICK_LEVELS, QUICK_REQUESTS, QUICK_TOKENS = (1, 4), 8, 8
@@ -65,16 +81,37 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
-def direct(items: list[Item], concurrency: int | None = None
+def build_small_llama(path: str) -> str:
+    """The `small-llama` model directory (weights and tokenizer) in `path`."""
+    from atom_core.runtime.hf import HFRuntime
+    from atom_core.serve.tokenizer import build_tiny_tokenizer
+
+    HFRuntime.tiny_llama_model(0, vocab_size=SMALL_VOCAB, max_position=MAX_SEQ,
+                               **SMALL_LLAMA).save_pretrained(path)
+    build_tiny_tokenizer(path, vocab_size=SMALL_VOCAB)
+    return path
+
+
+def runtime_for(model_dir: str | None) -> tuple[Any, int | None]:
+    """(runtime, eos token id) of the served model: the tiny reference one, or `model_dir`'s."""
+    cfg = config()
+    if model_dir is None:
+        return (TorchReferenceRuntime.tiny(cfg, seed=0, vocab_size=ByteTokenizer.vocab_size),
+                ByteTokenizer.eos_token_id)
+    from atom_core.runtime.hf import HFRuntime
+    from atom_core.serve.runtimes import tokenizer_for
+
+    return HFRuntime.from_pretrained(model_dir, cfg), tokenizer_for(model_dir).eos_token_id
+
+
+def direct(items: list[Item], concurrency: int | None = None, model_dir: str | None = None
            ) -> tuple[dict[int, list[int]], float, float, int]:
     """The workload through the batcher, no server, at most `concurrency` requests submitted at
     once (None: all), the next in item order when one ends, as the load generator's clients do:
     (tokens by item, wall s, CPU s, tokens)."""
-    cfg = config()
-    b = AtomBatcher(cfg, TorchReferenceRuntime.tiny(cfg, seed=0,
-                                                    vocab_size=ByteTokenizer.vocab_size))
+    rt, eos = runtime_for(model_dir)
+    b = AtomBatcher(config(), rt)
     limit = len(items) if concurrency is None else concurrency
-    eos = ByteTokenizer.eos_token_id
     t0, c0 = time.perf_counter(), time.process_time()
     item_of: dict[int, int] = {}
     nxt = 0
@@ -100,13 +137,18 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(key: str, interval: int = 1) -> tuple[subprocess.Popen[str], int]:
+def start_server(key: str, interval: int = 1, model_dir: str | None = None
+                 ) -> tuple[subprocess.Popen[str], int]:
+    model = ["--model", "tiny"] if model_dir is None else ["--runtime", "hf", "--model",
+                                                           model_dir]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "atom_core.cli", "serve", "--model", "tiny", "--port", "0",
+        [sys.executable, "-m", "atom_core.cli", "serve", *model, "--served-model-name", SERVED,
+         "--port", "0",
          "--lanes", str(LANES), "--max-seq-len", str(MAX_SEQ), "--block-size", str(BLOCK),
          "--prefill-chunk", str(CHUNK), "--prefix-cache", "--max-queue", "100000",
          "--stream-interval", str(interval), "--log-level", "info"],
-        env={**os.environ, "ATOM_CORE_API_KEY": key}, stdout=subprocess.DEVNULL,
+        env={**os.environ, "ATOM_CORE_API_KEY": key, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -139,7 +181,7 @@ async def run_level(client: Any, items: list[Item], concurrency: int,
             t0 = last = time.perf_counter()
             ids: list[int] = []
             stream = await client.completions.create(
-                model="tiny", prompt=it.prompt, max_tokens=it.max_new_tokens, temperature=0,
+                model=SERVED, prompt=it.prompt, max_tokens=it.max_new_tokens, temperature=0,
                 stream=True, extra_body={"return_token_ids": True})
             async for ch in stream:
                 for choice in ch.choices:
@@ -198,18 +240,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     ap.add_argument("--stream-interval", type=int, default=1, metavar="N",
                     help="the server's --stream-interval (default 1: every token as it comes)")
+    ap.add_argument("--model", choices=("tiny", "small-llama"), default="tiny",
+                    help="tiny: the built-in reference model (a step costs about a "
+                         "millisecond: the worst case for the overhead); small-llama: an "
+                         "8-layer, 512-wide Llama with random weights through the "
+                         "transformers runtime (`serve --runtime hf --model DIR`)")
     args = ap.parse_args(argv)
+    if args.model == "small-llama":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="atom-bench-llama-") as tmp:
+            return run(args, build_small_llama(tmp))
+    return run(args, None)
+
+
+def run(args: argparse.Namespace, model_dir: str | None) -> int:
     import httpx
     import openai
+    import torch
+
+    # one torch thread here and in the server (OMP_NUM_THREADS): the CPU inside a step is then
+    # the engine thread's own (what the server reports), and the client has the other core
+    torch.set_num_threads(1)
 
     levels = QUICK_LEVELS if args.quick else LEVELS
     rounds = args.rounds or (1 if args.quick else ROUNDS)
     n, new = (QUICK_REQUESTS, QUICK_TOKENS) if args.quick else (REQUESTS, NEW_TOKENS)
     items = workload(n, new, seed=0, vocab=256, max_seq_len=MAX_SEQ)
-    direct(items[:LANES])  # warm-up: the first calls of a process are slower
-    want, direct_wall, direct_cpu, direct_tokens = direct(items)
+    direct(items[:LANES], model_dir=model_dir)  # warm-up: a process's first calls are slower
+    want, direct_wall, direct_cpu, direct_tokens = direct(items, model_dir=model_dir)
     key = secrets.token_hex(16)
-    proc, port = start_server(key, args.stream_interval)
+    proc, port = start_server(key, args.stream_interval, model_dir)
     bar = None
     if not args.json:
         try:
@@ -235,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
                         bar.refresh()
 
                 # the direct run right before, at the same concurrency
-                d_toks, d_wall, d_cpu, _ = direct(items, c)
+                d_toks, d_wall, d_cpu, _ = direct(items, c, model_dir)
                 # a fresh client per run: a pooled connection idle longer than the server's
                 # keep-alive (5 s) would be closed under the next run's first request
                 client = openai.AsyncOpenAI(api_key=key, base_url=f"{base}/v1", max_retries=0,
                                             timeout=600)
                 # one warm-up request (a new client's first calls are slower)
-                await client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2,
+                await client.completions.create(model=SERVED, prompt=[1, 2, 3], max_tokens=2,
                                                 temperature=0)
                 s0, cpu0 = await step_cpu(metrics), cpu_seconds(proc.pid)
                 run = await run_level(client, items, c, advance)
@@ -272,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": {"lanes": LANES, "max_seq_len": MAX_SEQ, "block_size": BLOCK,
                          "prefill_chunk": CHUNK, "prefix_cache": True,
                          "requests": len(items), "max_new_tokens": new, "rounds": rounds,
-                         "stream_interval": args.stream_interval},
+                         "stream_interval": args.stream_interval, "model": args.model},
               "direct": {"wall_s": round(direct_wall, 3), "cpu_s": round(direct_cpu, 3),
                          "tokens": direct_tokens,
                          "tokens_per_s": round(direct_tokens / direct_wall, 1)},
@@ -281,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print(f"atom-core serve under load ({len(items)} requests, {new} new tokens each, "
-              f"lanes={LANES}, tiny reference model, stream interval {args.stream_interval}, "
+              f"lanes={LANES}, model {args.model}, stream interval {args.stream_interval}, "
               f"{rounds} round(s), medians)")
         for r in rows:
             itl = r["itl_ms"] or {}

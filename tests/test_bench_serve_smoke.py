@@ -26,3 +26,14 @@ def test_quick_run_is_exact_and_reports_every_level(capsys) -> None:
     for r in report["levels"]:
         assert r["exact"] and r["tokens"] == report["direct"]["tokens"]
         assert r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0
+
+
+def test_quick_run_with_the_small_llama_is_exact(capsys) -> None:
+    """`--model small-llama`: the server on the transformers runtime with a model directory
+    (`serve --runtime hf --model DIR`) against HFRuntime driven directly, token for token."""
+    pytest.importorskip("transformers")
+    assert serve.main(["--quick", "--json", "--model", "small-llama"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["model"] == "small-llama" and report["server_exit_code"] == 0
+    for r in report["levels"]:
+        assert r["exact"] and r["tokens"] == report["direct"]["tokens"] > 0
