@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -41,6 +40,7 @@ import torch
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, min_kv_blocks
 from atom_core.runtime.protocol import smallest_decode_batch
+from bench import emit
 
 LANES = (8, 32)
 VOCABS = (128, 32000)
@@ -319,11 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"rounds * steps must stay below {MAX_SEQ - PROMPT - 20} "
                  "(a lane's KV block fills up)")
     report = run(rounds, steps, args.quick)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return emit(report, args.json, print_table)
 
 
 if __name__ == "__main__":

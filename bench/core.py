@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import random
 import statistics
@@ -53,6 +52,7 @@ from atom_core._generated import inplace as ip
 from atom_core.config import Config
 from atom_core.policy import Policy
 from atom_core.seq import seq
+from bench import emit
 
 LANES, BLOCKS, CHUNK, MAX_SEQ = 32, 34, 128, 4096
 CACHE_ENTRIES = 30  # cache entries in the admission pre-states
@@ -479,11 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if rounds < 1 or calls < 1:
         ap.error("--rounds and --calls must be positive")
     report = run(calls, rounds)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return emit(report, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ so a near-tie may flip; the float64 token-exact checks are the tests' and the de
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -49,6 +48,7 @@ from atom_core.runtime.hf import (
     tiny_model,
     with_model_window,
 )
+from bench import emit
 
 LANES, REQUESTS, NEW_TOKENS, ROUNDS = 4, 24, 16, 3
 QUICK_REQUESTS, QUICK_TOKENS, QUICK_ROUNDS = 4, 4, 1
@@ -255,11 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.max_new_tokens or (QUICK_TOKENS if args.quick else NEW_TOKENS),
                  args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS),
                  "mixed" if args.mixed else "fixed")
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report)
-    return 0
+    return emit(report, args.json, print_report)
 
 
 if __name__ == "__main__":

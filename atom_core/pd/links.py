@@ -126,6 +126,19 @@ class _Links:
                 out.append((peer, header, tensor))
         return out
 
+    def _lose(self, peer: int, why: str, out: list[Message]) -> None:
+        """Close a peer's link once (a second report of the same loss does nothing), then let
+        the role settle what the peer had in flight (`_lost_peer`), into `out`."""
+        link = self.links.pop(peer, None)
+        if link is None:
+            return
+        self.lost[peer] = why
+        link.close()
+        self._lost_peer(peer, why, out)
+
+    def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
+        raise NotImplementedError
+
 
 class PrefillLinks(_Links):
     """A decode worker's links to its prefill workers (see the module docstring)."""
@@ -252,12 +265,7 @@ class PrefillLinks(_Links):
         self._cancelled.discard(wire)
         self._refused.pop(wire, None)
 
-    def _lose(self, peer: int, why: str, out: list[Message]) -> None:
-        link = self.links.pop(peer, None)
-        if link is None:
-            return
-        self.lost[peer] = why
-        link.close()
+    def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
         for wire in [w for w, p in self._where.items() if p == peer]:
             header = self._asked[wire]
             if wire in self._cancelled:
@@ -328,12 +336,7 @@ class DecodeLinks(_Links):
             out.append((header, tensor))
         return out
 
-    def _lose(self, peer: int, why: str, out: list[Message]) -> None:
-        link = self.links.pop(peer, None)
-        if link is None:
-            return
-        self.lost[peer] = why
-        link.close()
+    def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
         # its requests end here: cancelled inside the worker (their blocks freed); the answers
         # the worker sends for them are dropped (`send`)
         for wire, (p, nonce) in self._from.items():

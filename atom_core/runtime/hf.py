@@ -481,9 +481,7 @@ class HFRuntime:
         served from there through `from_pretrained` (the real loading path)."""
         model = cls.tiny_llama_model(seed, vocab_size=vocab_size,
                                      max_position=config.max_seq_len, dtype=dtype, **fields)
-        with tempfile.TemporaryDirectory(prefix="atom-tiny-llama-") as tmp, _quiet():
-            model.save_pretrained(tmp)
-            return cls.from_pretrained(tmp, config, dtype=dtype)
+        return cls._through_disk(model, config, dtype, "llama")
 
     @staticmethod
     def tiny_gemma3_model(seed: int = 0, *, sliding_window: int, vocab_size: int = 128,
@@ -516,7 +514,14 @@ class HFRuntime:
         model = cls.tiny_gemma3_model(seed, sliding_window=config.sliding_window,
                                       vocab_size=vocab_size, max_position=config.max_seq_len,
                                       dtype=dtype, **fields)
-        with tempfile.TemporaryDirectory(prefix="atom-tiny-gemma3-") as tmp, _quiet():
+        return cls._through_disk(model, config, dtype, "gemma3")
+
+    @classmethod
+    def _through_disk(cls, model: Any, config: Config, dtype: torch.dtype,
+                      name: str) -> HFRuntime:
+        """`model` saved with `save_pretrained` to a temporary directory and served from there
+        through `from_pretrained` (the real loading path)."""
+        with tempfile.TemporaryDirectory(prefix=f"atom-tiny-{name}-") as tmp, _quiet():
             model.save_pretrained(tmp)
             return cls.from_pretrained(tmp, config, dtype=dtype)
 

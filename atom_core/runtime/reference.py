@@ -415,7 +415,16 @@ class TorchReferenceRuntime:
         index = gather_index(tab, length, self.block_size, self.num_blocks)
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._prefill_local(p, int(qp), int(lbt[0]))
+        attend = self._attender(blk, off, causal, index, local)
+        with _threads(self.num_threads):
+            out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
+        return out.to(self.dtype).view(1, 1, self.vocab_size)
 
+    def _attender(self, blk: torch.Tensor, off: torch.Tensor, causal: torch.Tensor,
+                  index: torch.Tensor, local: _Attend | None) -> _Attend:
+        """One call's attention per layer: a sliding layer of a hybrid model through its local
+        slot (`local`), any other writes the new K/V into the paged blocks at (blk, off) and
+        attends over the positions `index` gathers, under the `causal` mask."""
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             j = self._store[layer]
             if local is not None and self.spec.is_sliding(layer):
@@ -423,9 +432,7 @@ class TorchReferenceRuntime:
             self._write(j, blk, off, k, v)
             return self._attend(q, causal, *self._gather(j, index))
 
-        with _threads(self.num_threads):
-            out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
-        return out.to(self.dtype).view(1, 1, self.vocab_size)
+        return attend
 
     def _prefill_local(self, p: torch.Tensor, qp: int, slot: int) -> _Attend:
         """Sliding-layer attention of a prefill chunk at positions p [C] in local slot `slot`.
@@ -488,14 +495,7 @@ class TorchReferenceRuntime:
         index = gather_index(tab, length, self.block_size, self.num_blocks)
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._decode_local(p, lbt[:, 0].long())
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            j = self._store[layer]
-            if local is not None and self.spec.is_sliding(layer):
-                return local(j, q, k, v)
-            self._write(j, blk, off, k, v)
-            return self._attend(q, causal, *self._gather(j, index))
-
+        attend = self._attender(blk, off, causal, index, local)
         with _threads(self.num_threads):
             out = self._forward(ids[:, 0], p, attend)
         return out.to(self.dtype).view(b, 1, self.vocab_size)
