@@ -49,6 +49,19 @@ from types import ModuleType
 from typing import Any
 
 from atom_core.spec import lang
+from atom_core.spec.codegen.analysis import (
+    Analysis,
+    GenerationError,
+    Memo,
+    binder,
+    canon,
+    child_flags,
+    ghost_reads,
+    modifies,
+    reads_ghost,
+    reads_param,
+    walk,
+)
 from atom_core.spec.codegen.printer import (
     SOFT,
     SPACE,
@@ -91,7 +104,7 @@ from atom_core.spec.lang import (
 )
 
 __all__ = ["GenerationError", "Generator", "InplaceGenerator", "check", "generate", "load",
-           "load_inplace", "main", "output_dir", "write"]
+           "load_inplace", "main", "output_dir", "reads_param", "write"]
 
 
 HEADER = (
@@ -100,18 +113,6 @@ HEADER = (
 
 
 SEQ_MODULE = "atom_core.seq"
-
-
-class GenerationError(Exception):
-    """The model uses something the executable core cannot express."""
-
-
-def modifies(a: Any) -> tuple[list[str], list[str]]:
-    """The state functions action `a` updates, in spec order: (plain, ghost)."""
-    seen: dict[str, bool] = {}
-    for u in a.updates:
-        seen.setdefault(u.fn.name, u.fn.ghost)
-    return [n for n, g in seen.items() if not g], [n for n, g in seen.items() if g]
 
 
 def _modifies_comment(a: Any) -> str:
@@ -138,56 +139,6 @@ _BUILTINS = frozenset(
 _PARAM_RESERVED = frozenset("s new effects".split())
 
 
-def _children(e: Expr) -> tuple[Expr, ...]:
-    try:
-        return lang.children(e)
-    except TypeError:
-        raise GenerationError(
-            f"codegen does not know the expression type {type(e).__name__}") from None
-
-
-def _child_flags(e: Expr) -> list[tuple[Expr, bool]]:
-    """The children of `e`, each with whether it is evaluated whenever `e` is."""
-    t = type(e)
-    kids = _children(e)
-    if t is Ite:
-        return [(kids[0], True), (kids[1], False), (kids[2], False)]
-    if t is And or t is Or or t is Implies:
-        return [(c, i == 0) for i, c in enumerate(kids)]
-    if t is Quant or t is Count or t is Vector:
-        return [(kids[0], False)]
-    return [(c, True) for c in kids]
-
-
-def _binder(e: Expr) -> Var | None:
-    t = type(e)
-    return e.var if (t is Quant or t is Count or t is Vector) else None
-
-
-def _walk(e: Expr) -> Iterator[Expr]:
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        yield x
-        stack.extend(reversed(_children(x)))
-
-
-def _reads_param(e: Expr, p: Var) -> bool:
-    return any(x is p or (type(x) is App and x.fn is p) for x in _walk(e))
-
-
-def _reads_ghost(e: Expr) -> bool:
-    return any(type(x) is App and isinstance(x.fn, StateFn) and x.fn.ghost for x in _walk(e))
-
-
-def _ghost_reads(e: Expr) -> list[str]:
-    out: list[str] = []
-    for x in _walk(e):
-        if type(x) is App and isinstance(x.fn, StateFn) and x.fn.ghost and x.fn.name not in out:
-            out.append(x.fn.name)
-    return out
-
-
 def _base_name(v: Var) -> str:
     base = re.sub(r"_\d+$", "", v.name)
     return base if base.isidentifier() and not keyword.iskeyword(base) else "x"
@@ -200,139 +151,6 @@ def _camel(name: str) -> str:
 def _check_ident(name: str, what: str) -> None:
     if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
         raise GenerationError(f"{what} {name!r} is not usable as a Python name")
-
-
-# --------------------------------------------------------------------------- analysis
-
-
-class Analysis:
-    """Per-model caches: free variables, sizes, totality (nodes are immutable and shared)."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, tuple[Expr, tuple[Var, ...]]] = {}
-        self._size: dict[int, tuple[Expr, int]] = {}
-        self._total: dict[int, tuple[Expr, bool]] = {}
-        self._costly: dict[int, tuple[Expr, bool]] = {}
-
-    def free(self, e: Expr) -> tuple[Var, ...]:
-        hit = self._free.get(id(e))
-        if hit is not None:
-            return hit[1]
-        if type(e) is Var:
-            out: tuple[Var, ...] = (e,)
-        else:
-            acc: list[Var] = []
-            bound = _binder(e)
-            for c in _children(e):
-                for v in self.free(c):
-                    if v is not bound and all(v is not w for w in acc):
-                        acc.append(v)
-            out = tuple(acc)
-        self._free[id(e)] = (e, out)
-        return out
-
-    def size(self, e: Expr) -> int:
-        hit = self._size.get(id(e))
-        if hit is not None:
-            return hit[1]
-        n = 1 + sum(self.size(c) for c in _children(e))
-        self._size[id(e)] = (e, n)
-        return n
-
-    @staticmethod
-    def nullable(e: Expr) -> bool:
-        """May evaluate to None (an ident-keyed function without an initial value)."""
-        if type(e) is App and isinstance(e.fn, StateFn):
-            return e.fn.init is None and any(a.kind == "ident" for a in e.fn.args)
-        if type(e) is Ite:
-            return Analysis.nullable(e.then) or Analysis.nullable(e.other)
-        return False
-
-    def total(self, e: Expr) -> bool:
-        """Evaluating `e` cannot raise, whatever the (well-formed) state."""
-        hit = self._total.get(id(e))
-        if hit is not None:
-            return hit[1]
-        t = type(e)
-        kids = _children(e)
-        ok = all(self.total(c) for c in kids)
-        if t is App:
-            if isinstance(e.fn, Op):  # value-sort ops are total on values (atom_core.seq)
-                ok = ok and not any(self.nullable(a) for a in e.args)
-            elif isinstance(e.fn, StateFn):
-                ok = ok and not any(s.kind == "index" and self.nullable(a)
-                                    for a, s in zip(e.args, e.fn.args, strict=True))
-            else:
-                ok = ok and not any(self.nullable(a) for a in e.args)
-        elif t is Arith or t is Cmp:
-            ok = ok and not self.nullable(e.lhs) and not self.nullable(e.rhs)
-            if t is Arith and e.op == "%":
-                ok = ok and type(e.rhs) is Lit and e.rhs.value != 0
-        elif t is Enabled or t is Vector:
-            ok = False
-        elif t is Quant or t is Count:
-            ok = ok and e.var.sort.kind in ("index", "bool", "enum")
-        self._total[id(e)] = (e, ok)
-        return ok
-
-    def costly(self, e: Expr) -> bool:
-        """Worth computing once: reads an ident-keyed function, or loops."""
-        hit = self._costly.get(id(e))
-        if hit is not None:
-            return hit[1]
-        t = type(e)
-        if t is Quant or t is Count:
-            out = True
-        elif t is App and isinstance(e.fn, StateFn) and any(a.kind == "ident" for a in e.fn.args):
-            out = True
-        else:
-            out = any(self.costly(c) for c in _children(e))
-        self._costly[id(e)] = (e, out)
-        return out
-
-
-def _canon(e: Expr, hole: Var | None, binders: dict[int, int]) -> tuple[Any, ...]:
-    """A key equal for alpha-equivalent terms (bound variables numbered, `hole` anonymous)."""
-    t = type(e)
-    if t is Lit:
-        return ("L", e.sort.name, type(e.value).__name__, e.value)
-    if t is Var:
-        if e is hole:
-            return ("H", e.sort.name)
-        if id(e) in binders:
-            return ("B", binders[id(e)])
-        return ("P", e.name, id(e))
-    if t is Const:
-        return ("C", e.name)
-    v = _binder(e)
-    if v is not None:
-        inner = dict(binders)
-        inner[id(v)] = len(binders)
-        body = _children(e)[0]
-        return (t.__name__, getattr(e, "kind", ""), v.sort.name, _canon(body, hole, inner))
-    head: tuple[Any, ...]
-    if t is App:
-        fn = e.fn
-        if isinstance(fn, StateFn):
-            head = ("A", "fn", fn.name, e.post)
-        elif isinstance(fn, Op):
-            head = ("A", "op", fn.name)
-        else:
-            head = ("A", "var")
-    elif t is Arith or t is Cmp:
-        head = (t.__name__, e.op)
-    elif t is Enabled:
-        head = ("E", e.action.name, tuple(e.bindings))
-    else:
-        head = (t.__name__,)
-    return head + tuple(_canon(c, hole, binders) for c in _children(e))
-
-
-class Memo:
-    __slots__ = ("name", "node", "hole", "key")
-
-    def __init__(self, name: str, node: Expr, hole: Var | None, key: tuple[Any, ...]) -> None:
-        self.name, self.node, self.hole, self.key = name, node, hole, key
 
 
 # --------------------------------------------------------------------------- function bodies
@@ -489,16 +307,16 @@ class Body:
         free = [v for v in self.an.free(e) if id(v) not in self.param_ids]
         if len(free) > 1 or (free and free[0].sort.kind != "index"):
             return None
-        if any(type(x) is Enabled or type(x) is Vector for x in _walk(e)):
+        if any(type(x) is Enabled or type(x) is Vector for x in walk(e)):
             return None
         total = self.an.total(e)
         if free:  # tabulated over the whole sort: must be total, and worth it
             if not total or not self.an.costly(e):
                 return None
-            return _canon(e, free[0], {}), free[0], True
+            return canon(e, free[0], {}), free[0], True
         if not self.an.costly(e) and self.an.size(e) < 4:
             return None
-        return _canon(e, None, {}), None, total
+        return canon(e, None, {}), None, total
 
     def select_memos(self, *groups: list[tuple[Expr, tuple[Var, ...]]]) -> None:
         """Choose shared subterms over the statements' roots (in emission order), group by
@@ -537,9 +355,9 @@ class Body:
                     entry[2] += 1
                     entry[3] = entry[3] or in_loop
                     entry[4] = entry[4] and uncond
-                loops = in_loop or _binder(e) is not None
+                loops = in_loop or binder(e) is not None
                 todo.extend((c, loops, uncond and f, True)
-                            for c, f in reversed(_child_flags(e)))
+                            for c, f in reversed(child_flags(e)))
             return seen
 
         roots_so_far: list[tuple[Expr, tuple[Var, ...]]] = []
@@ -960,14 +778,14 @@ class Generator:
             if len(set(names)) != len(names):
                 raise GenerationError(f"{a.name}: duplicate guard names")
             for g, e in a.guards:
-                bad = _ghost_reads(e)
+                bad = ghost_reads(e)
                 if bad:
                     raise GenerationError(f"{a.name}: guard {g} reads ghost state {bad}")
             whole_seen: set[str] = set()
             point_seen: set[str] = set()
             for u in a.updates:
                 if not u.fn.ghost:
-                    bad = _ghost_reads(u.value) + [n for x in u.args for n in _ghost_reads(x)]
+                    bad = ghost_reads(u.value) + [n for x in u.args for n in ghost_reads(x)]
                     if bad:
                         raise GenerationError(
                             f"{a.name}: update of non-ghost {u.fn.name} reads ghost state {bad}")
@@ -986,7 +804,7 @@ class Generator:
                 _check_ident(eff.name, "effect")
                 for k, v in eff.args.items():
                     _check_ident(k, f"argument of effect {eff.name}")
-                    bad = _ghost_reads(v)
+                    bad = ghost_reads(v)
                     if bad:
                         raise GenerationError(f"{a.name}: effect {eff.name} reads ghost {bad}")
                 sig = (_camel(eff.name), list(eff.args),
@@ -1002,7 +820,7 @@ class Generator:
         for d in m.definitions:
             _check_ident(d.name, "definition")
             self._name(d.name, f"definition {d.name}")
-            bad = _ghost_reads(d.body)
+            bad = ghost_reads(d.body)
             if bad:
                 raise GenerationError(f"definition {d.name} reads ghost state {bad}")
         for a in m.actions:
@@ -1235,7 +1053,7 @@ class Generator:
             names = [a.name[:1].lower() or "x" for a in f.args]
         vs = [Var(n, s) for n, s in zip(names, f.args, strict=True)]
         e = lang.lift(f.init(*vs), f.ret)
-        for x in _walk(e):
+        for x in walk(e):
             if type(x) is App and isinstance(x.fn, StateFn):
                 raise GenerationError(f"initial value of {f.name} reads state ({x.fn.name})")
         return e, vs
@@ -1435,7 +1253,7 @@ class Generator:
                      mode="guard", counts=counts, local_names="s")
             b.select_memos([(g, ()) for _, g in a.guards])
             for name, g in a.guards:
-                reads = [p for p in bound_vars if _reads_param(g, p)]
+                reads = [p for p in bound_vars if reads_param(g, p)]
                 if reads:
                     cond = " and ".join(f"{p.name} is not None" for p in reads)
                     with b.block(f"if {cond}:"):
@@ -1471,7 +1289,7 @@ class Generator:
         reads = []
         for a in self.model.actions:
             per = [[f'"{name}": ', tuple_doc([f'"{p.name}"' for p in a.params
-                                          if _reads_param(e, p)])] for name, e in a.guards]
+                                          if reads_param(e, p)])] for name, e in a.guards]
             reads.append([f'"{a.name}": ', dict_doc(per)])
         parts.append("# name -> guard name -> the parameters it reads (a search that finds a\n"
                      "# guard refusing some arguments skips every call that agrees on those)\n")
@@ -1773,24 +1591,24 @@ class Generator:
         names = " ".join(["bad", consts.split(".")[0], *states.values()])
         b = Body(self, params=[], consts=consts, states=states, mode=mode, counts=counts,
                  local_names=names)
-        plain = [(n.expr, ()) for n in named if not _reads_ghost(n.expr)]
-        ghost = [(n.expr, ()) for n in named if _reads_ghost(n.expr)]
+        plain = [(n.expr, ()) for n in named if not reads_ghost(n.expr)]
+        ghost = [(n.expr, ()) for n in named if reads_ghost(n.expr)]
         b.select_memos(plain, ghost)
         if mode == "axiom":
             for n in named:
-                for x in _walk(n.expr):
+                for x in walk(n.expr):
                     if type(x) is App and isinstance(x.fn, StateFn):
                         raise GenerationError(f"axiom {n.name} reads state ({x.fn.name})")
         b.stmt("bad = []")
         cond = " and ".join(f"{st}.ghost" for _, st in sorted(states.items()))
         i = 0
         while i < len(named):
-            if not _reads_ghost(named[i].expr):
+            if not reads_ghost(named[i].expr):
                 self._check_stmt(b, named[i])
                 i += 1
                 continue
             with b.block(f"if {cond}:"):
-                while i < len(named) and _reads_ghost(named[i].expr):
+                while i < len(named) and reads_ghost(named[i].expr):
                     self._check_stmt(b, named[i])
                     i += 1
         b.stmt("return bad")
@@ -1917,7 +1735,7 @@ class InplaceGenerator(Generator):
             if self.layout(f) != "map" or f.init is None:
                 continue
             e, _ = self._init_value(f)
-            if any(type(x) is Const for x in _walk(e)):
+            if any(type(x) is Const for x in walk(e)):
                 raise GenerationError(f"in-place: the default of {f.name} reads a constant")
             self.defaults[f.name] = f"_D_{f.name}"
         # Maintained indexes (derived from the model's shapes, no spec change), in order:
@@ -1934,7 +1752,7 @@ class InplaceGenerator(Generator):
                     if sel is not None and sel[0] not in self.indexes:
                         self.indexes.append(sel[0])
             for _, g in a.guards:
-                for x in _walk(g):
+                for x in walk(g):
                     if type(x) is Quant:
                         val = self._val_match(x, x.kind == "forall")
                         if val is not None and val[0] not in self.indexes:
@@ -2314,7 +2132,7 @@ class InplaceGenerator(Generator):
     def _direct_ok(self, f: StateFn, vs: list[Var], e: Expr, updated: set[str]) -> bool:
         if not self.an.total(e):
             return False
-        for x in _walk(e):
+        for x in walk(e):
             if type(x) is App and isinstance(x.fn, StateFn) and x.fn.name in updated:
                 if not (x.fn is f and not x.post and len(x.args) == len(vs)
                         and all(a is v for a, v in zip(x.args, vs, strict=True))):
