@@ -47,7 +47,7 @@ from atom_core.spec.lang import (
 )
 
 if TYPE_CHECKING:
-    from atom_core.spec.codegen import Generator
+    from atom_core.spec.codegen.pure import Generator
 
 
 # --------------------------------------------------------------------------- expressions
