@@ -30,6 +30,11 @@ For speed (the core is on the serving hot path) the generator
   does not depend on. A memo that may raise (sequence ops, `%`) is only taken when every
   occurrence is evaluated unconditionally by its statement, so evaluating it just before the
   statement is invisible; a tabulated one must be total.
+
+The package: `printer` (the pretty printer of the generated code), `analysis` (expression
+walking, `Analysis`, the sharing key of subterms), `body` (`Body`: one generated function's
+statements and expressions), `pure` (`Generator`, core.py) and `inplace` (`InplaceGenerator`,
+inplace.py); this module holds the entry points.
 """
 
 from __future__ import annotations
