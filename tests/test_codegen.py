@@ -446,7 +446,7 @@ def test_eager_definitions_agree_with_the_spec_on_random_walks() -> None:
                     assert getattr(core, f"enabled_{act}")(d.cs, **{first.name: v}) \
                         == any(o.enabled for o in outs), (name, act, v, d.history)
                     reads_only_first = [g for g, e in a.guards
-                                        if not any(codegen._reads_param(e, p)
+                                        if not any(codegen.reads_param(e, p)
                                                    for p in a.params[1:])]
                     want = all(dict(outs[0].verdicts)[g] for g in reads_only_first)
                     assert getattr(core, f"ready_{act}")(d.cs, **{first.name: v}) == want, \

@@ -1,7 +1,7 @@
 """The generated core against an independent evaluation of the spec, step by step.
 
 `proofs/interp.py` evaluates the spec's expression trees on concrete values and shares no code
-with the generator (`spec/codegen.py`). Here the committed core and the evaluator are stepped
+with the generator (`spec/codegen/`). Here the committed core and the evaluator are stepped
 side by side, and at every step the check compares:
 
 * the guard: the core's `<action>_guard`, `<action>_plan` and the step's `rejected` must name
