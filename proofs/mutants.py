@@ -26,7 +26,7 @@ Layers, cheapest first; a mutant stops at the first layer that kills it unless `
               the mutant's capacity, checked against the invariants, transition invariants and
               progress (a stuck run is replayed in z3 against the mutant spec); and capacity
               tightness: a stuck run must exist one block below the minimum
-  hypothesis  the core state machine of tests/test_core_machine.py over the mutant core, with
+  hypothesis  the core state machine (atom_core.testing.machine) over the mutant core, with
               a bounded, derandomized settings object (a mutant of a host-tier action over
               configurations with the host tier, paged tables included: only they take it; a
               mutant of hybrid state or guards over the hybrid tier too)
@@ -806,18 +806,12 @@ def bmc_finding(m: Mutant, cfg: Config, found: dict[str, tuple]) -> LayerResult:
 
 
 def core_machine_module() -> types.ModuleType | None:
-    """tests/test_core_machine.py, imported by path (the harness runs from a checkout)."""
-    if "test_core_machine" in sys.modules:
-        return sys.modules["test_core_machine"]
-    path = Path(__file__).resolve().parents[1] / "tests" / "test_core_machine.py"
-    if not path.exists():
+    """`atom_core.testing.machine`, or None without hypothesis (the dev extra)."""
+    if importlib.util.find_spec("hypothesis") is None:
         return None
-    spec = importlib.util.spec_from_file_location("test_core_machine", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["test_core_machine"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from atom_core.testing import machine
+
+    return machine
 
 
 def machine_settings(examples: int) -> Any:
@@ -832,10 +826,13 @@ def machine_settings(examples: int) -> Any:
 
 
 @contextlib.contextmanager
-def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]) -> Iterator[None]:
-    """The machine draws K from its capacity module and checks progress at or above it: give it
-    the mutant's table (a capacity mutant claims one block fewer suffices)."""
-    saved = tcm.min_blocks
+def machine_capacity(offsets: dict[tuple[bool, str], int]) -> Iterator[None]:
+    """The machine draws K from its capacity rule (`atom_core.testing.strategies.min_blocks`)
+    and checks progress at or above it: give it the mutant's table (a capacity mutant claims
+    one block fewer suffices)."""
+    from atom_core.testing import strategies
+
+    saved = strategies.min_blocks
     table = patched_table(offsets)
 
     def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
@@ -844,11 +841,11 @@ def machine_capacity(tcm: types.ModuleType, offsets: dict[tuple[bool, str], int]
             return saved(lanes, prefix, scratch, tables, preempt)
         return table.min_kv_blocks(lanes, tables, (prefix, scratch))
 
-    tcm.min_blocks = min_blocks
+    strategies.min_blocks = min_blocks
     try:
         yield
     finally:
-        tcm.min_blocks = saved
+        strategies.min_blocks = saved
 
 
 # The state only hybrid models change (their sliding state and its snapshots): without HYBRID
@@ -886,15 +883,17 @@ def run_machine(mutant_id: str, examples: int, tier: str = "plain") -> str | Non
     import hypothesis.strategies as st
     from hypothesis.stateful import run_state_machine_as_test
 
-    tcm = core_machine_module()
-    assert tcm is not None
+    from atom_core.testing.lifecycle import FEATURES
+    from atom_core.testing.machine import make_machine
+    from atom_core.testing.strategies import configs as drawn
+
     core = load_core(mutant_id)
-    with machine_capacity(tcm, offsets_of(catalogue()[mutant_id])):
-        configs = [tcm.configs(core, p, s) for p, s in tcm.FEATURES] if tier != "host" else []
+    with machine_capacity(offsets_of(catalogue()[mutant_id])):
+        configs = [drawn(core, p, s) for p, s in FEATURES] if tier != "host" else []
         if tier != "plain":
-            configs += [tcm.configs(core, True, s, tier=tier) for s in ("reserved", "dynamic")]
+            configs += [drawn(core, True, s, tier=tier) for s in ("reserved", "dynamic")]
         config = st.one_of(*configs)
-        machine = tcm.make_machine(core, config, mirror=False, pd=True)
+        machine = make_machine(core, config, mirror=False, pd=True)
         try:
             run_state_machine_as_test(machine, settings=machine_settings(examples))
         except hypothesis.errors.HypothesisException:
@@ -912,7 +911,8 @@ def machine_control(examples: int, tier: str = "plain") -> str | None:
 
 def hypothesis_layer(m: Mutant, opts: Options) -> LayerResult:
     if core_machine_module() is None:
-        return LayerResult("hypothesis", "unavailable", "tests/test_core_machine.py not found")
+        return LayerResult("hypothesis", "unavailable",
+                           "atom_core.testing needs hypothesis (the dev extra)")
     tier = machine_tier(m)
     broken = machine_control(opts.examples, tier)
     if broken:
@@ -1076,7 +1076,8 @@ def bmc_control_layer(actions: tuple[str, ...], opts: Options) -> LayerResult:
 
 def hypothesis_control_layer(actions: tuple[str, ...], opts: Options) -> LayerResult:
     if core_machine_module() is None:
-        return LayerResult("hypothesis", "unavailable", "tests/test_core_machine.py not found")
+        return LayerResult("hypothesis", "unavailable",
+                           "atom_core.testing needs hypothesis (the dev extra)")
     failure = machine_control(opts.examples)
     return LayerResult("hypothesis", "killed" if failure else "survived", failure or "")
 
