@@ -593,20 +593,6 @@ def z3_layer(m: Mutant, opts: Options) -> LayerResult:
 # --------------------------------------------------------------------------- layer: bmc
 
 
-@contextlib.contextmanager
-def search_over(core: types.ModuleType) -> Iterator[None]:
-    """proofs/search.py explores `atom_core._generated.core` (a module global): point it at the
-    mutant core for the duration."""
-    from atom_core.proofs import search
-
-    saved = search.g
-    search.g = core
-    try:
-        yield
-    finally:
-        search.g = saved
-
-
 @attrs.frozen
 class Config:
     label: str
@@ -662,14 +648,14 @@ def explore(core: types.ModuleType, cfg: Config, max_states: int,
     c = cfg.consts
     requests, prompts = c.B + 1, search.menu(c.C)
     start = core.init(c, ghost=True)
-    seen = {search.state_key(start)}
+    seen = {search.state_key(start, core)}
     frontier: deque[tuple[Any, tuple]] = deque([(start, ())])
     found: dict[str, tuple] = {}
     while frontier:
         s, path = frontier.popleft()
         try:
             succ = [(n, a, core.ACTIONS[n][0](s, **a).state)
-                    for n, a in search.moves(s, requests, prompts, skip=())]
+                    for n, a in search.moves(s, requests, prompts, skip=(), core=core)]
         except Exception as exc:  # the mutant core crashes in a reachable state: a finding
             found.setdefault(f"crash: {type(exc).__name__}", path)
             if ignore is not None:
@@ -678,7 +664,7 @@ def explore(core: types.ModuleType, cfg: Config, max_states: int,
         for name, args, nxt in succ:
             step = (path, (name, args))
             try:
-                key = search.state_key(nxt)
+                key = search.state_key(nxt, core)
             except Exception as exc:  # a state the core should never build (e.g. a None key)
                 found.setdefault(f"crash: {type(exc).__name__} in a state {name} built", step)
                 if ignore is not None:
@@ -699,14 +685,6 @@ def explore(core: types.ModuleType, cfg: Config, max_states: int,
     return found, True
 
 
-def unwind(path: tuple) -> list[tuple[str, dict]]:
-    out = []
-    while path:
-        path, step = path
-        out.append(step)
-    return out[::-1]
-
-
 @functools.cache
 def bmc_control(opts: Options) -> dict[str, Any]:
     """What the unmutated model's core shows in the same searches: its findings per config
@@ -714,12 +692,11 @@ def bmc_control(opts: Options) -> dict[str, Any]:
     core = load_core(CONTROL)
     offsets = offsets_of(catalogue()[CONTROL])
     out: dict[str, Any] = {}
-    with search_over(core):
-        for lanes, cap in ((1, opts.bmc_states), (2, opts.bmc_wide_states)):
-            for cfg in bmc_configs(core, offsets, lanes):
-                out[cfg.label] = frozenset(explore(core, cfg, cap, None)[0])
-        for cfg in tight_configs(core, offsets):
-            out[f"tight {cfg.label}"] = stuck_below(cfg, opts) is True
+    for lanes, cap in ((1, opts.bmc_states), (2, opts.bmc_wide_states)):
+        for cfg in bmc_configs(core, offsets, lanes):
+            out[cfg.label] = frozenset(explore(core, cfg, cap, None)[0])
+    for cfg in tight_configs(core, offsets):
+        out[f"tight {cfg.label}"] = stuck_below(core, cfg, opts) is True
     return out
 
 
@@ -735,13 +712,13 @@ def tight_configs(core: types.ModuleType, offsets: dict[tuple[bool, str], int]) 
     return out
 
 
-def stuck_below(cfg: Config, opts: Options) -> bool | None:
+def stuck_below(core: types.ModuleType, cfg: Config, opts: Options) -> bool | None:
     """A colocated stuck run exists (True), provably none within the search (False), or the
     search hit its bound (None)."""
     from atom_core.proofs import search
 
     try:
-        run = search.shortest_stuck_run(cfg.consts, max_states=opts.bmc_states)
+        run = search.shortest_stuck_run(cfg.consts, max_states=opts.bmc_states, core=core)
     except RuntimeError:
         return None
     return run is not None
@@ -764,33 +741,34 @@ def bmc_layer(m: Mutant, opts: Options) -> LayerResult:
     core = load_core(m.id)
     control = bmc_control(opts)
     offsets = offsets_of(m)
-    with search_over(core):
-        # cheapest first: one lane (exhaustive), tightness, then two lanes (bounded)
-        for cfg in bmc_configs(core, offsets, 1):
-            found = explore(core, cfg, opts.bmc_states, control.get(cfg.label, frozenset()))[0]
-            if found:
-                return bmc_finding(m, cfg, found)
-        for cfg in tight_configs(core, offsets):
-            if not control.get(f"tight {cfg.label}"):
-                continue  # the control has no stuck run here either: nothing to compare
-            stuck = stuck_below(cfg, opts)
-            if stuck is None:
-                return LayerResult("bmc", "unknown", f"stuck-run search at {cfg.label} hit "
-                                   f"its bound of {opts.bmc_states} states")
-            if not stuck:
-                return LayerResult("bmc", "killed", f"not tight: no stuck run at {cfg.label}, "
-                                   "one block below the capacity rule")
-        for cfg in bmc_configs(core, offsets, 2):
-            found = explore(core, cfg, opts.bmc_wide_states,
-                            control.get(cfg.label, frozenset()))[0]
-            if found:
-                return bmc_finding(m, cfg, found)
+    # cheapest first: one lane (exhaustive), tightness, then two lanes (bounded)
+    for cfg in bmc_configs(core, offsets, 1):
+        found = explore(core, cfg, opts.bmc_states, control.get(cfg.label, frozenset()))[0]
+        if found:
+            return bmc_finding(m, cfg, found)
+    for cfg in tight_configs(core, offsets):
+        if not control.get(f"tight {cfg.label}"):
+            continue  # the control has no stuck run here either: nothing to compare
+        stuck = stuck_below(core, cfg, opts)
+        if stuck is None:
+            return LayerResult("bmc", "unknown", f"stuck-run search at {cfg.label} hit "
+                               f"its bound of {opts.bmc_states} states")
+        if not stuck:
+            return LayerResult("bmc", "killed", f"not tight: no stuck run at {cfg.label}, "
+                               "one block below the capacity rule")
+    for cfg in bmc_configs(core, offsets, 2):
+        found = explore(core, cfg, opts.bmc_wide_states,
+                        control.get(cfg.label, frozenset()))[0]
+        if found:
+            return bmc_finding(m, cfg, found)
     return LayerResult("bmc", "survived")
 
 
 def bmc_finding(m: Mutant, cfg: Config, found: dict[str, tuple]) -> LayerResult:
+    from atom_core.proofs import search
+
     finding, path = next(iter(found.items()))
-    run = unwind(path)
+    run = search.unwind(path)
     detail = f"{finding} at {cfg.label} after {len(run)} steps"
     if finding.startswith("stuck "):
         ok = confirmed(m, cfg, run, finding)
