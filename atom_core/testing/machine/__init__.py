@@ -58,7 +58,7 @@ workload, single actions, the calls that must be rejected, teardown) and one mix
 tier (paged.py: paged tables and hits past the first block; hybrid.py; host.py; pd.py;
 preempt.py). A new feature tier's rules go in a new mixin module here, listed in `CoreMachine`'s
 bases; its rules that only some machines take go in a set like PD_RULES that `make_machine`
-drops. `tests/test_core_machine.py` runs it, `proofs/mutants.py` runs it over mutant cores and
+drops. `tests/test_core_machine.py` runs it, `proofs/mutants/` runs it over mutant cores and
 `bench/stateful.py` measures its stateful steps per second.
 """
 
