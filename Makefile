@@ -104,7 +104,7 @@ simulate-deep: install
 
 # Mutation testing, never in CI (README "Mutation testing"). `make mutants`: bugs planted in the
 # spec, each through z3, bounded model checking, the core state machine and the simulation,
-# cheapest layer first; fails on a surviving mutant with no explanation (proofs/mutants.py).
+# cheapest layer first; fails on a surviving mutant with no explanation (proofs/mutants/).
 # `make mutants-source`: mutmut over the generated core, the policy and the adapter
 # ([tool.mutmut] in pyproject.toml), limited to the mutant-name globs of MUTMUT_SUBSET (empty:
 # every mutant, more than a day on two cores), then killed/survived per file. Results: mutants/ (gitignored).

@@ -1,4 +1,4 @@
-"""Hypothesis stateful throughput of the core state machine (tests/test_core_machine.py).
+"""Hypothesis stateful throughput of the core state machine (atom_core.testing.machine).
 
     .venv/bin/python -m bench.stateful [EXAMPLES] [--steps N] [--no-mirror]
 
@@ -13,26 +13,16 @@ core's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_machine_module() -> ModuleType:
-    path = ROOT / "tests" / "test_core_machine.py"
-    spec = importlib.util.spec_from_file_location("test_core_machine", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from atom_core._generated import core as committed
+from atom_core.testing.lifecycle import FEATURES, Stats
+from atom_core.testing.machine import make_machine
+from atom_core.testing.strategies import configs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,24 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-mirror", action="store_true", help="skip the ghost-off replay")
     opts = ap.parse_args(argv)
 
-    m = load_machine_module()
     cfg = settings(derandomize=True, database=None, deadline=None, print_blob=True,
                    max_examples=opts.examples, stateful_step_count=opts.steps,
                    suppress_health_check=[HealthCheck.too_slow])
     total_steps = total_calls = 0
     total_time = 0.0
-    for prefix, scratch in m.FEATURES:
-        machine = m.make_machine(config=m.configs(m.committed, prefix, scratch),
-                                 mirror=not opts.no_mirror)
-        m.Stats.reset()
+    for prefix, scratch in FEATURES:
+        machine = make_machine(config=configs(committed, prefix, scratch),
+                               mirror=not opts.no_mirror)
+        Stats.reset()
         t0 = time.perf_counter()
         run_state_machine_as_test(machine, settings=cfg)
         dt = time.perf_counter() - t0
-        total_steps, total_calls, total_time = (total_steps + m.Stats.steps,
-                                                total_calls + m.Stats.calls, total_time + dt)
+        total_steps, total_calls, total_time = (total_steps + Stats.steps,
+                                                total_calls + Stats.calls, total_time + dt)
         name = f"{'prefix' if prefix else 'noprefix'}-{scratch}"
-        print(f"{name:18s} {m.Stats.steps:7d} steps {m.Stats.calls:7d} calls {dt:6.2f} s "
-              f"{m.Stats.steps / dt:8.0f} steps/s {m.Stats.calls / dt:8.0f} calls/s")
+        print(f"{name:18s} {Stats.steps:7d} steps {Stats.calls:7d} calls {dt:6.2f} s "
+              f"{Stats.steps / dt:8.0f} steps/s {Stats.calls / dt:8.0f} calls/s")
     print(f"{'total':18s} {total_steps:7d} steps {total_calls:7d} calls {total_time:6.2f} s "
           f"{total_steps / total_time:8.0f} steps/s {total_calls / total_time:8.0f} calls/s")
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,7 +32,7 @@ import attrs
 import z3
 
 from atom_core import seq
-from atom_core._generated import core as g
+from atom_core._generated import core as generated
 from atom_core.pmap import PMap
 from atom_core.proofs.bmc import Trace
 from atom_core.proofs.checks import bounded_universe
@@ -49,29 +50,30 @@ def menu(c: int) -> list[seq.TokSeq]:
     return [seq.seq(range(1, c + 2)), seq.seq([100])]
 
 
-def state_key(s: g.State) -> tuple[Any, ...]:
+def state_key(s: generated.State, core: types.ModuleType = generated) -> tuple[Any, ...]:
     out = []
-    for name in g.STATE_FIELDS:
+    for name in core.STATE_FIELDS:
         v = getattr(s, name)
         out.append(tuple(sorted(v.items())) if isinstance(v, PMap) else v)
     return tuple(out)
 
 
-def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
-          skip: tuple[str, ...] = (*PD_ACTIONS, "forget")) -> Iterator[tuple[str, dict]]:
+def moves(s: generated.State, requests: int, prompts: list[seq.TokSeq],
+          skip: tuple[str, ...] = (*PD_ACTIONS, "forget"), *,
+          core: types.ModuleType = generated) -> Iterator[tuple[str, dict]]:
     c = s.consts
-    submitted = sum(1 for r in range(requests) if s.phase.get(r) != g.PHASE_NONE)
+    submitted = sum(1 for r in range(requests) if s.phase.get(r) != core.PHASE_NONE)
     idle = [ln for ln in range(c.B) if not s.busy[ln]]
-    free = [b for b in range(c.K) if s.owner[b] == g.OWNER_FREE]
-    empty = [x for x in range(c.H) if s.slot_state[x] == g.SLOTSTATE_EMPTY]
-    slots = [x for x in range(c.H) if s.slot_state[x] != g.SLOTSTATE_EMPTY] + empty[:1]
+    free = [b for b in range(c.K) if s.owner[b] == core.OWNER_FREE]
+    empty = [x for x in range(c.H) if s.slot_state[x] == core.SLOTSTATE_EMPTY]
+    slots = [x for x in range(c.H) if s.slot_state[x] != core.SLOTSTATE_EMPTY] + empty[:1]
     waiting: dict[Any, int] = {}
     for r in range(requests):
-        if s.phase.get(r) == g.PHASE_WAITING:
+        if s.phase.get(r) == core.PHASE_WAITING:
             waiting.setdefault(s.prompt.get(r), r)
     lanes = [ln for ln in range(c.B) if s.busy[ln]] + idle[:1]
-    blocks = [b for b in range(c.K) if s.owner[b] != g.OWNER_FREE] + free[:1]
-    reqs = [r for r in range(requests) if s.phase.get(r) != g.PHASE_WAITING]
+    blocks = [b for b in range(c.K) if s.owner[b] != core.OWNER_FREE] + free[:1]
+    reqs = [r for r in range(requests) if s.phase.get(r) != core.PHASE_WAITING]
     reqs += sorted(waiting.values())
     domains: dict[str, Callable[[str], list[Any]]] = {
         "Lane": lambda _p: lanes,
@@ -82,7 +84,7 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
         "Bool": lambda _p: [False, True],
         "Int": lambda p: list(range(c.C, c.S + 1, c.C)) if p == "n" else [TOKEN],
     }
-    for name, (_fn, guard, params, sorts) in g.ACTIONS.items():
+    for name, (_fn, guard, params, sorts) in core.ACTIONS.items():
         if name in skip:
             continue
         doms = []
@@ -97,7 +99,7 @@ def moves(s: g.State, requests: int, prompts: list[seq.TokSeq],
         # earlier guard does) every call that agrees with them on the parameters it reads
         # (GUARD_READS), so the odometer advances at the last of those, skipping the rest.
         last = {gn: max((params.index(p) for p in ps), default=-1)
-                for gn, ps in getattr(g, "GUARD_READS", {}).get(name, {}).items()}
+                for gn, ps in getattr(core, "GUARD_READS", {}).get(name, {}).items()}
         if not all(doms):
             continue
         pos = [0] * len(doms)
@@ -130,36 +132,38 @@ ROLES = {"colocated": PD_ACTIONS + ("forget",),
 IGNORED = {"colocated": (), "decode": ("idle_lane_admits",), "any": ()}
 
 
-def shortest_stuck_run(consts: g.Consts, requests: int | None = None, max_depth: int = 40,
+def shortest_stuck_run(consts: generated.Consts, requests: int | None = None, max_depth: int = 40,
                        max_states: int = 2_000_000, role: str = "colocated",
-                       want: str | None = None, prompts: list[seq.TokSeq] | None = None
+                       want: str | None = None, prompts: list[seq.TokSeq] | None = None, *,
+                       core: types.ModuleType = generated
                        ) -> tuple[list[tuple[str, dict]], str] | None:
     """Breadth-first: the first stuck state found is at minimal depth. `role` restricts the
     actions (ROLES); `want` counts only states that break that progress property; `prompts`
-    replaces the menu (e.g. a prompt longer than a block, for imports that span blocks).
+    replaces the menu (e.g. a prompt longer than a block, for imports that span blocks);
+    `core`: the generated core to explore (the mutants tool passes a mutant's).
     None means no reachable state is stuck; if `max_depth` left some state unvisited, the
     search raises `SearchCutOff` instead (and `max_states` a RuntimeError)."""
     skip = ROLES[role]
     reqs = requests if requests is not None else consts.B + 1
     prompts = prompts if prompts is not None else menu(consts.C)
-    start = g.init(consts, ghost=False)
-    seen = {state_key(start)}
-    frontier: deque[tuple[g.State, tuple]] = deque([(start, ())])
+    start = core.init(consts, ghost=False)
+    seen = {state_key(start, core)}
+    frontier: deque[tuple[generated.State, tuple]] = deque([(start, ())])
     cut = 0  # states at the depth cap with a successor never reached
     while frontier:
         s, path = frontier.popleft()
-        bad = [p for p in g.progress_violations(s)
+        bad = [p for p in core.progress_violations(s)
                if want in (None, p) and p not in IGNORED[role]]
         if bad:
-            return [step for step in _unwind(path)], bad[0]
-        if len(_unwind(path)) >= max_depth:
-            if any(state_key(g.ACTIONS[name][0](s, **args).state) not in seen
-                   for name, args in moves(s, reqs, prompts, skip)):
+            return unwind(path), bad[0]
+        if len(unwind(path)) >= max_depth:
+            if any(state_key(core.ACTIONS[name][0](s, **args).state, core) not in seen
+                   for name, args in moves(s, reqs, prompts, skip, core=core)):
                 cut += 1
             continue
-        for name, args in moves(s, reqs, prompts, skip):
-            nxt = g.ACTIONS[name][0](s, **args).state
-            k = state_key(nxt)
+        for name, args in moves(s, reqs, prompts, skip, core=core):
+            nxt = core.ACTIONS[name][0](s, **args).state
+            k = state_key(nxt, core)
             if k not in seen:
                 seen.add(k)
                 if len(seen) > max_states:
@@ -176,7 +180,8 @@ class SearchCutOff(RuntimeError):
     """A breadth-first search found no stuck state but did not visit every reachable state."""
 
 
-def _unwind(path: tuple) -> list[tuple[str, dict]]:
+def unwind(path: tuple) -> list[tuple[str, dict]]:
+    """The steps of a search path (nested (path, step) pairs), first to last."""
     out = []
     while path:
         path, step = path
@@ -184,7 +189,7 @@ def _unwind(path: tuple) -> list[tuple[str, dict]]:
     return out[::-1]
 
 
-def confirm(model: L.Model, consts: g.Consts, run: list[tuple[str, dict]], violated: str,
+def confirm(model: L.Model, consts: generated.Consts, run: list[tuple[str, dict]], violated: str,
             requests: int) -> bool:
     """z3 replays the run on the spec: each step's guard holds and its updates are the spec's,
     and the final state breaks the named progress property."""
@@ -268,8 +273,8 @@ SEARCH_SLOTS = 1
 SEARCH_LANES = 2
 
 
-def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
-         blocks: int) -> tuple[g.Consts, list[tuple[str, dict]]]:
+def lift(consts: generated.Consts, run: list[tuple[str, dict]], lanes: int, blocks: int, *,
+         core: types.ModuleType = generated) -> tuple[generated.Consts, list[tuple[str, dict]]]:
     """A stuck run at (B, K) becomes one at (B + n, K + n): first n extra requests, with a one-token
     prompt that never hits, take the extra lanes with the extra blocks and stay there. The result
     is replayed through z3 like any other run, so this needs no proof of its own."""
@@ -283,9 +288,9 @@ def lift(consts: g.Consts, run: list[tuple[str, dict]], lanes: int,
         pre.append(("admit_miss", {"l": consts.B + i, "r": i, "dst": consts.K + i}))
     body = []
     for name, args in run:
-        sorts = dict(zip(g.ACTIONS[name][2], g.ACTIONS[name][3], strict=True))
+        sorts = dict(zip(core.ACTIONS[name][2], core.ACTIONS[name][3], strict=True))
         body.append((name, {k: (renum[v] if sorts[k] == "Req" else v) for k, v in args.items()}))
-    big = g.Consts(B=lanes, K=blocks, C=consts.C, S=consts.S, PREFIX=consts.PREFIX,
+    big = core.Consts(B=lanes, K=blocks, C=consts.C, S=consts.S, PREFIX=consts.PREFIX,
                    RESERVED=consts.RESERVED, SCRATCH=consts.SCRATCH, HYBRID=consts.HYBRID,
                    HOST=consts.HOST, H=consts.H)
     return big, pre + body
@@ -295,7 +300,8 @@ def find_witness(lanes: int, blocks: int, prefix: bool, reserved: bool,
                  role: str = "colocated", want: str | None = None,
                  hybrid: bool = False, host: bool = False, tables: int = 1,
                  preempt: bool = False, requests: int | None = None,
-                 prompts: list[seq.TokSeq] | None = None) -> Witness | None:
+                 prompts: list[seq.TokSeq] | None = None, *,
+                 core: types.ModuleType = generated) -> Witness | None:
     """A stuck run at this size, not yet confirmed (see `witness.replay`): the shortest for up
     to SEARCH_LANES lanes, else one lifted from the largest searched size. `requests`: how many
     requests the runs submit (default one per lane and one more)."""
@@ -304,15 +310,16 @@ def find_witness(lanes: int, blocks: int, prefix: bool, reserved: bool,
     base_k = blocks - (lanes - base_b)
     if base_k < 1:
         base_b, base_k = lanes, blocks
-    c = g.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, T=tables, PREFIX=prefix,
+    c = core.Consts(B=base_b, K=base_k, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, T=tables, PREFIX=prefix,
                  RESERVED=reserved, SCRATCH=0, HYBRID=hybrid, HOST=host,
                  H=SEARCH_SLOTS if host else 0, PREEMPT=preempt)
-    found = shortest_stuck_run(c, requests=requests, role=role, want=want, prompts=prompts)
+    found = shortest_stuck_run(c, requests=requests, role=role, want=want, prompts=prompts,
+                               core=core)
     if found is None:
         return None
     run, violated = found
     if base_b != lanes:
-        c, run = lift(c, run, lanes, blocks)
+        c, run = lift(c, run, lanes, blocks, core=core)
     reqs = requests if requests is not None else lanes + 1
     return Witness({k: getattr(c, k) for k in CONSTS}, reqs, violated,
                    tuple((name, {k: plain(v) for k, v in args.items()}) for name, args in run))
@@ -322,32 +329,34 @@ def stuck_run(model: L.Model, lanes: int, blocks: int, prefix: bool, reserved: b
               role: str = "colocated", want: str | None = None,
               hybrid: bool = False, host: bool = False, tables: int = 1,
               preempt: bool = False, requests: int | None = None,
-              prompts: list[seq.TokSeq] | None = None) -> Trace | None:
+              prompts: list[seq.TokSeq] | None = None, *,
+              core: types.ModuleType = generated) -> Trace | None:
     """A confirmed stuck run at this size (`find_witness`, then `witness.replay`)."""
     t0 = time.perf_counter()
     w = find_witness(lanes, blocks, prefix, reserved, role, want, hybrid, host, tables, preempt,
-                     requests, prompts)
+                     requests, prompts, core=core)
     if w is None:
         return None
-    tr = replay(model, w, {}, avoid=ROLES[role])
+    tr = replay(model, w, {}, avoid=ROLES[role], core=core)
     if isinstance(tr, str):
         raise RuntimeError(f"the stuck run for B={lanes}, K={blocks} does not replay: {tr}")
     return attrs.evolve(tr, seconds=time.perf_counter() - t0)
 
 
-def _replay(c: g.Consts, run: list[tuple[str, dict]]) -> g.State | None:
-    s = g.init(c, ghost=True)
+def _replay(c: generated.Consts, run: list[tuple[str, dict]], *,
+            core: types.ModuleType = generated) -> generated.State | None:
+    s = core.init(c, ghost=True)
     for name, args in run:
-        step = g.ACTIONS[name][0](s, **args)
+        step = core.ACTIONS[name][0](s, **args)
         if step.rejected is not None:
             return None
         s = step.state
     return s
 
 
-def summary(s: g.State) -> dict[str, Any]:
+def summary(s: generated.State, core: types.ModuleType = generated) -> dict[str, Any]:
     """What a reader needs to see why a state is stuck: lanes, blocks, waiting requests."""
-    d = g.describe_state(s)
+    d = core.describe_state(s)
     blocks = []
     for b, own in enumerate(d["owner"]):
         if own == "CACHE":

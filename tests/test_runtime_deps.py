@@ -30,3 +30,13 @@ def test_batcher_and_runtimes_need_no_transformers():
                            "import atom_core.runtime, atom_core.pd.workers, atom_core.demo")
     assert "transformers" not in mods
     assert "transformers" in _imported_after("import atom_core.runtime.hf")
+
+
+def test_only_tests_import_the_test_support():
+    """atom_core.testing needs hypothesis (the dev extra): the runtime package, the CLI and the
+    proofs (the mutants tool too, until its hypothesis layer runs) never import it."""
+    mods = _imported_after("import atom_core, atom_core.batcher, atom_core.cli, atom_core.serve\n"
+                           "import atom_core.proofs.run, atom_core.proofs.generate\n"
+                           "import atom_core.proofs.mutants")
+    assert not {m for m in mods if m.startswith("atom_core.testing")}
+    assert "hypothesis" not in mods

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from atom_core._generated import core as g
 from atom_core.proofs import capacity, run, search, witness
 from atom_core.replay import _args
 from atom_core.spec.model import MODEL
 
-g = search.g
 TIGHT, _SINGLE = witness.committed()
 # A prefix-cache run with two requests, prefills and a finish: its prompts matter.
 ROW = ("prefix cache, reserved scratch", 1)

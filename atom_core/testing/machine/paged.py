@@ -1,0 +1,280 @@
+"""Paged block tables (T > 1): a full tail's next block (`grow`), and with the prefix
+cache hits past the first block, device (`grow_hit`) and host (`grow_host_hit`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis.stateful import precondition, rule
+
+from atom_core.policy import common_chunks
+from atom_core.seq import seq
+from atom_core.testing.lifecycle import ALPHABET, Stats
+from atom_core.testing.strategies import _token_lists, coin, num, pick, tokens
+
+
+class PagedRules:
+    """A mixin of the core state machine (`MachineBase`'s attributes and helpers)."""
+
+    @rule(data=st.data())
+    def grow(self, data: Any) -> None:
+        """grow with drawn parameters: a lane (often one whose tail is full, or one that
+        needs its next block) and a block (often the policy's): applied, or refused by the
+        guard the lifecycle model names."""
+        life = self.life
+        full = [life.computing, lambda l: life.lane[l] is not None and life.tail_full(l),
+                life.needs_block][num(data, 0, 2, "lane: computing, full tail, needs one")]
+        l = self.lanes(data, full)
+        dst = self.policy.reusable(self.s)
+        self.apply("grow", l, self.block(data, "dst", *(() if dst is None else (dst,))))
+
+    @precondition(lambda self: self.c.T > 1 and self.c.PREFIX)
+    @rule(data=st.data())
+    def grow_hit(self, data: Any) -> None:
+        """grow_hit with drawn parameters (`drawn_grow_hit`), or with the host tier often
+        grow_host_hit (`drawn_grow_host_hit`: one rule, so that the other tiers' machines
+        draw as before it). Only with paged tables and the prefix cache: elsewhere every
+        call is refused early (no entry to copy from, a table of one block; without the
+        host tier no slot to name), which `foreign_tier_calls` shows at the end of each
+        run."""
+        self.drawn_hit_past_first_block(data)
+
+    def drawn_grow_hit(self, data: Any, lane: int | None = None) -> None:
+        """grow_hit with drawn parameters: a lane (often one that prefills and needs its
+        next block, or one that prefills) and, often, the policy's hit for it
+        (`Policy.next_hit`, into the block `Policy.reusable` picks besides its source:
+        accepted, refinement); else (always for a given `lane`, which the caller grows as
+        the policy does next) a call aimed at one guard: the calls `grow_hit_calls` makes
+        are grouped by the guard the lifecycle model says refuses them (or none: a legal
+        hit), and the group is drawn first, so that each guard that can refuse the lane
+        now is as likely as any other."""
+        life, s = self.life, self.s
+        hit = None
+        if lane is None:
+            pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
+                               life.prefilling, lambda l: life.lane[l] is not None),
+                        "lane: needs a block, prefills, busy")
+            lane = self.lanes(data, pred)
+            hit = (self.policy.next_hit(s, lane)
+                   if life.prefilling(lane) and life.needs_block(lane) else None)
+        l = lane
+        if hit is not None and num(data, 0, 2, "the policy's hit (>0)"):
+            src, n = hit
+            dst = self.policy.reusable(s, exclude=src)
+            if dst is not None:
+                self.refine("grow_hit", {"l": l, "src": src, "dst": dst, "n": n})
+                assert self.apply("grow_hit", l, src, dst, n).rejected is None
+                return
+        calls = self.grow_hit_calls(l)
+        guard = pick(data, sorted(calls, key=lambda g: g or ""), "guard (None: accepted)")
+        args = pick(data, calls[guard], "src, dst, n")
+        assert self.apply("grow_hit", *args).rejected == guard, (args, guard)
+
+    def grow_hit_calls(self, l: int) -> dict[str | None, list[tuple[int, int, int, int]]]:
+        """grow_hit calls for lane l over every source, n (whole chunks up to past the
+        block, 0, and 1) and dst (the policy's, the source itself, one no hit may take),
+        by the guard the lifecycle model says refuses them (None: a legal hit)."""
+        life, c, s = self.life, self.c, self.s
+        taken = [b for b in range(c.K) if not life.reusable(b)]  # a lane's, pinned, ...
+        calls: dict[str | None, list[tuple[int, int, int, int]]] = {}
+        for src in range(c.K):
+            dst = self.policy.reusable(s, exclude=src)
+            dsts = {(src + 1) % c.K if dst is None else dst, src, *taken[:1]}
+            for n in sorted({0, 1, *range(c.C, c.S + c.C + 1, c.C)}):
+                for d in sorted(dsts):
+                    args = (l, src, d, n)
+                    calls.setdefault(life.predict("grow_hit", args), []).append(args)
+        return calls
+
+    def drawn_grow_host_hit(self, data: Any, lane: int | None = None) -> None:
+        """`drawn_grow_hit` from the host tier: a lane (often one that prefills and needs
+        its next block) and, often, the policy's host hit for it (`Policy.next_host_hit`,
+        into the block `Policy.reusable` picks: accepted, refinement; the load is then
+        busy, `busy_copy`); else a call aimed at one guard (`grow_host_hit_calls`, grouped
+        by the guard the lifecycle model says refuses them)."""
+        life, s = self.life, self.s
+        hit = None
+        if lane is None:
+            pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
+                               life.prefilling, lambda l: life.lane[l] is not None),
+                        "lane: needs a block, prefills, busy")
+            lane = self.lanes(data, pred)
+            hit = (self.policy.next_host_hit(s, lane)
+                   if life.prefilling(lane) and life.needs_block(lane) else None)
+        l = lane
+        if hit is not None and num(data, 0, 2, "the policy's host hit (>0)"):
+            h, n = hit
+            dst = self.policy.reusable(s)
+            if dst is not None:
+                self.refine("grow_host_hit", {"l": l, "h": h, "dst": dst, "n": n})
+                assert self.apply("grow_host_hit", l, h, dst, n).rejected is None
+                self.busy_copy(data, l)
+                return
+        calls = self.grow_host_hit_calls(l)
+        guard = pick(data, sorted(calls, key=lambda g: g or ""), "guard (None: accepted)")
+        args = pick(data, calls[guard], "slot, dst, n")
+        assert self.apply("grow_host_hit", *args).rejected == guard, (args, guard)
+        if guard is None:
+            self.busy_copy(data, l)
+
+    def grow_host_hit_calls(self, l: int) -> dict[str | None, list[tuple[int, int, int, int]]]:
+        """grow_host_hit calls for lane l over every slot, n (whole chunks up to past the
+        block, 0, and 1) and dst (the policy's, one no load may write), by the guard the
+        lifecycle model says refuses them (None: a legal hit)."""
+        life, c = self.life, self.c
+        taken = [b for b in range(c.K) if not life.reusable(b)]  # a lane's, pinned, ...
+        dst = self.policy.reusable(self.s)
+        dsts = sorted({0 if dst is None else dst, *taken[:1]})
+        calls: dict[str | None, list[tuple[int, int, int, int]]] = {}
+        for h in range(c.H):
+            for n in sorted({0, 1, *range(c.C, c.S + c.C + 1, c.C)}):
+                for d in dsts:
+                    args = (l, h, d, n)
+                    calls.setdefault(life.predict("grow_host_hit", args), []).append(args)
+        return calls
+
+    # rules: paged tables with the prefix cache --------------------------------------
+    @precondition(lambda self: self.c.T > 1 and self.c.PREFIX)
+    @rule(data=st.data(), k=st.integers(1, 4))
+    def paged_flow(self, data: Any, k: int) -> None:
+        """Up to k turns of conversations (`turn`)."""
+        for _ in range(k):
+            if not self.turn(data):
+                return
+
+    def turn(self, data: Any) -> bool:
+        """One turn of a conversation served into the cache, so that hits go on past the
+        first block. The prompt goes on from a conversation cached past its first block
+        (the whole key of a later block's entry: its prefix up to its end; or a cut past
+        its first block, where the new tail goes another way), else it is a fresh one of
+        several blocks. It is admitted as the policy chooses (a hit copies the first
+        block's part), then driven as the adapter drives it: its copies land, its next
+        block is grown before each prefill (`grow_by_policy`: a hit past the first block
+        when the entry at that position goes on as the prompt does; hybrid: as far as
+        the entry's snapshots reach), its chunks are prefilled (hybrid: a snapshot at each
+        boundary, as the policy takes them); then it decodes a few tokens and finishes
+        into the cache, so the next turn has a longer conversation to go on from. On the
+        way, drawn grow_hit calls (`drawn_grow_hit`, refused by the guard the lifecycle
+        model names, or a legal hit): while its copy is in flight, mid-block, and at each
+        boundary (often one call for each guard that refuses some call there).
+        Often the other entries are dropped first (`discard`, unpinned ones, until a
+        table's worth of blocks is free): the policy evicts the entries past a first block
+        first (the conversation's own, its middle blocks before its end: they have no use
+        time), so with few blocks the hit would often find its next block gone. False if
+        no turn could start (no idle lane, or the policy declines), or the lane got no
+        block or was preempted."""
+        life, c, s = self.life, self.c, self.s
+        if None not in life.lane:
+            return False
+        later = [tuple(s.key[b]) for b in range(c.K)
+                 if s.owner[b] == self.core.OWNER_CACHE and s.start[b] > 0]
+        # (host tier: a conversation whose later block is a host entry goes on too)
+        later += [tuple(s.slot_key[h]) for h in range(c.H)
+                  if s.slot_state[h] == self.core.SLOTSTATE_STORED and s.slot_start[h] > 0]
+        m = c.T * c.S - 1
+        if later and num(data, 0, 3, "a fresh conversation (0)"):
+            key = pick(data, later, "conversation")
+            ours = [b for b, (k, _) in sorted(life.entries.items())
+                    if len(k) <= len(key) and k == key[:len(k)]]
+            if coin(data, "room for it") and "discard" in self.core.ACTIONS:
+                others = [b for b in sorted(life.entries)
+                          if b not in ours and not life.pinned(b)]
+                for b in others[:max(0, c.T - life.owner.count("FREE"))]:
+                    assert self.apply("discard", b).rejected is None
+            if c.HOST and coin(data, "its later blocks to the host"):
+                # evicted from the device since (the batcher spills an entry it evicts):
+                # the turn's next blocks are then loaded from the host (`grow_host_hit`)
+                for b in ours:
+                    if life.start[b] > 0 and not life.pinned(b):
+                        self.spill_by_policy(None, b)
+            tail = data.draw(_token_lists(1, c.S), label="next turn")
+            if coin(data, "a cut past the first block"):  # then it goes another way
+                whole, key = key, key[:num(data, min(c.S + 1, len(key)), len(key), "keep")]
+                if len(key) < len(whole) and tail[0] == whole[len(key)]:
+                    tail[0] = ALPHABET[(ALPHABET.index(tail[0]) + 1) % len(ALPHABET)]
+            p = seq((key + tuple(tail))[:m])
+        else:
+            p = seq(data.draw(_token_lists(c.S + 1, m), label="prompt"))
+        r = self.next_id
+        self.next_id += 1
+        assert self.apply("submit", r, p).rejected is None
+        if c.HOST and num(data, 0, 2, "a later block's host entry first (0)") == 0:
+            self.refuse_later_host_hit(data, r)
+        if not self.admit_by_policy(r, data):
+            return False
+        l = life.lane.index(r)
+        for _ in range(4 * c.T * c.S):  # (each pass lands a copy, grows or prefills)
+            if life.lane[l] != r or not life.prefilling(l):
+                break
+            if life.copying[l]:
+                if num(data, 0, 3, "a drawn grow_hit first (0)") == 0:
+                    self.drawn_hit_past_first_block(data, l)  # no_copy_in_flight, ...
+                self.complete_copy(data, l)
+                continue
+            if life.needs_block(l):
+                # (a boundary with entries about is the rare state a refusal needs: often
+                # one call for each guard that refuses some call here)
+                if coin(data, "each refusal first"):
+                    for action, calls in self.hit_calls(l):
+                        for guard in sorted(g for g in calls if g is not None):
+                            args = pick(data, calls[guard], "src, dst, n")
+                            assert self.apply(action, *args).rejected == guard, args
+                for _ in range(num(data, 0, 2, "drawn grow_hit calls first")):
+                    if life.needs_block(l):  # (until one is accepted)
+                        self.drawn_hit_past_first_block(data, l)
+                if life.needs_block(l) and not self.grow_by_policy(data):
+                    return False  # no block until a copy lands or a drain ends
+                continue
+            if num(data, 0, 3, "a drawn grow_hit mid-block (0)") == 0:
+                self.drawn_hit_past_first_block(data, l)  # tail_full
+            self.apply("prefill", l, data.draw(tokens, label="tok"))
+            # hybrid: a snapshot at each boundary of the prompt, as the policy takes them
+            # (a skipped one leaves the entries the turn is cached into without snapshots
+            # past it: the next turn's hit stops there)
+            if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
+                assert self.apply("snapshot", l).rejected is None
+        for _ in range(pick(data, (0, 1, c.S, c.T * c.S), "tokens")):
+            if not life.decoding(l) or life.lane[l] != r:
+                break
+            self.grow_by_policy(data)
+            if self.decode_by_policy(self.decode_tokens(data), data).rejected is not None:
+                break  # the table is full, or no padding target until a copy lands
+        if life.lane[l] != r or not life.decoding(l):
+            return False  # preempted to make room (or still prefilling: no block)
+        assert self.apply("finish", l, True).rejected is None
+        return True
+
+    def drawn_hit_past_first_block(self, data: Any, lane: int | None = None) -> None:
+        """A drawn grow_hit (`drawn_grow_hit`), or with the host tier often a drawn
+        grow_host_hit (`drawn_grow_host_hit`), for `lane` if given."""
+        if self.c.HOST and coin(data, "from the host"):
+            self.drawn_grow_host_hit(data, lane)
+        else:
+            self.drawn_grow_hit(data, lane)
+
+    def hit_calls(self, l: int) -> list[tuple[str, dict[str | None, list[Any]]]]:
+        """(action, its calls by guard) for lane l's hits past the first block: grow_hit's
+        (`grow_hit_calls`), with the host tier grow_host_hit's too."""
+        out: list[tuple[str, dict[str | None, list[Any]]]] = [
+            ("grow_hit", self.grow_hit_calls(l))]
+        if self.c.HOST:
+            out.append(("grow_host_hit", self.grow_host_hit_calls(l)))
+        return out
+
+    def refuse_later_host_hit(self, data: Any, r: int) -> None:
+        """Waiting r's prefix matches a host entry of a later block (its key is the whole
+        prefix up to its block's end): a host hit on it, which would load into the lane's
+        first block, is refused (slot_first_block)."""
+        life, c = self.life, self.c
+        p = life.prompt[r]
+        later = [(h, n) for h in life.slots("STORED") if life.slot_start[h] > 0
+                 and (n := common_chunks(life.slot_key[h], p, c.C,
+                                         min(len(life.slot_key[h]), len(p) - 1)))]
+        idle = [l for l in range(c.B) if life.lane[l] is None]
+        if later and idle:
+            h, n = pick(data, later, "slot, n")
+            dst = self.policy.reusable(self.s)
+            args = (idle[0], r, h, 0 if dst is None else dst, n)
+            assert self.apply("admit_host_hit", *args).rejected == "slot_first_block"
+            Stats.events["host hit on a later block's entry refused"] += 1
