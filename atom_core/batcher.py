@@ -713,7 +713,18 @@ class AtomBatcher:
         return self.state.owner[block] == core.OWNER_CACHE
 
     def check_invariants(self) -> None:
-        bad = core.check_invariants(self.state)
+        """The core's invariants, and that the block tables kept from its effects (`_tables`,
+        what the runtime is given) are the core's: each busy lane's blocks in token order."""
+        s = self.state
+        bad = core.check_invariants(s)
+        if not bad:
+            for ln in range(s.consts.B):
+                owned = sorted((s.start[b], b) for b in range(s.consts.K)
+                               if s.owner[b] == core.OWNER_LANE and s.owner_lane[b] == ln)
+                want = [b for _start, b in owned] if s.busy[ln] else []
+                if self._tables[ln] != want:
+                    bad.append(f"lane {ln}'s block table {self._tables[ln]} is not the core's "
+                               f"{want}")
         if bad:
             raise InvariantViolation(bad)
 

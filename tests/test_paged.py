@@ -310,3 +310,25 @@ def test_growing_by_hits_keeps_the_entries_the_lane_copies_next():
     assert_exact(b)
     assert b.requests[again].tokens == b.requests[first].tokens
     assert b.stats.prefix_hit_tokens == 320
+
+
+def test_check_invariants_compares_the_kept_tables_with_the_core():
+    """The batcher's tables (kept from the core's effects, given to the runtime) are checked
+    against the core's state: a lane's blocks, owned by it, in token order. A table with two
+    blocks swapped, one block fewer or another lane's block is reported, naming the lane."""
+    from atom_core.batcher import InvariantViolation
+
+    b = make(2, 4, False, "dynamic")
+    b.submit(POOL[2], 12)  # 120 tokens: two blocks of 64 after prefill, a third in decode
+    b.submit(POOL[3], 8)
+    while not all(len(t) >= 2 for t in b._tables):
+        b.step()
+    b.check_invariants()
+    good = [list(t) for t in b._tables]
+    for planted in ([good[0][1], good[0][0], *good[0][2:]], good[0][:-1],
+                    [*good[0][:-1], good[1][0]]):
+        b._tables[0] = planted
+        with pytest.raises(InvariantViolation, match="lane 0's block table"):
+            b.check_invariants()
+    b._tables[0] = good[0]
+    b.check_invariants()
