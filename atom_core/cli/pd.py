@@ -314,11 +314,11 @@ def cmd_pd_decode(args: argparse.Namespace) -> int:
 
 
 def pd_prefill_arguments(p: argparse.ArgumentParser) -> None:
-    _pd_common(p, decode=False)
+    pd_common_arguments(p, decode=False)
 
 
 def pd_decode_arguments(p: argparse.ArgumentParser) -> None:
-    _pd_common(p, decode=True)
+    pd_common_arguments(p, decode=True)
     workload_arguments(p)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="check every output against the oracle (default: on for the "
@@ -333,7 +333,7 @@ def pd_decode_arguments(p: argparse.ArgumentParser) -> None:
                         "a lane (default: --lanes; 0: only once a lane waits for it)")
 
 
-def _pd_common(p: argparse.ArgumentParser, decode: bool) -> None:
+def pd_common_arguments(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="the decode worker's address (default: loopback only)")
     p.add_argument("--port", type=_port, default=29500)

@@ -13,8 +13,8 @@ from typing import Any
 from atom_core.cli.common import emit, free_port, positive, table
 from atom_core.cli.pd import (
     UsageError,
-    _pd_common,
     config_json,
+    pd_common_arguments,
     pd_oracle,
     pd_setup,
     workload_arguments,
@@ -22,7 +22,7 @@ from atom_core.cli.pd import (
 
 
 def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    _pd_common(p, decode=True)
+    pd_common_arguments(p, decode=True)
     workload_arguments(p)
     p.set_defaults(port=None, argv=None)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")

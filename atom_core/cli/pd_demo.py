@@ -33,7 +33,7 @@ def _colocated(args: argparse.Namespace) -> dict[str, Any]:
     """The same workload on one batcher (the `atom-core demo` path), timed the same way."""
     from atom_core.batcher import AtomBatcher
     from atom_core.demo import MODEL_SEED, demo_config, oracle_for, workload
-    from atom_core.pd.workers import _quantile
+    from atom_core.pd.workers import quantile
     from atom_core.runtime.reference import TorchReferenceRuntime
 
     cfg = demo_config(args.lanes)
@@ -59,9 +59,9 @@ def _colocated(args: argparse.Namespace) -> dict[str, Any]:
                 for r, it in zip(rids, items, strict=True))
     return {"config": config_json(cfg), "wall_s": round(wall, 3),
             "tokens_per_s": round(b.stats.generated_tokens / wall, 1),
-            "latency_median_s": _quantile(sorted(t - t0 for t in done.values()), 0.5),
-            "latency_p90_s": _quantile(sorted(t - t0 for t in done.values()), 0.9),
-            "ttft_median_s": _quantile(sorted(t - t0 for t in first.values()), 0.5),
+            "latency_median_s": quantile(sorted(t - t0 for t in done.values()), 0.5),
+            "latency_p90_s": quantile(sorted(t - t0 for t in done.values()), 0.9),
+            "ttft_median_s": quantile(sorted(t - t0 for t in first.values()), 0.5),
             "generated_tokens": b.stats.generated_tokens, "decode_steps": b.stats.decode_steps,
             "exact": exact}
 

@@ -40,7 +40,7 @@ from atom_core.config import Config
 from atom_core.pd.links import DecodeLinks, PrefillLinks, poll_until
 from atom_core.pd.router import Load, Policy, Router, load_of
 from atom_core.pd.transport import PEER_LOST, InProcessTransport, Transport, TransportError
-from atom_core.pd.workers import DecodeWorker, PrefillWorker, _quantile
+from atom_core.pd.workers import DecodeWorker, PrefillWorker, quantile
 
 __all__ = ["ClusterResult", "DecodeNode", "Frontend", "LocalCluster", "PrefillNode"]
 
@@ -456,7 +456,7 @@ class Frontend:
         return {"requests": len(rs), "failed": sum(r.error is not None for r in rs),
                 "generated_tokens": tokens, "wall_s": round(wall, 3),
                 "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
-                "ttft_median_s": _quantile(ttft, 0.5),
+                "ttft_median_s": quantile(ttft, 0.5),
                 "route_median_us": None if not route else round(
                     route[(len(route) - 1) // 2] * 1e6, 1),
                 "affinity_hits": dict(self.router.affinity_hits),

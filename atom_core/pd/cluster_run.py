@@ -32,9 +32,9 @@ from atom_core.pd.transport import (
     GlooTransport,
     Transport,
     TransportError,
-    _resolve,
-    _source_address,
     listen_fd,
+    resolve_address,
+    source_address,
 )
 
 __all__ = ["Layout", "Linker", "open_store"]
@@ -87,7 +87,7 @@ def open_store(host: str, port: int, rank: int, timeout: float) -> Any:
     td = datetime.timedelta(seconds=timeout)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     where = f"{host}:{port}"
-    family, addr = _resolve(host, port)
+    family, addr = resolve_address(host, port)
     if rank != 0 or agent:
         try:
             return dist.TCPStore(addr, port, None, False, timeout=td)
@@ -117,10 +117,10 @@ class Linker:
 
         self.store, self.layout, self.rank = store, layout, rank
         self.host, self.timeout, self.key, self.limits = host, timeout, key, limits
-        family, addr = _resolve(host, port)
+        family, addr = resolve_address(host, port)
         self._addr, self._port = addr, port
         # the address the peers reach this process on: the one that routes to the store's host
-        self.local = addr if rank == 0 else _source_address(family, addr, port)
+        self.local = addr if rank == 0 else source_address(family, addr, port)
         self._prefix = dist.PrefixStore
         self.gen = int(store.add(f"gen/{rank}", 1))
         self.links: queue.Queue[tuple[int, Transport]] = queue.Queue()

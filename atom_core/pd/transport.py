@@ -407,7 +407,7 @@ class InProcessTransport:
 
 # --- gloo ---------------------------------------------------------------------------------------
 
-def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, str]:
+def resolve_address(host: str, port: int) -> tuple[socket.AddressFamily, str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -437,7 +437,7 @@ def listen_fd(family: socket.AddressFamily, addr: str, port: int, where: str,
     return listener.detach()
 
 
-def _source_address(family: socket.AddressFamily, addr: str, port: int) -> str:
+def source_address(family: socket.AddressFamily, addr: str, port: int) -> str:
     """The local address this machine uses to reach `addr` (connecting UDP sends nothing)."""
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
@@ -485,8 +485,8 @@ class GlooTransport:
                                  "torch.distributed (the CPU wheels from pytorch.org have it)")
         self.rank, self.peer_rank = rank, 1 - rank
         self.host, self.port, self.timeout = host, port, float(timeout)
-        family, addr = _resolve(host, port)
-        bind = local_host or (addr if rank == 0 else _source_address(family, addr, port))
+        family, addr = resolve_address(host, port)
+        bind = local_host or (addr if rank == 0 else source_address(family, addr, port))
         td = datetime.timedelta(seconds=timeout)
         self._store = store if store is not None else self._rendezvous(dist, family, addr, td)
         opts = dist.ProcessGroupGloo._Options()

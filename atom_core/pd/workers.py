@@ -525,9 +525,9 @@ class DecodeWorker:
             "decode_steps_overlapped": self.overlapped_steps,
             "wall_s": round(wall, 3),
             "tokens_per_s": round(st.generated_tokens / wall, 1) if wall > 0 else None,
-            "latency_median_s": _quantile(lat, 0.5),
-            "latency_p90_s": _quantile(lat, 0.9),
-            "ttft_median_s": _quantile(ttft, 0.5),
+            "latency_median_s": quantile(lat, 0.5),
+            "latency_p90_s": quantile(lat, 0.9),
+            "ttft_median_s": quantile(ttft, 0.5),
         }
 
     # ------------------------------------------------------------------ messages
@@ -734,7 +734,7 @@ class DecodeWorker:
                 if r.brid is not None and not self.batcher.requests[r.brid].ended]
 
 
-def _quantile(sorted_values: list[float], q: float) -> float | None:
+def quantile(sorted_values: list[float], q: float) -> float | None:
     """Nearest-rank quantile (no interpolation: with few requests it names a real one)."""
     if not sorted_values:
         return None

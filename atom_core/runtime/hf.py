@@ -77,7 +77,7 @@ from atom_core.runtime.protocol import (
     sizes_error,
     smallest_decode_batch,
 )
-from atom_core.runtime.reference import _threads
+from atom_core.runtime.reference import torch_threads
 
 # offline before transformers is imported (it reads the variable at import time)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -546,7 +546,7 @@ class HFRuntime:
              real: int = 0) -> torch.Tensor:
         token = _CURRENT.set(_Graph(self, pos, tab, slots, real))
         try:
-            with _threads(self.num_threads), torch.inference_mode():
+            with torch_threads(self.num_threads), torch.inference_mode():
                 out = self.model(input_ids=ids, position_ids=pos.long(), use_cache=False,
                                  logits_to_keep=keep)
         finally:
@@ -745,7 +745,7 @@ class GenerateOracle:
         have = self._memo.get(key, [])
         if len(have) < need:
             ids = torch.tensor([key])
-            with _threads(self.num_threads), torch.inference_mode():
+            with torch_threads(self.num_threads), torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
                                           max_new_tokens=need, min_new_tokens=need,
                                           do_sample=False, eos_token_id=None, pad_token_id=0)

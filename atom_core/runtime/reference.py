@@ -234,7 +234,7 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
+def torch_threads(n: int | None) -> Iterator[None]:
     if n is None:
         yield
         return
@@ -416,7 +416,7 @@ class TorchReferenceRuntime:
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._prefill_local(p, int(qp), int(lbt[0]))
         attend = self._attender(blk, off, causal, index, local)
-        with _threads(self.num_threads):
+        with torch_threads(self.num_threads):
             out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
         return out.to(self.dtype).view(1, 1, self.vocab_size)
 
@@ -496,7 +496,7 @@ class TorchReferenceRuntime:
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._decode_local(p, lbt[:, 0].long())
         attend = self._attender(blk, off, causal, index, local)
-        with _threads(self.num_threads):
+        with torch_threads(self.num_threads):
             out = self._forward(ids[:, 0], p, attend)
         return out.to(self.dtype).view(b, 1, self.vocab_size)
 
@@ -602,7 +602,7 @@ class TorchReferenceRuntime:
             valid = window if self.spec.is_sliding(layer) else causal
             return self._attend(q, valid, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None])
 
-        with _threads(self.num_threads):
+        with torch_threads(self.num_threads):
             out = self._forward(ids, pos, attend, rows=torch.tensor([n - 1]))
         return out[0].to(self.dtype)
 

@@ -72,7 +72,7 @@ tokens = st.sampled_from(ALPHABET)
 
 
 @functools.cache
-def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
+def ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.integers(lo, hi)
 
 
@@ -84,11 +84,11 @@ _BOOLS = st.booleans()
 def pick(data: Any, xs: Any, label: str | None = None) -> Any:
     """One of the (non-empty) sequence xs; shrinks towards xs[0]."""
     xs = tuple(xs)
-    return xs[data.draw(_ints(0, len(xs) - 1), label=label)]
+    return xs[data.draw(ints(0, len(xs) - 1), label=label)]
 
 
 @functools.cache
-def _token_lists(lo: int, hi: int) -> st.SearchStrategy[list[int]]:
+def token_lists(lo: int, hi: int) -> st.SearchStrategy[list[int]]:
     return st.lists(tokens, min_size=lo, max_size=hi)
 
 
@@ -97,4 +97,4 @@ def coin(data: Any, label: str | None = None) -> bool:
 
 
 def num(data: Any, lo: int, hi: int, label: str | None = None) -> int:
-    return data.draw(_ints(lo, hi), label=label)
+    return data.draw(ints(lo, hi), label=label)

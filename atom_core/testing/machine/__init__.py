@@ -75,7 +75,7 @@ from atom_core.testing.machine.base import (
     PD_RULES,
     PREEMPT_MACHINE_RULES,
     MachineBase,
-    _to_committed,
+    to_committed,
 )
 from atom_core.testing.machine.host import HostRules
 from atom_core.testing.machine.hybrid import HybridRules
@@ -127,7 +127,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         "core": core,
         "mcore": mcore,
         "plain_fields": [f for f in core.STATE_FIELDS if f not in core.GHOST_FIELDS],
-        "convert": staticmethod((lambda e: e) if core is committed else _to_committed),
+        "convert": staticmethod((lambda e: e) if core is committed else to_committed),
         "mirroring": mirror,
         "check_progress": check_progress,
         "pd": pd,

@@ -29,7 +29,7 @@ from atom_core.testing.lifecycle import (
     Life,
     Stats,
 )
-from atom_core.testing.strategies import _ints, _token_lists, coin, num, pick, prompts, tokens
+from atom_core.testing.strategies import coin, ints, num, pick, prompts, token_lists, tokens
 
 
 class InvariantViolation(AssertionError):
@@ -103,7 +103,7 @@ PD_RULES = {"admit_import", "pd_flow", "late_pd_event"}
 PREEMPT_MACHINE_RULES = {"preempt", "storm"}
 
 
-def _to_committed(e: Any) -> Any:
+def to_committed(e: Any) -> Any:
     """An effect of a loaded variant core as the committed core's class (Policy.observe
     dispatches on the committed classes)."""
     cls = committed.EFFECTS.get(type(e).__name__.lower())
@@ -233,7 +233,7 @@ class MachineBase(RuleBasedStateMachine):
         return sorted(r for r, x in self.life.status.items() if x == "waiting")
 
     def decode_tokens(self, data: Any) -> tuple[int, ...]:
-        return tuple(data.draw(_token_lists(self.c.B, self.c.B),
+        return tuple(data.draw(token_lists(self.c.B, self.c.B),
                                label="tokens"))
 
     # rules: the natural workload -----------------------------------------------
@@ -258,7 +258,7 @@ class MachineBase(RuleBasedStateMachine):
         if host and stored:
             base = pick(data, stored, "host key")
             k = num(data, min(c.C, len(base)), len(base), "keep")
-            p = seq((base[:k] + tuple(data.draw(_token_lists(1, m), label="tail")))[:m])
+            p = seq((base[:k] + tuple(data.draw(token_lists(1, m), label="tail")))[:m])
         else:
             cached = sorted(set(stored) | {tuple(s.key[b]) for b in range(c.K)
                                            if s.owner[b] == self.core.OWNER_CACHE})
@@ -276,7 +276,7 @@ class MachineBase(RuleBasedStateMachine):
             if base:
                 whole = how == 1 and (c.HYBRID or c.T > 1) and coin(data, "next turn")
                 k = len(base) if whole else num(data, 1, len(base), "keep")
-                tail = data.draw(_token_lists(0, m), label="tail")
+                tail = data.draw(token_lists(0, m), label="tail")
                 p = seq((base[:k] + tuple(tail))[:m])
             else:
                 p = data.draw(prompts(m), label="prompt")
@@ -739,7 +739,7 @@ class MachineBase(RuleBasedStateMachine):
         for b in firsts:
             assert self.apply("discard", b).rejected is None
         tail = ((ALPHABET[0],) if data is None
-                else data.draw(_token_lists(1, c.T * c.S - 1 - c.C), label="tail"))
+                else data.draw(token_lists(1, c.T * c.S - 1 - c.C), label="tail"))
         r = self.next_id
         assert self.apply("submit", r, seq(head + tuple(tail))).rejected is None
         self.next_id += 1
@@ -1001,7 +1001,7 @@ class MachineBase(RuleBasedStateMachine):
         options += ["second_import"] if (self.pd and idle and waiting
                                          and life.import_table_grows()) else []
         kind = pick(data, options, "kind")
-        block = _ints(0, c.K - 1)
+        block = ints(0, c.K - 1)
         expect: str | None
         if kind in ("unknown_id", "ended_id"):
             r = self.next_id + 3 if kind == "unknown_id" else pick(data, sorted(ended))

@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 from hypothesis.stateful import precondition, rule
 
 from atom_core.seq import seq
-from atom_core.testing.strategies import _token_lists, coin, num, pick, tokens
+from atom_core.testing.strategies import coin, num, pick, token_lists, tokens
 
 
 class HybridRules:
@@ -83,7 +83,7 @@ class HybridRules:
                 assert out.rejected == "hybrid_snapshot_at_n", out.rejected
         elif move == "next_turn":
             key = life.entries[pick(data, beyond, "entry")][0]
-            tail = data.draw(_token_lists(1, c.S), label="tail")
+            tail = data.draw(token_lists(1, c.S), label="tail")
             p = seq((key + tuple(tail))[:c.T * c.S - 1])
             assert self.apply("submit", self.next_id, p).rejected is None
             self.next_id += 1

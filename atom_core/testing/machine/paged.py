@@ -3,6 +3,7 @@ cache hits past the first block, device (`grow_hit`) and host (`grow_host_hit`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import hypothesis.strategies as st
@@ -11,7 +12,7 @@ from hypothesis.stateful import precondition, rule
 from atom_core.policy import common_chunks
 from atom_core.seq import seq
 from atom_core.testing.lifecycle import ALPHABET, Stats
-from atom_core.testing.strategies import _token_lists, coin, num, pick, tokens
+from atom_core.testing.strategies import coin, num, pick, token_lists, tokens
 
 
 class PagedRules:
@@ -40,6 +41,21 @@ class PagedRules:
         run."""
         self.drawn_hit_past_first_block(data)
 
+    def lane_to_grow(self, data: Any, lane: int | None,
+                     next_hit: Callable[[Any, int], Any]) -> tuple[int, Any]:
+        """A grow's lane: `lane` when given (no hit then: the caller aims at a guard), else a
+        drawn one (often one that prefills and needs its next block, or one that prefills),
+        with `next_hit(state, lane)`, the policy's hit for it, when it needs a block."""
+        if lane is not None:
+            return lane, None
+        life = self.life
+        pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
+                           life.prefilling, lambda l: life.lane[l] is not None),
+                    "lane: needs a block, prefills, busy")
+        lane = self.lanes(data, pred)
+        return lane, (next_hit(self.s, lane)
+                      if life.prefilling(lane) and life.needs_block(lane) else None)
+
     def drawn_grow_hit(self, data: Any, lane: int | None = None) -> None:
         """grow_hit with drawn parameters: a lane (often one that prefills and needs its
         next block, or one that prefills) and, often, the policy's hit for it
@@ -49,16 +65,8 @@ class PagedRules:
         are grouped by the guard the lifecycle model says refuses them (or none: a legal
         hit), and the group is drawn first, so that each guard that can refuse the lane
         now is as likely as any other."""
-        life, s = self.life, self.s
-        hit = None
-        if lane is None:
-            pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
-                               life.prefilling, lambda l: life.lane[l] is not None),
-                        "lane: needs a block, prefills, busy")
-            lane = self.lanes(data, pred)
-            hit = (self.policy.next_hit(s, lane)
-                   if life.prefilling(lane) and life.needs_block(lane) else None)
-        l = lane
+        s = self.s
+        l, hit = self.lane_to_grow(data, lane, self.policy.next_hit)
         if hit is not None and num(data, 0, 2, "the policy's hit (>0)"):
             src, n = hit
             dst = self.policy.reusable(s, exclude=src)
@@ -93,16 +101,8 @@ class PagedRules:
         into the block `Policy.reusable` picks: accepted, refinement; the load is then
         busy, `busy_copy`); else a call aimed at one guard (`grow_host_hit_calls`, grouped
         by the guard the lifecycle model says refuses them)."""
-        life, s = self.life, self.s
-        hit = None
-        if lane is None:
-            pred = pick(data, (lambda l: life.prefilling(l) and life.needs_block(l),
-                               life.prefilling, lambda l: life.lane[l] is not None),
-                        "lane: needs a block, prefills, busy")
-            lane = self.lanes(data, pred)
-            hit = (self.policy.next_host_hit(s, lane)
-                   if life.prefilling(lane) and life.needs_block(lane) else None)
-        l = lane
+        s = self.s
+        l, hit = self.lane_to_grow(data, lane, self.policy.next_host_hit)
         if hit is not None and num(data, 0, 2, "the policy's host hit (>0)"):
             h, n = hit
             dst = self.policy.reusable(s)
@@ -188,14 +188,14 @@ class PagedRules:
                 for b in ours:
                     if life.start[b] > 0 and not life.pinned(b):
                         self.spill_by_policy(None, b)
-            tail = data.draw(_token_lists(1, c.S), label="next turn")
+            tail = data.draw(token_lists(1, c.S), label="next turn")
             if coin(data, "a cut past the first block"):  # then it goes another way
                 whole, key = key, key[:num(data, min(c.S + 1, len(key)), len(key), "keep")]
                 if len(key) < len(whole) and tail[0] == whole[len(key)]:
                     tail[0] = ALPHABET[(ALPHABET.index(tail[0]) + 1) % len(ALPHABET)]
             p = seq((key + tuple(tail))[:m])
         else:
-            p = seq(data.draw(_token_lists(c.S + 1, m), label="prompt"))
+            p = seq(data.draw(token_lists(c.S + 1, m), label="prompt"))
         r = self.next_id
         self.next_id += 1
         assert self.apply("submit", r, p).rejected is None

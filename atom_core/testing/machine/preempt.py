@@ -17,7 +17,7 @@ from atom_core.testing.lifecycle import (
     STEMS,
     Stats,
 )
-from atom_core.testing.strategies import _token_lists, coin, num, pick
+from atom_core.testing.strategies import coin, num, pick, token_lists
 
 
 class PreemptRules:
@@ -64,7 +64,7 @@ class PreemptRules:
         for _ in range(self.s.busy.count(False)):
             if not same:
                 n = num(data, 1, c.T - 1, "blocks") * c.S - num(data, 0, 1, "short (1)")
-            p = seq(data.draw(_token_lists(n, n), label="prompt"))
+            p = seq(data.draw(token_lists(n, n), label="prompt"))
             assert self.apply("submit", self.next_id, p).rejected is None
             self.next_id += 1
             if not self.admit_by_policy(self.next_id - 1):
@@ -128,7 +128,7 @@ class PreemptRules:
                 self.apply("finish", l, c.PREFIX and r % 4 < 2)
         self.grow_by_policy(data)
         if any(map(life.decoding, range(c.B))):
-            toks = (tuple(data.draw(_token_lists(c.B, c.B), label="tokens"))
+            toks = (tuple(data.draw(token_lists(c.B, c.B), label="tokens"))
                     if data is not None else (ALPHABET[0],) * c.B)
             self.decode_by_policy(toks, data)
         return True
