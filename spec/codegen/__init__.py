@@ -140,14 +140,7 @@ def write(model: Model | None = None, directory: Path | None = None) -> list[Pat
 
 def load(model: Model, name: str = "atom_core._generated.variant") -> ModuleType:
     """Generate the core for `model` (e.g. a mutant) and import it as a fresh module."""
-    mod = ModuleType(name)
-    mod.__file__ = f"<{name}>"
-    sys.modules[name] = mod
-    try:
-        exec(compile(Generator(model).source(), mod.__file__, "exec"), mod.__dict__)
-    finally:
-        sys.modules.pop(name, None)
-    return mod
+    return _module(name, Generator(model).source())
 
 
 def load_inplace(model: Model | None = None, name: str = "atom_core._generated.inplace_variant",
@@ -156,11 +149,17 @@ def load_inplace(model: Model | None = None, name: str = "atom_core._generated.i
     deliberately broken emitter, for the differential test's teeth) and import it as a fresh
     module. It imports the committed core (atom_core._generated.core) for State and effects."""
     model = model if model is not None else _default_model()
+    return _module(name, generator(model).source())
+
+
+def _module(name: str, source: str) -> ModuleType:
+    """`source` run as a fresh module `name` (registered while it runs: attrs and dataclasses
+    look their module up), not left in sys.modules."""
     mod = ModuleType(name)
     mod.__file__ = f"<{name}>"
     sys.modules[name] = mod
     try:
-        exec(compile(generator(model).source(), mod.__file__, "exec"), mod.__dict__)
+        exec(compile(source, mod.__file__, "exec"), mod.__dict__)
     finally:
         sys.modules.pop(name, None)
     return mod
