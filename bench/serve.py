@@ -51,6 +51,7 @@ from typing import Any
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import Item, workload
+from atom_core.runtime.host_memory import keep_freed_memory
 from atom_core.runtime.reference import TorchReferenceRuntime
 from atom_core.serve.tokenizer import ByteTokenizer
 
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                          "8-layer, 512-wide Llama with random weights through the "
                          "transformers runtime (`serve --runtime hf --model DIR`)")
     args = ap.parse_args(argv)
+    # the allocator settings `atom-core serve` runs with, so that the direct runs are not
+    # cheaper or dearer by where malloc's thresholds happened to drift (see host_memory)
+    keep_freed_memory()
     if args.model == "small-llama":
         import tempfile
 

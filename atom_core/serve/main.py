@@ -104,6 +104,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         print(NEEDS_SERVE, file=sys.stderr)
         return 2
+    from atom_core.runtime.host_memory import keep_freed_memory
+
+    # before the model loads: a step's buffers then stay mapped between steps (see there)
+    kept = keep_freed_memory()
     try:
         app, engine, settings = build(args)
     except ImportError as exc:
@@ -118,6 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"atom-core serve: model '{settings.model_name}' on {args.runtime}, lanes={cfg.lanes}, "
           f"kv_blocks={cfg.kv_blocks}, max_seq_len={cfg.max_seq_len}, block_size="
           f"{cfg.block_size} ({cfg.rule}); http://{args.host}:{args.port}/v1", file=sys.stderr)
+    if not kept:
+        print("note: malloc thresholds left as they are (not glibc, or set in GLIBC_TUNABLES)",
+              file=sys.stderr)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (the app's lifespan then ends every
     # request in flight and stops the engine) and afterwards raises the signal again for the
     # handler it found installed: with this one, that ends nothing and we exit 0
