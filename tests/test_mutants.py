@@ -97,3 +97,25 @@ def test_z3_unknown_is_neither_a_kill_nor_a_pass(z3_gives_up) -> None:
     assert r.status == "unknown" and "unknown" in r.detail
     result = M.MutantResult("x", "guard", "", (r,), 0.0)
     assert result.status == "unknown" and result.killed_by is None
+
+
+def test_the_machine_is_given_a_capacity_mutants_rule() -> None:
+    """The hypothesis layer hands the machine the mutant's table (no module patched): K is
+    drawn around it and progress checked at or above it, one block below the proved rule for
+    the mutated feature combination and equal to it elsewhere."""
+    from hypothesis import find
+
+    from atom_core._generated import core
+    from atom_core.proofs.mutants.enumeration import offsets_of
+    from atom_core.proofs.mutants.layer_hypothesis import machine_capacity
+    from atom_core.testing.strategies import configs, min_blocks
+
+    cap = machine_capacity(offsets_of(M.catalogue()[CAPACITY]))
+    for lanes in (1, 2, 3):
+        for prefix, scratch in ((True, "reserved"), (True, "dynamic"), (False, "reserved")):
+            short = (prefix, scratch) == (True, "reserved")
+            assert cap(lanes, prefix, scratch, 1, False) == \
+                min_blocks(lanes, prefix, scratch) - short
+    # a configuration the mutant's rule calls enough and the proved rule does not
+    c = find(configs(core, True, "reserved", extra=(0, 0), capacity=cap), lambda c: True)
+    assert c.K == cap(c.B, True, "reserved", c.T, False) < min_blocks(c.B, True, "reserved", c.T)

@@ -4,6 +4,7 @@ proved capacity (`min_blocks`), prompts over a small alphabet, and labelled draw
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import hypothesis.strategies as st
@@ -11,6 +12,9 @@ import hypothesis.strategies as st
 from atom_core.config import min_kv_blocks
 from atom_core.seq import TokSeq, seq
 from atom_core.testing.lifecycle import ALPHABET, STEMS, TIERS
+
+# (lanes, prefix, scratch, tables, preempt) -> the least K at which progress is claimed
+Capacity = Callable[[int, bool, str, int, bool], int]
 
 
 def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
@@ -24,7 +28,8 @@ def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
 @st.composite
 def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, int] = (0, 2),
             lanes: tuple[int, int] = (1, 3), tier: str = "plain",
-            tables: tuple[int, int] = (1, 3), preempt: bool | None = False) -> Any:
+            tables: tuple[int, int] = (1, 3), preempt: bool | None = False,
+            capacity: Capacity = min_blocks) -> Any:
     """Small configurations: T blocks per lane table from tables[0] to tables[1] (every
     tier), K from min_blocks + extra[0] to min_blocks + extra[1]; tier "hybrid" turns on
     HYBRID, "host" HOST with H in 1..2 (both with the prefix cache). With T > 1 the block size
@@ -32,16 +37,17 @@ def configs(draw: Any, core: Any, prefix: bool, scratch: str, extra: tuple[int, 
     preempt: PREEMPT on (any tier, T >= 2: axiom preemption_with_tables),
     K from the preemption rule's minimum + extra[0] up to below the rule without it (or to the
     minimum + extra[1]), so that lanes often wait for a block and preempt; None: the same
-    K, with PREEMPT off (below capacity: for a mutant that preempts without PREEMPT)."""
+    K, with PREEMPT off (below capacity: for a mutant that preempts without PREEMPT).
+    capacity: the rule K is drawn around (a mutant's table claims other minimums)."""
     assert tier == "plain" or (tier in TIERS and prefix), (tier, prefix)
     if preempt is not False:
         tables = (max(2, tables[0]), max(2, tables[1]))
     t = draw(st.integers(*tables))
     b = draw(st.integers(*lanes))
-    lo = min_blocks(b, prefix, scratch, t, preempt is not False)
+    lo = capacity(b, prefix, scratch, t, preempt is not False)
     hi = lo + extra[1]
     if preempt is not False and extra[1] >= 0:  # up to just below the rule without preemption
-        hi = max(hi, min_blocks(b, prefix, scratch, t) - 1)
+        hi = max(hi, capacity(b, prefix, scratch, t, False) - 1)
     k = draw(st.integers(max(1, lo + extra[0]), max(1, hi)))
     if preempt is not False and extra[0] >= 0:
         # often K = m * B (+ the reserved scratch block): B lanes of m < T blocks each hold

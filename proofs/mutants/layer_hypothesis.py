@@ -3,11 +3,10 @@ core."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import types
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 from atom_core.proofs.mutants.enumeration import (
@@ -42,27 +41,21 @@ def machine_settings(examples: int) -> Any:
                     print_blob=False)
 
 
-@contextlib.contextmanager
-def machine_capacity(offsets: dict[tuple[bool, str], int]) -> Iterator[None]:
-    """The machine draws K from its capacity rule (`atom_core.testing.strategies.min_blocks`)
-    and checks progress at or above it: give it the mutant's table (a capacity mutant claims
-    one block fewer suffices)."""
-    from atom_core.testing import strategies
+def machine_capacity(offsets: dict[tuple[bool, str], int]
+                     ) -> Callable[[int, bool, str, int, bool], int]:
+    """The capacity rule the machine draws K around and checks progress at or above: the
+    mutant's table (a capacity mutant claims one block fewer suffices)."""
+    from atom_core.testing.strategies import min_blocks as proved
 
-    saved = strategies.min_blocks
     table = patched_table(offsets)
 
     def min_blocks(lanes: int, prefix: bool, scratch: str, tables: int = 1,
                    preempt: bool = False) -> int:
         if preempt:  # (the catalogue's capacity mutants move the rules without preemption)
-            return saved(lanes, prefix, scratch, tables, preempt)
+            return proved(lanes, prefix, scratch, tables, preempt)
         return table.min_kv_blocks(lanes, tables, (prefix, scratch))
 
-    strategies.min_blocks = min_blocks
-    try:
-        yield
-    finally:
-        strategies.min_blocks = saved
+    return min_blocks
 
 
 # The state only hybrid models change (their sliding state and its snapshots): without HYBRID
@@ -105,19 +98,19 @@ def run_machine(mutant_id: str, examples: int, tier: str = "plain") -> str | Non
     from atom_core.testing.strategies import configs as drawn
 
     core = load_core(mutant_id)
-    with machine_capacity(offsets_of(catalogue()[mutant_id])):
-        configs = [drawn(core, p, s) for p, s in FEATURES] if tier != "host" else []
-        if tier != "plain":
-            configs += [drawn(core, True, s, tier=tier) for s in ("reserved", "dynamic")]
-        config = st.one_of(*configs)
-        machine = make_machine(core, config, mirror=False, pd=True)
-        try:
-            run_state_machine_as_test(machine, settings=machine_settings(examples))
-        except hypothesis.errors.HypothesisException:
-            raise  # a harness problem (health check, flaky), never a kill
-        except Exception as exc:  # an invariant, the lifecycle model or a crash of the core
-            first = (str(exc).strip().splitlines() or [""])[0]  # a bare assert has no text
-            return f"{type(exc).__name__}: {first[:160]}"
+    cap = machine_capacity(offsets_of(catalogue()[mutant_id]))
+    configs = [drawn(core, p, s, capacity=cap) for p, s in FEATURES] if tier != "host" else []
+    if tier != "plain":
+        configs += [drawn(core, True, s, tier=tier, capacity=cap)
+                    for s in ("reserved", "dynamic")]
+    machine = make_machine(core, st.one_of(*configs), mirror=False, pd=True, capacity=cap)
+    try:
+        run_state_machine_as_test(machine, settings=machine_settings(examples))
+    except hypothesis.errors.HypothesisException:
+        raise  # a harness problem (health check, flaky), never a kill
+    except Exception as exc:  # an invariant, the lifecycle model or a crash of the core
+        first = (str(exc).strip().splitlines() or [""])[0]  # a bare assert has no text
+        return f"{type(exc).__name__}: {first[:160]}"
     return None
 
 

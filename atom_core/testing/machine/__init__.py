@@ -82,7 +82,7 @@ from atom_core.testing.machine.hybrid import HybridRules
 from atom_core.testing.machine.paged import PagedRules
 from atom_core.testing.machine.pd import PDRules
 from atom_core.testing.machine.preempt import PreemptRules
-from atom_core.testing.strategies import configs
+from atom_core.testing.strategies import Capacity, configs, min_blocks
 
 __all__ = ["PD_RULES", "PREEMPT_MACHINE_RULES", "CoreMachine", "MachineBase", "make_machine",
            "rule_names"]
@@ -101,7 +101,8 @@ def rule_names(machine: type[RuleBasedStateMachine]) -> set[str]:
 def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = None, *,
                  mirror: bool = True, mirror_core: Any = None, check_progress: bool = True,
                  focus: set[str] | None = None, pd: bool = True,
-                 preempt: bool = False) -> type[RuleBasedStateMachine]:
+                 preempt: bool = False,
+                 capacity: Capacity = min_blocks) -> type[RuleBasedStateMachine]:
     """A state machine over `core` (ghost on), configurations drawn from `config`.
 
     mirror: apply each step to a ghost-off state too (of `mirror_core`, default `core`) and
@@ -112,7 +113,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
     rules (PD_RULES), and PD steps among `advance`'s moves. The tiers' rules (`hybrid_flow`,
     `host_flow`) only run in configurations with that tier. preempt: take the preemption rules
     (PREEMPT_MACHINE_RULES: drawn preemptions, `storm` with PREEMPT only); whatever it is, the
-    policy's preemptions are taken in configurations with PREEMPT.
+    policy's preemptions are taken in configurations with PREEMPT. capacity: the rule at or
+    above which progress is checked (a mutant's table: give `config` the same).
     """
     config = config if config is not None else st.one_of(
         *(configs(core, p, s) for p, s in FEATURES))
@@ -130,6 +132,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         "convert": staticmethod((lambda e: e) if core is committed else to_committed),
         "mirroring": mirror,
         "check_progress": check_progress,
+        "capacity": staticmethod(capacity),
         "pd": pd,
         "setup": initialize(c=config)(MachineBase.setup),
     })

@@ -15,7 +15,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from atom_core._generated import core as committed
 from atom_core.policy import Policy, common_chunks, prefer_host
 from atom_core.seq import seq
-from atom_core.testing import strategies
 from atom_core.testing.lifecycle import (
     ALPHABET,
     CRASH,
@@ -29,7 +28,16 @@ from atom_core.testing.lifecycle import (
     Life,
     Stats,
 )
-from atom_core.testing.strategies import coin, ints, num, pick, prompts, token_lists, tokens
+from atom_core.testing.strategies import (
+    Capacity,
+    coin,
+    ints,
+    num,
+    pick,
+    prompts,
+    token_lists,
+    tokens,
+)
 
 
 class InvariantViolation(AssertionError):
@@ -121,6 +129,7 @@ class MachineBase(RuleBasedStateMachine):
     mirroring: bool
     check_progress: bool
     pd: bool
+    capacity: Capacity
 
     def setup(self, c: Any) -> None:
         self.c = c
@@ -132,7 +141,7 @@ class MachineBase(RuleBasedStateMachine):
         self.diverged = False  # the core's state differs from the lifecycle model's
         self.next_id = 0
         scratch = "reserved" if c.RESERVED else "dynamic"
-        self.at_capacity = c.K >= strategies.min_blocks(c.B, c.PREFIX, scratch, c.T, c.PREEMPT)
+        self.at_capacity = c.K >= self.capacity(c.B, c.PREFIX, scratch, c.T, c.PREEMPT)
         assert self.core.check_axioms(c) == []
         assert self.core.check_invariants(self.s) == []
 
