@@ -277,7 +277,29 @@ class _Stats:
 
 # --- in-process ---------------------------------------------------------------------------------
 
-class InProcessTransport:
+class _Counted:
+    """What both transports report the same way: alive, and the counters with the sends not
+    yet shipped (each transport counts those its own way, under its lock)."""
+
+    _alive: bool
+    _lock: threading.Lock
+    _stats: _Stats
+
+    def _sends_pending(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    @property
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            pending = self._sends_pending()
+        return self._stats.snapshot(sends_pending=pending)
+
+
+class InProcessTransport(_Counted):
     """One end of an in-process pair (`InProcessTransport.pair()`); thread-safe.
 
     Fault hooks act on what this end sends: `hold()` keeps every message sent afterwards in
@@ -307,15 +329,8 @@ class InProcessTransport:
         a._peer, b._peer = b, a
         return a, b
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    @property
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            pending = len(self._held or ())
-        return self._stats.snapshot(sends_pending=pending)
+    def _sends_pending(self) -> int:
+        return len(self._held or ())
 
     def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
         raw, copy = _encode_header(header), _own_copy(tensor)
@@ -447,7 +462,7 @@ def source_address(family: socket.AddressFamily, addr: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
-class GlooTransport:
+class GlooTransport(_Counted):
     """One end of a gloo link, world size 2. Rank 0 (the decode worker) hosts the rendezvous on
     (host, port) and rank 1 (the prefill worker) connects to it; the constructor returns once
     both are connected, or raises TransportError after `timeout` seconds. See the module
@@ -540,15 +555,8 @@ class GlooTransport:
 
     # -- caller side --
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    @property
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            pending = self._pending
-        return self._stats.snapshot(sends_pending=pending)
+    def _sends_pending(self) -> int:
+        return self._pending
 
     def send(self, header: dict[str, Any], tensor: torch.Tensor | None = None) -> None:
         """Queue a message; returns at once (the sender thread ships it). Raises
