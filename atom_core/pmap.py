@@ -5,9 +5,10 @@ A transition that changes a few requests must not copy a dict of every request e
 `delta` dict that is copied on write. When the delta grows past max(32, len(base) // 8)
 entries it is merged into a new base, so a write costs O(len(delta)) and merges amortize.
 
-Keys whose value equals the default are not stored: `get` returns the default for them and
-`set(k, default)` removes `k`. Iteration order is deterministic for a given history but not
-a function of the content; compare with `==` or `to_dict()`.
+Keys whose value equals the default are not stored: `get` returns the default for them (or,
+like `dict.get`, its second argument when given) and `set(k, default)` removes `k`.
+Iteration order is deterministic for a given history but not a function of the content;
+compare with `==` or `to_dict()`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 _GONE = object()  # delta marker: key removed from base
+_OWN = object()  # get's default: the map's own
 
 
 class PMap:
@@ -31,12 +33,18 @@ class PMap:
         self._default = default
         self._len = len(self._base)
 
-    def get(self, key: Hashable) -> Any:
+    def get(self, key: Hashable, default: Any = _OWN) -> Any:
+        """The value at `key`; for an absent key (one at the map's default), `default` when
+        given, as `dict.get`, else the map's default. The generated core passes the map's own
+        default (`_D_<field>`), so that its reads are the in-place core's plain-dict reads."""
         d = self._delta
         if key in d:
             v = d[key]
-            return self._default if v is _GONE else v
-        return self._base.get(key, self._default)
+            if v is not _GONE:
+                return v
+        elif key in self._base:
+            return self._base[key]
+        return self._default if default is _OWN else default
 
     def set(self, key: Hashable, value: Any) -> PMap:
         # The one-key case of set_many, inlined: it is on every transition's hot path.

@@ -344,14 +344,30 @@ def test_generic_model_runs() -> None:
     assert off.seen is None and off.grid == t.grid
 
 
+def test_generic_model_in_place() -> None:
+    """The toy's in-place core over the pure core generated with it (its `_core`): the
+    read-only functions both would emit alike are that module's, and a step agrees."""
+    toy = codegen.load_inplace(_toy(), "toy_inplace")
+    assert toy.bump_guard is toy._core.bump_guard and toy.hot is toy._core.hot
+    s = toy._core.init(toy.Consts(N=3, LIMIT=5))
+    m = toy.thaw(s)
+    assert toy.bump(m, 0, 1, 7, False) == (m, (), "flag_set")
+    step = toy.bump(m, 0, 1, 7, True)
+    pure = toy._core.bump(s, 0, 1, 7, True)
+    assert step.state is m and toy.freeze(m) == pure.state and step.effects == pure.effects
+    assert toy.enabled_bump(m) and m.color == {7: toy.COLOR_GREEN}
+
+
 def test_generated_source_is_lint_clean(tmp_path) -> None:
     ruff = pytest.importorskip("ruff")
     del ruff
-    path = tmp_path / "toy.py"
-    path.write_text(codegen.Generator(_toy()).source())
+    (tmp_path / "toy.py").write_text(codegen.Generator(_toy()).source())
+    # the pair, where inplace.py imports the read-only functions it shares with core.py
+    for name, text in codegen.generate(_toy()).items():
+        (tmp_path / name).write_text(text)
     res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache",
                           "--config", "line-length = 100",
-                          "--select", "E,F,W,I,B,UP", str(path)],
+                          "--select", "E,F,W,I,B,UP", str(tmp_path)],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -31,6 +31,7 @@ from atom_core._generated import inplace as ip
 from atom_core.config import min_kv_blocks
 from atom_core.seq import TokSeq, seq
 from atom_core.spec import codegen
+from atom_core.spec.model import MODEL
 
 ALPHABET = (1, 2, 3)
 STEMS = ((1,) * 12, (1, 2) * 6, (2, 3, 3) * 4)
@@ -190,8 +191,6 @@ def run(draw: Any, c: core.Consts, ghost: bool, variant: Any) -> None:
 
 
 def _definitions() -> dict[str, list[str]]:
-    from atom_core.spec.model import MODEL
-
     return {d.name: [p.sort.name for p in d.params] for d in MODEL.definitions}
 
 
@@ -230,6 +229,44 @@ def test_step_returns_the_same_object_and_rejection_leaves_it() -> None:
     assert step.state is m and step.rejected is None
     assert ip.freeze(m) == core.submit(before, 7, seq([1, 2, 3])).state
     assert ip.thaw(ip.freeze(m)).phase == m.phase
+
+
+# ------------------------------------------------------------------------ shared functions
+
+
+def test_read_only_functions_identical_in_both_cores_are_shared() -> None:
+    """inplace.py imports from core.py each read-only function whose generated text would be
+    the same in both (`InplaceGenerator.shared`) and defines the others; an `enabled_` whose
+    guard is the in-place core's own (it reads a maintained index) is its own too."""
+    gen = codegen.InplaceGenerator(MODEL)
+    gen.source()
+    readonly = set(gen.readonly())
+    assert gen.shared and gen.shared < readonly
+    for name in readonly:
+        assert (getattr(ip, name) is getattr(core, name)) == (name in gen.shared), name
+    for name in gen.shared:
+        if name.startswith("enabled_"):
+            assert f"{name.removeprefix('enabled_')}_guard" in gen.shared, name
+    assert {"copy_done_guard", "enabled_copy_done", "submit_guard"} <= gen.shared
+    assert not {"grow_guard", "enabled_grow", "reusable"} & gen.shared
+
+
+def test_a_mutant_guard_reaches_both_cores() -> None:
+    """`load_inplace` of a mutated spec takes the shared functions from the pure core
+    generated for the same mutant (the variant's `_core`), never from the committed core.py."""
+    c = core.Consts(B=2, K=4, C=1, S=8, T=1, PREFIX=True, RESERVED=False, SCRATCH=3)
+    p = seq([1, 2, 3])
+    ps = core.submit(core.init(c), 7, p).state
+    assert core.submit_guard(ps, 7, p) == "request_is_new"
+    variant = codegen.load_inplace(MODEL.without_guard("submit", "request_is_new"),
+                                   "atom_core._generated.inplace_mutant")
+    assert variant._core is not core and variant.State is variant._core.State
+    assert variant.submit_guard is variant._core.submit_guard
+    m = variant.thaw(ps)
+    assert variant.submit_guard(m, 7, p) is None and variant.enabled_submit(m, r=7, p=p)
+    assert variant._core.submit(ps, 7, p).rejected is None
+    assert variant.submit(m, 7, p).rejected is None
+    assert ip.submit_guard(ip.thaw(ps), 7, p) == "request_is_new"  # the committed cores
 
 
 # ------------------------------------------------------------------------ planted bugs

@@ -30,6 +30,7 @@ def check(p: PMap, default, m: dict) -> None:
     for k in KEYS:
         assert (k in p) == (k in m)
         assert p.get(k) == m.get(k, default)
+        assert p.get(k, "absent") == m.get(k, "absent")  # a given default wins, as in dict.get
     assert p == PMap(m, default=default)
 
 

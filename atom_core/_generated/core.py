@@ -7,12 +7,15 @@ action (and its guard) and the invariant checkers. See the codegen docstring for
 contract.
 """
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import attrs
 
 from atom_core.pmap import PMap
 from atom_core.seq import TokSeq, empty, push, slen, take
+
+if TYPE_CHECKING:
+    from atom_core._generated.inplace import MState
 
 # --------------------------------------------------------------------------- sorts
 OWNER_FREE = 0
@@ -190,6 +193,19 @@ class State(NamedTuple):
     req_lane: PMap
     # prompt(Req) -> Seq: the prompt of a submitted request
     prompt: PMap
+
+
+# The state a read-only function shared by both cores takes: a State or the in-place
+# core's MState (inplace.py imports from here each function whose generated text is
+# the same in both, instead of repeating it).
+StateView: TypeAlias = "State | MState"
+
+
+# The default of each ident-keyed function: every read passes it (`f.get(k, _D_f)`), so
+# that it reads alike from a PMap and from the in-place core's plain dict.
+_D_xfer_live = False
+_D_phase = PHASE_NONE
+_D_prompt = empty()
 
 
 # The state functions, in declaration order (State's fields after consts and ghost).
@@ -516,67 +532,67 @@ def init(consts: Consts, ghost: bool = True) -> State:
 
 
 # --------------------------------------------------------------------------- definitions
-def decoding(s: State, l: int) -> bool:
+def decoding(s: StateView, l: int) -> bool:
     """Definition decoding."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("decoding", "l", l, "Lane", s.consts.B)
     # decoding
     if not s.busy[l]:
         return False
-    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
         return False
     return True
 
 
-def prefilling(s: State, l: int) -> bool:
+def prefilling(s: StateView, l: int) -> bool:
     """Definition prefilling."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("prefilling", "l", l, "Lane", s.consts.B)
     # prefilling
     if not s.busy[l]:
         return False
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return False
     return True
 
 
-def importing(s: State, l: int) -> bool:
+def importing(s: StateView, l: int) -> bool:
     """Definition importing."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("importing", "l", l, "Lane", s.consts.B)
     # importing
     if not s.busy[l]:
         return False
-    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_IMPORTING:
         return False
     return True
 
 
-def exporting(s: State, l: int) -> bool:
+def exporting(s: StateView, l: int) -> bool:
     """Definition exporting."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("exporting", "l", l, "Lane", s.consts.B)
     # exporting
     if not s.busy[l]:
         return False
-    if s.phase.get(s.lane_req[l]) != PHASE_EXPORTING:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_EXPORTING:
         return False
     return True
 
 
-def moving(s: State, l: int) -> bool:
+def moving(s: StateView, l: int) -> bool:
     """Lane l's blocks are in a PD transfer."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("moving", "l", l, "Lane", s.consts.B)
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # moving
     if not ((busy[l] and _m0 == PHASE_IMPORTING) or (busy[l] and _m0 == PHASE_EXPORTING)):
         return False
     return True
 
 
-def table_covers_prompt(s: State, l: int) -> bool:
+def table_covers_prompt(s: StateView, l: int) -> bool:
     """Lane l's table has a block for every prompt position: an import can be written."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("table_covers_prompt", "l", l, "Lane", s.consts.B)
@@ -586,12 +602,12 @@ def table_covers_prompt(s: State, l: int) -> bool:
     return True
 
 
-def computing(s: State, l: int) -> bool:
+def computing(s: StateView, l: int) -> bool:
     """Lane l computes on the device (prefill or decode) with no copy in flight."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("computing", "l", l, "Lane", s.consts.B)
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
         return False
@@ -600,7 +616,7 @@ def computing(s: State, l: int) -> bool:
     return True
 
 
-def tail_full(s: State, l: int) -> bool:
+def tail_full(s: StateView, l: int) -> bool:
     """Definition tail_full."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("tail_full", "l", l, "Lane", s.consts.B)
@@ -610,14 +626,14 @@ def tail_full(s: State, l: int) -> bool:
     return True
 
 
-def at_table_end(s: State, l: int) -> bool:
+def at_table_end(s: StateView, l: int) -> bool:
     """Decoding lane l has filled its whole table: it can only finish (which frees it)."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("at_table_end", "l", l, "Lane", s.consts.B)
     # at_table_end
     if not s.busy[l]:
         return False
-    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
         return False
     if s.length[l] != s.start[s.tail[l]] + s.consts.S:
         return False
@@ -626,12 +642,12 @@ def at_table_end(s: State, l: int) -> bool:
     return True
 
 
-def needs_block(s: State, l: int) -> bool:
+def needs_block(s: StateView, l: int) -> bool:
     """Lane l cannot compute another token before its table grows."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("needs_block", "l", l, "Lane", s.consts.B)
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # needs_block
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
         return False
@@ -644,7 +660,7 @@ def needs_block(s: State, l: int) -> bool:
     return True
 
 
-def import_waits(s: State, l: int) -> bool:
+def import_waits(s: StateView, l: int) -> bool:
     """Importing lane l's table does not cover its prompt yet: it waits for its next block
     (`import_grow`) before its transfer can start.
     """
@@ -653,14 +669,14 @@ def import_waits(s: State, l: int) -> bool:
     # import_waits
     if not s.busy[l]:
         return False
-    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_IMPORTING:
         return False
     if s.lane_plen[l] <= s.start[s.tail[l]] + s.consts.S:
         return False
     return True
 
 
-def lane_block(s: State, b: int, l: int) -> bool:
+def lane_block(s: StateView, b: int, l: int) -> bool:
     """b is one of lane l's blocks (any position of its table)."""
     if not 0 <= b < s.consts.K:
         raise _bad_index("lane_block", "b", b, "Block", s.consts.K)
@@ -674,7 +690,7 @@ def lane_block(s: State, b: int, l: int) -> bool:
     return True
 
 
-def pinned(s: State, b: int) -> bool:
+def pinned(s: StateView, b: int) -> bool:
     """An in-flight copy reads b: it must stay cached and untouched until the copy is done."""
     if not 0 <= b < s.consts.K:
         raise _bad_index("pinned", "b", b, "Block", s.consts.K)
@@ -705,10 +721,10 @@ def reusable(s: State, b: int) -> bool:
 
 
 # --------------------------------------------------------------------------- actions
-def submit_guard(s: State, r: int, p: TokSeq) -> str | None:
+def submit_guard(s: StateView, r: int, p: TokSeq) -> str | None:
     """The first failing guard conjunct of `submit`, or None."""
     # request_is_new
-    if s.phase.get(r) != PHASE_NONE:
+    if s.phase.get(r, _D_phase) != PHASE_NONE:
         return "request_is_new"
     # prompt_not_empty
     if slen(p) <= 0:
@@ -724,7 +740,7 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
     # modifies: phase, prompt
     phase = s.phase
     # request_is_new
-    if phase.get(r) != PHASE_NONE:
+    if phase.get(r, _D_phase) != PHASE_NONE:
         return Step(s, (), "request_is_new")
     # prompt_not_empty
     if slen(p) <= 0:
@@ -785,7 +801,7 @@ def submit(s: State, r: int, p: TokSeq) -> Step:
     return Step(new, (), None)
 
 
-def enabled_submit(s: State, *, r: int | None = None, p: TokSeq | None = None) -> bool:
+def enabled_submit(s: StateView, *, r: int | None = None, p: TokSeq | None = None) -> bool:
     """Whether `submit`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -797,13 +813,13 @@ def enabled_submit(s: State, *, r: int | None = None, p: TokSeq | None = None) -
     return submit_guard(s, r, p) is None
 
 
-def ready_submit(s: State, *, r: int | None = None, p: TokSeq | None = None) -> bool:
+def ready_submit(s: StateView, *, r: int | None = None, p: TokSeq | None = None) -> bool:
     """Whether every guard conjunct of `submit` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
     if r is not None:
         # request_is_new
-        if s.phase.get(r) != PHASE_NONE:
+        if s.phase.get(r, _D_phase) != PHASE_NONE:
             return False
     if p is not None:
         # prompt_not_empty
@@ -826,7 +842,7 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     if s.busy[l]:
         return "lane_idle"
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     owner = s.owner
     copying = s.copying
@@ -838,7 +854,7 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     for l2 in range(s.consts.B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
-    _m2 = s.prompt.get(r)
+    _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
     _m0 = slen(_m2) > C
     start = s.start
@@ -877,7 +893,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
         return Step(s, (), "lane_idle")
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     owner = s.owner
     copying = s.copying
@@ -889,7 +905,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     for l2 in range(s.consts.B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
-    _m3 = s.prompt.get(r)
+    _m3 = s.prompt.get(r, _D_prompt)
     _m2 = slen(_m3)
     C = s.consts.C
     _m0 = _m2 > C
@@ -1032,7 +1048,7 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     if s.busy[l]:
         return "lane_idle"
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     owner = s.owner
     copying = s.copying
@@ -1044,7 +1060,7 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     for l2 in range(s.consts.B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
-    _m2 = s.prompt.get(r)
+    _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
     _m0 = slen(_m2) > C
     start = s.start
@@ -1098,7 +1114,7 @@ def ready_admit_miss(
             return False
     if r is not None:
         # request_waiting
-        if s.phase.get(r) != PHASE_WAITING:
+        if s.phase.get(r, _D_phase) != PHASE_WAITING:
             return False
     if dst is not None:
         owner = s.owner
@@ -1112,7 +1128,7 @@ def ready_admit_miss(
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
     if r is not None:
-        _m2 = s.prompt.get(r)
+        _m2 = s.prompt.get(r, _D_prompt)
         C = s.consts.C
         _m0 = slen(_m2) > C
         owner = s.owner
@@ -1149,7 +1165,7 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
     if s.busy[l]:
         return "lane_idle"
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     owner = s.owner
     # src_cached
@@ -1165,7 +1181,7 @@ def admit_hit_guard(s: State, l: int, r: int, src: int, dst: int, n: int) -> str
     # n_within_entry
     if n > slen(key[src]):
         return "n_within_entry"
-    _m0 = s.prompt.get(r)
+    _m0 = s.prompt.get(r, _D_prompt)
     # token_left_to_compute
     if n >= slen(_m0):
         return "token_left_to_compute"
@@ -1213,7 +1229,7 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
         return Step(s, (), "lane_idle")
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     owner = s.owner
     # src_cached
@@ -1229,7 +1245,7 @@ def admit_hit(s: State, l: int, r: int, src: int, dst: int, n: int) -> Step:
     # n_within_entry
     if n > slen(key[src]):
         return Step(s, (), "n_within_entry")
-    _m1 = s.prompt.get(r)
+    _m1 = s.prompt.get(r, _D_prompt)
     _m0 = slen(_m1)
     # token_left_to_compute
     if n >= _m0:
@@ -1393,7 +1409,7 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     if s.busy[l]:
         return "lane_idle"
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     owner = s.owner
     # src_cached
@@ -1409,7 +1425,7 @@ def admit_hit_plan(s: State, l: int, r: int, src: int, dst: int, n: int) -> tupl
     # n_within_entry
     if n > slen(key[src]):
         return "n_within_entry"
-    _m0 = s.prompt.get(r)
+    _m0 = s.prompt.get(r, _D_prompt)
     # token_left_to_compute
     if n >= slen(_m0):
         return "token_left_to_compute"
@@ -1492,7 +1508,7 @@ def ready_admit_hit(
             return False
     if r is not None:
         # request_waiting
-        if s.phase.get(r) != PHASE_WAITING:
+        if s.phase.get(r, _D_phase) != PHASE_WAITING:
             return False
     if src is not None:
         owner = s.owner
@@ -1512,13 +1528,13 @@ def ready_admit_hit(
         if n > slen(key[src]):
             return False
     if r is not None and n is not None:
-        _m0 = s.prompt.get(r)
+        _m0 = s.prompt.get(r, _D_prompt)
         # token_left_to_compute
         if n >= slen(_m0):
             return False
     if r is not None and src is not None and n is not None:
         key = s.key
-        _m0 = s.prompt.get(r)
+        _m0 = s.prompt.get(r, _D_prompt)
         # prefix_matches
         if take(key[src], n) != take(_m0, n):
             return False
@@ -1552,7 +1568,7 @@ def ready_admit_hit(
     return True
 
 
-def copy_done_guard(s: State, l: int) -> str | None:
+def copy_done_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `copy_done`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("copy_done", "l", l, "Lane", s.consts.B)
@@ -1651,7 +1667,7 @@ def copy_done(s: State, l: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_copy_done(s: State, *, l: int | None = None) -> bool:
+def enabled_copy_done(s: StateView, *, l: int | None = None) -> bool:
     """Whether `copy_done`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -1660,7 +1676,7 @@ def enabled_copy_done(s: State, *, l: int | None = None) -> bool:
     return any(copy_done_guard(s, l) is None for l in _l_all)
 
 
-def ready_copy_done(s: State, *, l: int | None = None) -> bool:
+def ready_copy_done(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `copy_done` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -1675,7 +1691,7 @@ def ready_copy_done(s: State, *, l: int | None = None) -> bool:
     return True
 
 
-def snapshot_guard(s: State, l: int) -> str | None:
+def snapshot_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `snapshot`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
@@ -1685,7 +1701,7 @@ def snapshot_guard(s: State, l: int) -> str | None:
     if not s.consts.PREFIX:
         return "hybrid_prefix_cache"
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
         return "lane_computing"
@@ -1710,7 +1726,7 @@ def snapshot(s: State, l: int) -> Step:
     if not s.consts.PREFIX:
         return Step(s, (), "hybrid_prefix_cache")
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
         return Step(s, (), "lane_computing")
@@ -1797,7 +1813,7 @@ def snapshot(s: State, l: int) -> Step:
     return Step(new, effects, None)
 
 
-def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
+def snapshot_plan(s: StateView, l: int) -> tuple[Any, ...] | str:
     """The effects `snapshot` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -1811,7 +1827,7 @@ def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
     if not s.consts.PREFIX:
         return "hybrid_prefix_cache"
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
         return "lane_computing"
@@ -1824,7 +1840,7 @@ def snapshot_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Snapshot(l, length[l]),)
 
 
-def enabled_snapshot(s: State, *, l: int | None = None) -> bool:
+def enabled_snapshot(s: StateView, *, l: int | None = None) -> bool:
     """Whether `snapshot`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -1833,7 +1849,7 @@ def enabled_snapshot(s: State, *, l: int | None = None) -> bool:
     return any(snapshot_guard(s, l) is None for l in _l_all)
 
 
-def ready_snapshot(s: State, *, l: int | None = None) -> bool:
+def ready_snapshot(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `snapshot` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -1846,7 +1862,7 @@ def ready_snapshot(s: State, *, l: int | None = None) -> bool:
         return False
     if l is not None:
         busy = s.busy
-        _m0 = s.phase.get(s.lane_req[l])
+        _m0 = s.phase.get(s.lane_req[l], _D_phase)
         # lane_computing
         if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
             return False
@@ -1859,14 +1875,14 @@ def ready_snapshot(s: State, *, l: int | None = None) -> bool:
     return True
 
 
-def prefill_guard(s: State, l: int, tok: int) -> str | None:
+def prefill_guard(s: StateView, l: int, tok: int) -> str | None:
     """The first failing guard conjunct of `prefill`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return "lane_prefilling"
     # no_copy_in_flight
     if s.copying[l]:
@@ -1889,7 +1905,7 @@ def prefill(s: State, l: int, tok: int) -> Step:
     # lane_prefilling
     if not s.busy[l]:
         return Step(s, (), "lane_prefilling")
-    if phase.get(lane_req[l]) != PHASE_PREFILL:
+    if phase.get(lane_req[l], _D_phase) != PHASE_PREFILL:
         return Step(s, (), "lane_prefilling")
     # no_copy_in_flight
     if s.copying[l]:
@@ -1974,7 +1990,7 @@ def prefill(s: State, l: int, tok: int) -> Step:
     return Step(new, effects, None)
 
 
-def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
+def prefill_plan(s: StateView, l: int, tok: int) -> tuple[Any, ...] | str:
     """The effects `prefill` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -1985,7 +2001,7 @@ def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return "lane_prefilling"
     # no_copy_in_flight
     if s.copying[l]:
@@ -2001,7 +2017,7 @@ def prefill_plan(s: State, l: int, tok: int) -> tuple[Any, ...] | str:
     return (Prefill(l, tail[l], length[l], _m0),)
 
 
-def enabled_prefill(s: State, *, l: int | None = None, tok: int | None = None) -> bool:
+def enabled_prefill(s: StateView, *, l: int | None = None, tok: int | None = None) -> bool:
     """Whether `prefill`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -2010,7 +2026,7 @@ def enabled_prefill(s: State, *, l: int | None = None, tok: int | None = None) -
     return any(prefill_guard(s, l, 0 if tok is None else tok) is None for l in _l_all)
 
 
-def ready_prefill(s: State, *, l: int | None = None, tok: int | None = None) -> bool:
+def ready_prefill(s: StateView, *, l: int | None = None, tok: int | None = None) -> bool:
     """Whether every guard conjunct of `prefill` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -2020,7 +2036,7 @@ def ready_prefill(s: State, *, l: int | None = None, tok: int | None = None) -> 
         # lane_prefilling
         if not s.busy[l]:
             return False
-        if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
             return False
     if l is not None:
         # no_copy_in_flight
@@ -2042,7 +2058,7 @@ def grow_guard(s: State, l: int, dst: int) -> str | None:
     if not 0 <= dst < s.consts.K:
         raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2076,7 +2092,7 @@ def grow(s: State, l: int, dst: int) -> Step:
     if not 0 <= dst < s.consts.K:
         raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2205,7 +2221,7 @@ def grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
     if dst is not None and not 0 <= dst < s.consts.K:
         raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     busy = s.busy
-    _m0 = s.phase.get(s.lane_req[l])
+    _m0 = s.phase.get(s.lane_req[l], _D_phase)
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2251,7 +2267,7 @@ def ready_grow(s: State, *, l: int | None = None, dst: int | None = None) -> boo
         raise _bad_index("grow", "dst", dst, "Block", s.consts.K)
     if l is not None:
         busy = s.busy
-        _m0 = s.phase.get(s.lane_req[l])
+        _m0 = s.phase.get(s.lane_req[l], _D_phase)
         copying = s.copying
         # lane_computing
         if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2291,7 +2307,7 @@ def grow_hit_guard(s: State, l: int, src: int, dst: int, n: int) -> str | None:
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return "lane_prefilling"
     copying = s.copying
     # no_copy_in_flight
@@ -2369,7 +2385,7 @@ def grow_hit(s: State, l: int, src: int, dst: int, n: int) -> Step:
     # lane_prefilling
     if not s.busy[l]:
         return Step(s, (), "lane_prefilling")
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return Step(s, (), "lane_prefilling")
     copying = s.copying
     # no_copy_in_flight
@@ -2555,7 +2571,7 @@ def grow_hit_plan(s: State, l: int, src: int, dst: int, n: int) -> tuple[Any, ..
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return "lane_prefilling"
     copying = s.copying
     # no_copy_in_flight
@@ -2660,7 +2676,7 @@ def ready_grow_hit(
         # lane_prefilling
         if not s.busy[l]:
             return False
-        if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
             return False
     if l is not None:
         copying = s.copying
@@ -2744,7 +2760,7 @@ def ready_grow_hit(
     return True
 
 
-def preempt_guard(s: State, l: int) -> str | None:
+def preempt_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `preempt`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
@@ -2754,7 +2770,7 @@ def preempt_guard(s: State, l: int) -> str | None:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = phase.get(lane_req[l])
+    _m0 = phase.get(lane_req[l], _D_phase)
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2762,7 +2778,7 @@ def preempt_guard(s: State, l: int) -> str | None:
     if copying[l]:
         return "lane_computing"
     B = s.consts.B
-    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m1 = tuple([phase.get(lane_req[n], _D_phase) for n in range(B)])
     _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
     length = s.length
     tail = s.tail
@@ -2818,7 +2834,7 @@ def preempt(s: State, l: int) -> Step:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = phase.get(lane_req[l])
+    _m0 = phase.get(lane_req[l], _D_phase)
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2826,7 +2842,7 @@ def preempt(s: State, l: int) -> Step:
     if copying[l]:
         return Step(s, (), "lane_computing")
     B = s.consts.B
-    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m1 = tuple([phase.get(lane_req[n], _D_phase) for n in range(B)])
     _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
     length = s.length
     tail = s.tail
@@ -2930,7 +2946,7 @@ def preempt(s: State, l: int) -> Step:
     return Step(new, effects, None)
 
 
-def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
+def preempt_plan(s: StateView, l: int) -> tuple[Any, ...] | str:
     """The effects `preempt` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -2944,7 +2960,7 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = phase.get(lane_req[l])
+    _m0 = phase.get(lane_req[l], _D_phase)
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -2952,7 +2968,7 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     if copying[l]:
         return "lane_computing"
     B = s.consts.B
-    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m1 = tuple([phase.get(lane_req[n], _D_phase) for n in range(B)])
     _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
     length = s.length
     tail = s.tail
@@ -2992,7 +3008,7 @@ def preempt_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Preempt(l, lane_req[l]),)
 
 
-def enabled_preempt(s: State, *, l: int | None = None) -> bool:
+def enabled_preempt(s: StateView, *, l: int | None = None) -> bool:
     """Whether `preempt`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -3001,7 +3017,7 @@ def enabled_preempt(s: State, *, l: int | None = None) -> bool:
     return any(preempt_guard(s, l) is None for l in _l_all)
 
 
-def ready_preempt(s: State, *, l: int | None = None) -> bool:
+def ready_preempt(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `preempt` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -3014,7 +3030,7 @@ def ready_preempt(s: State, *, l: int | None = None) -> bool:
         busy = s.busy
         lane_req = s.lane_req
         phase = s.phase
-        _m0 = phase.get(lane_req[l])
+        _m0 = phase.get(lane_req[l], _D_phase)
         copying = s.copying
         # lane_computing
         if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
@@ -3025,7 +3041,7 @@ def ready_preempt(s: State, *, l: int | None = None) -> bool:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m1 = tuple([phase.get(lane_req[n]) for n in range(B)])
+    _m1 = tuple([phase.get(lane_req[n], _D_phase) for n in range(B)])
     _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
     copying = s.copying
     length = s.length
@@ -3081,7 +3097,7 @@ def decode_guard(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> str | N
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m0 = tuple([busy[l] and phase.get(lane_req[l], _D_phase) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
@@ -3128,7 +3144,7 @@ def decode(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m0 = tuple([busy[l] and phase.get(lane_req[l], _D_phase) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
@@ -3176,7 +3192,7 @@ def decode(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
                 if (
                     owner[b] == OWNER_LANE
                     and busy[owner_lane[b]]
-                    and phase.get(lane_req[owner_lane[b]]) == PHASE_DECODE
+                    and phase.get(lane_req[owner_lane[b]], _D_phase) == PHASE_DECODE
                     and tail[owner_lane[b]] == b
                 )
                 else holds[b]
@@ -3273,7 +3289,7 @@ def decode_plan(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[An
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m0 = tuple([busy[l] and phase.get(lane_req[l], _D_phase) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
@@ -3349,7 +3365,7 @@ def ready_decode(
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
-    _m0 = tuple([busy[l] and phase.get(lane_req[l]) == PHASE_DECODE for l in range(B)])
+    _m0 = tuple([busy[l] and phase.get(lane_req[l], _D_phase) == PHASE_DECODE for l in range(B)])
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
@@ -3379,14 +3395,14 @@ def ready_decode(
     return True
 
 
-def finish_guard(s: State, l: int, keep: bool) -> str | None:
+def finish_guard(s: StateView, l: int, keep: bool) -> str | None:
     """The first failing guard conjunct of `finish`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("finish", "l", l, "Lane", s.consts.B)
     # lane_decoding
     if not s.busy[l]:
         return "lane_decoding"
-    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
         return "lane_decoding"
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
@@ -3405,7 +3421,7 @@ def finish(s: State, l: int, keep: bool) -> Step:
     # lane_decoding
     if not busy[l]:
         return Step(s, (), "lane_decoding")
-    if phase.get(lane_req[l]) != PHASE_DECODE:
+    if phase.get(lane_req[l], _D_phase) != PHASE_DECODE:
         return Step(s, (), "lane_decoding")
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
@@ -3498,7 +3514,7 @@ def finish(s: State, l: int, keep: bool) -> Step:
     return Step(new, effects, None)
 
 
-def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
+def finish_plan(s: StateView, l: int, keep: bool) -> tuple[Any, ...] | str:
     """The effects `finish` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -3509,7 +3525,7 @@ def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
     # lane_decoding
     if not s.busy[l]:
         return "lane_decoding"
-    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
         return "lane_decoding"
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
@@ -3517,7 +3533,7 @@ def finish_plan(s: State, l: int, keep: bool) -> tuple[Any, ...] | str:
     return (Release(l, s.tail[l]),)
 
 
-def enabled_finish(s: State, *, l: int | None = None, keep: bool | None = None) -> bool:
+def enabled_finish(s: StateView, *, l: int | None = None, keep: bool | None = None) -> bool:
     """Whether `finish`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -3527,7 +3543,7 @@ def enabled_finish(s: State, *, l: int | None = None, keep: bool | None = None) 
     return any(finish_guard(s, l, keep) is None for l in _l_all for keep in _keep_all)
 
 
-def ready_finish(s: State, *, l: int | None = None, keep: bool | None = None) -> bool:
+def ready_finish(s: StateView, *, l: int | None = None, keep: bool | None = None) -> bool:
     """Whether every guard conjunct of `finish` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -3537,7 +3553,7 @@ def ready_finish(s: State, *, l: int | None = None, keep: bool | None = None) ->
         # lane_decoding
         if not s.busy[l]:
             return False
-        if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
             return False
     if keep is not None:
         # keep_needs_prefix_cache
@@ -3546,10 +3562,10 @@ def ready_finish(s: State, *, l: int | None = None, keep: bool | None = None) ->
     return True
 
 
-def abort_waiting_guard(s: State, r: int) -> str | None:
+def abort_waiting_guard(s: StateView, r: int) -> str | None:
     """The first failing guard conjunct of `abort_waiting`, or None."""
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     return None
 
@@ -3559,7 +3575,7 @@ def abort_waiting(s: State, r: int) -> Step:
     # modifies: phase
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     new_phase = phase.set(r, PHASE_ABORTED)
     new = State(
@@ -3613,7 +3629,7 @@ def abort_waiting(s: State, r: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_abort_waiting(s: State, *, r: int | None = None) -> bool:
+def enabled_abort_waiting(s: StateView, *, r: int | None = None) -> bool:
     """Whether `abort_waiting`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -3623,18 +3639,18 @@ def enabled_abort_waiting(s: State, *, r: int | None = None) -> bool:
     return abort_waiting_guard(s, r) is None
 
 
-def ready_abort_waiting(s: State, *, r: int | None = None) -> bool:
+def ready_abort_waiting(s: StateView, *, r: int | None = None) -> bool:
     """Whether every guard conjunct of `abort_waiting` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
     if r is not None:
         # request_waiting
-        if s.phase.get(r) != PHASE_WAITING:
+        if s.phase.get(r, _D_phase) != PHASE_WAITING:
             return False
     return True
 
 
-def abort_running_guard(s: State, l: int) -> str | None:
+def abort_running_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `abort_running`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("abort_running", "l", l, "Lane", s.consts.B)
@@ -3736,7 +3752,7 @@ def abort_running(s: State, l: int) -> Step:
     return Step(new, effects, None)
 
 
-def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
+def abort_running_plan(s: StateView, l: int) -> tuple[Any, ...] | str:
     """The effects `abort_running` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -3750,7 +3766,7 @@ def abort_running_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Release(l, s.tail[l]),)
 
 
-def enabled_abort_running(s: State, *, l: int | None = None) -> bool:
+def enabled_abort_running(s: StateView, *, l: int | None = None) -> bool:
     """Whether `abort_running`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -3759,7 +3775,7 @@ def enabled_abort_running(s: State, *, l: int | None = None) -> bool:
     return any(abort_running_guard(s, l) is None for l in _l_all)
 
 
-def ready_abort_running(s: State, *, l: int | None = None) -> bool:
+def ready_abort_running(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `abort_running` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -3772,7 +3788,7 @@ def ready_abort_running(s: State, *, l: int | None = None) -> bool:
     return True
 
 
-def fail_guard(s: State, l: int) -> str | None:
+def fail_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `fail`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("fail", "l", l, "Lane", s.consts.B)
@@ -3884,7 +3900,7 @@ def fail(s: State, l: int) -> Step:
     return Step(new, effects, None)
 
 
-def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
+def fail_plan(s: StateView, l: int) -> tuple[Any, ...] | str:
     """The effects `fail` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -3898,7 +3914,7 @@ def fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Release(l, s.tail[l]),)
 
 
-def enabled_fail(s: State, *, l: int | None = None) -> bool:
+def enabled_fail(s: StateView, *, l: int | None = None) -> bool:
     """Whether `fail`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -3907,7 +3923,7 @@ def enabled_fail(s: State, *, l: int | None = None) -> bool:
     return any(fail_guard(s, l) is None for l in _l_all)
 
 
-def ready_fail(s: State, *, l: int | None = None) -> bool:
+def ready_fail(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `fail` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -4240,7 +4256,7 @@ def ready_spill(s: State, *, b: int | None = None, h: int | None = None) -> bool
     return True
 
 
-def store_done_guard(s: State, h: int) -> str | None:
+def store_done_guard(s: StateView, h: int) -> str | None:
     """The first failing guard conjunct of `store_done`, or None."""
     if not 0 <= h < s.consts.H:
         raise _bad_index("store_done", "h", h, "Slot", s.consts.H)
@@ -4326,7 +4342,7 @@ def store_done(s: State, h: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_store_done(s: State, *, h: int | None = None) -> bool:
+def enabled_store_done(s: StateView, *, h: int | None = None) -> bool:
     """Whether `store_done`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -4335,7 +4351,7 @@ def enabled_store_done(s: State, *, h: int | None = None) -> bool:
     return any(store_done_guard(s, h) is None for h in _h_all)
 
 
-def ready_store_done(s: State, *, h: int | None = None) -> bool:
+def ready_store_done(s: StateView, *, h: int | None = None) -> bool:
     """Whether every guard conjunct of `store_done` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -4348,7 +4364,7 @@ def ready_store_done(s: State, *, h: int | None = None) -> bool:
     return True
 
 
-def store_fail_guard(s: State, h: int) -> str | None:
+def store_fail_guard(s: StateView, h: int) -> str | None:
     """The first failing guard conjunct of `store_fail`, or None."""
     if not 0 <= h < s.consts.H:
         raise _bad_index("store_fail", "h", h, "Slot", s.consts.H)
@@ -4424,7 +4440,7 @@ def store_fail(s: State, h: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_store_fail(s: State, *, h: int | None = None) -> bool:
+def enabled_store_fail(s: StateView, *, h: int | None = None) -> bool:
     """Whether `store_fail`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -4433,7 +4449,7 @@ def enabled_store_fail(s: State, *, h: int | None = None) -> bool:
     return any(store_fail_guard(s, h) is None for h in _h_all)
 
 
-def ready_store_fail(s: State, *, h: int | None = None) -> bool:
+def ready_store_fail(s: StateView, *, h: int | None = None) -> bool:
     """Whether every guard conjunct of `store_fail` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -4446,7 +4462,7 @@ def ready_store_fail(s: State, *, h: int | None = None) -> bool:
     return True
 
 
-def host_evict_guard(s: State, h: int) -> str | None:
+def host_evict_guard(s: StateView, h: int) -> str | None:
     """The first failing guard conjunct of `host_evict`, or None."""
     if not 0 <= h < s.consts.H:
         raise _bad_index("host_evict", "h", h, "Slot", s.consts.H)
@@ -4519,7 +4535,7 @@ def host_evict(s: State, h: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_host_evict(s: State, *, h: int | None = None) -> bool:
+def enabled_host_evict(s: StateView, *, h: int | None = None) -> bool:
     """Whether `host_evict`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -4528,7 +4544,7 @@ def enabled_host_evict(s: State, *, h: int | None = None) -> bool:
     return any(host_evict_guard(s, h) is None for h in _h_all)
 
 
-def ready_host_evict(s: State, *, h: int | None = None) -> bool:
+def ready_host_evict(s: StateView, *, h: int | None = None) -> bool:
     """Whether every guard conjunct of `host_evict` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -4553,7 +4569,7 @@ def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> 
     if s.busy[l]:
         return "lane_idle"
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     # slot_stored
     if s.slot_state[h] != SLOTSTATE_STORED:
@@ -4568,7 +4584,7 @@ def admit_host_hit_guard(s: State, l: int, r: int, h: int, dst: int, n: int) -> 
     # n_within_entry
     if n > slen(slot_key[h]):
         return "n_within_entry"
-    _m0 = s.prompt.get(r)
+    _m0 = s.prompt.get(r, _D_prompt)
     # token_left_to_compute
     if n >= slen(_m0):
         return "token_left_to_compute"
@@ -4611,7 +4627,7 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
         return Step(s, (), "lane_idle")
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     slot_state = s.slot_state
     # slot_stored
@@ -4627,7 +4643,7 @@ def admit_host_hit(s: State, l: int, r: int, h: int, dst: int, n: int) -> Step:
     # n_within_entry
     if n > slen(slot_key[h]):
         return Step(s, (), "n_within_entry")
-    _m1 = s.prompt.get(r)
+    _m1 = s.prompt.get(r, _D_prompt)
     _m0 = slen(_m1)
     # token_left_to_compute
     if n >= _m0:
@@ -4787,7 +4803,7 @@ def admit_host_hit_plan(
     if s.busy[l]:
         return "lane_idle"
     # request_waiting
-    if s.phase.get(r) != PHASE_WAITING:
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     # slot_stored
     if s.slot_state[h] != SLOTSTATE_STORED:
@@ -4802,7 +4818,7 @@ def admit_host_hit_plan(
     # n_within_entry
     if n > slen(slot_key[h]):
         return "n_within_entry"
-    _m0 = s.prompt.get(r)
+    _m0 = s.prompt.get(r, _D_prompt)
     # token_left_to_compute
     if n >= slen(_m0):
         return "token_left_to_compute"
@@ -4880,7 +4896,7 @@ def ready_admit_host_hit(
             return False
     if r is not None:
         # request_waiting
-        if s.phase.get(r) != PHASE_WAITING:
+        if s.phase.get(r, _D_phase) != PHASE_WAITING:
             return False
     if h is not None:
         # slot_stored
@@ -4899,13 +4915,13 @@ def ready_admit_host_hit(
         if n > slen(slot_key[h]):
             return False
     if r is not None and n is not None:
-        _m0 = s.prompt.get(r)
+        _m0 = s.prompt.get(r, _D_prompt)
         # token_left_to_compute
         if n >= slen(_m0):
             return False
     if r is not None and h is not None and n is not None:
         slot_key = s.slot_key
-        _m0 = s.prompt.get(r)
+        _m0 = s.prompt.get(r, _D_prompt)
         # prefix_matches
         if take(slot_key[h], n) != take(_m0, n):
             return False
@@ -4942,7 +4958,7 @@ def grow_host_hit_guard(s: State, l: int, h: int, dst: int, n: int) -> str | Non
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return "lane_prefilling"
     copying = s.copying
     # no_copy_in_flight
@@ -5010,7 +5026,7 @@ def grow_host_hit(s: State, l: int, h: int, dst: int, n: int) -> Step:
     # lane_prefilling
     if not s.busy[l]:
         return Step(s, (), "lane_prefilling")
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return Step(s, (), "lane_prefilling")
     copying = s.copying
     # no_copy_in_flight
@@ -5186,7 +5202,7 @@ def grow_host_hit_plan(s: State, l: int, h: int, dst: int, n: int) -> tuple[Any,
     # lane_prefilling
     if not s.busy[l]:
         return "lane_prefilling"
-    if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
         return "lane_prefilling"
     copying = s.copying
     # no_copy_in_flight
@@ -5284,7 +5300,7 @@ def ready_grow_host_hit(
         # lane_prefilling
         if not s.busy[l]:
             return False
-        if s.phase.get(s.lane_req[l]) != PHASE_PREFILL:
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
             return False
     if l is not None:
         copying = s.copying
@@ -5355,7 +5371,7 @@ def ready_grow_host_hit(
     return True
 
 
-def load_done_guard(s: State, l: int) -> str | None:
+def load_done_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `load_done`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("load_done", "l", l, "Lane", s.consts.B)
@@ -5448,7 +5464,7 @@ def load_done(s: State, l: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_load_done(s: State, *, l: int | None = None) -> bool:
+def enabled_load_done(s: StateView, *, l: int | None = None) -> bool:
     """Whether `load_done`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -5457,7 +5473,7 @@ def enabled_load_done(s: State, *, l: int | None = None) -> bool:
     return any(load_done_guard(s, l) is None for l in _l_all)
 
 
-def ready_load_done(s: State, *, l: int | None = None) -> bool:
+def ready_load_done(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `load_done` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -5472,7 +5488,7 @@ def ready_load_done(s: State, *, l: int | None = None) -> bool:
     return True
 
 
-def load_fail_guard(s: State, l: int) -> str | None:
+def load_fail_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `load_fail`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("load_fail", "l", l, "Lane", s.consts.B)
@@ -5570,7 +5586,7 @@ def load_fail(s: State, l: int) -> Step:
     return Step(new, effects, None)
 
 
-def load_fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
+def load_fail_plan(s: StateView, l: int) -> tuple[Any, ...] | str:
     """The effects `load_fail` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -5586,7 +5602,7 @@ def load_fail_plan(s: State, l: int) -> tuple[Any, ...] | str:
     return (Recompute(l),)
 
 
-def enabled_load_fail(s: State, *, l: int | None = None) -> bool:
+def enabled_load_fail(s: StateView, *, l: int | None = None) -> bool:
     """Whether `load_fail`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -5595,7 +5611,7 @@ def enabled_load_fail(s: State, *, l: int | None = None) -> bool:
     return any(load_fail_guard(s, l) is None for l in _l_all)
 
 
-def ready_load_fail(s: State, *, l: int | None = None) -> bool:
+def ready_load_fail(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `load_fail` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -5622,7 +5638,7 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
         return "lane_idle"
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     B = s.consts.B
     lane_req = s.lane_req
@@ -5635,7 +5651,7 @@ def admit_import_guard(s: State, l: int, r: int, dst: int) -> str | None:
         for n in range(B):
             if (
                 busy[n]
-                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
                 and lane_plen[n] > start[tail[n]] + S
             ):
                 return "one_import_table_growing"
@@ -5670,7 +5686,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         return Step(s, (), "lane_idle")
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     B = s.consts.B
     lane_req = s.lane_req
@@ -5683,7 +5699,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
         for n in range(B):
             if (
                 busy[n]
-                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
                 and lane_plen[n] > start[tail[n]] + S
             ):
                 return Step(s, (), "one_import_table_growing")
@@ -5716,7 +5732,7 @@ def admit_import(s: State, l: int, r: int, dst: int) -> Step:
     new_length[l] = 0
     new_length = tuple(new_length)
     new_lane_seq = list(s.lane_seq)
-    _m0 = s.prompt.get(r)
+    _m0 = s.prompt.get(r, _D_prompt)
     new_lane_seq[l] = _m0
     new_lane_seq = tuple(new_lane_seq)
     new_lane_plen = list(lane_plen)
@@ -5834,7 +5850,7 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
         return "lane_idle"
     phase = s.phase
     # request_waiting
-    if phase.get(r) != PHASE_WAITING:
+    if phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     B = s.consts.B
     lane_req = s.lane_req
@@ -5847,7 +5863,7 @@ def admit_import_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | s
         for n in range(B):
             if (
                 busy[n]
-                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
                 and lane_plen[n] > start[tail[n]] + S
             ):
                 return "one_import_table_growing"
@@ -5896,7 +5912,7 @@ def ready_admit_import(
     if r is not None:
         phase = s.phase
         # request_waiting
-        if phase.get(r) != PHASE_WAITING:
+        if phase.get(r, _D_phase) != PHASE_WAITING:
             return False
     B = s.consts.B
     busy = s.busy
@@ -5911,7 +5927,7 @@ def ready_admit_import(
         for n in range(B):
             if (
                 busy[n]
-                and phase.get(lane_req[n]) == PHASE_IMPORTING
+                and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
                 and lane_plen[n] > start[tail[n]] + S
             ):
                 return False
@@ -5938,7 +5954,7 @@ def import_grow_guard(s: State, l: int, dst: int) -> str | None:
     # lane_importing
     if not s.busy[l]:
         return "lane_importing"
-    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_IMPORTING:
         return "lane_importing"
     # table_short_of_prompt
     if s.start[s.tail[l]] + s.consts.S >= s.lane_plen[l]:
@@ -5974,7 +5990,7 @@ def import_grow(s: State, l: int, dst: int) -> Step:
     # lane_importing
     if not s.busy[l]:
         return Step(s, (), "lane_importing")
-    if s.phase.get(lane_req[l]) != PHASE_IMPORTING:
+    if s.phase.get(lane_req[l], _D_phase) != PHASE_IMPORTING:
         return Step(s, (), "lane_importing")
     tail = s.tail
     start = s.start
@@ -6097,7 +6113,7 @@ def import_grow_plan(s: State, l: int, dst: int) -> tuple[Any, ...] | str:
     # lane_importing
     if not s.busy[l]:
         return "lane_importing"
-    if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_IMPORTING:
         return "lane_importing"
     # table_short_of_prompt
     if s.start[s.tail[l]] + s.consts.S >= s.lane_plen[l]:
@@ -6141,7 +6157,7 @@ def ready_import_grow(s: State, *, l: int | None = None, dst: int | None = None)
         # lane_importing
         if not s.busy[l]:
             return False
-        if s.phase.get(s.lane_req[l]) != PHASE_IMPORTING:
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_IMPORTING:
             return False
     if l is not None:
         # table_short_of_prompt
@@ -6165,10 +6181,10 @@ def ready_import_grow(s: State, *, l: int | None = None, dst: int | None = None)
     return True
 
 
-def import_done_guard(s: State, r: int, p: TokSeq, tok: int) -> str | None:
+def import_done_guard(s: StateView, r: int, p: TokSeq, tok: int) -> str | None:
     """The first failing guard conjunct of `import_done`, or None."""
     # request_importing
-    if s.phase.get(r) != PHASE_IMPORTING:
+    if s.phase.get(r, _D_phase) != PHASE_IMPORTING:
         return "request_importing"
     _m1 = s.req_lane.get(r)
     _m0 = s.lane_plen[_m1]
@@ -6192,7 +6208,7 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
     #   snap_junk, snap_taken, local_holds
     phase = s.phase
     # request_importing
-    if phase.get(r) != PHASE_IMPORTING:
+    if phase.get(r, _D_phase) != PHASE_IMPORTING:
         return Step(s, (), "request_importing")
     _m1 = s.req_lane.get(r)
     _m0 = s.lane_plen[_m1]
@@ -6313,14 +6329,14 @@ def import_done(s: State, r: int, p: TokSeq, tok: int) -> Step:
     return Step(new, effects, None)
 
 
-def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] | str:
+def import_done_plan(s: StateView, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] | str:
     """The effects `import_done` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
     # request_importing
-    if s.phase.get(r) != PHASE_IMPORTING:
+    if s.phase.get(r, _D_phase) != PHASE_IMPORTING:
         return "request_importing"
     _m2 = s.req_lane.get(r)
     _m0 = s.lane_plen[_m2]
@@ -6335,7 +6351,7 @@ def import_done_plan(s: State, r: int, p: TokSeq, tok: int) -> tuple[Any, ...] |
 
 
 def enabled_import_done(
-    s: State, *, r: int | None = None, p: TokSeq | None = None, tok: int | None = None,
+    s: StateView, *, r: int | None = None, p: TokSeq | None = None, tok: int | None = None,
 ) -> bool:
     """Whether `import_done`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
@@ -6351,14 +6367,14 @@ def enabled_import_done(
 
 
 def ready_import_done(
-    s: State, *, r: int | None = None, p: TokSeq | None = None, tok: int | None = None,
+    s: StateView, *, r: int | None = None, p: TokSeq | None = None, tok: int | None = None,
 ) -> bool:
     """Whether every guard conjunct of `import_done` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
     if r is not None:
         # request_importing
-        if s.phase.get(r) != PHASE_IMPORTING:
+        if s.phase.get(r, _D_phase) != PHASE_IMPORTING:
             return False
     if r is not None:
         _m1 = s.req_lane.get(r)
@@ -6375,14 +6391,14 @@ def ready_import_done(
     return True
 
 
-def export_guard(s: State, l: int) -> str | None:
+def export_guard(s: StateView, l: int) -> str | None:
     """The first failing guard conjunct of `export`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("export", "l", l, "Lane", s.consts.B)
     # lane_prefilled
     if not s.busy[l]:
         return "lane_prefilled"
-    if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
         return "lane_prefilled"
     if s.length[l] != s.lane_plen[l]:
         return "lane_prefilled"
@@ -6402,7 +6418,7 @@ def export(s: State, l: int) -> Step:
     # lane_prefilled
     if not s.busy[l]:
         return Step(s, (), "lane_prefilled")
-    if phase.get(lane_req[l]) != PHASE_DECODE:
+    if phase.get(lane_req[l], _D_phase) != PHASE_DECODE:
         return Step(s, (), "lane_prefilled")
     if length[l] != s.lane_plen[l]:
         return Step(s, (), "lane_prefilled")
@@ -6488,7 +6504,7 @@ def export(s: State, l: int) -> Step:
     return Step(new, effects, None)
 
 
-def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
+def export_plan(s: StateView, l: int) -> tuple[Any, ...] | str:
     """The effects `export` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -6501,14 +6517,14 @@ def export_plan(s: State, l: int) -> tuple[Any, ...] | str:
     # lane_prefilled
     if not s.busy[l]:
         return "lane_prefilled"
-    if s.phase.get(lane_req[l]) != PHASE_DECODE:
+    if s.phase.get(lane_req[l], _D_phase) != PHASE_DECODE:
         return "lane_prefilled"
     if length[l] != s.lane_plen[l]:
         return "lane_prefilled"
     return (Outbound(l, lane_req[l], s.tail[l], length[l]),)
 
 
-def enabled_export(s: State, *, l: int | None = None) -> bool:
+def enabled_export(s: StateView, *, l: int | None = None) -> bool:
     """Whether `export`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -6517,7 +6533,7 @@ def enabled_export(s: State, *, l: int | None = None) -> bool:
     return any(export_guard(s, l) is None for l in _l_all)
 
 
-def ready_export(s: State, *, l: int | None = None) -> bool:
+def ready_export(s: StateView, *, l: int | None = None) -> bool:
     """Whether every guard conjunct of `export` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -6527,17 +6543,17 @@ def ready_export(s: State, *, l: int | None = None) -> bool:
         # lane_prefilled
         if not s.busy[l]:
             return False
-        if s.phase.get(s.lane_req[l]) != PHASE_DECODE:
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_DECODE:
             return False
         if s.length[l] != s.lane_plen[l]:
             return False
     return True
 
 
-def export_done_guard(s: State, r: int, keep: bool) -> str | None:
+def export_done_guard(s: StateView, r: int, keep: bool) -> str | None:
     """The first failing guard conjunct of `export_done`, or None."""
     # request_exporting
-    if s.phase.get(r) != PHASE_EXPORTING:
+    if s.phase.get(r, _D_phase) != PHASE_EXPORTING:
         return "request_exporting"
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
@@ -6551,7 +6567,7 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     #   xfer_on, snap_junk, snap_taken
     phase = s.phase
     # request_exporting
-    if phase.get(r) != PHASE_EXPORTING:
+    if phase.get(r, _D_phase) != PHASE_EXPORTING:
         return Step(s, (), "request_exporting")
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
@@ -6649,14 +6665,14 @@ def export_done(s: State, r: int, keep: bool) -> Step:
     return Step(new, effects, None)
 
 
-def export_done_plan(s: State, r: int, keep: bool) -> tuple[Any, ...] | str:
+def export_done_plan(s: StateView, r: int, keep: bool) -> tuple[Any, ...] | str:
     """The effects `export_done` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
     # request_exporting
-    if s.phase.get(r) != PHASE_EXPORTING:
+    if s.phase.get(r, _D_phase) != PHASE_EXPORTING:
         return "request_exporting"
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
@@ -6665,7 +6681,7 @@ def export_done_plan(s: State, r: int, keep: bool) -> tuple[Any, ...] | str:
     return (Release(_m0, s.tail[_m0]),)
 
 
-def enabled_export_done(s: State, *, r: int | None = None, keep: bool | None = None) -> bool:
+def enabled_export_done(s: StateView, *, r: int | None = None, keep: bool | None = None) -> bool:
     """Whether `export_done`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -6676,13 +6692,13 @@ def enabled_export_done(s: State, *, r: int | None = None, keep: bool | None = N
     return any(export_done_guard(s, r, keep) is None for keep in _keep_all)
 
 
-def ready_export_done(s: State, *, r: int | None = None, keep: bool | None = None) -> bool:
+def ready_export_done(s: StateView, *, r: int | None = None, keep: bool | None = None) -> bool:
     """Whether every guard conjunct of `export_done` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
     if r is not None:
         # request_exporting
-        if s.phase.get(r) != PHASE_EXPORTING:
+        if s.phase.get(r, _D_phase) != PHASE_EXPORTING:
             return False
     if keep is not None:
         # keep_needs_prefix_cache
@@ -6693,7 +6709,7 @@ def ready_export_done(s: State, *, r: int | None = None, keep: bool | None = Non
 
 def forget_guard(s: State, r: int) -> str | None:
     """The first failing guard conjunct of `forget`, or None."""
-    _m0 = s.phase.get(r)
+    _m0 = s.phase.get(r, _D_phase)
     # request_ended
     if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
         return "request_ended"
@@ -6714,7 +6730,7 @@ def forget(s: State, r: int) -> Step:
     """
     # modifies: phase, prompt
     phase = s.phase
-    _m0 = phase.get(r)
+    _m0 = phase.get(r, _D_phase)
     # request_ended
     if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
         return Step(s, (), "request_ended")
@@ -6792,7 +6808,7 @@ def ready_forget(s: State, *, r: int | None = None) -> bool:
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
     if r is not None:
-        _m0 = s.phase.get(r)
+        _m0 = s.phase.get(r, _D_phase)
         # request_ended
         if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
             return False
@@ -6806,9 +6822,9 @@ def ready_forget(s: State, *, r: int | None = None) -> bool:
     return True
 
 
-def transfer_fail_guard(s: State, r: int) -> str | None:
+def transfer_fail_guard(s: StateView, r: int) -> str | None:
     """The first failing guard conjunct of `transfer_fail`, or None."""
-    _m0 = s.phase.get(r)
+    _m0 = s.phase.get(r, _D_phase)
     # request_transferring
     if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
         return "request_transferring"
@@ -6821,7 +6837,7 @@ def transfer_fail(s: State, r: int) -> Step:
     """
     # modifies: phase, transfer, busy, owner, lane_snap; ghost: xfer_live, xfer_on, junk
     phase = s.phase
-    _m0 = phase.get(r)
+    _m0 = phase.get(r, _D_phase)
     # request_transferring
     if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
         return Step(s, (), "request_transferring")
@@ -6902,13 +6918,13 @@ def transfer_fail(s: State, r: int) -> Step:
     return Step(new, effects, None)
 
 
-def transfer_fail_plan(s: State, r: int) -> tuple[Any, ...] | str:
+def transfer_fail_plan(s: StateView, r: int) -> tuple[Any, ...] | str:
     """The effects `transfer_fail` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
     be None.
     """
-    _m0 = s.phase.get(r)
+    _m0 = s.phase.get(r, _D_phase)
     # request_transferring
     if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
         return "request_transferring"
@@ -6916,7 +6932,7 @@ def transfer_fail_plan(s: State, r: int) -> tuple[Any, ...] | str:
     return (Release(_m1, s.tail[_m1]),)
 
 
-def enabled_transfer_fail(s: State, *, r: int | None = None) -> bool:
+def enabled_transfer_fail(s: StateView, *, r: int | None = None) -> bool:
     """Whether `transfer_fail`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -6926,19 +6942,19 @@ def enabled_transfer_fail(s: State, *, r: int | None = None) -> bool:
     return transfer_fail_guard(s, r) is None
 
 
-def ready_transfer_fail(s: State, *, r: int | None = None) -> bool:
+def ready_transfer_fail(s: StateView, *, r: int | None = None) -> bool:
     """Whether every guard conjunct of `transfer_fail` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
     if r is not None:
-        _m0 = s.phase.get(r)
+        _m0 = s.phase.get(r, _D_phase)
         # request_transferring
         if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
             return False
     return True
 
 
-def transfer_end_guard(s: State, r: int, b: int) -> str | None:
+def transfer_end_guard(s: StateView, r: int, b: int) -> str | None:
     """The first failing guard conjunct of `transfer_end`, or None."""
     if not 0 <= b < s.consts.K:
         raise _bad_index("transfer_end", "b", b, "Block", s.consts.K)
@@ -7048,7 +7064,7 @@ def transfer_end(s: State, r: int, b: int) -> Step:
     return Step(new, (), None)
 
 
-def enabled_transfer_end(s: State, *, r: int | None = None, b: int | None = None) -> bool:
+def enabled_transfer_end(s: StateView, *, r: int | None = None, b: int | None = None) -> bool:
     """Whether `transfer_end`'s guard holds for the given parameters and some value of the
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
@@ -7059,7 +7075,7 @@ def enabled_transfer_end(s: State, *, r: int | None = None, b: int | None = None
     return any(transfer_end_guard(s, r, b) is None for b in _b_all)
 
 
-def ready_transfer_end(s: State, *, r: int | None = None, b: int | None = None) -> bool:
+def ready_transfer_end(s: StateView, *, r: int | None = None, b: int | None = None) -> bool:
     """Whether every guard conjunct of `transfer_end` that reads only the given parameters
     holds (a conjunct reading an unbound parameter is skipped, whatever its position).
     """
@@ -7426,7 +7442,7 @@ def check_invariants(s: State) -> list[str]:
         bad.append("cache_needs_prefix_cache")
     lane_req = s.lane_req
     phase = s.phase
-    _m4 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m4 = tuple([phase.get(lane_req[l], _D_phase) for l in range(B)])
     _m0 = tuple([_m4[l] == PHASE_PREFILL for l in range(B)])
     _m1 = tuple([_m4[l] == PHASE_DECODE for l in range(B)])
     _m2 = tuple([_m4[l] == PHASE_IMPORTING for l in range(B)])
@@ -7442,10 +7458,10 @@ def check_invariants(s: State) -> list[str]:
     # running_request_has_lane
     if not all(
         not (
-            phase.get(r) == PHASE_PREFILL
-            or phase.get(r) == PHASE_DECODE
-            or phase.get(r) == PHASE_IMPORTING
-            or phase.get(r) == PHASE_EXPORTING
+            phase.get(r, _D_phase) == PHASE_PREFILL
+            or phase.get(r, _D_phase) == PHASE_DECODE
+            or phase.get(r, _D_phase) == PHASE_IMPORTING
+            or phase.get(r, _D_phase) == PHASE_EXPORTING
         )
         or (busy[req_lane.get(r)] and lane_req[req_lane.get(r)] == r)
         for r in req_ids
@@ -7471,7 +7487,7 @@ def check_invariants(s: State) -> list[str]:
         C = s.consts.C
         snap_junk = s.snap_junk
         snap_upto = s.snap_upto
-        _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+        _m9 = tuple([phase.get(lane_req[owner_lane[b]], _D_phase) for b in range(K)])
         _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
         _m7 = tuple([
             owner[b] == OWNER_LANE and tail[owner_lane[b]] != b and not _m8[b]
@@ -7504,14 +7520,21 @@ def check_invariants(s: State) -> list[str]:
         bad.append("cache_head_is_first_chunk")
     prompt = s.prompt
     # unsubmitted_request_has_no_prompt
-    if not all(phase.get(r) != PHASE_NONE or prompt.get(r) == empty() for r in req_ids):
+    if not all(
+        phase.get(r, _D_phase) != PHASE_NONE or prompt.get(r, _D_prompt) == empty()
+        for r in req_ids
+    ):
         bad.append("unsubmitted_request_has_no_prompt")
     # submitted_request_has_prompt
-    if not all(phase.get(r) == PHASE_NONE or slen(prompt.get(r)) > 0 for r in req_ids):
+    if not all(
+        phase.get(r, _D_phase) == PHASE_NONE or slen(prompt.get(r, _D_prompt)) > 0
+        for r in req_ids
+    ):
         bad.append("submitted_request_has_prompt")
     # waiting_prompt_fits
     if not all(
-        phase.get(r) != PHASE_WAITING or (slen(prompt.get(r)) > 0 and slen(prompt.get(r)) <= T * S)
+        phase.get(r, _D_phase) != PHASE_WAITING
+        or (slen(prompt.get(r, _D_prompt)) > 0 and slen(prompt.get(r, _D_prompt)) <= T * S)
         for r in req_ids
     ):
         bad.append("waiting_prompt_fits")
@@ -7530,7 +7553,7 @@ def check_invariants(s: State) -> list[str]:
         for l in range(B)
     ):
         bad.append("lane_seq_length")
-    _m12 = tuple([prompt.get(lane_req[l]) for l in range(B)])
+    _m12 = tuple([prompt.get(lane_req[l], _D_prompt) for l in range(B)])
     # lane_computes_its_prompt
     if not all(
         not _m10[l] or (lane_seq[l] == _m12[l] and lane_plen[l] == slen(_m12[l]))
@@ -7605,7 +7628,7 @@ def check_invariants(s: State) -> list[str]:
             bad.append("lane_snapshots_were_taken")
         snap_upto = s.snap_upto
         snap_taken = s.snap_taken
-        _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+        _m9 = tuple([phase.get(lane_req[owner_lane[b]], _D_phase) for b in range(K)])
         _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
         _m7 = tuple([
             owner[b] == OWNER_LANE and tail[owner_lane[b]] != b and not _m8[b]
@@ -7618,7 +7641,7 @@ def check_invariants(s: State) -> list[str]:
         ):
             bad.append("entry_snapshots_were_taken")
     snap_upto = s.snap_upto
-    _m9 = tuple([phase.get(lane_req[owner_lane[b]]) for b in range(K)])
+    _m9 = tuple([phase.get(lane_req[owner_lane[b]], _D_phase) for b in range(K)])
     _m8 = tuple([busy[owner_lane[b]] and _m9[b] == PHASE_IMPORTING for b in range(K)])
     # importing_blocks_have_no_snapshots
     if not all(not (owner[b] == OWNER_LANE and _m8[b]) or snap_upto[b] == 0 for b in range(K)):
@@ -7739,7 +7762,7 @@ def check_invariants(s: State) -> list[str]:
     ):
         bad.append("transfer_block_held")
     transfer_req = s.transfer_req
-    _m13 = tuple([phase.get(transfer_req[b]) for b in range(K)])
+    _m13 = tuple([phase.get(transfer_req[b], _D_phase) for b in range(K)])
     # draining_has_transfer
     if not all(
         owner[b] != OWNER_DRAINING
@@ -7761,13 +7784,16 @@ def check_invariants(s: State) -> list[str]:
         xfer_live = s.xfer_live
         # running_transfer_pins_its_block
         if not all(
-            not xfer_live.get(r)
+            not xfer_live.get(r, _D_xfer_live)
             or (transfer[xfer_block.get(r)] and transfer_req[xfer_block.get(r)] == r)
             for r in req_ids
         ):
             bad.append("running_transfer_pins_its_block")
         # pinned_block_transfer_running
-        if not all(not transfer[b] or xfer_live.get(transfer_req[b]) for b in range(K)):
+        if not all(
+            not transfer[b] or xfer_live.get(transfer_req[b], _D_xfer_live)
+            for b in range(K)
+        ):
             bad.append("pinned_block_transfer_running")
         xfer_on = s.xfer_on
         # transfer_pins_what_it_uses
@@ -7776,7 +7802,8 @@ def check_invariants(s: State) -> list[str]:
         xfer_of = s.xfer_of
         # pinned_for_its_transfer
         if not all(
-            not xfer_on[b] or (transfer_req[b] == xfer_of[b] and xfer_live.get(xfer_of[b]))
+            not xfer_on[b]
+            or (transfer_req[b] == xfer_of[b] and xfer_live.get(xfer_of[b], _D_xfer_live))
             for b in range(K)
         ):
             bad.append("pinned_for_its_transfer")
@@ -7883,12 +7910,12 @@ def check_transition(pre: State, post: State) -> list[str]:
     # ended_is_final
     if not all(
         not (
-            pre_phase.get(r) == PHASE_FINISHED
-            or pre_phase.get(r) == PHASE_ABORTED
-            or pre_phase.get(r) == PHASE_FAILED
+            pre_phase.get(r, _D_phase) == PHASE_FINISHED
+            or pre_phase.get(r, _D_phase) == PHASE_ABORTED
+            or pre_phase.get(r, _D_phase) == PHASE_FAILED
         )
-        or post_phase.get(r) == pre_phase.get(r)
-        or (post_phase.get(r) == PHASE_NONE and post_prompt.get(r) == empty())
+        or post_phase.get(r, _D_phase) == pre_phase.get(r, _D_phase)
+        or (post_phase.get(r, _D_phase) == PHASE_NONE and post_prompt.get(r, _D_prompt) == empty())
         for r in req_ids
     ):
         bad.append("ended_is_final")
@@ -7897,14 +7924,14 @@ def check_transition(pre: State, post: State) -> list[str]:
     if not all(
         not (
             (
-                pre_phase.get(r) == PHASE_PREFILL
-                or pre_phase.get(r) == PHASE_DECODE
-                or pre_phase.get(r) == PHASE_IMPORTING
-                or pre_phase.get(r) == PHASE_EXPORTING
+                pre_phase.get(r, _D_phase) == PHASE_PREFILL
+                or pre_phase.get(r, _D_phase) == PHASE_DECODE
+                or pre_phase.get(r, _D_phase) == PHASE_IMPORTING
+                or pre_phase.get(r, _D_phase) == PHASE_EXPORTING
             )
             and not PREEMPT
         )
-        or post_phase.get(r) != PHASE_WAITING
+        or post_phase.get(r, _D_phase) != PHASE_WAITING
         for r in req_ids
     ):
         bad.append("requeued_only_by_preemption")
@@ -8064,7 +8091,7 @@ def progress_violations(s: State) -> list[str]:
     _m1 = not PREEMPT or all(not busy[l] for l in range(B))
     # idle_lane_admits
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING and _m1)
+        not (_m0[l] and phase.get(r, _D_phase) == PHASE_WAITING and _m1)
         or any(admit_miss_guard(s, l, r, dst) is None for dst in range(K))
         or any(
             admit_hit_guard(s, l, r, src, dst, C) is None
@@ -8076,7 +8103,7 @@ def progress_violations(s: State) -> list[str]:
     ):
         bad.append("idle_lane_admits")
     lane_req = s.lane_req
-    _m7 = tuple([phase.get(lane_req[l]) for l in range(B)])
+    _m7 = tuple([phase.get(lane_req[l], _D_phase) for l in range(B)])
     _m3 = tuple([busy[l] and _m7[l] == PHASE_DECODE for l in range(B)])
     length = s.length
     tail = s.tail
@@ -8092,10 +8119,10 @@ def progress_violations(s: State) -> list[str]:
     # running_request_advances
     if (
         any(
-            phase.get(r) == PHASE_PREFILL
-            or phase.get(r) == PHASE_DECODE
-            or phase.get(r) == PHASE_IMPORTING
-            or phase.get(r) == PHASE_EXPORTING
+            phase.get(r, _D_phase) == PHASE_PREFILL
+            or phase.get(r, _D_phase) == PHASE_DECODE
+            or phase.get(r, _D_phase) == PHASE_IMPORTING
+            or phase.get(r, _D_phase) == PHASE_EXPORTING
             for r in req_ids
         )
         and not (
@@ -8133,7 +8160,7 @@ def progress_violations(s: State) -> list[str]:
         bad.append("lone_lane_is_never_preempted")
     # idle_lane_imports
     if not all(
-        not (_m0[l] and phase.get(r) == PHASE_WAITING and _m1)
+        not (_m0[l] and phase.get(r, _D_phase) == PHASE_WAITING and _m1)
         or any(admit_import_guard(s, l, r, dst) is None for dst in range(K))
         for l in range(B)
         for r in req_ids

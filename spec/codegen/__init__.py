@@ -12,7 +12,12 @@ sort's size, the config constant named by `sort.size`. The generated module's co
   sequences, enums are ints with constants `<ENUM>_<MEMBER>` and a `<ENUM>_NAMES` tuple.
 * `Consts` (one field per model constant) and `State` (`consts`, `ghost`, then one field per
   state function: a tuple per index-sorted argument, a `PMap` for an ident-sorted one, a scalar
-  for a 0-ary one). Ghost functions are None, and never updated, when `ghost` is False.
+  for a 0-ary one). Ghost functions are None, and never updated, when `ghost` is False. An
+  ident-keyed function's default is a module constant `_D_<name>` that its reads pass
+  (`s.f.get(k, _D_f)`), so that a read works alike on a PMap and on a plain dict.
+* The read-only functions (definitions, guards, plans, `enabled_*`, `ready_*`) whose text is
+  the same in the in-place core are emitted once, here, annotated `StateView` (State or the
+  in-place MState); inplace.py imports them (`InplaceGenerator.shared`).
 * `init(consts, ghost=True)`; per action `a`: `a_guard(s, *params)` (name of the first failing
   guard conjunct, or None) and `a(s, *params) -> Step(state, effects, rejected)`. A rejected
   action returns the same state object. Updates and effects are evaluated in the pre-state
@@ -76,8 +81,10 @@ INIT_SOURCE = HEADER + (
 def generate(model: Model | None = None) -> dict[str, str]:
     """File name (inside atom_core/_generated/) -> content, for `model` (default: the spec)."""
     model = model if model is not None else _default_model()
-    return {"__init__.py": INIT_SOURCE, "core.py": Generator(model).source(),
-            "inplace.py": InplaceGenerator(model).source()}
+    inplace = InplaceGenerator(model)
+    inplace_source = inplace.source()
+    return {"__init__.py": INIT_SOURCE, "core.py": Generator(model, inplace.shared).source(),
+            "inplace.py": inplace_source}
 
 
 def action_table(model: Model | None = None) -> str:
@@ -147,21 +154,30 @@ def load_inplace(model: Model | None = None, name: str = "atom_core._generated.i
                  generator: type[InplaceGenerator] = InplaceGenerator) -> ModuleType:
     """Generate the in-place core for `model` (default: the spec) with `generator` (e.g. a
     deliberately broken emitter, for the differential test's teeth) and import it as a fresh
-    module. It imports the committed core (atom_core._generated.core) for State and effects."""
+    module. It imports State, the effects and the read-only functions it shares from the pure
+    core generated for the same model (module `<name>_core`, its `_core`), never from the
+    committed one: a mutant's guard reaches both."""
     model = model if model is not None else _default_model()
-    return _module(name, generator(model).source())
+    core_name = f"{name}_core"
+    gen = generator(model, core_module=core_name)
+    source = gen.source()
+    core = _module(core_name, Generator(model, gen.shared).source())
+    return _module(name, source, {core_name: core})
 
 
-def _module(name: str, source: str) -> ModuleType:
+def _module(name: str, source: str, imports: dict[str, ModuleType] | None = None) -> ModuleType:
     """`source` run as a fresh module `name` (registered while it runs: attrs and dataclasses
-    look their module up), not left in sys.modules."""
+    look their module up; so are the modules in `imports`, for it to import), not left in
+    sys.modules."""
     mod = ModuleType(name)
     mod.__file__ = f"<{name}>"
-    sys.modules[name] = mod
+    deps = {**(imports or {}), name: mod}
+    sys.modules.update(deps)
     try:
         exec(compile(source, mod.__file__, "exec"), mod.__dict__)
     finally:
-        sys.modules.pop(name, None)
+        for k in deps:
+            sys.modules.pop(k, None)
     return mod
 
 

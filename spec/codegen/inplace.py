@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +12,11 @@ from atom_core.spec import lang
 from atom_core.spec.codegen.analysis import GenerationError, walk
 from atom_core.spec.codegen.body import TERN, Body, base_name
 from atom_core.spec.codegen.printer import (
+    SOFT,
     SPACE,
+    Group,
     IfBreak,
+    Nest,
     bracket,
     call_doc,
     dict_doc,
@@ -24,7 +28,6 @@ from atom_core.spec.codegen.pure import HEADER, SEQ_MODULE, Generator
 from atom_core.spec.lang import (
     And,
     App,
-    Const,
     Eq,
     Expr,
     Implies,
@@ -59,20 +62,22 @@ class InplaceGenerator(Generator):
     `f` at `v` itself), else through a list of changes collected before the first write.
     Maintained indexes (`self.indexes`, slots `_ix<i>`) narrow two kinds of loops to the
     elements that can matter; see `__init__`.
+
+    A read-only function (definition, guard, plan, `enabled_`, `ready_`) whose text would be
+    the pure core's, the state parameter's annotation apart, and that reads no name this module
+    defines itself is not emitted but imported from `core_module` (the set `shared`, decided in
+    `_shared_body`); the others loop over a maintained index or call a function that does.
     """
 
     def __init__(self, model: Model, core_module: str = INPLACE_CORE) -> None:
         super().__init__(model)
         self.state_cls = "MState"
         self.core_module = core_module
-        self.defaults: dict[str, str] = {}
-        for f in model.state:
-            if self.layout(f) != "map" or f.init is None:
-                continue
-            e, _ = self._init_value(f)
-            if any(type(x) is Const for x in walk(e)):
+        for f in model.state:  # a plain dict's reads need the default as a module constant
+            if self.layout(f) == "map" and f.init is not None and f.name not in self.defaults:
                 raise GenerationError(f"in-place: the default of {f.name} reads a constant")
-            self.defaults[f.name] = f"_D_{f.name}"
+        self._pure: dict[str, str] | None = None
+        self._texts: dict[str, str] = {}
         # Maintained indexes (derived from the model's shapes, no spec change), in order:
         # ("sel", f, E, g): g-value -> {x | f(x) == E and g(x) == that value}, for whole
         #   updates whose condition has the conjuncts f(v) == E, g(v) == w (w free of v);
@@ -219,10 +224,6 @@ class InplaceGenerator(Generator):
                 return [("for", name, dom, body)] if body else []
         return super()._guard_nodes(b, g, pos, env)
 
-    def map_default(self, fn: StateFn) -> list[str]:
-        d = self.defaults.get(fn.name)
-        return [d] if d is not None else []
-
     # -- module --------------------------------------------------------------------------
     def source(self) -> str:
         """The module; an index no loop ended up using (e.g. its quantifier is a memo) is
@@ -234,14 +235,58 @@ class InplaceGenerator(Generator):
             text = self._module()
         return text
 
+    # -- functions shared with core.py ---------------------------------------------------
+    def _emit_fn(self, name: str, build: Callable[[], str]) -> str:
+        if name in self.shared:
+            return ""
+        text = self._texts.get(name)
+        if text is None:
+            text = self._texts[name] = build()
+        return text
+
+    def _pure_texts(self) -> dict[str, str]:
+        """The pure core's text of each read-only function."""
+        if self._pure is None:
+            pure = Generator(self.model)
+            self._pure = {name: build() for name, build in pure.readonly().items()}
+        return self._pure
+
+    def _body(self) -> str:
+        return "\n\n".join([self._mstate(), self._init(), self._definitions(), self._actions(),
+                             self._checkers(), self._describe()])
+
+    def _shared_body(self) -> str:
+        """The module's body without the read-only functions it shares with core.py (set as
+        `self.shared`): those whose text would be the pure core's, the state parameter's
+        annotation apart, and that read no name this module defines itself (an `enabled_`
+        calls its guard: when the guard is this module's own, so is the `enabled_`)."""
+        self.shared = frozenset()
+        self._texts = {}
+        mine = {name: self._emit_fn(name, build) for name, build in self.readonly().items()}
+        pure = self._pure_texts()
+        same = {name for name, text in mine.items()
+                if re.sub(r"\bMState\b", "State", text) == pure[name]}
+        self.shared = frozenset(same)
+        body = self._body()
+        own = _defined(body)
+        shared = set(same)
+        while True:
+            bad = {name for name in shared if (_names_used(pure[name]) - {name}) & own}
+            if not bad:
+                break
+            shared -= bad
+            own |= bad
+        if shared != same:
+            self.shared = frozenset(shared)
+            body = self._body()
+        return body
+
     def _module(self) -> str:
-        sections = [self._mstate(), self._init(), self._definitions(), self._actions(),
-                    self._checkers(), self._describe()]
-        body = "\n\n".join(sections)
+        body = self._shared_body()
         used = _names_used(body)
         m = self.model
         core_names = {"Consts", "State", "Step", "EFFECTS", "INDEX_SORTS", "ENUMS",
-                      "STATE_FIELDS", "GHOST_FIELDS", "_bad_index"}
+                      "STATE_FIELDS", "GHOST_FIELDS", "_bad_index", *self.defaults.values()}
         for s in m.sorts:
             if s.kind == "enum":
                 core_names |= {self.enum_const(s, v) for v in s.values}
@@ -254,6 +299,9 @@ class InplaceGenerator(Generator):
                "beside core.py:\nthe same guards, effects and read-only functions over a "
                "mutable MState; each action\nmutates its state argument and returns "
                "Step(s, effects, rejected) with that same object.\n"
+               "A read-only function whose generated text is the same in both cores is "
+               "core.py's, imported\n(re-exported) here; the others read the maintained "
+               "indexes (or call one that does).\n"
                "`thaw(core.State) -> MState`, `freeze(MState) -> core.State`. core.py stays the "
                "reference\n(proofs, tests); tests/test_inplace.py checks the two agree step by "
                'step.\n"""\n')
@@ -267,6 +315,11 @@ class InplaceGenerator(Generator):
             out.append(render([f"from {self.core_module} import ",
                                bracket("(", join(names, [",", SPACE]) + [IfBreak(",", "")],
                                         ")")]) + "\n")
+        # re-exported (`x as x`): the read-only functions shared with core.py
+        for name in sorted(self.shared, key=_isort_key):
+            out.append(render([f"from {self.core_module} import ",
+                               Group([IfBreak("(", ""), Nest(4, [SOFT, f"{name} as {name}"]),
+                                      IfBreak(",", ""), SOFT, IfBreak(")", "")])]) + "\n")
         if "PMap" in used:
             out.append("from atom_core.pmap import PMap\n")
         if seq_names:
@@ -280,17 +333,10 @@ class InplaceGenerator(Generator):
     def _mstate(self) -> str:
         m = self.model
         lines = [self._rule("state")]
-        if self.defaults:
-            lines.append("# The default of each ident-keyed function (absent keys read it).\n")
-            b = Body(self, params=[], consts="_", states={}, mode="init", counts=None,
-                     local_names="")
-            for f in m.state:
-                if f.name in self.defaults:
-                    e, _ = self._init_value(f)
-                    lines.append(render(self._assign(self.defaults[f.name], b.top(e))) + "\n")
         items = [f'"{f.name}": {self.defaults.get(f.name, "None")}' for f in m.state
                  if self.layout(f) == "map"]
-        lines.append("# name -> default, per ident-keyed function\n")
+        lines.append("# name -> default, per ident-keyed function (absent keys read it; the "
+                     "_D_ constants are\n# core.py's)\n")
         lines.append(render(["MAP_DEFAULTS = ", dict_doc(items)]) + "\n\n\n")
         fields = ['"consts"', '"ghost"'] + [f'"{f.name}"' for f in m.state]
         lines.append(render(["_FIELDS = ", tuple_doc(fields)]) + "\n")
@@ -640,6 +686,18 @@ def _conjuncts(e: Expr) -> list[Expr]:
     return [e]
 
 
+def _defined(source: str) -> set[str]:
+    """The names `source`'s top-level statements define."""
+    out: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out.update(x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name))
+    return out
+
+
 def _names_used(source: str) -> set[str]:
     """The names `source` reads as variables (not attributes, strings or comments)."""
     import io
@@ -655,11 +713,9 @@ def _names_used(source: str) -> set[str]:
     return out
 
 
-def _isort_key(name: str) -> tuple[int, str]:
-    """ruff's isort order inside one `from` import: CONSTANTS, Classes, functions."""
-    bare = name.lstrip("_")
-    if bare.isupper() or (bare.upper() == bare and any(c.isalpha() for c in bare)):
-        return (0, name)
-    if bare[:1].isupper():
-        return (1, name)
-    return (2, name)
+def _isort_key(name: str) -> tuple[Any, ...]:
+    """ruff's isort order inside one `from` import: CONSTANTS, Classes, then the rest, each
+    case-insensitively in natural order."""
+    kind = 0 if len(name) > 1 and name.isupper() else 1 if name[:1].isupper() else 2
+    parts = re.split(r"(\d+)", name.lower())
+    return (kind, [int(p) if p.isdigit() else p for p in parts], name)

@@ -8,7 +8,7 @@ import json
 import keyword
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from atom_core.spec import lang
@@ -42,6 +42,7 @@ from atom_core.spec.codegen.printer import (
 from atom_core.spec.lang import (
     And,
     App,
+    Const,
     Expr,
     Implies,
     Ite,
@@ -62,6 +63,8 @@ HEADER = (
 
 
 SEQ_MODULE = "atom_core.seq"
+# The in-place core, whose MState the read-only functions it shares with core.py also take.
+INPLACE_MODULE = "atom_core._generated.inplace"
 
 
 def _modifies_comment(a: Any) -> str:
@@ -102,7 +105,9 @@ def _none_all(names: list[str], indent: int) -> list[str]:
 
 
 class Generator:
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, shared: Collection[str] = ()) -> None:
+        """`shared`: the read-only functions the in-place core imports from this module
+        (`InplaceGenerator.shared`); their state parameter is annotated `StateView`."""
         self.model = model
         self.an = Analysis()
         self.const_names = [c.name for c in model.consts]
@@ -111,7 +116,18 @@ class Generator:
         self.effects: dict[str, tuple[str, list[str], list[str]]] = {}
         self._guard_params: dict[str, set[str]] = {}
         self.state_cls = "State"  # the state parameters' annotation
+        self.shared = frozenset(shared)
         self._validate()
+        # ident-keyed function -> the module constant holding its default, which every read
+        # passes (`f.get(k, _D_f)`), as a plain dict needs (a default reading a constant
+        # has none: such a read relies on the PMap's own default)
+        self.defaults: dict[str, str] = {}
+        for f in model.state:
+            if self.layout(f) == "map" and f.init is not None:
+                e, _ = self._init_value(f)
+                if not any(type(x) is Const for x in walk(e)):
+                    self.defaults[f.name] = f"_D_{f.name}"
+                    self._name(f"_D_{f.name}", f"default of {f.name}")
 
     # -- validation and names ------------------------------------------------------------
     def _name(self, name: str, what: str) -> None:
@@ -262,8 +278,14 @@ class Generator:
         return hit
 
     def map_default(self, fn: StateFn) -> list[str]:
-        """Extra arguments of a read `f.get(k)` of ident-keyed `f` (a PMap knows its default)."""
-        return []
+        """Extra arguments of a read `f.get(k, ...)` of ident-keyed `f`: its default's constant
+        (`PMap.get` honours it as `dict.get` does, so both cores read a map alike)."""
+        d = self.defaults.get(fn.name)
+        return [d] if d is not None else []
+
+    def state_type(self, name: str) -> str:
+        """The annotation of function `name`'s state parameter."""
+        return "StateView" if name in self.shared else self.state_cls
 
     def py_type(self, sort: Sort) -> str:
         k = sort.kind
@@ -325,10 +347,13 @@ class Generator:
         uses_value = any(s.kind == "value" for s in self.model.sorts)
         seq_names = sorted(set(ops) | ({"TokSeq"} if uses_value else set()),
                            key=lambda n: (not n[0].isupper(), n))
-        out.append("\nfrom typing import Any, NamedTuple\n\nimport attrs\n\n"
+        typing = "TYPE_CHECKING, Any, NamedTuple, TypeAlias" if self.shared else "Any, NamedTuple"
+        out.append(f"\nfrom typing import {typing}\n\nimport attrs\n\n"
                    "from atom_core.pmap import PMap\n")
         if seq_names:
             out.append(f"from {SEQ_MODULE} import {', '.join(seq_names)}\n")
+        if self.shared:
+            out.append(f"\nif TYPE_CHECKING:\n    from {INPLACE_MODULE} import MState\n")
         sections = [self._sorts(), self._consts(), self._state(), self._effects(), self._init(),
                     self._definitions(), self._actions(), self._checkers(), self._describe()]
         for i, sec in enumerate(sections):
@@ -387,6 +412,22 @@ class Generator:
             lines.append(f"    {f.name}: {self.field_type(f)}\n")
         names = [f'"{f.name}"' for f in self.model.state]
         ghosts = [f'"{f.name}"' for f in self.model.state if f.ghost]
+        if self.shared:
+            lines.append(
+                "\n\n# The state a read-only function shared by both cores takes: a State or the "
+                "in-place\n# core's MState (inplace.py imports from here each function whose "
+                "generated text is\n# the same in both, instead of repeating it).\n"
+                'StateView: TypeAlias = "State | MState"\n')
+        if self.defaults:
+            lines.append("\n\n# The default of each ident-keyed function: every read passes it "
+                         "(`f.get(k, _D_f)`), so\n# that it reads alike from a PMap and from "
+                         "the in-place core's plain dict.\n")
+            b = Body(self, params=[], consts="_", states={}, mode="init", counts=None,
+                     local_names="")
+            for f in self.model.state:
+                if f.name in self.defaults:
+                    e, _ = self._init_value(f)
+                    lines.append(render(self._assign(self.defaults[f.name], b.top(e))) + "\n")
         lines.append("\n\n# The state functions, in declaration order (State's fields after "
                      "consts and ghost).\n")
         lines.append(render(["STATE_FIELDS = ", tuple_doc(names)]) + "\n")
@@ -542,8 +583,8 @@ class Generator:
         return ["if ", Generator._breakable(cond), ":"]
 
     # -- actions -------------------------------------------------------------------------
-    def _signature(self, a: Any) -> str:
-        return ", ".join([f"s: {self.state_cls}"]
+    def _signature(self, name: str, a: Any) -> str:
+        return ", ".join([f"s: {self.state_type(name)}"]
                          + [f"{p.name}: {self.py_type(p.sort)}" for p in a.params])
 
     @staticmethod
@@ -563,55 +604,76 @@ class Generator:
 
     def _def(self, name: str, a: Any, ret: str) -> str:
         """A function header, its parameters on a line of their own when it is too long."""
-        line = f"def {name}({self._signature(a)}) -> {ret}:\n"
+        line = f"def {name}({self._signature(name, a)}) -> {ret}:\n"
         if len(line) <= WIDTH + 1:
             return line
-        return f"def {name}(\n    {self._signature(a)},\n) -> {ret}:\n"
+        return f"def {name}(\n    {self._signature(name, a)},\n) -> {ret}:\n"
+
+    def readonly(self) -> dict[str, Callable[[], str]]:
+        """Every read-only function (name -> its emitter), in module order: the definitions,
+        then per action its guard, plan (when it has effects), `enabled_` and `ready_`."""
+        out: dict[str, Callable[[], str]] = {}
+        for d in self.model.definitions:
+            out[d.name] = lambda d=d: self._definition_fn(d)
+        for a in self.model.actions:
+            out[f"{a.name}_guard"] = lambda a=a: self._guard_fn(a)
+            if a.effects:
+                out[f"{a.name}_plan"] = lambda a=a: self._plan_fn(a)
+            out[f"enabled_{a.name}"] = lambda a=a: self._enabled_fn(a)
+            out[f"ready_{a.name}"] = lambda a=a: self._ready_fn(a)
+        return out
+
+    def _emit_fn(self, name: str, build: Callable[[], str]) -> str:
+        """The text of the module's function `name` (the in-place core caches it, and omits a
+        function it imports from core.py)."""
+        return build()
 
     def _definitions(self) -> str:
         """`core.<name>(s, ...)` per spec definition: the same expression the proofs inline,
         compiled as a guard is (a conjunction becomes consecutive checks, a quantifier a loop)."""
-        parts = [self._rule("definitions")]
-        for d in self.model.definitions:
-            head = (self._def(d.name, d, "bool")
-                    + self._docstring(d.doc or f"Definition {d.name}.")
-                    + self._range_checks(d))
+        fns = self.readonly()
+        parts = [self._emit_fn(d.name, fns[d.name]) for d in self.model.definitions]
+        if not any(parts):
+            return ""
+        return self._rule("definitions") + "".join(f"{x}\n\n" for x in parts if x)
 
-            def build(counts: dict[tuple[Any, ...], int] | None, d: Any = d) -> Body:
-                b = Body(self, params=d.params, consts="s.consts", states={False: "s"},
-                         mode="guard", counts=counts, local_names="s")
-                b.select_memos([(d.body, ())])
-                self._guard_stmt(b, d.name, d.body, "return False")
-                b.stmt("return True")
-                return b
+    def _definition_fn(self, d: Any) -> str:
+        head = (self._def(d.name, d, "bool")
+                + self._docstring(d.doc or f"Definition {d.name}.")
+                + self._range_checks(d))
 
-            parts.append(head + self._two_pass(build))
-            parts.append("\n\n")
-        return "".join(parts)
+        def build(counts: dict[tuple[Any, ...], int] | None) -> Body:
+            b = Body(self, params=d.params, consts="s.consts", states={False: "s"},
+                     mode="guard", counts=counts, local_names="s")
+            b.select_memos([(d.body, ())])
+            self._guard_stmt(b, d.name, d.body, "return False")
+            b.stmt("return True")
+            return b
 
-    def _enabled_fns(self, a: Any) -> str:
-        """`enabled_<a>` (some value of the unbound parameters satisfies the guard: the spec's
-        `enabled`) and `ready_<a>` (the guard conjuncts that read only bound parameters hold).
-        Both take the parameters as keywords, None meaning unbound; a caller never probes a
-        guard with a dummy value and compares the failing conjunct's name."""
-        read = self.guard_params(a)
+        return head + self._two_pass(build)
+
+    def _header(self, name: str, a: Any) -> str:
+        """The header of `enabled_<a>` or `ready_<a>`: the parameters as keywords, None meaning
+        unbound."""
+        st = f"s: {self.state_type(name)}"
         kw = ", ".join(f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params)
-        st = f"s: {self.state_cls}"
         sig = f"{st}, *, {kw}" if kw else st
+        line = f"def {name}({sig}) -> bool:\n"
+        if len(line) <= WIDTH + 1:
+            return line
+        if len(f"    {sig},") <= WIDTH:
+            return f"def {name}(\n    {sig},\n) -> bool:\n"
+        items = [st, "*"] + [
+            f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params]
+        return f"def {name}(\n" + "".join(f"    {x},\n" for x in items) + ") -> bool:\n"
 
-        def header(name: str) -> str:
-            line = f"def {name}({sig}) -> bool:\n"
-            if len(line) <= WIDTH + 1:
-                return line
-            if len(f"    {sig},") <= WIDTH:
-                return f"def {name}(\n    {sig},\n) -> bool:\n"
-            items = [st, "*"] + [
-                f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params]
-            return f"def {name}(\n" + "".join(f"    {x},\n" for x in items) + ") -> bool:\n"
-
-        out = []
-        # enabled_<a>
-        out.append(header(f"enabled_{a.name}"))
+    def _enabled_fn(self, a: Any) -> str:
+        """`enabled_<a>`: some value of the unbound parameters satisfies the guard (the spec's
+        `enabled`). It and `ready_<a>` take the parameters as keywords, None meaning unbound;
+        a caller never probes a guard with a dummy value and compares the failing conjunct's
+        name."""
+        read = self.guard_params(a)
+        out = [self._header(f"enabled_{a.name}", a)]
         out.append(self._docstring(
             f"Whether `{a.name}`'s guard holds for the given parameters and some value of the\n"
             "others (None = unbound; an unbound parameter of a sort that cannot be enumerated\n"
@@ -637,9 +699,11 @@ class Generator:
             out.append(render(["    return ", genexpr("any", [call], loops)], indent=4) + "\n")
         else:
             out.append(f"    return {call}\n")
-        out.append("\n\n")
-        # ready_<a>
-        out.append(header(f"ready_{a.name}"))
+        return "".join(out)
+
+    def _ready_fn(self, a: Any) -> str:
+        """`ready_<a>`: the guard conjuncts that read only bound parameters hold."""
+        out = [self._header(f"ready_{a.name}", a)]
         out.append(self._docstring(
             f"Whether every guard conjunct of `{a.name}` that reads only the given parameters\n"
             "holds (a conjunct reading an unbound parameter is skipped, whatever its position)."))
@@ -666,16 +730,16 @@ class Generator:
 
     def _actions(self) -> str:
         parts = [self._rule("actions")]
+        fns = self.readonly()
         for a in self.model.actions:
-            parts.append(self._guard_fn(a))
-            parts.append("\n\n")
-            parts.append(self._action_fn(a))
-            parts.append("\n\n")
-            if a.effects:
-                parts.append(self._plan_fn(a))
-                parts.append("\n\n")
-            parts.append(self._enabled_fns(a))
-            parts.append("\n\n")
+            names = [f"{a.name}_guard", a.name, *([f"{a.name}_plan"] if a.effects else []),
+                     f"enabled_{a.name}", f"ready_{a.name}"]
+            for name in names:
+                text = self._emit_fn(name, fns[name] if name != a.name else
+                                     lambda a=a: self._action_fn(a))
+                if text:
+                    parts.append(text)
+                    parts.append("\n\n")
         items = []
         for a in self.model.actions:
             pn = tuple_doc([f'"{p.name}"' for p in a.params])
