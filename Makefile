@@ -109,9 +109,11 @@ simulate-deep: install
 # ([tool.mutmut] in pyproject.toml), limited to the mutant-name globs of MUTMUT_SUBSET (empty:
 # every mutant, more than a day on two cores), then killed/survived per file. Results: mutants/ (gitignored).
 MUTANTS_STAMP := .venv/.mutants-installed
-# The default slice: admission end to end, one function per file (237 mutants): the core's
-# admit_hit guard, the policy's admission choice, the adapter's admission step.
+# The default slice: admission end to end, one function per file: the pure core's admit_hit
+# guard, the in-place core's admit_hit (the batcher's), the policy's admission choice, the
+# adapter's admission step.
 MUTMUT_SUBSET := "atom_core._generated.core.x_admit_hit_guard__*" \
+	"atom_core._generated.inplace.x_admit_hit__*" \
 	"atom_core.policy.x*admission__*" "atom_core.batcher.x*_admit__*"
 
 $(MUTANTS_STAMP): pyproject.toml

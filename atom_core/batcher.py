@@ -2,8 +2,11 @@
 
 It holds the core state, asks the policy for choices, applies core transitions and executes
 their effects on the runtime. It decides nothing the spec decides: every guard and update lives
-in `atom_core/_generated/core.py`; what a runtime call touches comes from the transition's
+in the core generated from the spec; what a runtime call touches comes from the transition's
 effects (`*_plan` gives them before the call, for calls whose result the transition needs).
+The state is the in-place core's (`atom_core/_generated/inplace.py`: the same guards, updates
+and effects as `core.py`, applied to one mutable state instead of building a new immutable one
+per transition); `state` offers it frozen, as a `core.State`.
 
 One prefill per step (a prefix-hit copy first, then only the chunks not yet computed),
 otherwise one decode call over every row. A runtime error fails the requests it touched and
@@ -34,7 +37,7 @@ from typing import IO, Any
 import attrs
 import torch
 
-from atom_core._generated import core
+from atom_core._generated import core, inplace
 from atom_core.config import Config
 from atom_core.policy import Policy
 from atom_core.replay import record
@@ -147,7 +150,7 @@ class Request:
     def ended(self) -> bool:
         """Finished, aborted or failed (or forgotten since), as the core's phase says."""
         assert self._batcher is not None
-        return self._batcher.state.phase.get(self.id) not in _LIVE
+        return self._batcher.phase(self.id) not in _LIVE
 
 
 # the phases of a request that has not ended (waiting again after a preemption included)
@@ -229,7 +232,11 @@ class AtomBatcher:
         self._snaps = SnapshotStore() if self._hybrid and config.prefix_cache else None
         self._host: dict[int, Any] = {}  # host tier: slot -> its host buffer (made on first use)
         self.policy = policy or Policy()
-        self.state = core.init(config.consts(), ghost=ghost)
+        # the core state, changed in place by each transition (`_apply`); `_version` counts the
+        # transitions, so a pending plan can tell whether the state moved since it was made
+        self._m = inplace.init(config.consts(), ghost=ghost)
+        self._version = 0
+        self._frozen: tuple[int, core.State] | None = None
         self.requests: dict[int, Request] = {}
         self.waiting: deque[int] = deque()
         self.stats = Stats()
@@ -244,11 +251,34 @@ class AtomBatcher:
         # (positions past a lane's length are never read, and nothing is written there)
         self._tab = torch.zeros((config.lanes, config.blocks_per_table), dtype=torch.int16)
         self._trace = trace
-        # the pending plan (between plan() and complete()) and the core state it was made in
+        # the pending plan (between plan() and complete()) and the state version it was made in
         self._plan: Plan | None = None
-        self._planned: core.State | None = None
+        self._planned = -1
         if trace is not None:
             trace.write(json.dumps({"consts": attrs.asdict(config.consts())}) + "\n")
+
+    # --------------------------------------------------------------- core state
+    @property
+    def state(self) -> core.State:
+        """The core state, frozen (a `core.State`: immutable, compared and hashed by value).
+        A copy made on the first read after a transition and kept until the next one, so two
+        reads with nothing in between give the same object. For tests, tools and views; a hot
+        path reads `view`."""
+        if self._frozen is None or self._frozen[0] != self._version:
+            self._frozen = (self._version, inplace.freeze(self._m))
+        return self._frozen[1]
+
+    @property
+    def view(self) -> inplace.MState:
+        """The core state itself (the in-place core's `MState`: the fields of `core.State` as
+        lists and dicts), live: it changes with every transition. Read it, never write it, and
+        only from the thread that drives the batcher."""
+        return self._m
+
+    def phase(self, request_id: int) -> int:
+        """The core's phase of a request (`core.PHASE_*`; `PHASE_NONE` for one it does not
+        know or has forgotten)."""
+        return self._m.phase.get(request_id, core.PHASE_NONE)
 
     # --------------------------------------------------------------- client API
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
@@ -285,10 +315,10 @@ class AtomBatcher:
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
         rid = self._next_id
-        planned = self._plan is not None and self.state is self._planned
+        planned = self._plan is not None and self._version == self._planned
         self._apply("submit", r=rid, p=seq(prompt))
         if planned:  # a new waiting request changes nothing a pending plan chose
-            self._planned = self.state
+            self._planned = self._version
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
                                      export=export, sampler=sampler, batcher=self)
@@ -303,13 +333,13 @@ class AtomBatcher:
         req = self.requests.get(request_id)
         if req is None or req.ended:
             return False
-        phase = self.state.phase.get(request_id)
+        phase = self._m.phase.get(request_id)
         if phase == core.PHASE_WAITING:
             self.waiting.remove(request_id)
             self._apply("abort_waiting", r=request_id)
         else:  # a block in a transfer drains until `transfer_ended` (see the module doc)
             asked = self.awaits_kv(request_id)
-            self._apply("abort_running", l=self.state.req_lane.get(request_id))
+            self._apply("abort_running", l=self._m.req_lane.get(request_id))
             if phase == core.PHASE_IMPORTING and not asked:
                 # its table was still growing: nobody was asked for its KV, so no end of that
                 # transfer will ever be reported; it ends here (nothing wrote the blocks)
@@ -324,7 +354,7 @@ class AtomBatcher:
         it keeps its id and queue position. False if it is not waiting or not remote."""
         req = self.requests.get(request_id)
         if (req is None or not req.remote
-                or self.state.phase.get(request_id) != core.PHASE_WAITING):
+                or self._m.phase.get(request_id) != core.PHASE_WAITING):
             return False
         req.remote = False
         return True
@@ -342,7 +372,7 @@ class AtomBatcher:
         `runtime.new_local_host_buffer()` layout), written into the request's lane's local slot;
         without it the request fails like a partial import. A plain model takes none."""
         events: list[Event] = []
-        phase = self.state.phase.get(request_id)
+        phase = self._m.phase.get(request_id)
         if phase != core.PHASE_IMPORTING:
             self._stale_or_drained(request_id)
             return events
@@ -360,14 +390,14 @@ class AtomBatcher:
                                   f"outside the vocabulary 0..{vocab - 1}", events)
             return events
         p = seq(ids)
-        s = self.state
-        if not core.table_covers_prompt(s, s.req_lane.get(request_id)):
+        s = self._m
+        if not inplace.table_covers_prompt(s, s.req_lane.get(request_id)):
             self._transfer_failed(request_id, "import rejected (table_covers_prompt): the "
                                   "request's table does not cover its prompt yet; call "
                                   "import_kv after its import event (`awaits_kv`)", events)
             return events
-        if not core.enabled_import_done(s, r=request_id, p=p, tok=first_token):
-            bad = core.import_done_guard(s, request_id, p, first_token)  # (for the message)
+        if not inplace.enabled_import_done(s, r=request_id, p=p, tok=first_token):
+            bad = inplace.import_done_guard(s, request_id, p, first_token)  # (for the message)
             self._transfer_failed(request_id, f"import rejected ({bad}): the KV covers "
                                   f"{len(p)} tokens, not this request's prompt", events)
             return events
@@ -393,7 +423,7 @@ class AtomBatcher:
             field = "local_kv" if bad_kv.startswith("local_kv") else "host_kv"
             self._transfer_failed(request_id, f"import rejected ({field}): {bad_kv}", events)
             return events
-        lane = self.state.req_lane.get(request_id)
+        lane = self._m.req_lane.get(request_id)
         try:
             self._write_blocks(host_kv, len(ids), self._tables[lane])
         except Exception as exc:  # noqa: BLE001 - this request's import failed, nothing else
@@ -409,7 +439,7 @@ class AtomBatcher:
                 return events
         self._apply("import_done", r=request_id, p=p, tok=first_token)
         self.stats.imported_tokens += len(p)
-        self._emit_token(self.state.req_lane.get(request_id), first_token, events)
+        self._emit_token(self._m.req_lane.get(request_id), first_token, events)
         return events
 
     def transfer_ended(self, request_id: int, error: str) -> list[Event]:
@@ -417,7 +447,7 @@ class AtomBatcher:
         peer): a request still waiting for it fails; a drained block is freed. Unknown or
         already-ended requests: nothing changes."""
         events: list[Event] = []
-        if self.state.phase.get(request_id) in (core.PHASE_IMPORTING, core.PHASE_EXPORTING):
+        if self._m.phase.get(request_id) in (core.PHASE_IMPORTING, core.PHASE_EXPORTING):
             self._transfer_failed(request_id, error, events)
         else:
             self._stale_or_drained(request_id)
@@ -428,7 +458,7 @@ class AtomBatcher:
         pinned block, and for a hybrid model its lane's local slot (the lane stays the request's
         until `export_done`). Call `export_done` once the KV is handed to the transport, or
         `export_done(request_id, error)` if this raises (a runtime read or allocation failed)."""
-        s = self.state
+        s = self._m
         if s.phase.get(request_id) != core.PHASE_EXPORTING:
             raise KeyError(f"request {request_id} has no export pending")
         lane = s.req_lane.get(request_id)
@@ -445,7 +475,7 @@ class AtomBatcher:
         """The export of `request_id` was sent (error None) or could not be: its block is
         released (into the prefix cache when on)."""
         events: list[Event] = []
-        if self.state.phase.get(request_id) != core.PHASE_EXPORTING:
+        if self._m.phase.get(request_id) != core.PHASE_EXPORTING:
             self._stale_or_drained(request_id)
             return events
         if error is not None:
@@ -462,15 +492,15 @@ class AtomBatcher:
         can write its KV now (before that, keep the KV until the event). The event goes out
         exactly when an importing lane's table comes to cover the prompt (`_import_ready`), so
         the core's state says whether it has."""
-        s = self.state
+        s = self._m
         return (s.phase.get(request_id) == core.PHASE_IMPORTING
-                and core.table_covers_prompt(s, s.req_lane.get(request_id)))
+                and inplace.table_covers_prompt(s, s.req_lane.get(request_id)))
 
     def transfers(self) -> dict[int, int]:
         """Unfinished transfers, as the core records them (`transfer`, `transfer_req`):
         request -> the lowest-numbered block its transfer uses (including requests whose blocks
         drain after an abort)."""
-        s, out = self.state, {}
+        s, out = self._m, {}
         for b in range(s.consts.K):
             if s.transfer[b]:
                 out.setdefault(s.transfer_req[b], b)
@@ -478,7 +508,7 @@ class AtomBatcher:
 
     def _draining(self, rid: int) -> int | None:
         """A block draining for rid's transfer (its end frees them all), or None."""
-        s = self.state
+        s = self._m
         return next((b for b in range(s.consts.K)
                      if s.owner[b] == core.OWNER_DRAINING and s.transfer_req[b] == rid), None)
 
@@ -574,7 +604,7 @@ class AtomBatcher:
     def forget(self, request_id: int) -> bool:
         """Drop an ended request now (its `requests` entry and the core's record of it). False,
         and nothing changes, for a request that has not ended or whose blocks still drain."""
-        if request_id not in self.requests or not core.enabled_forget(self.state, r=request_id):
+        if request_id not in self.requests or not inplace.enabled_forget(self._m, r=request_id):
             return False
         self._apply("forget", r=request_id)
         del self.requests[request_id]
@@ -588,7 +618,7 @@ class AtomBatcher:
         (its transfer's end will name it) holds back the rest until that end."""
         if self.keep_ended is None:
             return
-        while len(self._ended) > self.keep_ended and core.enabled_forget(self.state,
+        while len(self._ended) > self.keep_ended and inplace.enabled_forget(self._m,
                                                                           r=self._ended[0]):
             rid = self._ended.popleft()
             self._apply("forget", r=rid)
@@ -624,7 +654,7 @@ class AtomBatcher:
         lane = self._prefilling_lane()
         plan = self._plan_prefill(lane, events) if lane is not None \
             else self._plan_decode(events)
-        self._plan, self._planned = plan, self.state
+        self._plan, self._planned = plan, self._version
         return plan
 
     def complete(self, logits: Any = None, *, tokens: Sequence[int] | None = None,
@@ -641,7 +671,7 @@ class AtomBatcher:
             raise RuntimeError("complete() called without a pending plan: call plan() first "
                                "(once per complete())")
         self._plan = None
-        if self.state is not self._planned:
+        if self._version != self._planned:
             raise RuntimeError("the batcher changed between plan() and complete() (abort or a "
                                "PD call): its plan no longer holds")
         events = list(plan.events)
@@ -652,7 +682,7 @@ class AtomBatcher:
         return events
 
     def busy(self) -> bool:
-        s = self.state
+        s = self._m
         return bool(self.waiting) or any(s.busy) or any(s.transfer)
 
     def run_until_done(self, max_steps: int | None = None) -> dict[int, Result]:
@@ -673,7 +703,7 @@ class AtomBatcher:
         recently used host entry when every slot is full. False if no slot can take it, or the
         host tier already holds it (the device entry is then simply evicted). A failed store
         drops the entry; either way the block is free afterwards."""
-        place = self.policy.spill_slot(self.state, block)
+        place = self.policy.spill_slot(self._m, block)
         if place is None:
             return False
         slot, evict = place
@@ -710,13 +740,14 @@ class AtomBatcher:
         self.stats.host_hit_tokens += eff.n
 
     def _is_cache_entry(self, block: int) -> bool:
-        return self.state.owner[block] == core.OWNER_CACHE
+        return self._m.owner[block] == core.OWNER_CACHE
 
     def check_invariants(self) -> None:
         """The core's invariants, and that the block tables kept from its effects (`_tables`,
         what the runtime is given) are the core's: each busy lane's blocks in token order."""
-        s = self.state
-        bad = core.check_invariants(s)
+        s = self._m
+        bad = inplace.check_invariants(s) + [
+            f"index {ix} differs from its fields" for ix in inplace.check_indexes(s)]
         if not bad:
             for ln in range(s.consts.B):
                 owned = sorted((s.start[b], b) for b in range(s.consts.K)
@@ -729,7 +760,7 @@ class AtomBatcher:
             raise InvariantViolation(bad)
 
     def describe(self) -> dict[str, Any]:
-        s = self.state
+        s = self._m
         pins = self.policy.pinned(s)
         lanes = [{"lane": ln, "request": s.lane_req[ln] if s.busy[ln] else None,
                   "length": s.length[ln] if s.busy[ln] else 0, "blocks": list(self._tables[ln])}
@@ -756,10 +787,10 @@ class AtomBatcher:
 
     # --------------------------------------------------------------- core plumbing
     def _apply(self, action: str, **args: Any) -> core.Step:
-        step = core.ACTIONS[action][0](self.state, **args)
+        step = inplace.ACTIONS[action][0](self._m, **args)
         if step.rejected is not None:
             raise CoreRejected(f"{action}({args}) rejected by guard {step.rejected}")
-        self.state = step.state
+        self._version += 1
         self.policy.observe(step.effects)
         for eff in step.effects:
             if isinstance(eff, (core.Admit, core.Inbound)):
@@ -788,12 +819,12 @@ class AtomBatcher:
                 self._snaps.admitted(eff.lane, eff.src)
             elif isinstance(eff, core.Release):
                 self._snaps.released(eff.lane, eff.block)
-        self._snaps.sync(self.state)
+        self._snaps.sync(self._m)
 
     def _snapshot(self, lane: int) -> None:
         """Hybrid prefix cache: keep the lane's sliding state at this chunk boundary. A failed
         fetch costs only later hits their snapshot (the core then allows no later one)."""
-        if self._snaps is None or not self.policy.snapshot(self.state, lane):
+        if self._snaps is None or not self.policy.snapshot(self._m, lane):
             return
         try:  # allocation included: a snapshot is an optimisation, never worth a request
             host = self.runtime.new_local_host_buffer()
@@ -806,7 +837,7 @@ class AtomBatcher:
         self.stats.snapshots += 1
 
     def _end(self, lane: int, events: list[Event], error: str | None) -> None:
-        rid = self.state.lane_req[lane]
+        rid = self._m.lane_req[lane]
         req = self.requests[rid]
         if error is None:
             self._apply("finish", l=lane, keep=self.config.prefix_cache)
@@ -819,12 +850,12 @@ class AtomBatcher:
         self._ended_now(rid)
 
     def _emit_token(self, lane: int, tok: int, events: list[Event]) -> None:
-        rid = self.state.lane_req[lane]
+        rid = self._m.lane_req[lane]
         req = self.requests[rid]
         req.tokens.append(tok)
         self.stats.generated_tokens += 1
         events.append(Event("token", rid, token=tok))
-        full = self.state.length[lane] >= self.config.max_seq_len
+        full = self._m.length[lane] >= self.config.max_seq_len
         if (tok == req.eos_token_id or len(req.tokens) >= req.max_new_tokens or full):
             self._end(lane, events, None)
 
@@ -832,7 +863,7 @@ class AtomBatcher:
     def _admit(self, events: list[Event]) -> None:
         while self.waiting:
             rid = self.waiting[0]
-            choice = self.policy.admission(self.state, rid, remote=self.requests[rid].remote)
+            choice = self.policy.admission(self._m, rid, remote=self.requests[rid].remote)
             if choice is None:
                 return
             dst = choice.args.get("dst")
@@ -870,7 +901,7 @@ class AtomBatcher:
         if self._snaps is not None:  # the hit's sliding state (spec: copy_done)
             try:
                 self.runtime.update_local_cache(
-                    self._snaps.restore_source(eff.src, self.state.length[eff.lane]),
+                    self._snaps.restore_source(eff.src, self._m.length[eff.lane]),
                     eff.lane)
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 self._end(eff.lane, events, f"update_local_cache failed: {exc!r}")
@@ -881,9 +912,9 @@ class AtomBatcher:
     def _import_ready(self, lane: int, events: list[Event]) -> None:
         """Ask for lane's KV ("import") once its table covers the prompt: the core refuses to
         grow it further exactly then."""
-        s = self.state
-        if core.importing(s, lane) and core.table_covers_prompt(s, lane):
-            events.append(Event("import", self.state.lane_req[lane]))
+        s = self._m
+        if inplace.importing(s, lane) and inplace.table_covers_prompt(s, lane):
+            events.append(Event("import", self._m.lane_req[lane]))
 
     # --------------------------------------------------------------- paged tables
     def _grow(self, events: list[Event]) -> None:
@@ -892,11 +923,11 @@ class AtomBatcher:
         the policy chooses (`Policy.grow`): a plain block, a cached continuation copied
         (`grow_hit`) or loaded from the host tier (`grow_host_hit`), or a victim preempted to
         free one."""
-        while lanes := self.policy.growth(self.state):
+        while lanes := self.policy.growth(self._m):
             lane = lanes[0]
-            choice = self.policy.grow(self.state, lane)
+            choice = self.policy.grow(self._m, lane)
             if choice is None:
-                if self.policy.in_flight(self.state):
+                if self.policy.in_flight(self._m):
                     return  # a block frees when a transfer or store ends: wait for it
                 # with nothing in flight, the capacity rule Config checks excludes this
                 raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is "
@@ -916,14 +947,14 @@ class AtomBatcher:
         and the tokens it has so far, so its next token is the one it would have decoded."""
         if not self.config.preemption:
             return False
-        lane = self.policy.victim(self.state)
+        lane = self.policy.victim(self._m)
         if lane is None:
             return False
         self._preempt_lane(lane, events)
         return True
 
     def _preempt_lane(self, lane: int, events: list[Event]) -> None:
-        rid, lost = self.state.lane_req[lane], self.state.length[lane]
+        rid, lost = self._m.lane_req[lane], self._m.length[lane]
         self._apply("preempt", l=lane)
         # An imported request resumes here, by recomputing its prompt and tokens as any
         # preempted request does: its prefill worker knows none of the tokens decoded since, so
@@ -937,15 +968,15 @@ class AtomBatcher:
 
     # --------------------------------------------------------------- prefill
     def _prefilling_lane(self) -> int | None:
-        s = self.state
+        s = self._m
         for ln in range(s.consts.B):
-            if core.enabled_prefill(s, l=ln):  # for some token: the guard reads none
+            if inplace.enabled_prefill(s, l=ln):  # for some token: the guard reads none
                 return ln
         return None
 
     def _plan_prefill(self, lane: int, events: list[Event]) -> Plan:
-        (eff,) = core.prefill_plan(self.state, lane, None)
-        req = self.requests[self.state.lane_req[lane]]
+        (eff,) = inplace.prefill_plan(self._m, lane, None)
+        req = self.requests[self._m.lane_req[lane]]
         prompt = req.prompt + req.tokens  # after a preemption: its tokens so far too
         c = self.config.prefill_chunk
         chunk = prompt[eff.start:eff.end]
@@ -961,7 +992,7 @@ class AtomBatcher:
     def _complete_prefill(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
                           error: BaseException | None, events: list[Event]) -> None:
         (lane,), eff = plan.lanes, plan.effect
-        rid = self.state.lane_req[lane]
+        rid = self._m.lane_req[lane]
         req = self.requests[rid]
         if error is None and tokens is None:
             try:
@@ -998,9 +1029,9 @@ class AtomBatcher:
     # --------------------------------------------------------------- decode
     def _plan_decode(self, events: list[Event]) -> Plan:
         while True:
-            s = self.state
+            s = self._m
             pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
-            plan = core.decode_plan(s, pad, lpad, None)
+            plan = inplace.decode_plan(s, pad, lpad, None)
             if isinstance(plan, str):
                 # no lane decodes, or no padding target yet: a prefill comes first, or (with
                 # preemption, every block held by lanes) a lane makes room; or (hybrid) every
@@ -1038,7 +1069,7 @@ class AtomBatcher:
 
     def _complete_decode(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
                          error: BaseException | None, events: list[Event]) -> None:
-        s, lanes = self.state, plan.lanes
+        s, lanes = self._m, plan.lanes
         if error is None:
             try:
                 if tokens is None:

@@ -5,6 +5,11 @@ legal choice, so this module can only make the scheduler slower or faster, never
 choices are still checked: the core rejects an illegal one (and the tests check that it never
 has to). The rules are the plain ones: the lowest idle lane, the lowest free block, the least
 recently used cache entry as victim, the longest prefix hit.
+
+It reads either core's state: a `core.State` (tests, tools) or the in-place core's `MState` (the
+batcher's). Both have the same fields (tuples and maps, or lists and dicts) and are read the
+same way; the few definitions it calls are each core's own (`_core`), since the in-place
+core's read its indexes.
 """
 
 from __future__ import annotations
@@ -13,7 +18,13 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from atom_core._generated import core as g
-from atom_core.seq import TokSeq, prefix_eq, take
+from atom_core._generated import inplace
+from atom_core.seq import TokSeq, prefix_eq, range_eq, take
+
+
+def _core(s: Any) -> Any:
+    """The generated core whose definitions read `s`."""
+    return inplace if type(s) is inplace.MState else g
 
 
 class Choice(NamedTuple):
@@ -24,7 +35,7 @@ class Choice(NamedTuple):
 def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int, at: int = 0) -> int:
     """The longest n <= limit, a multiple of chunk, with a[at:at + n] == b[at:at + n]."""
     n = 0
-    while n + chunk <= limit and a[at + n:at + n + chunk] == b[at + n:at + n + chunk]:
+    while n + chunk <= limit and range_eq(a, b, at + n, at + n + chunk):
         n += chunk
     return n
 
@@ -203,7 +214,7 @@ class Policy:
             return None
         if remote:
             # (with preemption one importing table grows at a time: `one_import_table_growing`)
-            if not g.ready_admit_import(s, l=lane, r=r):
+            if not _core(s).ready_admit_import(s, l=lane, r=r):
                 return None
             dst = self.reusable(s)
             return None if dst is None else Choice("admit_import",
@@ -248,8 +259,9 @@ class Policy:
         block (`grow`) before the next prefill or decode call; and importing lanes whose table
         does not cover the prompt yet (`import_grow`). The core decides (`ready_grow`: every
         conjunct of the guard but the ones on the block, which is left open)."""
+        c = _core(s)
         lanes = [ln for ln in range(s.consts.B)
-                 if g.ready_grow(s, l=ln) or g.ready_import_grow(s, l=ln)]
+                 if c.ready_grow(s, l=ln) or c.ready_import_grow(s, l=ln)]
         return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
 
     def grow(self, s: g.State, lane: int) -> Choice | None:
@@ -260,7 +272,7 @@ class Policy:
         only block left). With no block: None while a transfer or a store is in flight (a
         block frees when it ends: wait, as admission does), else the victim to preempt
         (`preempt`), else None (no victim: K below the capacity rule, or preemption off)."""
-        if g.importing(s, lane):
+        if _core(s).importing(s, lane):
             dst = self.reusable(s)
             return self._no_block(s) if dst is None else Choice("import_grow",
                                                                {"l": lane, "dst": dst})
@@ -290,7 +302,8 @@ class Policy:
         transfer (an import whose table is complete, an export), a block draining for one, a
         block being stored to the host tier. An import still waiting for its table has not
         started its transfer."""
-        return (any(g.moving(s, n) and not g.import_waits(s, n) for n in range(s.consts.B))
+        c = _core(s)
+        return (any(c.moving(s, n) and not c.import_waits(s, n) for n in range(s.consts.B))
                 or any(o in (g.OWNER_DRAINING, g.OWNER_SPILLING) for o in s.owner))
 
     def victim(self, s: g.State) -> int | None:
@@ -299,7 +312,8 @@ class Policy:
         The oldest lane is preempted only when it is the only choice, and a lane running alone
         never is (proved: `lone_lane_is_never_preempted`), so the oldest lane finishes."""
         lanes = sorted(range(s.consts.B), key=lambda ln: -self.admitted.get(ln, 0))
-        return next((ln for ln in lanes if g.enabled_preempt(s, l=ln)), None)
+        enabled = _core(s).enabled_preempt
+        return next((ln for ln in lanes if enabled(s, l=ln)), None)
 
     def spill_slot(self, s: g.State, block: int) -> tuple[int, bool] | None:
         """Where evicted device entry `block` goes in the host tier: (an empty slot, False), else
@@ -326,7 +340,7 @@ class Policy:
         """Hybrid prefix cache: save the lane's sliding state now? At every chunk boundary of
         the prompt (the spec allows more: generated tokens too), which is where a later prompt
         that shares a prefix can hit. Each snapshot costs one local slot of host memory."""
-        return (g.enabled_snapshot(s, l=lane)
+        return (_core(s).enabled_snapshot(s, l=lane)
                 and s.length[lane] <= s.lane_plen[lane])
 
     def local_pad(self, s: g.State) -> int:

@@ -22,11 +22,15 @@ precedes the timed ones. Repeating a call from one pre-state keeps the CPU cache
   would time that copy, which production never does. Each round therefore chains `--calls`
   decode steps (each from the state the previous one returned) from a freshly built pre-state.
 * finish: `finish(keep=True)` of one lane of the 32-lane decoding state.
-* in-place rows: the same calls on the in-place core (`atom_core/_generated/inplace.py`), each
-  checked once against the pure core; `ip/pure` is the ratio of the medians. An in-place call
-  consumes its pre-state, so each call gets its own `thaw`ed copy, made outside the timed
-  region 16 at a time (then those 16 calls are timed); decode chains on one mutable state, as
-  the pure row chains states.
+
+The rows time the in-place core (`atom_core/_generated/inplace.py`), the one the batcher runs,
+each call checked once against the pure core (`core.py`); the `pure_` rows time the same calls
+on the pure core, and `batcher/pure` is the ratio of the medians. An in-place call changes its
+state, so each call is timed alone (`perf_counter_ns` before and after it, as vLLM's driver in
+../shared/peers/ times each of its calls) on one long-lived state, which is put back in place
+(the same lists and dicts) outside the timed region before the next call: the state stays warm
+in the CPU caches, as the batcher's, touched every step, is. Decode chains on one state, as the
+pure row chains states.
 * policy admission: `Policy.admission` on the admit pre-states. It is not part of the core
   transition and has no target.
 
@@ -76,13 +80,13 @@ ROWS: dict[str, tuple[str, float | None, str]] = {
     "decode_step": (f"decode step, {LANES} lanes", 1.0 * LANES, "256-320 (8-10 per lane)"),
     "decode_per_lane": ("decode step, per lane", 1.0, "8-10"),
     "finish": ("finish (keep=True)", 8.0, "5-7 (free)"),
-    "ip_admit_miss": ("in-place admit (miss)", 15.0, ""),
-    "ip_admit_hit": ("in-place admit_hit alone", None, ""),
-    "ip_copy_done": ("in-place copy_done alone", None, ""),
-    "ip_admit_hit_total": ("in-place admit_hit + copy_done", 25.0, ""),
-    "ip_decode_step": (f"in-place decode step, {LANES} lanes", 1.0 * LANES, ""),
-    "ip_decode_per_lane": ("in-place decode, per lane", 1.0, ""),
-    "ip_finish": ("in-place finish (keep=True)", 8.0, ""),
+    "pure_admit_miss": ("pure core: admit (miss)", None, ""),
+    "pure_admit_hit": ("pure core: admit_hit alone", None, ""),
+    "pure_copy_done": ("pure core: copy_done alone", None, ""),
+    "pure_admit_hit_total": ("pure core: admit_hit + copy_done", None, ""),
+    "pure_decode_step": (f"pure core: decode step, {LANES} lanes", None, ""),
+    "pure_decode_per_lane": ("pure core: decode, per lane", None, ""),
+    "pure_finish": ("pure core: finish (keep=True)", None, ""),
     "policy_admission_miss": ("policy.admission, miss (not core)", None, ""),
     "policy_admission_hit": ("policy.admission, hit (not core)", None, ""),
 }
@@ -217,26 +221,49 @@ def fixed_round(fn: Callable[..., Any], args: tuple[Any, ...], calls: int) -> Ro
     return run
 
 
-POOL = 16  # in-place pre-states thawed per timed batch (fresh, so warm in the CPU caches)
+class _Restore:
+    """Puts a mutable state back as it is now, in place: the same list and dict objects (and
+    index sets rebuilt from the saved ones), so it stays warm in the CPU caches."""
+
+    def __init__(self, m: ip.MState) -> None:
+        self.m = m
+        self.lists = [(f, list(v)) for f in ip._FIELDS if isinstance(v := getattr(m, f), list)]
+        self.dicts = [(f, dict(v)) for f in ip._FIELDS if isinstance(v := getattr(m, f), dict)]
+        self.indexes = [(k, {x: set(xs) for x, xs in getattr(m, k).items()})
+                        for k in ip.INDEXES]
+        if any(isinstance(x, list) for _, v in self.lists for x in v):
+            raise AssertionError("a field of lists: restore them element by element")
+
+    def __call__(self) -> None:
+        m = self.m
+        for f, v in self.lists:
+            getattr(m, f)[:] = v
+        for f, d in self.dicts:
+            cur = getattr(m, f)
+            cur.clear()
+            cur.update(d)
+        for k, ix in self.indexes:
+            cur = getattr(m, k)
+            cur.clear()
+            cur.update({x: set(xs) for x, xs in ix.items()})
 
 
-def pool_round(fn: Callable[..., Any], pre: g.State, args: tuple[Any, ...], calls: int) -> Round:
-    """One round of `calls` calls of the in-place `fn(m, *args)`, each on its own mutable copy
-    of `pre` (an in-place call consumes its pre-state). Copies are made (`thaw`) POOL at a
-    time outside the timed region, then those POOL calls are timed, so each call finds its
-    state recently written, as a long-lived state would be."""
+def hot_round(fn: Callable[..., Any], pre: g.State, args: tuple[Any, ...], calls: int) -> Round:
+    """One round of `calls` calls of the in-place `fn(m, *args)` on one long-lived mutable
+    copy of `pre`, each call timed alone and followed, untimed, by putting the state back."""
 
     def run() -> float:
+        m = ip.thaw(pre)
+        restore = _Restore(m)
         dt = 0
-        left = calls
         with _NoGC():
-            while left > 0:
-                pool = [ip.thaw(pre) for _ in repeat(None, min(POOL, left))]
+            for _ in repeat(None, calls):
                 t0 = perf_counter_ns()
-                for m in pool:
-                    fn(m, *args)
+                fn(m, *args)
                 dt += perf_counter_ns() - t0
-                left -= len(pool)
+                restore()
+        if ip.freeze(m) != pre or ip.check_indexes(m):
+            raise AssertionError("the benchmark's restore did not put the state back")
         return dt / calls / 1000
 
     return run
@@ -314,9 +341,9 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
     a = choice.args
     args = (d.s, a["l"], a["r"], a["dst"])
     _accepted(g.admit_miss(*args), "admit_miss")
-    res["admit_miss"] = fixed_round(g.admit_miss, args, calls)
+    res["pure_admit_miss"] = fixed_round(g.admit_miss, args, calls)
     _ip_accepted(ip.admit_miss, args[0], args[1:], "admit_miss")
-    res["ip_admit_miss"] = pool_round(ip.admit_miss, args[0], args[1:], calls)
+    res["admit_miss"] = hot_round(ip.admit_miss, args[0], args[1:], calls)
     res["policy_admission_miss"] = fixed_round(d.policy.admission, (d.s, r), calls)
 
     d, r = admission_state(ghost, hit=True)
@@ -328,34 +355,34 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
     post = _accepted(g.admit_hit(*hit_args), "admit_hit").state
     lane = a["l"]
     _accepted(g.copy_done(post, lane), "copy_done")
-    res["admit_hit"] = fixed_round(g.admit_hit, hit_args, calls)
-    res["copy_done"] = fixed_round(g.copy_done, (post, lane), calls)
+    res["pure_admit_hit"] = fixed_round(g.admit_hit, hit_args, calls)
+    res["pure_copy_done"] = fixed_round(g.copy_done, (post, lane), calls)
     admit_hit, copy_done = g.admit_hit, g.copy_done
 
     def hit_then_copy() -> None:
         copy_done(admit_hit(*hit_args).state, lane)
 
-    res["admit_hit_total"] = fixed_round(hit_then_copy, (), calls)
+    res["pure_admit_hit_total"] = fixed_round(hit_then_copy, (), calls)
     _ip_accepted(ip.admit_hit, hit_args[0], hit_args[1:], "admit_hit")
     _ip_accepted(ip.copy_done, post, (lane,), "copy_done")
-    res["ip_admit_hit"] = pool_round(ip.admit_hit, hit_args[0], hit_args[1:], calls)
-    res["ip_copy_done"] = pool_round(ip.copy_done, post, (lane,), calls)
+    res["admit_hit"] = hot_round(ip.admit_hit, hit_args[0], hit_args[1:], calls)
+    res["copy_done"] = hot_round(ip.copy_done, post, (lane,), calls)
     ip_admit_hit, ip_copy_done = ip.admit_hit, ip.copy_done
 
     def ip_hit_then_copy(m: ip.MState, *a: Any) -> None:
         ip_copy_done(ip_admit_hit(m, *a).state, lane)
 
-    res["ip_admit_hit_total"] = pool_round(ip_hit_then_copy, hit_args[0], hit_args[1:], calls)
+    res["admit_hit_total"] = hot_round(ip_hit_then_copy, hit_args[0], hit_args[1:], calls)
     res["policy_admission_hit"] = fixed_round(d.policy.admission, (d.s, r), calls)
 
-    res["decode_step"] = decode_round(ghost, decode_calls(calls))
-    res["ip_decode_step"] = ip_decode_round(ghost, decode_calls(calls))
+    res["pure_decode_step"] = decode_round(ghost, decode_calls(calls))
+    res["decode_step"] = ip_decode_round(ghost, decode_calls(calls))
 
     d, _ = decode_state(ghost)
     _accepted(g.finish(d.s, 0, True), "finish")
-    res["finish"] = fixed_round(g.finish, (d.s, 0, True), calls)
+    res["pure_finish"] = fixed_round(g.finish, (d.s, 0, True), calls)
     _ip_accepted(ip.finish, d.s, (0, True), "finish")
-    res["ip_finish"] = pool_round(ip.finish, d.s, (0, True), calls)
+    res["finish"] = hot_round(ip.finish, d.s, (0, True), calls)
     return res
 
 
@@ -374,7 +401,7 @@ def measure(calls: int, rounds: int) -> dict[str, dict[str, list[float]]]:
                     out[mode][name].append(t)
     for res in out.values():
         res["decode_per_lane"] = [t / LANES for t in res["decode_step"]]
-        res["ip_decode_per_lane"] = [t / LANES for t in res["ip_decode_step"]]
+        res["pure_decode_per_lane"] = [t / LANES for t in res["pure_decode_step"]]
     return out
 
 
@@ -397,8 +424,8 @@ def run(calls: int, rounds: int) -> dict[str, Any]:
         for mode in raw:
             row[mode] = summarize(raw[mode][name])
             row[f"ratio_{mode}"] = (row[mode]["median_us"] / target) if target else None
-            if name.startswith("ip_"):  # in-place / pure, medians of the same mode
-                pure = summarize(raw[mode][name[3:]])["median_us"]
+            if f"pure_{name}" in raw[mode]:  # in-place / pure, medians of the same mode
+                pure = summarize(raw[mode][f"pure_{name}"])["median_us"]
                 row[f"inplace_over_pure_{mode}"] = row[mode]["median_us"] / pure
         rows[name] = row
     c = config()
@@ -425,7 +452,7 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 def print_table(report: dict[str, Any]) -> None:
     cols = ["measurement", "ghost off us", "IQR", "min", "ghost on us", "IQR", "min",
-            "target us", "off/target", "on/target", "ip/pure off", "ip/pure on",
+            "target us", "off/target", "on/target", "batcher/pure off", "batcher/pure on",
             "vLLM v1 ref us (issue)"]
     rows = []
     for m in report["measurements"].values():

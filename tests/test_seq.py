@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, rule
 
-from atom_core.seq import TokSeq, prefix_eq, push, seq, slen, take
+from atom_core.seq import TokSeq, prefix_eq, push, range_eq, seq, slen, take
 
 # A tiny alphabet makes equal contents in different buffers (and first-token ties) common.
 toks = st.integers(min_value=0, max_value=3)
@@ -67,6 +67,13 @@ class SeqMachine(RuleBasedStateMachine):
             assert hash(s) == hash(t)
         expect = len(ms) >= n and len(mt) >= n and ms[: max(n, 0)] == mt[: max(n, 0)]
         assert prefix_eq(s, t, n) == expect
+
+    @rule(a=views, b=views, start=st.integers(min_value=0, max_value=14),
+          stop=st.integers(min_value=0, max_value=14))
+    def compare_range(self, a, b, start, stop):
+        (s, ms), (t, mt) = a, b
+        expect = len(ms) >= stop and len(mt) >= stop and ms[start:stop] == mt[start:stop]
+        assert range_eq(s, t, start, stop) == expect
 
     @rule(v=views, data=st.data())
     def index(self, v, data):
@@ -163,6 +170,12 @@ def test_immutable_and_copy_pickle():
 def test_tokens_must_be_integers():
     with pytest.raises(TypeError):
         seq([1.5])
+    with pytest.raises(TypeError):
+        seq("12")  # a string is not a sequence of token ids
+    with pytest.raises(TypeError):
+        seq(b"12")  # nor are bytes (an array would read them as raw integers)
+    with pytest.raises(ValueError, match="64 bits"):
+        seq([2 ** 64])
     with pytest.raises(TypeError):
         push(seq([]), "a")
 

@@ -345,8 +345,10 @@ import json, sys
 from atom_core.spec import codegen
 from atom_core.spec.model import MODEL
 import atom_core._generated as generated
-mutant = codegen.load(MODEL.without_update("finish", "key"), "atom_core._generated.core")
-sys.modules["atom_core._generated.core"] = generated.core = mutant
+mutant = codegen.load_inplace(MODEL.without_update("finish", "key"),
+                             "atom_core._generated.inplace")
+sys.modules["atom_core._generated.core"] = generated.core = mutant._core
+sys.modules["atom_core._generated.inplace"] = generated.inplace = mutant
 from atom_core import simulate
 rep = simulate.run(0, 30, shrink=True, mode="colocated", prefix_cache=True, max_seq_len=128)
 print(json.dumps(rep.as_json()))
@@ -354,9 +356,10 @@ print(json.dumps(rep.as_json()))
 
 
 def test_a_mutant_core_swapped_in_before_import_is_caught() -> None:
-    """The mutation harness's way: the mutant replaces the core module before the batcher is
-    imported. Finishing into the cache without setting the entry's key breaks
-    cache_key_is_content, which the per-tick invariant check reports."""
+    """The mutation harness's way: the mutant (the in-place core the batcher runs and the pure
+    one it was generated with) replaces the core modules before the batcher is imported.
+    Finishing into the cache without setting the entry's key breaks cache_key_is_content,
+    which the per-tick invariant check reports."""
     out = subprocess.run([sys.executable, "-c", MUTANT], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -389,7 +392,8 @@ def test_leak_checks_see_an_adapter_that_forgets() -> None:
     b.step()
     assert block_leaks("local", b) == []
     # the core says it ended while a lane still holds its block
-    b.state = b.state._replace(phase=b.state.phase.set(rid, core.PHASE_FINISHED))
+    b.view.phase[rid] = core.PHASE_FINISHED  # written behind the core's back
+    b._frozen = None  # (so `state` shows it)
     b.waiting.clear()  # and a request the core has waiting is in no queue
     problems = block_leaks("local", b)
     assert any(f"for request {rid}, which has ended" in p for p in problems)

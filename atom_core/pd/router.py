@@ -77,7 +77,7 @@ class Load:
 def load_of(batcher: Any, held: int = 0, ready: bool = True) -> Load:
     """A batcher's load: its waiting queue (plus `held` requests the worker keeps outside the
     batcher), its idle lanes, and its blocks that are free or only cached."""
-    s = batcher.state
+    s = batcher.view
     free = sum(1 for o in s.owner if o in (core.OWNER_FREE, core.OWNER_CACHE))
     return Load(ready, len(batcher.waiting) + held, sum(1 for b in s.busy if not b), free)
 

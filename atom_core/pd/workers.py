@@ -550,7 +550,7 @@ class DecodeWorker:
             # an answer to another request (or to an earlier life of this id): not this one's
             self.misdirected += 1
             return
-        phase = self.batcher.state.phase.get(req.brid)
+        phase = self.batcher.phase(req.brid)
         if req.answered or phase not in (core.PHASE_IMPORTING, core.PHASE_WAITING):
             # Late or duplicate: ends the transfer of a block draining after an abort, if any.
             self._end_transfer(req.brid, "late answer", out)
@@ -643,7 +643,7 @@ class DecodeWorker:
             if req is None or req.t_sent is None or req.answered or \
                     now - req.t_sent < self.transfer_timeout:
                 continue
-            if self._importing(brid) or self.batcher.state.phase.get(brid) == \
+            if self._importing(brid) or self.batcher.phase(brid) == \
                     core.PHASE_WAITING:
                 self._fail(wid, "timeout", msg, out)  # type: ignore[arg-type]
                 _send(self.transport, {"kind": "cancel", "id": req.wire, "nonce": req.nonce})
@@ -714,7 +714,7 @@ class DecodeWorker:
 
     # ------------------------------------------------------------------ helpers
     def _importing(self, brid: int) -> bool:
-        return self.batcher.state.phase.get(brid) == core.PHASE_IMPORTING
+        return self.batcher.phase(brid) == core.PHASE_IMPORTING
 
     def _next_waiting(self) -> list[int]:
         """The waiting requests prefetching covers: the next `prefetch` to be admitted."""

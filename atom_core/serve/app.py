@@ -249,7 +249,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
     @app.get("/metrics", dependencies=auth)
     async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # (off the event loop: the batcher's gauges are read on the engine thread, between steps)
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:

@@ -8,6 +8,7 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -19,26 +20,30 @@ OUTCOMES = ("stop", "length", "aborted", "error", "timeout", "rejected", "invali
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def _reading(b: Any) -> tuple[int, int, Tally[str], Any]:
+    """What a scrape reports of the batcher, read at once: its queue, busy lanes, blocks by
+    owner and a copy of its stats."""
+    s = b.view
+    return (len(b.waiting), sum(1 for x in s.busy if x),
+            Tally(core.OWNER_NAMES[o].lower() for o in s.owner), attrs.evolve(b.stats))
+
+
 class _BatcherCollector(Collector):
-    """Read at scrape time from the batcher's current state (an immutable core state replaced
-    whole by each transition, so a scrape sees one consistent state) and its stats."""
+    """Read at scrape time from the batcher, on the engine thread between two steps (the core
+    state changes in place during a step), and from the engine's counters."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Any]:
-        b = self.engine.batcher
-        s = b.state
+        waiting, busy, tally, st = self.engine.call(_reading)
         yield GaugeMetricFamily("atom_queue_depth", "requests waiting for a lane",
-                                value=len(b.waiting))
-        yield GaugeMetricFamily("atom_busy_lanes", "lanes holding a request",
-                                value=sum(1 for x in s.busy if x))
+                                value=waiting)
+        yield GaugeMetricFamily("atom_busy_lanes", "lanes holding a request", value=busy)
         blocks = GaugeMetricFamily("atom_kv_blocks", "KV blocks by owner", labels=["owner"])
-        tally = Tally(core.OWNER_NAMES[o].lower() for o in s.owner)
         for name in core.OWNER_NAMES:
             blocks.add_metric([name.lower()], tally.get(name.lower(), 0))
         yield blocks
-        st = b.stats
         for name, help_, value in (
                 ("atom_prefix_hit_tokens", "prompt tokens copied from the prefix cache",
                  st.prefix_hit_tokens),

@@ -52,6 +52,7 @@ from atom_core.proofs.mutants.enumeration import (
     base_model,
     catalogue,
     load_core,
+    load_inplace_core,
     select,
     update_name,
 )
@@ -73,6 +74,6 @@ from atom_core.proofs.mutants.run import report, run_all, run_mutant
 __all__ = [
     "CONTROL", "EXPLAINED", "FAMILIES", "LAYERS", "LayerResult", "Mutant", "MutantResult",
     "Options", "Report", "SIM_RUNS", "base_model", "bmc_layer", "catalogue", "hypothesis_layer",
-    "load_core", "main", "render", "report", "run_all", "run_mutant", "select",
+    "load_core", "load_inplace_core", "main", "render", "report", "run_all", "run_mutant", "select",
     "simulation_layer", "source_report", "update_name", "z3_control", "z3_layer",
 ]

@@ -1,5 +1,5 @@
 """Enumeration: the mutant families, from the model (`catalogue`, `select`), and each
-mutant's generated core (`load_core`) and capacity table (`patched_table`)."""
+mutant's generated core (`load_core`, `load_inplace_core`) and capacity table (`patched_table`)."""
 
 from __future__ import annotations
 
@@ -297,3 +297,13 @@ def load_core(mutant_id: str) -> types.ModuleType:
 
     m = catalogue()[mutant_id]
     return codegen.load(m.change(base_model()), "atom_core_mutant_core")
+
+
+def load_inplace_core(mutant_id: str) -> types.ModuleType:
+    """The generated in-place core of a mutant, which imports from (and holds as `_core`) the
+    pure core generated with it: the batcher runs the one, the policy and checks read the
+    other."""
+    from atom_core.spec import codegen
+
+    m = catalogue()[mutant_id]
+    return codegen.load_inplace(m.change(base_model()), "atom_core_mutant_inplace")

@@ -14,7 +14,7 @@ from atom_core.proofs.mutants.enumeration import (
     CONTROL,
     Mutant,
     catalogue,
-    load_core,
+    load_inplace_core,
     patched_table,
 )
 from atom_core.proofs.mutants.options import SIM_RUNS, Options
@@ -25,19 +25,23 @@ def simulation_available() -> bool:
     return importlib.util.find_spec("atom_core.simulate") is not None
 
 
-def install_core(core: types.ModuleType, offsets: dict[tuple[bool, str], int] | None) -> None:
-    """Make `core` (and a capacity table) the project's generated modules: in sys.modules, and
-    in every already-imported atom_core module that bound the committed ones (`config`,
-    `policy` and `replay` import the core at import time)."""
+def install_core(inplace: types.ModuleType, offsets: dict[tuple[bool, str], int] | None) -> None:
+    """Make the in-place core `inplace` and the pure core it was generated with (its `_core`),
+    and a capacity table, the project's generated modules: in sys.modules, and in every
+    already-imported atom_core module that bound the committed ones (`config`, `policy` and
+    `replay` import the pure core at import time, `batcher` and `policy` the in-place one)."""
     import atom_core._generated as pkg
     from atom_core._generated import capacity
     from atom_core._generated import core as committed
+    from atom_core._generated import inplace as committed_inplace
 
-    swap = {id(committed): core}
+    core = inplace._core
+    swap = {id(committed): core, id(committed_inplace): inplace}
     if offsets is not None:
         swap[id(capacity)] = patched_table(offsets)
     sys.modules["atom_core._generated.core"] = core
-    pkg.core = core
+    sys.modules["atom_core._generated.inplace"] = inplace
+    pkg.core, pkg.inplace = core, inplace
     if offsets is not None:
         sys.modules["atom_core._generated.capacity"] = swap[id(capacity)]
         pkg.capacity = swap[id(capacity)]
@@ -52,7 +56,7 @@ def install_core(core: types.ModuleType, offsets: dict[tuple[bool, str], int] | 
 def simulate_one(mutant_id: str, runs: int, steps: int) -> dict[str, Any]:
     """In a fresh process: install the mutant core, then import and run the simulator."""
     m = catalogue()[mutant_id]
-    install_core(load_core(mutant_id), m.offsets)
+    install_core(load_inplace_core(mutant_id), m.offsets)
     import inspect
 
     from atom_core import simulate  # only now: it must bind the mutant core

@@ -16,7 +16,7 @@ def prefetch_leaks(server: Server) -> list[str]:
         for wid, req in dw.requests.items():
             if req.payload is None:
                 continue
-            ph = None if req.brid is None else b.state.phase.get(req.brid)
+            ph = None if req.brid is None else b.phase(req.brid)
             growing = ph == core.PHASE_IMPORTING and not b.awaits_kv(req.brid)
             if ph != core.PHASE_WAITING and not growing:
                 who = "decode worker" if side == "decode" else side
