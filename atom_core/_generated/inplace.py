@@ -248,6 +248,11 @@ def _sig(v: Any) -> Any:
     return (n, v.buf[0], v.buf[n - 1]) if n else 0
 
 
+# An accepted action builds its effects and its Step as `_new(Cls, (fields))`: the
+# NamedTuple itself, without the Python-level __new__ call a constructor costs.
+_new = tuple.__new__
+
+
 def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
     xs = ix[v]
     xs.discard(x)
@@ -421,7 +426,7 @@ def submit(s: MState, r: int, p: TokSeq) -> Step:
         s.prompt.pop(r, None)
     else:
         s.prompt[r] = p
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
@@ -521,7 +526,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
                 return Step(s, (), "no_cache_hit")
     new_lane_seq_v0 = _m2
     new_lane_plen_v0 = _m3
-    effects = (Admit(l, r, dst),)
+    effects = (_new(Admit, (l, r, dst)),)
     if s.ghost:
         _m4 = take(_m2, 0)
         new_local_holds_v0 = _m4
@@ -553,7 +558,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | str:
@@ -802,7 +807,7 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     new_lane_seq_v0 = _m1
     new_lane_plen_v0 = _m0
     new_lane_snap_v0 = (n if _m2 else snap_upto[src])
-    effects = (Admit(l, r, dst), Copy(l, src, dst, n))
+    effects = (_new(Admit, (l, r, dst)), _new(Copy, (l, src, dst, n)))
     if s.ghost:
         new_local_holds_v0 = take(_m1, 0)
         new_lane_snap_junk_v0 = s.snap_junk[src]
@@ -840,7 +845,7 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     _unindex(s._ix0, s.copy_src[l], l)
     copy_src[l] = src
     s._ix0.setdefault(s.copy_src[l], set()).add(l)
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def admit_hit_plan(s: MState, l: int, r: int, src: int, dst: int, n: int) -> tuple[Any, ...] | str:
@@ -1050,7 +1055,7 @@ def copy_done(s: MState, l: int) -> Step:
         s.local_holds[l] = new_local_holds_v0
         s.local_junk[l] = new_local_junk_v0
     copying[l] = False
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def snapshot(s: MState, l: int) -> Step:
@@ -1079,7 +1084,7 @@ def snapshot(s: MState, l: int) -> Step:
     if not _m1:
         return Step(s, (), "next_boundary")
     new_lane_snap_v0 = length[l]
-    effects = (Snapshot(l, length[l]),)
+    effects = (_new(Snapshot, (l, length[l])),)
     if s.ghost:
         lane_snap_junk = s.lane_snap_junk
         new_lane_snap_junk_v0 = (
@@ -1100,7 +1105,7 @@ def snapshot(s: MState, l: int) -> Step:
         lane_snap_taken = s.lane_snap_taken
         lane_snap_taken[l] = new_lane_snap_taken_v0
     lane_snap[l] = new_lane_snap_v0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def prefill(s: MState, l: int, tok: int) -> Step:
@@ -1133,7 +1138,7 @@ def prefill(s: MState, l: int, tok: int) -> Step:
     new_lane_seq_v0 = _m2
     new_phase_k0 = lane_req[l]
     new_phase_v0 = (PHASE_DECODE if _m3 else PHASE_PREFILL)
-    effects = (Prefill(l, tail[l], length[l], _m0),)
+    effects = (_new(Prefill, (l, tail[l], length[l], _m0)),)
     if s.ghost:
         new_holds_i00 = tail[l]
         _m4 = take(_m2, _m0)
@@ -1148,7 +1153,7 @@ def prefill(s: MState, l: int, tok: int) -> Step:
         phase.pop(new_phase_k0, None)
     else:
         phase[new_phase_k0] = new_phase_v0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def grow_guard(s: MState, l: int, dst: int) -> str | None:
@@ -1227,7 +1232,7 @@ def grow(s: MState, l: int, dst: int) -> Step:
     new_snap_upto_v0 = s.lane_snap[l]
     new_nblocks_v0 = nblocks[l] + 1
     new_start_v0 = length[l]
-    effects = (Grow(l, dst, nblocks[l]),)
+    effects = (_new(Grow, (l, dst, nblocks[l])),)
     if s.ghost:
         new_snap_junk_i00 = tail[l]
         new_snap_junk_v0 = s.lane_snap_junk[l]
@@ -1257,7 +1262,7 @@ def grow(s: MState, l: int, dst: int) -> Step:
     s.owner_lane[dst] = l
     if s.owner[dst] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def grow_plan(s: MState, l: int, dst: int) -> tuple[Any, ...] | str:
@@ -1508,7 +1513,7 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
     new_start_v0 = length[l]
     new_length_v0 = _m0
     new_lane_snap_v0 = (_m0 if _m1 else snap_upto[src])
-    effects = (Grow(l, dst, nblocks[l]), Copy(l, src, dst, n))
+    effects = (_new(Grow, (l, dst, nblocks[l])), _new(Copy, (l, src, dst, n)))
     if s.ghost:
         new_snap_junk_i00 = tail[l]
         new_snap_junk_v0 = s.lane_snap_junk[l]
@@ -1549,7 +1554,7 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
     _unindex(s._ix0, s.copy_src[l], l)
     copy_src[l] = src
     s._ix0.setdefault(s.copy_src[l], set()).add(l)
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def grow_hit_plan(s: MState, l: int, src: int, dst: int, n: int) -> tuple[Any, ...] | str:
@@ -1822,11 +1827,10 @@ def preempt(s: MState, l: int) -> Step:
     new_phase_k0 = lane_req[l]
     new_prompt_k0 = lane_req[l]
     new_prompt_v0 = lane_seq[l]
-    effects = (Preempt(l, lane_req[l]),)
+    effects = (_new(Preempt, (l, lane_req[l])),)
     owner_lane = s.owner_lane
-    for b in tuple(s._ix2.get(l, ())):
+    for b in s._ix2.pop(l, ()):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            s._ix2[l].discard(b)
             owner[b] = OWNER_FREE
     phase[new_phase_k0] = PHASE_WAITING
     if new_prompt_v0 == _D_prompt:
@@ -1835,7 +1839,7 @@ def preempt(s: MState, l: int) -> Step:
         s.prompt[new_prompt_k0] = new_prompt_v0
     busy[l] = False
     s.lane_snap[l] = 0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def decode_guard(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> str | None:
@@ -1928,7 +1932,9 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
         return Step(s, (), "local_pad_ok")
     _m3 = tuple([(tail[l] if _m0[l] else pad) for l in range(B)])
     _m4 = tuple([(l if _m0[l] else lpad) for l in range(B)])
-    effects = (Decode(_m3, tuple([(length[l] if _m0[l] else 0) for l in range(B)]), _m0, _m4),)
+    effects = (
+        _new(Decode, (_m3, tuple([(length[l] if _m0[l] else 0) for l in range(B)]), _m0, _m4)),
+    )
     if s.ghost:
         new_holds = []
         K = s.consts.K
@@ -1983,7 +1989,7 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
             s.junk[_k] = _v
         for _k, _v in new_local_holds:
             s.local_holds[_k] = _v
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def decode_plan(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | str:
@@ -2136,7 +2142,7 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     new_snap_upto_i00 = tail[l]
     lane_snap = s.lane_snap
     new_snap_upto_v0 = lane_snap[l]
-    effects = (Release(l, tail[l]),)
+    effects = (_new(Release, (l, tail[l])),)
     if s.ghost:
         new_snap_junk_i00 = tail[l]
         new_snap_junk_v0 = s.lane_snap_junk[l]
@@ -2145,9 +2151,8 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     owner = s.owner
     owner_lane = s.owner_lane
     _m1 = (OWNER_CACHE if keep else OWNER_FREE)
-    for b in tuple(s._ix2.get(l, ())):
+    for b in s._ix2.pop(l, ()):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            s._ix2[l].discard(b)
             owner[b] = _m1
     if s.ghost:
         s.snap_junk[new_snap_junk_i00] = new_snap_junk_v0
@@ -2160,7 +2165,7 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     busy[l] = False
     lane_snap[l] = 0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def abort_waiting(s: MState, r: int) -> Step:
@@ -2171,7 +2176,7 @@ def abort_waiting(s: MState, r: int) -> Step:
     if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     phase[r] = PHASE_ABORTED
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def abort_running(s: MState, l: int) -> Step:
@@ -2191,13 +2196,12 @@ def abort_running(s: MState, l: int) -> Step:
     for h in range(s.consts.H):
         if _m0 and copy_slot[l] == h:
             new_slot_state.append((h, SLOTSTATE_STORED))
-    effects = (Release(l, s.tail[l]),)
+    effects = (_new(Release, (l, s.tail[l])),)
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in tuple(s._ix2.get(l, ())):
+    for b in s._ix2.pop(l, ()):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            s._ix2[l].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
     s.phase[new_phase_k0] = PHASE_ABORTED
     busy[l] = False
@@ -2205,7 +2209,7 @@ def abort_running(s: MState, l: int) -> Step:
     for _k, _v in new_slot_state:
         s.slot_state[_k] = _v
     s.lane_snap[l] = 0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def fail(s: MState, l: int) -> Step:
@@ -2226,15 +2230,14 @@ def fail(s: MState, l: int) -> Step:
         if _m0 and copy_slot[l] == h:
             new_slot_state.append((h, SLOTSTATE_STORED))
     tail = s.tail
-    effects = (Release(l, tail[l]),)
+    effects = (_new(Release, (l, tail[l])),)
     if s.ghost:
         new_junk_i00 = tail[l]
     owner = s.owner
     owner_lane = s.owner_lane
     transfer = s.transfer
-    for b in tuple(s._ix2.get(l, ())):
+    for b in s._ix2.pop(l, ()):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            s._ix2[l].discard(b)
             owner[b] = (OWNER_DRAINING if transfer[b] else OWNER_FREE)
     if s.ghost:
         s.junk[new_junk_i00] = True
@@ -2245,7 +2248,7 @@ def fail(s: MState, l: int) -> Step:
     for _k, _v in new_slot_state:
         s.slot_state[_k] = _v
     s.lane_snap[l] = 0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def discard_guard(s: MState, b: int) -> str | None:
@@ -2293,7 +2296,7 @@ def discard(s: MState, b: int) -> Step:
     owner[b] = new_owner_v0
     if s.owner[b] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[b], set()).add(b)
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def enabled_discard(s: MState, *, b: int | None = None) -> bool:
@@ -2380,7 +2383,7 @@ def spill(s: MState, b: int, h: int) -> Step:
     new_slot_key_v0 = s.key[b]
     new_slot_head_v0 = s.head[b]
     new_slot_start_v0 = s.start[b]
-    effects = (Store(b, h),)
+    effects = (_new(Store, (b, h)),)
     if s.owner[b] == OWNER_LANE:
         s._ix2[s.owner_lane[b]].discard(b)
     owner[b] = OWNER_SPILLING
@@ -2392,7 +2395,7 @@ def spill(s: MState, b: int, h: int) -> Step:
     s.slot_key[h] = new_slot_key_v0
     s.slot_head[h] = new_slot_head_v0
     s.slot_start[h] = new_slot_start_v0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def spill_plan(s: MState, b: int, h: int) -> tuple[Any, ...] | str:
@@ -2487,7 +2490,7 @@ def store_done(s: MState, h: int) -> Step:
     s.owner[new_owner_i00] = OWNER_FREE
     if s.owner[new_owner_i00] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def store_fail(s: MState, h: int) -> Step:
@@ -2506,7 +2509,7 @@ def store_fail(s: MState, h: int) -> Step:
     s.owner[new_owner_i00] = OWNER_FREE
     if s.owner[new_owner_i00] == OWNER_LANE:
         s._ix2.setdefault(s.owner_lane[new_owner_i00], set()).add(new_owner_i00)
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def host_evict(s: MState, h: int) -> Step:
@@ -2519,7 +2522,7 @@ def host_evict(s: MState, h: int) -> Step:
     if slot_state[h] != SLOTSTATE_STORED:
         return Step(s, (), "slot_stored")
     slot_state[h] = SLOTSTATE_EMPTY
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def admit_host_hit_guard(s: MState, l: int, r: int, h: int, dst: int, n: int) -> str | None:
@@ -2634,7 +2637,7 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
             return Step(s, (), "dst_reusable")
     new_lane_seq_v0 = _m1
     new_lane_plen_v0 = _m0
-    effects = (Admit(l, r, dst), Load(l, h, dst, n))
+    effects = (_new(Admit, (l, r, dst)), _new(Load, (l, h, dst, n)))
     if s.ghost:
         new_local_holds_v0 = take(_m1, 0)
     if s.ghost:
@@ -2668,7 +2671,7 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
     s.copy_slot[l] = h
     slot_state[h] = SLOTSTATE_LOADING
     s.load_lane[h] = l
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def admit_host_hit_plan(
@@ -2976,7 +2979,7 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
     new_nblocks_v0 = nblocks[l] + 1
     new_start_v0 = length[l]
     new_length_v0 = _m0
-    effects = (Grow(l, dst, nblocks[l]), Load(l, h, dst, n))
+    effects = (_new(Grow, (l, dst, nblocks[l])), _new(Load, (l, h, dst, n)))
     if s.ghost:
         new_snap_junk_i00 = tail[l]
         new_snap_junk_v0 = s.lane_snap_junk[l]
@@ -3010,7 +3013,7 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
     s.copy_slot[l] = h
     slot_state[h] = SLOTSTATE_LOADING
     s.load_lane[h] = l
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def grow_host_hit_plan(s: MState, l: int, h: int, dst: int, n: int) -> tuple[Any, ...] | str:
@@ -3221,7 +3224,7 @@ def load_done(s: MState, l: int) -> Step:
         s.junk[new_junk_i00] = new_junk_v0
     copying[l] = False
     s.slot_state[new_slot_state_i00] = SLOTSTATE_STORED
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def load_fail(s: MState, l: int) -> Step:
@@ -3242,7 +3245,7 @@ def load_fail(s: MState, l: int) -> Step:
     start = s.start
     new_length_v0 = start[tail[l]]
     new_slot_state_i00 = s.copy_slot[l]
-    effects = (Recompute(l),)
+    effects = (_new(Recompute, (l,)),)
     if s.ghost:
         new_holds_i00 = tail[l]
         new_holds_v0 = take(s.lane_seq[l], start[tail[l]])
@@ -3253,7 +3256,7 @@ def load_fail(s: MState, l: int) -> Step:
     copying[l] = False
     s.length[l] = new_length_v0
     s.slot_state[new_slot_state_i00] = SLOTSTATE_STORED
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def admit_import_guard(s: MState, l: int, r: int, dst: int) -> str | None:
@@ -3344,7 +3347,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     _m0 = s.prompt.get(r, _D_prompt)
     new_lane_seq_v0 = _m0
     new_lane_plen_v0 = slen(_m0)
-    effects = (Inbound(l, r, dst),)
+    effects = (_new(Inbound, (l, r, dst)),)
     if s.ghost:
         new_local_holds_v0 = take(_m0, 0)
     if s.ghost:
@@ -3382,7 +3385,7 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     _unindex(s._ix3, s.transfer_req[dst], dst)
     s.transfer_req[dst] = r
     s._ix3.setdefault(s.transfer_req[dst], set()).add(dst)
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def admit_import_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | str:
@@ -3564,7 +3567,7 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     new_nblocks_v0 = nblocks[l] + 1
     new_start_v0 = _m0
     new_transfer_req_v0 = lane_req[l]
-    effects = (Grow(l, dst, nblocks[l]),)
+    effects = (_new(Grow, (l, dst, nblocks[l])),)
     if s.ghost:
         new_xfer_of_v0 = lane_req[l]
     if s.ghost:
@@ -3589,7 +3592,7 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     _unindex(s._ix3, s.transfer_req[dst], dst)
     s.transfer_req[dst] = new_transfer_req_v0
     s._ix3.setdefault(s.transfer_req[dst], set()).add(dst)
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def import_grow_plan(s: MState, l: int, dst: int) -> tuple[Any, ...] | str:
@@ -3716,7 +3719,7 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     new_length_v0 = _m0
     new_lane_seq_i00 = _m1
     new_lane_seq_v0 = _m2
-    effects = (Imported(_m1, r, tail[_m1]),)
+    effects = (_new(Imported, (_m1, r, tail[_m1])),)
     if s.ghost:
         new_holds = []
         for c in range(K):
@@ -3760,7 +3763,7 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     s.length[new_length_i00] = new_length_v0
     lane_seq[new_lane_seq_i00] = new_lane_seq_v0
     phase[r] = PHASE_DECODE
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def export(s: MState, l: int) -> Step:
@@ -3782,7 +3785,7 @@ def export(s: MState, l: int) -> Step:
         return Step(s, (), "lane_prefilled")
     new_phase_k0 = lane_req[l]
     tail = s.tail
-    effects = (Outbound(l, lane_req[l], tail[l], length[l]),)
+    effects = (_new(Outbound, (l, lane_req[l], tail[l], length[l])),)
     if s.ghost:
         new_xfer_live_k0 = lane_req[l]
         new_xfer_block_k0 = lane_req[l]
@@ -3815,7 +3818,7 @@ def export(s: MState, l: int) -> Step:
         else:
             s.xfer_block[new_xfer_block_k0] = new_xfer_block_v0
     phase[new_phase_k0] = PHASE_EXPORTING
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def export_done(s: MState, r: int, keep: bool) -> Step:
@@ -3849,16 +3852,15 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     new_snap_upto_v0 = lane_snap[_m0]
     new_busy_i00 = _m0
     new_lane_snap_i00 = _m0
-    effects = (Release(_m0, _m2),)
+    effects = (_new(Release, (_m0, _m2)),)
     if s.ghost:
         new_snap_junk_i00 = _m2
         new_snap_junk_v0 = s.lane_snap_junk[_m0]
         new_snap_taken_i00 = _m2
         new_snap_taken_v0 = s.lane_snap_taken[_m0]
     _m4 = (OWNER_CACHE if keep else OWNER_FREE)
-    for b in tuple(s._ix2.get(_m0, ())):
+    for b in s._ix2.pop(_m0, ()):
         if _m1[b]:
-            s._ix2[_m0].discard(b)
             owner[b] = _m4
     if s.ghost:
         xfer_of = s.xfer_of
@@ -3879,7 +3881,7 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     s.busy[new_busy_i00] = False
     lane_snap[new_lane_snap_i00] = 0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def forget_guard(s: MState, r: int) -> str | None:
@@ -3921,7 +3923,7 @@ def forget(s: MState, r: int) -> Step:
         s.prompt.pop(r, None)
     else:
         s.prompt[r] = new_prompt_v0
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 def enabled_forget(s: MState, *, r: int | None = None) -> bool:
@@ -3974,16 +3976,15 @@ def transfer_fail(s: MState, r: int) -> Step:
             new_transfer.append((b, False))
     new_busy_i00 = _m1
     new_lane_snap_i00 = _m1
-    effects = (Release(_m1, s.tail[_m1]),)
+    effects = (_new(Release, (_m1, s.tail[_m1])),)
     if s.ghost:
         new_junk = []
         for b in range(K):
             if _m2[b]:
                 new_junk.append((b, True))
     _m3 = OWNER_FREE
-    for b in tuple(s._ix2.get(_m1, ())):
+    for b in s._ix2.pop(_m1, ()):
         if _m2[b]:
-            s._ix2[_m1].discard(b)
             owner[b] = _m3
     if s.ghost:
         xfer_of = s.xfer_of
@@ -3999,7 +4000,7 @@ def transfer_fail(s: MState, r: int) -> Step:
         s.transfer[_k] = _v
     s.busy[new_busy_i00] = False
     s.lane_snap[new_lane_snap_i00] = 0
-    return Step(s, effects, None)
+    return _new(Step, (s, effects, None))
 
 
 def transfer_end(s: MState, r: int, b: int) -> Step:
@@ -4046,7 +4047,7 @@ def transfer_end(s: MState, r: int, b: int) -> Step:
             s.junk[_k] = _v
     for _k, _v in new_transfer:
         s.transfer[_k] = _v
-    return Step(s, (), None)
+    return _new(Step, (s, (), None))
 
 
 # name -> (action, guard, parameter names, parameter sorts)

@@ -378,6 +378,9 @@ class InplaceGenerator(Generator):
             "        return None\n"
             "    n = v.n\n"
             "    return (n, v.buf[0], v.buf[n - 1]) if n else 0\n\n\n"
+            "# An accepted action builds its effects and its Step as `_new(Cls, (fields))`: the\n"
+            "# NamedTuple itself, without the Python-level __new__ call a constructor costs.\n"
+            "_new = tuple.__new__\n\n\n"
             "def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:\n"
             "    xs = ix[v]\n"
             "    xs.discard(x)\n"
@@ -444,7 +447,8 @@ class InplaceGenerator(Generator):
         effects = []
         for eff in a.effects:
             cls = self.effects[eff.name][0]
-            effects.append(call_doc(cls, [b._at(v, b.env0, TERN) for v in eff.args.values()]))
+            effects.append(call_doc("_new", [cls, tuple_doc(
+                [b._at(v, b.env0, TERN) for v in eff.args.values()])]))
         if effects:
             b.stmt(["effects = ", tuple_doc(effects)])
         if ghost:
@@ -463,7 +467,7 @@ class InplaceGenerator(Generator):
                     w()
         for w in writes[False]:
             w()
-        b.stmt(f"return Step(s, {'effects' if effects else '()'}, None)")
+        b.stmt(f"return _new(Step, (s, {'effects' if effects else '()'}, None))")
         return b
 
     def _temp(self, b: Body, name: str, e: Expr) -> Any:
@@ -580,6 +584,7 @@ class InplaceGenerator(Generator):
             names.append(name)
         doms = [f"range({b.size(v.sort)})" for v in vs]
         leaves_out: tuple[Any, ...] | None = None  # the sel index every write leaves
+        drop: str | None = None  # how a leaving x is taken out of that index's set
         if len(vs) == 1 and len(chain) == 1 and chain[0][0][0] == "pos":
             sel = self._sel_match(chain[0][0][1], vs[0])
             if sel is not None and sel[0] in self.indexes:  # only the blocks it selects
@@ -592,6 +597,11 @@ class InplaceGenerator(Generator):
                     # the condition put x in the set, the new value takes it out
                     leaves_out = sel[0]
                     drop = f"s.{self._ix_slot(sel[0])}[{w}].discard"
+                    if len(_conjuncts(chain[0][0][1])) == 2:
+                        # the condition is the selection itself: every x in the set meets
+                        # it and leaves, so the set goes whole
+                        doms = [f"s.{self._ix_slot(sel[0])}.pop({w}, ())"]
+                        drop = None
         b.loop_depth += 1
         arms = [(self._cond_doc(b, c, env), b._at(x, env, TERN))
                 for c, x in chain]
@@ -604,7 +614,7 @@ class InplaceGenerator(Generator):
         target = [arr, *(f"[{n}]" for n in names)] if collect is None else None
         pre, post = self._ix_pre_post(f.name, names[0], skip=leaves_out) if len(vs) == 1 \
             else ([], [])
-        if leaves_out is not None:
+        if leaves_out is not None and drop is not None:
             pre = [f"{drop}({names[0]})", *pre]
         for i, (cond, val) in enumerate(arms):
             b.line([("if " if i == 0 else "elif "), self._breakable(cond), ":"])
