@@ -22,7 +22,7 @@ decode step and is cut back (`take`) on preemption or prefix reuse:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from operator import index
 from typing import Any, overload
@@ -98,11 +98,6 @@ class TokSeq:
             return True
         if a[0] != b[0] or a[n - 1] != b[n - 1]:
             return False
-        try:
-            if self._hash != other._hash:
-                return False
-        except AttributeError:  # one of them was never hashed
-            pass
         return a[:n] == b[:n]
 
     def __hash__(self) -> int:
@@ -207,12 +202,15 @@ def prefix_eq(a: TokSeq, b: TokSeq, n: int) -> bool:
     return x[:n] == y[:n]
 
 
-def range_eq(a: TokSeq, b: TokSeq, start: int, stop: int) -> bool:
+def range_eq(a: Sequence[int], b: Sequence[int], start: int, stop: int) -> bool:
     """True iff `a` and `b` both have at least `stop` tokens and agree on positions
-    [start, stop) (a chunk of a prefix-cache hit, compared without building tuples)."""
-    if a.n < stop or b.n < stop:
+    [start, stop) (a chunk of a prefix-cache hit; two TokSeqs are compared without building
+    tuples, any other token sequence, e.g. a tuple, by its slice)."""
+    if len(a) < stop or len(b) < stop:
         return False
     if start >= stop:
         return True
-    x, y = a.buf, b.buf
-    return x is y or x[start:stop] == y[start:stop]
+    if type(a) is TokSeq and type(b) is TokSeq:
+        x, y = a.buf, b.buf
+        return x is y or x[start:stop] == y[start:stop]
+    return tuple(a[start:stop]) == tuple(b[start:stop])

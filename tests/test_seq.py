@@ -74,6 +74,9 @@ class SeqMachine(RuleBasedStateMachine):
         (s, ms), (t, mt) = a, b
         expect = len(ms) >= stop and len(mt) >= stop and ms[start:stop] == mt[start:stop]
         assert range_eq(s, t, start, stop) == expect
+        # a plain tuple on either side (the test machines keep prompts as tuples)
+        assert range_eq(s, tuple(mt), start, stop) == expect
+        assert range_eq(tuple(ms), t, start, stop) == expect
 
     @rule(v=views, data=st.data())
     def index(self, v, data):
