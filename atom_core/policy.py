@@ -27,6 +27,13 @@ def _core(s: Any) -> Any:
     return inplace if type(s) is inplace.MState else g
 
 
+def _first_chunk(s: Any, prompt: TokSeq) -> TokSeq | None:
+    """The prompt's first chunk, the head of every entry it can hit; None when the prompt is too
+    short to hit (a hit is whole chunks and leaves a prompt token to compute)."""
+    c = s.consts.C
+    return take(prompt, c) if len(prompt) > c else None
+
+
 class Choice(NamedTuple):
     action: str
     args: dict[str, Any]
@@ -34,10 +41,16 @@ class Choice(NamedTuple):
 
 def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int, at: int = 0) -> int:
     """The longest n <= limit, a multiple of chunk, with a[at:at + n] == b[at:at + n]."""
-    n = 0
-    while n + chunk <= limit and range_eq(a, b, at + n, at + n + chunk):
-        n += chunk
-    return n
+    # Bisection over the number of chunks (agreement on a range implies it on its prefixes):
+    # a whole hit is one comparison, a partial one a few, instead of one per chunk.
+    lo, hi = 0, max(limit, 0) // chunk  # a[at:at + lo * chunk] agrees; more than hi does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if range_eq(a, b, at + lo * chunk, at + mid * chunk):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * chunk
 
 
 def prefer_host(hit: tuple[int, int] | None, host: tuple[int, int] | None) -> bool:
@@ -93,16 +106,23 @@ class Policy:
         not a block), in one pass over the lanes: `g.pinned(s, b)` per block scans every lane
         for each block, 6x slower for a cache of 512 entries (measured). Tested equal to the
         spec's definition (tests/test_codegen.py)."""
-        return {s.copy_src[ln] for ln in range(s.consts.B)
-                if s.copying[ln] and not s.copy_host[ln]}
+        if True not in s.copying:  # (the common case, at C speed)
+            return set()
+        return {src for src, copying, host in zip(s.copy_src, s.copying, s.copy_host,
+                                                  strict=True) if copying and not host}
 
     def reusable(self, s: g.State, exclude: int | None = None) -> int | None:
         """The lowest free block, else the least recently used unpinned cache entry: the
         blocks the spec's `reusable` allows, in the order of this policy's preference."""
         owner, k = s.owner, s.consts.K
         pins = self.pinned(s)
-        for b in range(k):
-            if owner[b] == g.OWNER_FREE and b != exclude and b not in pins:
+        b = -1
+        while True:  # the free blocks in order, each found at C speed (`index`)
+            try:
+                b = owner.index(g.OWNER_FREE, b + 1)
+            except ValueError:
+                break
+            if b != exclude and b not in pins:
                 return b
         cached = [b for b in range(k)
                   if owner[b] == g.OWNER_CACHE and b != exclude and b not in pins]
@@ -130,10 +150,14 @@ class Policy:
         def upto(b: int) -> int:
             # a hybrid hit also restores the sliding state: only where the entry has a snapshot
             return s.snap_upto[b] if s.consts.HYBRID else len(s.key[b])
+        first = _first_chunk(s, prompt)
+        if first is None:
+            return None
         # an admission copies into the lane's first block: entries that start a sequence
-        entries = [b for b in range(s.consts.K)
-                   if s.owner[b] == g.OWNER_CACHE and s.start[b] == 0]
-        return self._longest(s, prompt, entries, s.head, s.key, upto, self.last_use)
+        owner, start = s.owner, s.start
+        entries = [b for b in _core(s).where_head(s, first)
+                   if owner[b] == g.OWNER_CACHE and start[b] == 0]
+        return self._longest(s, prompt, entries, s.key, upto, self.last_use)
 
     def next_hit(self, s: g.State, lane: int) -> tuple[int, int] | None:
         """(src, n) of the longest cached continuation of a prefilling lane whose tail block is
@@ -177,23 +201,23 @@ class Policy:
 
     def best_host_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
         """(slot, n) of the longest host-tier hit into a first block, or None."""
-        stored = [h for h in range(s.consts.H)
-                  if s.slot_state[h] == g.SLOTSTATE_STORED and s.slot_start[h] == 0]
-        return self._longest(s, prompt, stored, s.slot_head, s.slot_key,
-                             lambda h: len(s.slot_key[h]), self.slot_use)
+        first = _first_chunk(s, prompt)
+        if first is None:
+            return None
+        state, start = s.slot_state, s.slot_start
+        stored = [h for h in _core(s).where_slot_head(s, first)
+                  if state[h] == g.SLOTSTATE_STORED and start[h] == 0]
+        return self._longest(s, prompt, stored, s.slot_key, lambda h: len(s.slot_key[h]),
+                             self.slot_use)
 
     @staticmethod
-    def _longest(s: g.State, prompt: TokSeq, entries: list[int], head: Any, key: Any,
-                 upto: Any, use: dict[int, int]) -> tuple[int, int] | None:
+    def _longest(s: g.State, prompt: TokSeq, entries: list[int], key: Any, upto: Any,
+                 use: dict[int, int]) -> tuple[int, int] | None:
+        """The longest hit among `entries`, whose first chunk is the prompt's."""
         c = s.consts.C
         limit = (len(prompt) - 1) // c * c  # at least one prompt token is recomputed
-        if limit < c:
-            return None
-        first = take(prompt, c)
         best: tuple[int, int] | None = None
         for b in entries:
-            if head[b] != first:
-                continue
             k = key[b]
             n = common_chunks(k, prompt, c, min(limit, len(k) // c * c, upto(b)))
             if n and (best is None or (n, use.get(b, 0)) > (best[1], use.get(best[0], 0))):

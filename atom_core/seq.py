@@ -206,11 +206,11 @@ def range_eq(a: Sequence[int], b: Sequence[int], start: int, stop: int) -> bool:
     """True iff `a` and `b` both have at least `stop` tokens and agree on positions
     [start, stop) (a chunk of a prefix-cache hit; two TokSeqs are compared without building
     tuples, any other token sequence, e.g. a tuple, by its slice)."""
+    if type(a) is TokSeq and type(b) is TokSeq:
+        if a.n < stop or b.n < stop:
+            return False
+        x, y = a.buf, b.buf
+        return start >= stop or x is y or x[start:stop] == y[start:stop]
     if len(a) < stop or len(b) < stop:
         return False
-    if start >= stop:
-        return True
-    if type(a) is TokSeq and type(b) is TokSeq:
-        x, y = a.buf, b.buf
-        return x is y or x[start:stop] == y[start:stop]
-    return tuple(a[start:stop]) == tuple(b[start:stop])
+    return start >= stop or tuple(a[start:stop]) == tuple(b[start:stop])

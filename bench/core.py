@@ -31,8 +31,11 @@ state, so each call is timed alone (`perf_counter_ns` before and after it, as vL
 (the same lists and dicts) outside the timed region before the next call: the state stays warm
 in the CPU caches, as the batcher's, touched every step, is. Decode chains on one state, as the
 pure row chains states.
-* policy admission: `Policy.admission` on the admit pre-states. It is not part of the core
-  transition and has no target.
+* policy admission: `Policy.admission` on the admit pre-states (as MState, the batcher's);
+  and an admission as the batcher makes it: the policy's choice, the transition (admit_hit with
+  its copy_done), the policy's bookkeeping, timed like the in-place rows. vLLM's admission row
+  includes its choice of blocks and its prefix-cache lookup, so these rows, not the bare
+  transitions, are the like-for-like ones; they have no target of their own.
 
 Targets are the issue's; the vLLM v1 KVCacheManager numbers are the issue's reference numbers
 for this kind of machine, not measured here.
@@ -89,6 +92,8 @@ ROWS: dict[str, tuple[str, float | None, str]] = {
     "pure_finish": ("pure core: finish (keep=True)", None, ""),
     "policy_admission_miss": ("policy.admission, miss (not core)", None, ""),
     "policy_admission_hit": ("policy.admission, hit (not core)", None, ""),
+    "batcher_admit_miss": ("admit (miss), policy + admit_miss", None, ""),
+    "batcher_admit_hit": ("admit (hit), policy + admit_hit + copy_done", None, ""),
 }
 
 
@@ -330,6 +335,22 @@ def decode_calls(calls: int) -> int:
     return min(calls, MAX_SEQ - 1 - MAX_PROMPT - WARM_DECODE)
 
 
+def _by_policy(policy: Policy) -> Callable[[ip.MState, int], None]:
+    """An admission as the batcher makes it: the policy's choice on the MState, the transition
+    (and the copy's completion for a hit), the policy's bookkeeping of the effects."""
+    actions, copy_done = ip.ACTIONS, ip.copy_done
+
+    def admit(m: ip.MState, r: int) -> None:
+        choice = policy.admission(m, r)
+        if choice is None:
+            raise AssertionError("benchmarked admission declined")
+        policy.observe(actions[choice.action][0](m, **choice.args).effects)
+        if choice.action == "admit_hit":
+            policy.observe(copy_done(m, choice.args["l"]).effects)
+
+    return admit
+
+
 def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
     """Every measurement of one mode, as a function timing one round; each checks once that the
     benchmarked call is accepted."""
@@ -344,7 +365,8 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
     res["pure_admit_miss"] = fixed_round(g.admit_miss, args, calls)
     _ip_accepted(ip.admit_miss, args[0], args[1:], "admit_miss")
     res["admit_miss"] = hot_round(ip.admit_miss, args[0], args[1:], calls)
-    res["policy_admission_miss"] = fixed_round(d.policy.admission, (d.s, r), calls)
+    res["policy_admission_miss"] = fixed_round(d.policy.admission, (ip.thaw(d.s), r), calls)
+    res["batcher_admit_miss"] = hot_round(_by_policy(d.policy), d.s, (r,), calls)
 
     d, r = admission_state(ghost, hit=True)
     choice = d.policy.admission(d.s, r)
@@ -373,7 +395,8 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
         ip_copy_done(ip_admit_hit(m, *a).state, lane)
 
     res["admit_hit_total"] = hot_round(ip_hit_then_copy, hit_args[0], hit_args[1:], calls)
-    res["policy_admission_hit"] = fixed_round(d.policy.admission, (d.s, r), calls)
+    res["policy_admission_hit"] = fixed_round(d.policy.admission, (ip.thaw(d.s), r), calls)
+    res["batcher_admit_hit"] = hot_round(_by_policy(d.policy), d.s, (r,), calls)
 
     res["pure_decode_step"] = decode_round(ghost, decode_calls(calls))
     res["decode_step"] = ip_decode_round(ghost, decode_calls(calls))

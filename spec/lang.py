@@ -531,6 +531,7 @@ class Model:
         self.transition_invariants: list[Named] = []
         self.progress: list[Named] = []
         self.definitions: list[Definition] = []
+        self.lookups: list[StateFn] = []  # see `lookup`
         self._current: Action | None = None
 
     # declarations ----------------------------------------------------------
@@ -555,6 +556,19 @@ class Model:
             init = lambda *_: value  # noqa: E731 - a constant initial value
         f = StateFn(name, tuple(args), ret, init, ghost, doc)
         self.state.append(f)
+        return f
+
+    def lookup(self, f: StateFn) -> StateFn:
+        """Declares that the layers above the core find the x with f(x) == v (e.g. the cache
+        entries whose first chunk is a prompt's): the generator emits `core.where_<f>(s, v)`,
+        the ascending such x, and the in-place core answers it from an index of f instead of a
+        scan. A query only: the proofs do not see it. f: a non-ghost function of one index
+        sort."""
+        if f not in self.state or f.ghost or len(f.args) != 1 or f.args[0].kind != "index":
+            raise TypeError(f"lookup {f.name}: needs a non-ghost state function of one index sort")
+        if f in self.lookups:
+            raise ValueError(f"lookup {f.name} declared twice")
+        self.lookups.append(f)
         return f
 
     def axiom(self, name: str, expr: Expr, doc: str = "") -> None:
@@ -642,7 +656,7 @@ class Model:
         m.axioms, m.invariants = list(self.axioms), list(self.invariants)
         m.laws = list(self.laws)
         m.safety_properties = list(self.safety_properties)
-        m.definitions = list(self.definitions)
+        m.definitions, m.lookups = list(self.definitions), list(self.lookups)
         m.transition_invariants, m.progress = (list(self.transition_invariants),
                                                list(self.progress))
         return m

@@ -211,6 +211,12 @@ req_lane = m.fn("req_lane", [Req], Lane, doc="the lane of a running request")
 prompt = m.fn("prompt", [Req], Seq, init=lambda r: empty(),
               doc="the prompt of a submitted request")
 
+# ---------------------------------------------------------------- lookups
+# The policy finds the cache entries (device and host) whose first chunk is a prompt's by value
+# (`core.where_head`, `core.where_slot_head`), not by comparing every entry's head.
+m.lookup(head)
+m.lookup(slot_head)
+
 
 # ---------------------------------------------------------------- definitions
 def running(r):

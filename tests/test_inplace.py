@@ -188,6 +188,14 @@ def run(draw: Any, c: core.Consts, ghost: bool, variant: Any) -> None:
         fn, vfn = getattr(core, dname), getattr(variant, dname)
         for args in definition_args(ps, dname):
             assert vfn(m, *args) == fn(ps, *args), (dname, args)
+    # the lookups (`where_<f>`, an index in the variant), on every value f holds and one it
+    # does not: exactly the x with f(x) == v, ascending
+    for f in MODEL.lookups:
+        col = getattr(ps, f.name)
+        for v in {*col, seq([-1])}:
+            want = [x for x, w in enumerate(col) if w == v]
+            assert getattr(core, f"where_{f.name}")(ps, v) == want, (f.name, v)
+            assert getattr(variant, f"where_{f.name}")(m, v) == want, (f.name, v)
 
 
 def _definitions() -> dict[str, list[str]]:

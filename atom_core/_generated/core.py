@@ -720,6 +720,16 @@ def reusable(s: State, b: int) -> bool:
     return True
 
 
+def where_head(s: State, v: TokSeq) -> list[int]:
+    """The Block x with head(x) == v, ascending (`lookup(head)`)."""
+    return [x for x, w in enumerate(s.head) if w == v]
+
+
+def where_slot_head(s: State, v: TokSeq) -> list[int]:
+    """The Slot x with slot_head(x) == v, ascending (`lookup(slot_head)`)."""
+    return [x for x, w in enumerate(s.slot_head) if w == v]
+
+
 # --------------------------------------------------------------------------- actions
 def submit_guard(s: StateView, r: int, p: TokSeq) -> str | None:
     """The first failing guard conjunct of `submit`, or None."""

@@ -211,7 +211,9 @@ _FIELDS = (
 #     (filed by _sig(value), a superset of the matches)
 #   _ix2: owner_lane value -> the x with owner(x) == LANE and owner_lane(x) == it
 #   _ix3: transfer_req value -> the x with transfer_req(x) == it
-INDEXES = ("_ix0", "_ix1", "_ix2", "_ix3")
+#   _ix4: slot_head value -> the x with slot_head(x) == it
+#     (filed by _sig(value), a superset of the matches)
+INDEXES = ("_ix0", "_ix1", "_ix2", "_ix3", "_ix4")
 
 
 class MState:
@@ -266,6 +268,7 @@ def _index(m: MState) -> MState:
     m._ix1 = _by_value(m.head, _sig)
     m._ix2 = _select(m.owner, OWNER_LANE, m.owner_lane)
     m._ix3 = _by_value(m.transfer_req, None)
+    m._ix4 = _by_value(m.slot_head, _sig)
     return m
 
 
@@ -405,6 +408,18 @@ def reusable(s: MState, b: int) -> bool:
         if copying[l] and not copy_host[l] and copy_src[l] == b:
             return False
     return True
+
+
+def where_head(s: MState, v: TokSeq) -> list[int]:
+    """The Block x with head(x) == v, ascending (`lookup(head)`)."""
+    head = s.head
+    return sorted(x for x in s._ix1.get(_sig(v), ()) if head[x] == v)
+
+
+def where_slot_head(s: MState, v: TokSeq) -> list[int]:
+    """The Slot x with slot_head(x) == v, ascending (`lookup(slot_head)`)."""
+    slot_head = s.slot_head
+    return sorted(x for x in s._ix4.get(_sig(v), ()) if slot_head[x] == v)
 
 
 # --------------------------------------------------------------------------- actions
@@ -2393,7 +2408,9 @@ def spill(s: MState, b: int, h: int) -> Step:
     slot_state[h] = SLOTSTATE_STORING
     s.slot_block[h] = b
     s.slot_key[h] = new_slot_key_v0
+    _unindex(s._ix4, _sig(s.slot_head[h]), h)
     s.slot_head[h] = new_slot_head_v0
+    s._ix4.setdefault(_sig(s.slot_head[h]), set()).add(h)
     s.slot_start[h] = new_slot_start_v0
     return _new(Step, (s, effects, None))
 

@@ -97,6 +97,9 @@ class InplaceGenerator(Generator):
                         val = self._val_match(x, x.kind == "forall")
                         if val is not None and val[0] not in self.indexes:
                             self.indexes.append(val[0])
+        for f in model.lookups:  # `where_<f>` reads an index of f
+            if self.layout(f) == "tuple" and ("val", f.name) not in self.indexes:
+                self.indexes.append(("val", f.name))
 
     # -- maintained indexes --------------------------------------------------------------
     def _indexable(self, fn: Any, v: Var) -> bool:
@@ -203,6 +206,16 @@ class InplaceGenerator(Generator):
     def _ix_rebuild(self, fname: str) -> list[str]:
         return [f"s.{self._ix_slot(k)} = {self._ix_build(k, 's')}" for k in self.indexes
                 if fname in (k[1], k[3] if k[0] == "sel" else None)]
+
+    def _where_fn(self, f: StateFn) -> str:
+        """`where_<f>(s, v)` from f's value index: the x filed under v's key, checked."""
+        key = ("val", f.name)
+        if key not in self.indexes:
+            return super()._where_fn(f)
+        self.used_ix.add(key)
+        return (self._where_head(f) + f"    {f.name} = s.{f.name}\n"
+                f"    return sorted(x for x in s.{self._ix_slot(key)}.get("
+                f"{self._ix_key(key, 'v')}, ()) if {f.name}[x] == v)\n")
 
     def _guard_nodes(self, b: Body, g: Expr, pos: bool, env: dict[int, str]) -> list[Any]:
         """A universal quantifier whose body fails only where h(x) == e loops over the x the

@@ -615,6 +615,8 @@ class Generator:
         out: dict[str, Callable[[], str]] = {}
         for d in self.model.definitions:
             out[d.name] = lambda d=d: self._definition_fn(d)
+        for f in self.model.lookups:
+            out[f"where_{f.name}"] = lambda f=f: self._where_fn(f)
         for a in self.model.actions:
             out[f"{a.name}_guard"] = lambda a=a: self._guard_fn(a)
             if a.effects:
@@ -633,9 +635,22 @@ class Generator:
         compiled as a guard is (a conjunction becomes consecutive checks, a quantifier a loop)."""
         fns = self.readonly()
         parts = [self._emit_fn(d.name, fns[d.name]) for d in self.model.definitions]
+        parts += [self._emit_fn(n, fns[n]) for n in (f"where_{f.name}" for f in self.model.lookups)]
         if not any(parts):
             return ""
         return self._rule("definitions") + "".join(f"{x}\n\n" for x in parts if x)
+
+    def _where_head(self, f: StateFn) -> str:
+        """The header of `where_<f>` (its loop variable is `x`, never `s`, the state)."""
+        name, sort = f"where_{f.name}", f.args[0]
+        return (f"def {name}(s: {self.state_type(name)}, v: {self.py_type(f.ret)}) -> list[int]:\n"
+                + self._docstring(f"The {sort.name} x with {f.name}(x) == v, ascending "
+                                  f"(`lookup({f.name})`)."))
+
+    def _where_fn(self, f: StateFn) -> str:
+        """`where_<f>(s, v)` for a `lookup(f)`: a scan here (the in-place core reads an index)."""
+        return (self._where_head(f)
+                + f"    return [x for x, w in enumerate(s.{f.name}) if w == v]\n")
 
     def _definition_fn(self, d: Any) -> str:
         head = (self._def(d.name, d, "bool")
