@@ -33,6 +33,7 @@ from atom_core.spec.lang import (
     ite,
     require,
     use_model,
+    value_sort,
     vector,
 )
 from atom_core.spec.model import MODEL
@@ -428,6 +429,21 @@ def test_definition_needs_sorted_parameters() -> None:
     m = Model("defs")
     with pytest.raises(TypeError, match="needs a sort annotation"):
         m.definition(lambda b: b)
+
+
+def test_lookup_needs_a_plain_function_of_one_index_sort() -> None:
+    """`m.lookup(f)` refuses what no index can serve: ghost state (absent in production), a
+    function of two arguments or of an ident sort (a request), one declared twice."""
+    m = Model("lookups")
+    idx, ident, val = index_sort("I", size="N"), ident_sort("R"), value_sort("V")
+    f = m.fn("f", [idx], val)
+    for bad in (m.fn("g", [idx], val, ghost=True), m.fn("h", [idx, idx], INT),
+                m.fn("r", [ident], val)):
+        with pytest.raises(TypeError, match=f"lookup {bad.name}: needs a non-ghost"):
+            m.lookup(bad)
+    assert m.lookup(f) is f and m.lookups == [f] and m.copy().lookups == [f]
+    with pytest.raises(ValueError, match="lookup f declared twice"):
+        m.lookup(f)
 
 
 def test_eager_definitions_agree_with_the_spec_on_random_walks() -> None:
