@@ -1101,9 +1101,11 @@ def enabled_admit_miss(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_miss: r (Req) cannot be enumerated; bind it")
+    if l is not None and dst is not None:
+        return admit_miss_guard(s, l, r, dst) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(admit_miss_guard(s, l, r, dst) is None for l in _l_all for dst in _dst_all)
 
@@ -1479,13 +1481,15 @@ def enabled_admit_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_hit: r (Req) cannot be enumerated; bind it")
-    _src_all = range(s.consts.K) if src is None else (src,)
-    _dst_all = range(s.consts.K) if dst is None else (dst,)
     if n is None:
         raise TypeError("enabled_admit_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None and dst is not None:
+        return admit_hit_guard(s, l, r, src, dst, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _src_all = range(s.consts.K) if src is None else (src,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(
         admit_hit_guard(s, l, r, src, dst, n) is None
         for l in _l_all
@@ -1682,6 +1686,8 @@ def enabled_copy_done(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return copy_done_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(copy_done_guard(s, l) is None for l in _l_all)
 
@@ -1855,6 +1861,8 @@ def enabled_snapshot(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return snapshot_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(snapshot_guard(s, l) is None for l in _l_all)
 
@@ -2032,6 +2040,8 @@ def enabled_prefill(s: StateView, *, l: int | None = None, tok: int | None = Non
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return prefill_guard(s, l, 0 if tok is None else tok) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(prefill_guard(s, l, 0 if tok is None else tok) is None for l in _l_all)
 
@@ -2262,6 +2272,8 @@ def enabled_grow(s: State, *, l: int | None = None, dst: int | None = None) -> b
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None and dst is not None:
+        return grow_guard(s, l, dst) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(grow_guard(s, l, dst) is None for l in _l_all for dst in _dst_all)
@@ -2652,11 +2664,13 @@ def enabled_grow_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if n is None:
+        raise TypeError("enabled_grow_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None and dst is not None:
+        return grow_hit_guard(s, l, src, dst, n) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _src_all = range(s.consts.K) if src is None else (src,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
-    if n is None:
-        raise TypeError("enabled_grow_hit: n (Int) cannot be enumerated; bind it")
     return any(
         grow_hit_guard(s, l, src, dst, n) is None
         for l in _l_all
@@ -3023,6 +3037,8 @@ def enabled_preempt(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return preempt_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(preempt_guard(s, l) is None for l in _l_all)
 
@@ -3344,6 +3360,8 @@ def enabled_decode(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if pad is not None and lpad is not None:
+        return decode_guard(s, pad, lpad, tok) is None
     _pad_all = range(s.consts.K) if pad is None else (pad,)
     _lpad_all = range(s.consts.B) if lpad is None else (lpad,)
     return any(
@@ -3548,6 +3566,8 @@ def enabled_finish(s: StateView, *, l: int | None = None, keep: bool | None = No
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None and keep is not None:
+        return finish_guard(s, l, keep) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _keep_all = (False, True) if keep is None else (keep,)
     return any(finish_guard(s, l, keep) is None for l in _l_all for keep in _keep_all)
@@ -3781,6 +3801,8 @@ def enabled_abort_running(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return abort_running_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(abort_running_guard(s, l) is None for l in _l_all)
 
@@ -3929,6 +3951,8 @@ def enabled_fail(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return fail_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(fail_guard(s, l) is None for l in _l_all)
 
@@ -4048,6 +4072,8 @@ def enabled_discard(s: State, *, b: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if b is not None:
+        return discard_guard(s, b) is None
     _b_all = range(s.consts.K) if b is None else (b,)
     return any(discard_guard(s, b) is None for b in _b_all)
 
@@ -4231,6 +4257,8 @@ def enabled_spill(s: State, *, b: int | None = None, h: int | None = None) -> bo
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if b is not None and h is not None:
+        return spill_guard(s, b, h) is None
     _b_all = range(s.consts.K) if b is None else (b,)
     _h_all = range(s.consts.H) if h is None else (h,)
     return any(spill_guard(s, b, h) is None for b in _b_all for h in _h_all)
@@ -4357,6 +4385,8 @@ def enabled_store_done(s: StateView, *, h: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if h is not None:
+        return store_done_guard(s, h) is None
     _h_all = range(s.consts.H) if h is None else (h,)
     return any(store_done_guard(s, h) is None for h in _h_all)
 
@@ -4455,6 +4485,8 @@ def enabled_store_fail(s: StateView, *, h: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if h is not None:
+        return store_fail_guard(s, h) is None
     _h_all = range(s.consts.H) if h is None else (h,)
     return any(store_fail_guard(s, h) is None for h in _h_all)
 
@@ -4550,6 +4582,8 @@ def enabled_host_evict(s: StateView, *, h: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if h is not None:
+        return host_evict_guard(s, h) is None
     _h_all = range(s.consts.H) if h is None else (h,)
     return any(host_evict_guard(s, h) is None for h in _h_all)
 
@@ -4867,13 +4901,15 @@ def enabled_admit_host_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_host_hit: r (Req) cannot be enumerated; bind it")
-    _h_all = range(s.consts.H) if h is None else (h,)
-    _dst_all = range(s.consts.K) if dst is None else (dst,)
     if n is None:
         raise TypeError("enabled_admit_host_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and h is not None and dst is not None:
+        return admit_host_hit_guard(s, l, r, h, dst, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _h_all = range(s.consts.H) if h is None else (h,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(
         admit_host_hit_guard(s, l, r, h, dst, n) is None
         for l in _l_all
@@ -5276,11 +5312,13 @@ def enabled_grow_host_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if n is None:
+        raise TypeError("enabled_grow_host_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and h is not None and dst is not None:
+        return grow_host_hit_guard(s, l, h, dst, n) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _h_all = range(s.consts.H) if h is None else (h,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
-    if n is None:
-        raise TypeError("enabled_grow_host_hit: n (Int) cannot be enumerated; bind it")
     return any(
         grow_host_hit_guard(s, l, h, dst, n) is None
         for l in _l_all
@@ -5479,6 +5517,8 @@ def enabled_load_done(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return load_done_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(load_done_guard(s, l) is None for l in _l_all)
 
@@ -5617,6 +5657,8 @@ def enabled_load_fail(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return load_fail_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(load_fail_guard(s, l) is None for l in _l_all)
 
@@ -5897,9 +5939,11 @@ def enabled_admit_import(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_import: r (Req) cannot be enumerated; bind it")
+    if l is not None and dst is not None:
+        return admit_import_guard(s, l, r, dst) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(admit_import_guard(s, l, r, dst) is None for l in _l_all for dst in _dst_all)
 
@@ -6150,6 +6194,8 @@ def enabled_import_grow(s: State, *, l: int | None = None, dst: int | None = Non
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None and dst is not None:
+        return import_grow_guard(s, l, dst) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(import_grow_guard(s, l, dst) is None for l in _l_all for dst in _dst_all)
@@ -6539,6 +6585,8 @@ def enabled_export(s: StateView, *, l: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None:
+        return export_guard(s, l) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     return any(export_guard(s, l) is None for l in _l_all)
 
@@ -6698,6 +6746,8 @@ def enabled_export_done(s: StateView, *, r: int | None = None, keep: bool | None
     """
     if r is None:
         raise TypeError("enabled_export_done: r (Req) cannot be enumerated; bind it")
+    if keep is not None:
+        return export_done_guard(s, r, keep) is None
     _keep_all = (False, True) if keep is None else (keep,)
     return any(export_done_guard(s, r, keep) is None for keep in _keep_all)
 
@@ -7081,6 +7131,8 @@ def enabled_transfer_end(s: StateView, *, r: int | None = None, b: int | None = 
     """
     if r is None:
         raise TypeError("enabled_transfer_end: r (Req) cannot be enumerated; bind it")
+    if b is not None:
+        return transfer_end_guard(s, r, b) is None
     _b_all = range(s.consts.K) if b is None else (b,)
     return any(transfer_end_guard(s, r, b) is None for b in _b_all)
 

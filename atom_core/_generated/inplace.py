@@ -633,9 +633,11 @@ def enabled_admit_miss(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_miss: r (Req) cannot be enumerated; bind it")
+    if l is not None and dst is not None:
+        return admit_miss_guard(s, l, r, dst) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(admit_miss_guard(s, l, r, dst) is None for l in _l_all for dst in _dst_all)
 
@@ -939,13 +941,15 @@ def enabled_admit_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_hit: r (Req) cannot be enumerated; bind it")
-    _src_all = range(s.consts.K) if src is None else (src,)
-    _dst_all = range(s.consts.K) if dst is None else (dst,)
     if n is None:
         raise TypeError("enabled_admit_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None and dst is not None:
+        return admit_hit_guard(s, l, r, src, dst, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _src_all = range(s.consts.K) if src is None else (src,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(
         admit_hit_guard(s, l, r, src, dst, n) is None
         for l in _l_all
@@ -1322,6 +1326,8 @@ def enabled_grow(s: MState, *, l: int | None = None, dst: int | None = None) -> 
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None and dst is not None:
+        return grow_guard(s, l, dst) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(grow_guard(s, l, dst) is None for l in _l_all for dst in _dst_all)
@@ -1658,11 +1664,13 @@ def enabled_grow_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if n is None:
+        raise TypeError("enabled_grow_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None and dst is not None:
+        return grow_hit_guard(s, l, src, dst, n) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _src_all = range(s.consts.K) if src is None else (src,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
-    if n is None:
-        raise TypeError("enabled_grow_hit: n (Int) cannot be enumerated; bind it")
     return any(
         grow_hit_guard(s, l, src, dst, n) is None
         for l in _l_all
@@ -2070,6 +2078,8 @@ def enabled_decode(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if pad is not None and lpad is not None:
+        return decode_guard(s, pad, lpad, tok) is None
     _pad_all = range(s.consts.K) if pad is None else (pad,)
     _lpad_all = range(s.consts.B) if lpad is None else (lpad,)
     return any(
@@ -2319,6 +2329,8 @@ def enabled_discard(s: MState, *, b: int | None = None) -> bool:
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if b is not None:
+        return discard_guard(s, b) is None
     _b_all = range(s.consts.K) if b is None else (b,)
     return any(discard_guard(s, b) is None for b in _b_all)
 
@@ -2449,6 +2461,8 @@ def enabled_spill(s: MState, *, b: int | None = None, h: int | None = None) -> b
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if b is not None and h is not None:
+        return spill_guard(s, b, h) is None
     _b_all = range(s.consts.K) if b is None else (b,)
     _h_all = range(s.consts.H) if h is None else (h,)
     return any(spill_guard(s, b, h) is None for b in _b_all for h in _h_all)
@@ -2763,13 +2777,15 @@ def enabled_admit_host_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_host_hit: r (Req) cannot be enumerated; bind it")
-    _h_all = range(s.consts.H) if h is None else (h,)
-    _dst_all = range(s.consts.K) if dst is None else (dst,)
     if n is None:
         raise TypeError("enabled_admit_host_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and h is not None and dst is not None:
+        return admit_host_hit_guard(s, l, r, h, dst, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _h_all = range(s.consts.H) if h is None else (h,)
+    _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(
         admit_host_hit_guard(s, l, r, h, dst, n) is None
         for l in _l_all
@@ -3112,11 +3128,13 @@ def enabled_grow_host_hit(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if n is None:
+        raise TypeError("enabled_grow_host_hit: n (Int) cannot be enumerated; bind it")
+    if l is not None and h is not None and dst is not None:
+        return grow_host_hit_guard(s, l, h, dst, n) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _h_all = range(s.consts.H) if h is None else (h,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
-    if n is None:
-        raise TypeError("enabled_grow_host_hit: n (Int) cannot be enumerated; bind it")
     return any(
         grow_host_hit_guard(s, l, h, dst, n) is None
         for l in _l_all
@@ -3457,9 +3475,11 @@ def enabled_admit_import(
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
-    _l_all = range(s.consts.B) if l is None else (l,)
     if r is None:
         raise TypeError("enabled_admit_import: r (Req) cannot be enumerated; bind it")
+    if l is not None and dst is not None:
+        return admit_import_guard(s, l, r, dst) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(admit_import_guard(s, l, r, dst) is None for l in _l_all for dst in _dst_all)
 
@@ -3652,6 +3672,8 @@ def enabled_import_grow(s: MState, *, l: int | None = None, dst: int | None = No
     others (None = unbound; an unbound parameter of a sort that cannot be enumerated
     is an error when the guard reads it).
     """
+    if l is not None and dst is not None:
+        return import_grow_guard(s, l, dst) is None
     _l_all = range(s.consts.B) if l is None else (l,)
     _dst_all = range(s.consts.K) if dst is None else (dst,)
     return any(import_grow_guard(s, l, dst) is None for l in _l_all for dst in _dst_all)

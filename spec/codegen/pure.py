@@ -693,7 +693,7 @@ class Generator:
             f"Whether `{a.name}`'s guard holds for the given parameters and some value of the\n"
             "others (None = unbound; an unbound parameter of a sort that cannot be enumerated\n"
             "is an error when the guard reads it)."))
-        args, loops = [], []
+        args, loops, looped, bound = [], [], [], []
         for p in a.params:
             if p.name not in read:
                 args.append(f"{self.neutral(p.sort)} if {p.name} is None else {p.name}"
@@ -702,8 +702,10 @@ class Generator:
             if p.sort.kind in ("index", "bool", "enum"):
                 dom = {"index": f"range(s.consts.{p.sort.size})", "bool": "(False, True)",
                        "enum": f"range({len(p.sort.values)})"}[p.sort.kind]
-                out.append(f"    _{p.name}_all = {dom} if {p.name} is None else ({p.name},)\n")
+                looped.append(f"    _{p.name}_all = {dom} if {p.name} is None else "
+                              f"({p.name},)\n")
                 loops.append(f"for {p.name} in _{p.name}_all")
+                bound.append(p.name)
             else:
                 out.append(f"    if {p.name} is None:\n"
                            f'        raise TypeError("enabled_{a.name}: {p.name} '
@@ -711,6 +713,12 @@ class Generator:
             args.append(p.name)
         call = f"{a.name}_guard({', '.join(['s', *args])}) is None"
         if loops:
+            # every enumerable parameter given (the batcher's per-lane question): one guard
+            # call, without the generator `any` runs (a quarter of the time)
+            given = " and ".join(f"{n} is not None" for n in bound)
+            out.append(render([f"    if {given}:"], indent=4) + "\n")
+            out.append(render(["        return ", call], indent=8) + "\n")
+            out.extend(looped)
             out.append(render(["    return ", genexpr("any", [call], loops)], indent=4) + "\n")
         else:
             out.append(f"    return {call}\n")
