@@ -188,8 +188,11 @@ def slen(s: TokSeq) -> int:
     return s.n
 
 
-def prefix_eq(a: TokSeq, b: TokSeq, n: int) -> bool:
-    """True iff `a` and `b` both have at least `n` tokens and their first `n` tokens are equal."""
+def prefix_eq(a: Sequence[int], b: Sequence[int], n: int) -> bool:
+    """True iff `a` and `b` both have at least `n` tokens and their first `n` tokens are equal
+    (two TokSeqs compared on their buffers, any other token sequence by its slice)."""
+    if type(a) is not TokSeq or type(b) is not TokSeq:
+        return len(a) >= n and len(b) >= n and tuple(a[:max(n, 0)]) == tuple(b[:max(n, 0)])
     if a.n < n or b.n < n:
         return False
     if n <= 0:

@@ -67,6 +67,7 @@ class SeqMachine(RuleBasedStateMachine):
             assert hash(s) == hash(t)
         expect = len(ms) >= n and len(mt) >= n and ms[: max(n, 0)] == mt[: max(n, 0)]
         assert prefix_eq(s, t, n) == expect
+        assert prefix_eq(s, tuple(mt), n) == expect and prefix_eq(tuple(ms), t, n) == expect
 
     @rule(a=views, b=views, start=st.integers(min_value=0, max_value=14),
           stop=st.integers(min_value=0, max_value=14))
