@@ -14,7 +14,7 @@ core's read its indexes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from atom_core._generated import core as g
@@ -39,7 +39,7 @@ class Choice(NamedTuple):
     args: dict[str, Any]
 
 
-def common_chunks(a: TokSeq, b: TokSeq, chunk: int, limit: int, at: int = 0) -> int:
+def common_chunks(a: Sequence[int], b: Sequence[int], chunk: int, limit: int, at: int = 0) -> int:
     """The longest n <= limit, a multiple of chunk, with a[at:at + n] == b[at:at + n]."""
     # Bisection over the number of chunks (agreement on a range implies it on its prefixes):
     # a whole hit is one comparison, a partial one a few, instead of one per chunk.
