@@ -56,7 +56,7 @@ def _step(s: Any, policy: Policy, action: str, **args: Any) -> Any:
     return st_.state
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(served=st.lists(tokens.filter(lambda p: len(p) > 1), min_size=1, max_size=8),
        spills=st.lists(st.integers(0, 4), max_size=3), probes=st.lists(tokens, min_size=1,
                                                                          max_size=6))
