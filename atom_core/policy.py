@@ -27,13 +27,6 @@ def _core(s: Any) -> Any:
     return inplace if type(s) is inplace.MState else g
 
 
-def _first_chunk(s: Any, prompt: TokSeq) -> TokSeq | None:
-    """The prompt's first chunk, the head of every entry it can hit; None when the prompt is too
-    short to hit (a hit is whole chunks and leaves a prompt token to compute)."""
-    c = s.consts.C
-    return take(prompt, c) if len(prompt) > c else None
-
-
 class Choice(NamedTuple):
     action: str
     args: dict[str, Any]
@@ -150,14 +143,11 @@ class Policy:
         def upto(b: int) -> int:
             # a hybrid hit also restores the sliding state: only where the entry has a snapshot
             return s.snap_upto[b] if s.consts.HYBRID else len(s.key[b])
-        first = _first_chunk(s, prompt)
-        if first is None:
-            return None
         # an admission copies into the lane's first block: entries that start a sequence
         owner, start = s.owner, s.start
-        entries = [b for b in _core(s).where_head(s, first)
-                   if owner[b] == g.OWNER_CACHE and start[b] == 0]
-        return self._longest(s, prompt, entries, s.key, upto, self.last_use)
+        return self._longest(s, prompt, _core(s).where_head,
+                             lambda b: owner[b] == g.OWNER_CACHE and start[b] == 0,
+                             s.key, upto, self.last_use)
 
     def next_hit(self, s: g.State, lane: int) -> tuple[int, int] | None:
         """(src, n) of the longest cached continuation of a prefilling lane whose tail block is
@@ -201,23 +191,24 @@ class Policy:
 
     def best_host_hit(self, s: g.State, prompt: TokSeq) -> tuple[int, int] | None:
         """(slot, n) of the longest host-tier hit into a first block, or None."""
-        first = _first_chunk(s, prompt)
-        if first is None:
-            return None
         state, start = s.slot_state, s.slot_start
-        stored = [h for h in _core(s).where_slot_head(s, first)
-                  if state[h] == g.SLOTSTATE_STORED and start[h] == 0]
-        return self._longest(s, prompt, stored, s.slot_key, lambda h: len(s.slot_key[h]),
-                             self.slot_use)
+        return self._longest(s, prompt, _core(s).where_slot_head,
+                             lambda h: state[h] == g.SLOTSTATE_STORED and start[h] == 0,
+                             s.slot_key, lambda h: len(s.slot_key[h]), self.slot_use)
 
     @staticmethod
-    def _longest(s: g.State, prompt: TokSeq, entries: list[int], key: Any, upto: Any,
+    def _longest(s: g.State, prompt: TokSeq, where: Any, usable: Any, key: Any, upto: Any,
                  use: dict[int, int]) -> tuple[int, int] | None:
-        """The longest hit among `entries`, whose first chunk is the prompt's."""
+        """The longest hit among the usable entries `where(s, head)` gives for the prompt's
+        first chunk (the lookup of their heads)."""
         c = s.consts.C
         limit = (len(prompt) - 1) // c * c  # at least one prompt token is recomputed
+        if limit < c:  # too short to hit: a hit is whole chunks and leaves a token to compute
+            return None
         best: tuple[int, int] | None = None
-        for b in entries:
+        for b in where(s, take(prompt, c)):
+            if not usable(b):
+                continue
             k = key[b]
             n = common_chunks(k, prompt, c, min(limit, len(k) // c * c, upto(b)))
             if n and (best is None or (n, use.get(b, 0)) > (best[1], use.get(best[0], 0))):

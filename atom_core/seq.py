@@ -192,7 +192,7 @@ def prefix_eq(a: Sequence[int], b: Sequence[int], n: int) -> bool:
     """True iff `a` and `b` both have at least `n` tokens and their first `n` tokens are equal
     (two TokSeqs compared on their buffers, any other token sequence by its slice)."""
     if type(a) is not TokSeq or type(b) is not TokSeq:
-        return len(a) >= n and len(b) >= n and tuple(a[:max(n, 0)]) == tuple(b[:max(n, 0)])
+        return range_eq(a, b, 0, n)
     if a.n < n or b.n < n:
         return False
     if n <= 0:
