@@ -213,7 +213,12 @@ def range_eq(a: Sequence[int], b: Sequence[int], start: int, stop: int) -> bool:
         if a.n < stop or b.n < stop:
             return False
         x, y = a.buf, b.buf
-        return start >= stop or x is y or x[start:stop] == y[start:stop]
+        if start >= stop or x is y:
+            return True
+        # (ends first: a bisection's probes past a divergence fail there, without two copies)
+        if x[stop - 1] != y[stop - 1] or x[start] != y[start]:
+            return False
+        return x[start:stop] == y[start:stop]
     if len(a) < stop or len(b) < stop:
         return False
     return start >= stop or tuple(a[start:stop]) == tuple(b[start:stop])

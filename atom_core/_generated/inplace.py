@@ -412,14 +412,24 @@ def reusable(s: MState, b: int) -> bool:
 
 def where_head(s: MState, v: TokSeq) -> list[int]:
     """The Block x with head(x) == v, ascending (`lookup(head)`)."""
+    xs = s._ix1.get(_sig(v))
+    if not xs:
+        return []
     head = s.head
-    return sorted(x for x in s._ix1.get(_sig(v), ()) if head[x] == v)
+    out = [x for x in xs if head[x] == v]
+    out.sort()
+    return out
 
 
 def where_slot_head(s: MState, v: TokSeq) -> list[int]:
     """The Slot x with slot_head(x) == v, ascending (`lookup(slot_head)`)."""
+    xs = s._ix4.get(_sig(v))
+    if not xs:
+        return []
     slot_head = s.slot_head
-    return sorted(x for x in s._ix4.get(_sig(v), ()) if slot_head[x] == v)
+    out = [x for x in xs if slot_head[x] == v]
+    out.sort()
+    return out
 
 
 # --------------------------------------------------------------------------- actions

@@ -213,9 +213,16 @@ class InplaceGenerator(Generator):
         if key not in self.indexes:
             return super()._where_fn(f)
         self.used_ix.add(key)
-        return (self._where_head(f) + f"    {f.name} = s.{f.name}\n"
-                f"    return sorted(x for x in s.{self._ix_slot(key)}.get("
-                f"{self._ix_key(key, 'v')}, ()) if {f.name}[x] == v)\n")
+        # (a miss, the common case, returns before the comprehension; a list comprehension
+        # sorted in place is a third cheaper than sorted() over a generator)
+        return (self._where_head(f)
+                + f"    xs = s.{self._ix_slot(key)}.get({self._ix_key(key, 'v')})\n"
+                f"    if not xs:\n"
+                f"        return []\n"
+                f"    {f.name} = s.{f.name}\n"
+                f"    out = [x for x in xs if {f.name}[x] == v]\n"
+                f"    out.sort()\n"
+                f"    return out\n")
 
     def _guard_nodes(self, b: Body, g: Expr, pos: bool, env: dict[int, str]) -> list[Any]:
         """A universal quantifier whose body fails only where h(x) == e loops over the x the
