@@ -649,8 +649,10 @@ class AtomBatcher:
         # running lanes get their next blocks before an admission can take them, and an
         # admission whose hit fills its first block grows before the next call
         self._grow(events)
+        before = self._version
         self._admit(events)
-        self._grow(events)
+        if self._version != before:  # (else the state is the one the first pass left: no lane
+            self._grow(events)       # needs a block, and asking again costs B guard checks)
         lane = self._prefilling_lane()
         plan = self._plan_prefill(lane, events) if lane is not None \
             else self._plan_decode(events)
