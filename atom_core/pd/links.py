@@ -28,6 +28,7 @@ Wire ids must be unique across the decode workers (`DecodeWorker(wire_prefix=...
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -43,6 +44,18 @@ __all__ = ["DecodeLinks", "PrefillLinks"]
 
 # The longest sleep between two looks at idle links.
 IDLE_POLL = 0.002
+
+# A prefill request a prefill worker takes: a wire id of at most this many characters and a
+# per-request nonce of 32 lowercase hex digits (secrets.token_hex(16)).
+MAX_WIRE_CHARS = 64
+_REQUEST_NONCE = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def wellformed_prefill(wire: Any, nonce: Any) -> bool:
+    """`wire` and `nonce` of a prefill request are ones a prefill worker serves (else it drops
+    the request unanswered: `PrefillWorker._on_prefill`, `DecodeLinks.poll`)."""
+    return isinstance(wire, str) and len(wire) <= MAX_WIRE_CHARS and \
+        isinstance(nonce, str) and bool(_REQUEST_NONCE.match(nonce))
 
 
 def poll_until(ready: Callable[[], bool], timeout: float) -> bool:
@@ -73,13 +86,20 @@ class _Links:
         self.lost: dict[int, str] = {}  # peer -> why its link ended
 
     def add(self, peer: int, link: Transport) -> None:
-        """A (re)joined peer's link, its handshake done: used from now on."""
+        """A (re)joined peer's link, its handshake done: used from now on. When it replaces a
+        link the peer still has here (the peer restarted before its old link's loss was
+        polled), what was in flight on the old link is settled as for a loss
+        (`_lost_peer`): the old link is closed and never polled again, so otherwise those
+        requests would wait for answers that cannot come (until a transfer timeout), and
+        answers for the old process would go to the new one."""
         old = self.links.get(peer)
-        if old is not None and old is not link:
-            old.close()
         self.links[peer] = link
         self._all.append(link)
         self.lost.pop(peer, None)
+        if old is not None and old is not link:
+            old.close()
+            # with the new link in place: a retry may go to the restarted peer itself
+            self._lost_peer(peer, "its link was replaced: the peer restarted", self._inbox)
 
     @property
     def alive(self) -> bool:
@@ -294,7 +314,9 @@ class DecodeLinks(_Links):
 
     def __init__(self, secure: bool) -> None:
         super().__init__(secure)
-        self._from: dict[str, tuple[int, str]] = {}  # wire id -> (decode worker, nonce)
+        # wire id -> (decode worker, nonce, the link it came on): the answer goes on that link
+        # only, never on a newer one to a restarted decode worker (another process)
+        self._from: dict[str, tuple[int, str, Transport]] = {}
         self.dropped_answers = 0  # for a decode worker that is gone
         self.refused = 0  # a request id another decode worker uses, or a foreign cancel
 
@@ -308,7 +330,7 @@ class DecodeLinks(_Links):
         wire = header.get("request_id" if kind == "kv" else "id")
         src = self._from.pop(wire, None) if isinstance(wire, str) else None
         link = self.links.get(src[0]) if src is not None else None
-        if link is None:
+        if link is None or src is None or link is not src[2]:
             self.dropped_answers += 1  # its decode worker is gone: nobody waits for it
             return
         try:
@@ -324,11 +346,16 @@ class DecodeLinks(_Links):
                 self._lose(peer, str(header.get("error", "it shut down")), out)
                 continue
             wire = header.get("id")
-            if kind == "prefill" and isinstance(wire, str):
-                if wire in self._from:
-                    self.refused += 1  # in use: answering would go to its owner
+            if kind == "prefill":
+                link = self.links.get(peer)
+                if not wellformed_prefill(wire, header.get("nonce")) or wire in self._from \
+                        or link is None:
+                    # malformed (the worker would drop it unanswered, and its entry here would
+                    # stay forever), in use (answering would go to its owner), or its decode
+                    # worker left in this very poll (shut down): nobody would take the answer
+                    self.refused += 1
                     continue
-                self._from[wire] = (peer, str(header.get("nonce")))
+                self._from[wire] = (peer, str(header.get("nonce")), link)
             elif kind == "cancel" and (not isinstance(wire, str)
                                        or self._from.get(wire, (None,))[0] != peer):
                 self.refused += 1  # only its own requests
@@ -339,6 +366,6 @@ class DecodeLinks(_Links):
     def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
         # its requests end here: cancelled inside the worker (their blocks freed); the answers
         # the worker sends for them are dropped (`send`)
-        for wire, (p, nonce) in self._from.items():
+        for wire, (p, nonce, _link) in self._from.items():
             if p == peer:
                 out.append(({"kind": "cancel", "id": wire, "nonce": nonce}, None))

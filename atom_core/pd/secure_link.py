@@ -26,8 +26,9 @@ tensor holding the ciphertext of (the header's JSON, the tensor's dtype and shap
 The associated data binds the box to the session id, the direction, the kind, the per-request
 nonce (which the decode worker puts in its prefill request and the prefill worker echoes) and
 the sequence number; the AEAD nonce is the sequence number under a per-direction key. A box
-that fails to open (altered, from another session, another direction or request) is dropped and
-counted; a sequence number already seen, or older than the replay window, is dropped unopened.
+that fails to open (altered, from another session, another direction or request) is dropped,
+counted and logged (naming this end, the session and the box's request nonce); a sequence
+number already seen, or older than the replay window, is dropped unopened.
 A box larger than the frame limits (`pd.frame_limits`) is dropped before it is opened. The
 reserved kinds (peer_lost, bye) are refused on send and dropped on receive: only the local
 transport reports a loss.
@@ -84,6 +85,9 @@ _HEX = re.compile(r"[0-9a-f]{64}\Z")
 REPLAY_WINDOW = 1024
 # The largest plaintext one box holds (the AEAD's limit per call, 2**31 - 1 bytes).
 MAX_BOX_PLAINTEXT = 2 ** 31 - 1
+# Dropped boxes logged per reason: the first LOG_FIRST, then every LOG_EVERY-th.
+LOG_FIRST = 10
+LOG_EVERY = 1000
 # Messages sent before the handshake completes wait, at most this many.
 MAX_QUEUED = 4096
 # Envelope and inner-header bytes beyond the frame limits' header and tensor.
@@ -380,13 +384,14 @@ class SecureLink:
             self.dropped["malformed"] += 1
             return None
         if kind in _RESERVED:
-            self.dropped["reserved"] += 1
+            self._drop("reserved", kind, rn, seq)
             return None
         if self.max_box_bytes is not None and box.numel() > self.max_box_bytes:
-            self.dropped["oversized"] += 1
+            self._drop("oversized", kind, rn, seq, f"{box.numel()} bytes, the limit is "
+                                                   f"{self.max_box_bytes}")
             return None
         if seq in self._recv_seen or seq <= self._recv_max - self._window:
-            self.dropped["replay"] += 1
+            self._drop("replay", kind, rn, seq)
             return None
         assert self._recv_key is not None
         peer = "prefill" if self.role == "decode" else "decode"
@@ -395,7 +400,9 @@ class SecureLink:
             plain = self._recv_key.decrypt(struct.pack(">4xQ", seq), box.contiguous().numpy(),
                                            self._ad(peer, kind, rn, seq))
         except InvalidTag:
-            self.dropped["auth"] += 1
+            self._drop("auth", kind, rn, seq, "it fails authentication: altered, truncated, "
+                                              "extended, or sealed for another session, "
+                                              "direction or request")
             return None
         # only an authentic box moves the window: forged numbers cannot burn real ones
         self._recv_seen.add(seq)
@@ -406,8 +413,24 @@ class SecureLink:
         try:
             return self._unpack(plain, kind, rn)
         except (_ProtocolError, ValueError, TypeError, KeyError, struct.error, RuntimeError):
-            self.dropped["malformed"] += 1  # authentic but malformed: a broken peer
+            self._drop("malformed", kind, rn, seq, "authentic but malformed inside: the peer "
+                                                   "is broken")
             return None
+
+    def _drop(self, reason: str, kind: str, rn: str, seq: int, why: str = "") -> None:
+        """Count a dropped box and say so in the log, naming this link's end and the box's
+        request nonce (from its envelope, which is not authenticated: a hint for the operator,
+        never acted on). The request it belonged to, if any, then ends by its transfer
+        timeout. The first few per reason are logged, then every LOG_EVERY-th: a peer that
+        floods bad boxes cannot flood the log."""
+        self.dropped[reason] += 1
+        n = self.dropped[reason]
+        if n <= LOG_FIRST or n % LOG_EVERY == 0:
+            log.warning("PD link (%s side, session %s): dropped a %r box (%s; seq %d, request "
+                        "nonce %s): %s%s (%d dropped for this reason so far)", self.role,
+                        self.session_id.hex()[:8] if self.session_id else "-", kind[:64],
+                        reason, seq, rn[:8] or "-", why or reason,
+                        "" if n < LOG_FIRST else "; further ones are logged sparsely", n)
 
     @staticmethod
     def _unpack(plain: bytes, kind: str, rn: str) -> Message:

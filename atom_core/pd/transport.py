@@ -69,7 +69,8 @@ transports one after another and the rest of the process's torch.distributed use
   `abort()` nor `shutdown()` of the group wakes it). A hung peer never takes the bye, so that
   send fails after `timeout`, which takes the link down and frees both threads. Should a thread
   still be inside gloo a second later, `close` leaves it (and the group it uses) to the
-  process's exit and returns.
+  process's exit and returns. From `close` on, what the receiver still takes is dropped, not
+  queued: a peer that keeps sending instead of answering the bye cannot grow the inbox.
 """
 
 from __future__ import annotations
@@ -214,14 +215,17 @@ class _Inbox:
         self._cond = threading.Condition()
         self._items: collections.deque[Message] = collections.deque()
         self._ended = False
+        self._discarding = False
         self._max: float = max_messages
 
     def put(self, message: Message, block: bool = True) -> bool:
-        """Append `message`; when full, wait for the reader (`block`) or return False."""
+        """Append `message`; when full, wait for the reader (`block`) or return False. After
+        `end` or `discard` the message is dropped (True: nothing to retry)."""
         with self._cond:
             if block:
-                self._cond.wait_for(lambda: len(self._items) < self._max or self._ended)
-            if self._ended:
+                self._cond.wait_for(lambda: len(self._items) < self._max or self._ended
+                                    or self._discarding)
+            if self._ended or self._discarding:
                 return True
             if len(self._items) >= self._max:
                 return False
@@ -229,10 +233,13 @@ class _Inbox:
             self._cond.notify_all()
             return True
 
-    def unbound(self) -> None:
-        """Stop waiting for room (a closing transport must not hang in put)."""
+    def discard(self) -> None:
+        """From now on drop what is put (a closing transport: a receiver waiting for room must
+        not hang in put, and nobody reads what arrives after close). Dropped, not queued: the
+        receiver keeps reading until the peer's answering bye, and a peer that keeps sending
+        instead (a hung or hostile one, for up to the close timeout) must not grow memory."""
         with self._cond:
-            self._max = math.inf
+            self._discarding = True
             self._cond.notify_all()
 
     def end(self, lost: str | None = None) -> bool:
@@ -592,7 +599,8 @@ class GlooTransport(_Counted):
             else:
                 self._outbox.put(None)
             self._flushed.notify_all()
-        self._inbox.unbound()  # a receiver waiting for room takes the peer's bye
+        self._inbox.discard()  # a receiver waiting for room takes the peer's bye; later
+        # messages are dropped, not held: the inbox stays within `inbox_messages`
         # A send part that never completes fails after `timeout` and takes the link down, which
         # frees both threads: the margin lets that happen before giving up on them.
         deadline = time.monotonic() + self.timeout + 1.0

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import logging
 import math
 import re
 import secrets
@@ -53,9 +54,12 @@ from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event, Result
 from atom_core.config import Config
 from atom_core.pd import payload as pd
+from atom_core.pd.links import wellformed_prefill
 from atom_core.pd.transport import Transport, TransportError
 
 __all__ = ["DecodeWorker", "PrefillWorker"]
+
+log = logging.getLogger(__name__)
 
 LOST = "prefill worker lost"
 
@@ -73,6 +77,12 @@ NO_KEY = ("PD workers need a shared key (key=..., `atom_core.pd.payload.load_key
 def _need_key(key: bytes | None, insecure: bool) -> None:
     if key is None and not insecure:
         raise ValueError(NO_KEY)
+    if key is None:
+        # the explicit flag lets it run; the log says so, so an insecure deployment (a test
+        # setting that reached production) is never silent
+        log.warning("PD worker WITHOUT a key (insecure=True): its link is neither authenticated "
+                    "nor encrypted, and any process that reaches it can read prompts and KV or "
+                    "inject KV; give both workers a shared key (pd.load_key)")
     if key is not None and (not isinstance(key, bytes) or len(key) < pd.MIN_KEY_BYTES):
         raise ValueError(f"the PD key must be bytes of at least {pd.MIN_KEY_BYTES} "
                          "(pd.load_key)")
@@ -208,8 +218,7 @@ class PrefillWorker:
             self.stats.ignored += 1
 
     def _on_prefill(self, wire: Any, prompt: Any, nonce: Any) -> None:
-        if not isinstance(wire, str) or len(wire) > 64 or wire in self._local or \
-                not isinstance(nonce, str) or not _NONCE.match(nonce):
+        if not wellformed_prefill(wire, nonce) or wire in self._local:
             # No id or nonce to answer with, or a duplicate: answering would fail the original
             # request.
             self.stats.ignored += 1
