@@ -306,8 +306,10 @@ def test_stop_string_and_stop_token_ids(srv):
 
 
 def test_client_disconnect_aborts_and_frees_every_block(srv):
-    srv.runtime.delay = 0.01  # 230 tokens take more than 2 s
-    body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 230,
+    # 230 tokens take more than 2 s (this prompt's greedy reply has no end token; "a long
+    # answer please" ends at 57, so a slow client could see it finish instead of aborting it)
+    srv.runtime.delay = 0.01
+    body = {"model": MODEL, "prompt": "never stop talking", "max_tokens": 230,
             "temperature": 0, "stream": True}
     before = srv.engine.call(lambda b: b.stats.generated_tokens)
     with httpx.stream("POST", srv.base + "/v1/completions", json=body,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -28,7 +29,9 @@ from atom_core.serve.engine import Engine, EngineStopped, Handle
 from atom_core.serve.metrics import Metrics
 from atom_core.serve.protocol import ChatRequest, CompletionRequest
 from atom_core.serve.sampling import SamplingParams, sampler_for
-from atom_core.serve.tokenizer import IncrementalText, Tokenizer
+from atom_core.serve.tokenizer import ChatTemplateError, IncrementalText, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -54,6 +57,35 @@ def _error(status: int, message: str, param: str | None = None,
            type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param,
                                    "code": code}}, status_code=status)
+
+
+class _Unexpected:
+    """An exception no handler took (a bug of ours): the client still gets the API's error
+    shape, a 500 its SDK raises as InternalServerError, on a connection that stays usable; the
+    log gets the traceback. (Starlette's own handler for Exception answers, then re-raises, and
+    uvicorn then resets the connection.) After a response started, only the log can tell."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - the one place every other error ends
+            log.exception("unexpected error serving %s", scope.get("path"))
+            if not started:
+                await _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}",
+                             type_="server_error")(scope, receive, send)
 
 
 @attrs.define
@@ -204,6 +236,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="atom-core", lifespan=lifespan)
+    app.add_middleware(_Unexpected)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
     # ------------------------------------------------------------------ errors and auth
@@ -304,6 +337,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         if vocab is not None and not all(0 <= t < vocab for t in ids):
             raise ApiError(400, f"stop_token_ids: ids must be in 0..{vocab - 1}",
                            "stop_token_ids")
+        # the model's other end tokens end it as EOS does (a tokenizer of the protocol before
+        # `end_token_ids` has none)
+        ids |= getattr(tokenizer, "end_token_ids", frozenset())
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p,
                                   top_k=max(body.top_k, 0), seed=body.seed)
         return _Job(prompt, max_tokens if max_tokens is not None else room, sampling, stop, ids)
@@ -518,7 +554,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             raise ApiError(400, "logprobs: not supported", "logprobs")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(part.text for part in m.content)} for m in body.messages]
-        prompt = tokenizer.chat(messages)
+        try:
+            prompt = tokenizer.chat(messages)
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"messages: {exc}", "messages") from None
         job = _job(body, prompt, max_tokens, "messages")
         _admit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -8,6 +8,7 @@ of its own. `IncrementalText` turns a growing list of ids into text deltas for s
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,9 +18,18 @@ from typing import Any, Protocol
 _PLAIN_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the conversation (e.g. Gemma's 'roles must alternate'
+    via raise_exception): the client's request is at fault, so a 400, not a 500."""
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     eos_token_id: int | None
+    # more ids that end a reply as the end token does (a model's generation_config.json may
+    # list several: Llama 3's <|eot_id|> and <|end_of_text|>, Qwen's <|im_end|> and
+    # <|endoftext|>); the batcher knows one end token, the server stops at these
+    end_token_ids: frozenset[int]
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -31,11 +41,25 @@ def plain_chat(messages: list[dict[str, str]]) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
+def generation_end_ids(model_dir: Path) -> list[int]:
+    """The end ids a model directory's generation_config.json names (`eos_token_id`: one id or
+    a list); [] without the file or the field."""
+    try:
+        cfg = json.loads((model_dir / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return []
+    ids = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
 class ByteTokenizer:
     """Token id b < 256 is the byte b; 256 is the end token (never produced by `encode`)."""
 
     vocab_size = 257
     eos_token_id = 256
+    end_token_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -63,7 +87,11 @@ class HFTokenizer:
                               "pip install 'atom-core[serve]'") from None
         self._tok: Any = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.vocab_size = len(self._tok)
+        ends = generation_end_ids(Path(path))
         self.eos_token_id = self._tok.eos_token_id
+        if self.eos_token_id is None and ends:
+            self.eos_token_id = ends[0]
+        self.end_token_ids = frozenset(ends) - {self.eos_token_id}
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
@@ -74,8 +102,14 @@ class HFTokenizer:
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         if getattr(self._tok, "chat_template", None):
-            out = self._tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True)
+            from jinja2 import TemplateError
+
+            try:
+                out = self._tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=True)
+            except (TemplateError, TypeError, ValueError) as exc:
+                raise ChatTemplateError(f"the model's chat template refused these messages: "
+                                        f"{exc}") from exc
             if isinstance(out, dict) or hasattr(out, "keys"):  # a BatchEncoding
                 out = out["input_ids"]
             return [int(t) for t in out]
@@ -85,10 +119,24 @@ class HFTokenizer:
 class IncrementalText:
     """Text deltas of a growing token list, cut at the first stop string.
 
-    Each delta is a prefix-extension of the final text: a trailing replacement character (an
+    Each delta is a prefix-extension of the final text: trailing replacement characters (an
     incomplete UTF-8 sequence that later tokens may complete) and the last len(stop) - 1
     characters (a stop string may still be forming) are held back until `finish`.
+
+    A token costs O(1), not O(tokens so far): each step decodes a window, the tokens not yet
+    in the text and, as context, the tokens the text took last, and the text they add is what
+    the window decodes to beyond what its context alone does. (Context, because a decoder may
+    spell a token differently at the start of a text: SentencePiece drops the leading space of
+    the first word. The last tokens taken, because they start where a character does: a
+    byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run starts
+    inside a character.) Decoding the whole list at every token made a 4,096-token stream take
+    2.4 s of the event loop's time for the tiny tokenizer, growing with the square of its
+    length.
     """
+
+    # The most tokens that wait for a character's last byte (a UTF-8 character is at most 4
+    # bytes): more never make one, and waiting on would make each step's window grow.
+    PENDING = 8
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tok, self.stop = tokenizer, [s for s in stop if s]
@@ -97,22 +145,53 @@ class IncrementalText:
         self.text = ""
         self.stopped = False
         self._hold = max((len(s) - 1 for s in self.stop), default=0)
+        self._done = 0  # ids[:_done] are in `text`; the later ones wait for more bytes
+        self._last = 0  # ids[_last:_done]: the tokens `text` took last (the window's context)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        self.text = self.tok.decode(self.ids)
-        if self.stop:
-            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        searched = len(self.text)
+        self._extend(final=False)
+        if self.stop and len(self.text) > searched:
+            # a stop string in the text ends in the part just added (an earlier one would
+            # have stopped an earlier call), so the search starts len(stop) - 1 before it
+            at = max(0, searched - self._hold)
+            hits = [i for i in (self.text.find(s, at) for s in self.stop) if i >= 0]
             if hits:
                 self.text, self.stopped = self.text[:min(hits)], True
                 return self._take(len(self.text))
-        safe = len(self.text) - self._hold
-        if self.text.endswith("\ufffd"):
-            safe = min(safe, len(self.text) - 1)
-        return self._take(safe)
+        return self._take(len(self.text) - self._hold)
 
     def finish(self) -> str:
+        self._extend(final=True)
         return self._take(len(self.text))
+
+    def _extend(self, final: bool) -> None:
+        """Add the text of the tokens past `_done` when they make whole characters (a decoder
+        gives U+FFFD for each byte of an unfinished one, as many as its bytes so far with a
+        byte-fallback tokenizer, Llama's or Gemma's), or whatever they make at the end."""
+        if self._done == len(self.ids) or self.stopped:
+            return
+        end = len(self.ids)
+        if not final and end - self._done > self.PENDING:
+            # that many tokens never make a character: take all but the last three, which
+            # may still start one (three bytes of a four-byte character at most)
+            self._take_tokens(end - 3, force=True)
+        self._take_tokens(end, force=final)
+
+    def _take_tokens(self, end: int, force: bool) -> None:
+        """Add the text ids[_done:end] make, if they end on a whole character or `force`."""
+        lo = self._last
+        before = self.tok.decode(self.ids[lo:self._done]) if lo < self._done else ""
+        now = self.tok.decode(self.ids[lo:end])
+        if not force and now.endswith("\ufffd"):
+            return  # (a byte-fallback decoder may spell the context as U+FFFD meanwhile too)
+        if not now.startswith(before):
+            # the new tokens respelled their context (bytes that never make a character, in
+            # a byte-fallback decoder): the whole list, as a last resort, past the text so far
+            now, before = self.tok.decode(self.ids[:end]), self.text
+        self.text += now[len(before):]
+        self._last, self._done = self._done, end
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:
