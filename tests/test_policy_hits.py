@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from atom_core._generated import core as g
@@ -97,3 +97,89 @@ def test_best_hits_are_the_brute_force_longest(served: list[list[int]], spills: 
         for state in (s, ip.thaw(s)):
             assert policy.best_hit(state, p) == device, (p, device)
             assert policy.best_host_hit(state, p) == host, (p, host)
+
+
+def _reference_reusable(policy: Policy, s: Any, exclude: int | None) -> int | None:
+    """The policy's preference as a definition: the lowest free block, else among the reusable
+    cache entries those no prefilling lane will copy next, past a table's first block, least
+    recently used, lowest; every block and lane checked one by one."""
+    k, c = s.consts.K, s.consts.C
+    ok = [b for b in range(k) if b != exclude and g.reusable(s, b)]
+    free = [b for b in ok if s.owner[b] == g.OWNER_FREE]
+    if free:
+        return free[0]
+    prefilling = [ln for ln in range(s.consts.B) if s.busy[ln]
+                  and s.phase.get(s.lane_req[ln]) == g.PHASE_PREFILL]
+
+    def ahead(b: int) -> bool:
+        return any(s.start[b] >= s.length[ln] and
+                   s.key[b].tokens()[:s.start[b] + c] == s.lane_seq[ln].tokens()[:s.start[b] + c]
+                   and len(s.key[b]) >= s.start[b] + c and len(s.lane_seq[ln]) >= s.start[b] + c
+                   for ln in prefilling)
+
+    return min(ok, key=lambda b: (ahead(b), s.start[b] == 0, policy.last_use.get(b, 0)),
+               default=None)
+
+
+def _reference_order_without_ahead(policy: Policy, s: Any, exclude: int | None) -> int | None:
+    ok = [b for b in range(s.consts.K) if b != exclude and g.reusable(s, b)]
+    free = [b for b in ok if s.owner[b] == g.OWNER_FREE]
+    return free[0] if free else min(
+        ok, key=lambda b: (s.start[b] == 0, policy.last_use.get(b, 0)), default=None)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(served=st.lists(st.lists(st.integers(0, 1), min_size=2, max_size=11), min_size=1,
+                       max_size=6),
+       last=st.lists(st.integers(0, 1), min_size=2, max_size=11), continues=st.booleans(),
+       prefill=st.integers(0, 5), copy=st.booleans(), exclude=st.none() | st.integers(0, 7))
+# (the ahead tier decides: the later blocks of the first entry are the least recently used, and
+# the admitted lane, whose prompt extends that entry's, will copy them next; found by search)
+@example(served=[[0] * 6] + [[0, 0]] * 5, last=[0, 0], continues=True, prefill=0, copy=False,
+         exclude=None)
+def test_eviction_order_is_the_reference_order(served: list[list[int]], last: list[int],
+                                               continues: bool, prefill: int, copy: bool,
+                                               exclude: int | None) -> None:
+    """`Policy.reusable` (C-speed selection) against its definition, on paged tables (entries
+    that start past a table's first block), after hits (use times), with a lane prefilling a
+    prompt that entries continue (`ahead`) and maybe a copy in flight (a pinned entry)."""
+    if continues:  # the last prompt extends a served one: its later blocks are ahead of it
+        last = (served[0] + last)[:11]  # (a prompt fits T * S = 12 tokens with one to spare)
+    consts = g.Consts(B=2, K=8, C=C, S=4, T=3, PREFIX=True, RESERVED=False, SCRATCH=0,
+                      HYBRID=False, HOST=False, H=0, PREEMPT=False)
+    s, policy = g.init(consts, False), Policy()
+    for r, p in enumerate(served + [last]):
+        s = _step(s, policy, "submit", r=r, p=seq(p))
+        choice = policy.admission(s, r)
+        if choice is None:
+            break
+        s = _step(s, policy, choice.action, **choice.args)
+        lane, final = choice.args["l"], r == len(served)
+        if choice.action == "admit_hit" and (not final or not copy):
+            s = _step(s, policy, "copy_done", l=lane)
+        steps = prefill if final else 99
+        while steps and s.phase.get(r) == g.PHASE_PREFILL and not s.copying[lane]:
+            grow = policy.growth(s)
+            if grow:
+                step = policy.grow(s, grow[0])
+                if step is None:
+                    break
+                s = _step(s, policy, step.action, **step.args)
+                if step.action == "grow_hit":
+                    s = _step(s, policy, "copy_done", l=lane)
+                continue
+            s = _step(s, policy, "prefill", l=lane, tok=1)
+            steps -= 1
+        if not final and s.phase.get(r) == g.PHASE_DECODE:
+            s = _step(s, policy, "finish", l=lane, keep=True)
+        elif not final:
+            break
+    want = _reference_reusable(policy, s, exclude)
+    kind = "none" if want is None else "free" if s.owner[want] == g.OWNER_FREE else \
+        "a later block" if s.start[want] else "a first block"
+    event(f"pick: {kind}")
+    event(f"pinned entry: {any(s.copying)}")
+    tier = want != _reference_order_without_ahead(policy, s, exclude)
+    event(f"an entry a prefilling lane continues is kept: {tier}")
+    for state in (s, ip.thaw(s)):
+        assert policy.reusable(state, exclude) == want, (want, exclude)
