@@ -165,6 +165,15 @@ def _token(t: Any) -> int:
     return operator.index(t)
 
 
+def _integer(value: Any) -> int | None:
+    """`value` as an int if it is an integer (numpy and torch integer scalars included, as for
+    token ids), else None: bool, float and str are not (1.0 or "1" must not pass as 1)."""
+    try:
+        return _token(value)
+    except TypeError:
+        return None
+
+
 class InvariantViolation(AssertionError):
     def __init__(self, names: list[str]) -> None:
         super().__init__(f"core state violates invariants: {', '.join(names)}")
@@ -300,13 +309,19 @@ class AtomBatcher:
             raise ValueError("empty prompt: give at least one token")
         if vocab is not None and not all(0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt has token ids outside the vocabulary 0..{vocab - 1}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 1:
+        # integers as the prompt's ids are: numpy and torch integer scalars too (a count or an
+        # eos read from an array), stored as int so they compare and serialise as one
+        n_new = _integer(max_new_tokens)
+        if n_new is None or n_new < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool)
-                                         or not isinstance(eos_token_id, int)):
+        eos = None if eos_token_id is None else _integer(eos_token_id)
+        if eos_token_id is not None and eos is None:
             raise ValueError(f"eos_token_id must be a token id (int) or None, got "
                              f"{eos_token_id!r}")
+        if sampler is not None and not callable(sampler):
+            # else it would fail only at this request's first token, steps later
+            raise ValueError(f"sampler must be a callable (logits [V] -> token id) or None, got "
+                             f"{sampler!r}")
         s = self.config.max_seq_len
         if len(prompt) >= s:
             raise ValueError(
@@ -320,16 +335,21 @@ class AtomBatcher:
         if planned:  # a new waiting request changes nothing a pending plan chose
             self._planned = self._version
         self._next_id += 1
-        self.requests[rid] = Request(rid, prompt, max_new_tokens, eos_token_id, remote=remote,
+        self.requests[rid] = Request(rid, prompt, n_new, eos, remote=remote,
                                      export=export, sampler=sampler, batcher=self)
         self.waiting.append(rid)
         return rid
 
     def abort(self, request_id: int) -> bool:
-        """End a request early. False (and nothing changes) for an unknown or ended request."""
-        if isinstance(request_id, bool) or not isinstance(request_id, int):
+        """End a request early. False (and nothing changes) for an unknown or ended request.
+        Not while a plan is pending (between `plan()` and `complete()`): a RuntimeError, and
+        nothing changes; abort after `complete()`."""
+        rid = _integer(request_id)
+        if rid is None:
             # 1.0 == 1 as a dict key: a float would abort request 1
             raise ValueError(f"request ids are integers (from submit), got {request_id!r}")
+        request_id = rid
+        self._no_pending_plan("abort")
         req = self.requests.get(request_id)
         if req is None or req.ended:
             return False
@@ -347,6 +367,18 @@ class AtomBatcher:
         req.error = "aborted"
         self._ended_now(request_id)
         return True
+
+    def _no_pending_plan(self, call: str) -> None:
+        """Refuse a call that changes lanes or blocks while a plan is pending. The planned
+        runtime call may already have run: complete() would then have to refuse the step, and
+        the next step would run it again, which a plain model survives (the same KV written
+        twice) but a hybrid model does not (each call appends to its rows' sliding windows, so
+        every other decoding request's window would hold a position twice); the plan's events
+        (preemptions, "import", a failed copy's error) would be lost with it."""
+        if self._plan is not None:
+            raise RuntimeError(
+                f"{call}() while a plan is pending (between plan() and complete()): nothing "
+                f"changed; call complete() with the planned call's outputs first, then {call}()")
 
     # --------------------------------------------------------------- PD
     def make_local(self, request_id: int) -> bool:
@@ -371,6 +403,7 @@ class AtomBatcher:
         Hybrid models: `local_kv` is the prompt's sliding window (a local host buffer,
         `runtime.new_local_host_buffer()` layout), written into the request's lane's local slot;
         without it the request fails like a partial import. A plain model takes none."""
+        self._no_pending_plan("import_kv")
         events: list[Event] = []
         phase = self._m.phase.get(request_id)
         if phase != core.PHASE_IMPORTING:
@@ -446,6 +479,7 @@ class AtomBatcher:
         """The transfer for `request_id` ended without usable KV (an error, a bad payload, a lost
         peer): a request still waiting for it fails; a drained block is freed. Unknown or
         already-ended requests: nothing changes."""
+        self._no_pending_plan("transfer_ended")
         events: list[Event] = []
         if self._m.phase.get(request_id) in (core.PHASE_IMPORTING, core.PHASE_EXPORTING):
             self._transfer_failed(request_id, error, events)
@@ -474,6 +508,7 @@ class AtomBatcher:
     def export_done(self, request_id: int, error: str | None = None) -> list[Event]:
         """The export of `request_id` was sent (error None) or could not be: its block is
         released (into the prefix cache when on)."""
+        self._no_pending_plan("export_done")
         events: list[Event] = []
         if self._m.phase.get(request_id) != core.PHASE_EXPORTING:
             self._stale_or_drained(request_id)
@@ -606,7 +641,10 @@ class AtomBatcher:
         and nothing changes, for a request that has not ended or whose blocks still drain."""
         if request_id not in self.requests or not inplace.enabled_forget(self._m, r=request_id):
             return False
+        planned = self._plan is not None and self._version == self._planned
         self._apply("forget", r=request_id)
+        if planned:  # an ended request holds nothing a pending plan chose (as submit)
+            self._planned = self._version
         del self.requests[request_id]
         if request_id in self._ended:  # (rare: callers that forget use keep_ended=None)
             self._ended.remove(request_id)
@@ -634,6 +672,11 @@ class AtomBatcher:
             out = getattr(self.runtime, plan.call)(*plan.args())
         except Exception as exc:  # noqa: BLE001 - fails the requests the call touched
             return self.complete(error=exc)
+        except BaseException as exc:
+            # KeyboardInterrupt, SystemExit inside the call: its requests fail as for an error
+            # (the plan must not stay pending, else every later plan() refuses), then it goes on
+            self.complete(error=exc)
+            raise
         return self.complete(out)
 
     def plan(self) -> Plan:
@@ -641,7 +684,8 @@ class AtomBatcher:
         blocks, waiting requests are admitted (copies and loads of prefix hits run here), and
         one prefill or one decode call over every lane is planned. Run that call (or have an
         engine run it) and pass its logits to `complete()`; nothing else may change the
-        batcher in between but `submit` (abort and the PD calls: before `plan()` or after
+        batcher in between but `submit` and `forget` (abort and the PD calls that change
+        lanes or blocks refuse, with nothing changed: call them before `plan()` or after
         `complete()`)."""
         if self._plan is not None:
             raise RuntimeError("plan() called while a plan is pending: call complete() first")
@@ -661,13 +705,15 @@ class AtomBatcher:
 
     def complete(self, logits: Any = None, *, tokens: Sequence[int] | None = None,
                  error: BaseException | None = None) -> list[Event]:
-        """End the planned step: `logits` are the planned call's output ([1, c, V] for a
-        prefill, [B, 1, V] for decode; none when the plan has no call), or `tokens` the tokens
-        an engine sampled from them (one for a prefill, one per row for decode, padding rows'
-        ignored; the requests' own samplers are then not called, and a token that is not an id
-        in the vocabulary fails its request alone), or `error` the exception the call raised
-        (it fails the requests the call touched, nothing else). Returns the step's events, the
-        plan's first."""
+        """End the planned step: `logits` are the planned call's output ([1, 1, V] for a
+        prefill, or the whole chunk's [1, c, V], read at the chunk's last real token; [B, 1, V]
+        for decode; none when the plan has no call), or `tokens` the tokens an engine sampled
+        from them (one for a prefill, read only for the prompt's last chunk; one per row for
+        decode, padding rows' ignored; the requests' own samplers are then not called, and a
+        token that is not an id in the vocabulary fails its request alone), or `error` the
+        exception the call raised (it fails the requests the call touched, nothing else).
+        Logits of another shape fail the call's requests; a row whose logits are not finite
+        (NaN, inf) fails its request alone. Returns the step's events, the plan's first."""
         plan = self._plan
         if plan is None:
             raise RuntimeError("complete() called without a pending plan: call plan() first "
@@ -991,30 +1037,68 @@ class AtomBatcher:
         return Plan("prefill", tuple(events), ids, pos, self._tab[lane].clone(), local,
                     torch.tensor(len(chunk) - 1, dtype=torch.int16), lanes=(lane,), effect=eff)
 
+    def _logit_rows(self, logits: Any, rows: int, last: int | None) -> torch.Tensor:
+        """The planned call's logits as [rows, V]: each computed row's last position; for a
+        prefill given the whole chunk's logits [1, C, V] (`complete` takes them), the chunk's
+        last real token (`last`), not position C - 1, which a short last chunk only pads.
+        Anything else raises, naming the shape: a [1, V] prefill output would otherwise read as
+        one scalar (argmax 0) and a decode output with too few rows would break the step;
+        logits wider than the runtime's vocabulary would sample a token the next call cannot
+        embed, failing every lane."""
+        c, vocab = self.config.prefill_chunk, getattr(self.runtime, "vocab_size", None)
+        want = (f"[1, 1 or C={c}, V={vocab}]" if last is not None
+                else f"[B={rows}, 1, V={vocab}]")
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits must be a torch.Tensor {want}, got {type(logits).__name__}")
+        shape = tuple(logits.shape)
+        if len(shape) != 3 or shape[0] != rows or shape[1] < 1 or shape[2] < 1 \
+                or vocab is not None and shape[2] != vocab \
+                or last is not None and shape[1] not in (1, c):
+            raise ValueError(f"logits have shape {list(shape)}, the planned call's are {want}")
+        if last is None:
+            return logits[:, -1, :]
+        return logits[:, 0 if shape[1] == 1 else last, :]
+
+    @staticmethod
+    def _greedy(rows: torch.Tensor) -> tuple[list[int], list[bool]]:
+        """Each row's argmax (ties to the lowest id) and whether its logit is finite. argmax
+        propagates NaN, so a row with any NaN, a +inf logit or only -inf ones is not finite:
+        a device fault whose token would be served as if the model had chosen it."""
+        toks = torch.argmax(rows, dim=-1)
+        best = rows.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
+        return toks.tolist(), torch.isfinite(best).tolist()
+
     def _complete_prefill(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
                           error: BaseException | None, events: list[Event]) -> None:
         (lane,), eff = plan.lanes, plan.effect
         rid = self._m.lane_req[lane]
         req = self.requests[rid]
+        emits = eff.end == len(req.prompt) + len(req.tokens)  # the prompt's last chunk
+        tok, row = 0, None
         if error is None and tokens is None:
             try:
-                tok = int(torch.argmax(logits[0, -1]))
+                row = self._logit_rows(logits, 1, int(plan.last))
+                (tok,), (finite,) = self._greedy(row)
+                if not finite:
+                    raise ValueError(f"the logits are not finite (NaN or inf; row max "
+                                     f"{float(row[0, tok])})")
             except Exception as exc:  # noqa: BLE001 - logits the call got wrong
                 error = exc
         if error is not None:
             self._end(lane, events, f"prefill failed: {error!r}")
             return
-        emits = eff.end == len(req.prompt) + len(req.tokens)  # the prompt's last chunk
-        if tokens is not None:
+        if tokens is not None and emits:
+            # (a chunk that emits nothing never reads its token: an engine need not sample it)
             try:
                 (tok,) = tokens
                 tok = self._checked(tok)
             except Exception as exc:  # noqa: BLE001 - this request's token, nothing else
                 self._end(lane, events, f"token rejected: {exc!r}")
                 return
-        elif req.sampler is not None and emits:
+        elif tokens is None and req.sampler is not None and emits:
+            assert row is not None
             try:
-                tok = self._sample(req, logits[0, -1])
+                tok = self._sample(req, row[0])
             except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
                 self._end(lane, events, f"sampler failed: {exc!r}")
                 return
@@ -1072,10 +1156,12 @@ class AtomBatcher:
     def _complete_decode(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
                          error: BaseException | None, events: list[Event]) -> None:
         s, lanes = self._m, plan.lanes
+        rows, finite = None, None
         if error is None:
             try:
                 if tokens is None:
-                    toks = torch.argmax(logits[:, -1, :], dim=-1).tolist()
+                    rows = self._logit_rows(logits, s.consts.B, None)
+                    toks, finite = self._greedy(rows)
                 elif len(tokens) != s.consts.B:
                     raise ValueError(f"{len(tokens)} tokens for {s.consts.B} rows")
                 else:
@@ -1103,9 +1189,16 @@ class AtomBatcher:
                     toks[ln] = self._checked(toks[ln])
                 except Exception as exc:  # noqa: BLE001
                     bad[ln], toks[ln] = f"token rejected: {exc!r}", 0
+            elif finite is not None and not finite[ln]:
+                # this row's logits only: the rows are independent, the others are served
+                assert rows is not None
+                bad[ln] = (f"decode failed: the logits are not finite (NaN or inf; row max "
+                           f"{float(rows[ln, toks[ln]])})")
+                toks[ln] = 0
             elif req.sampler is not None:
+                assert rows is not None
                 try:
-                    toks[ln] = self._sample(req, logits[ln, -1])
+                    toks[ln] = self._sample(req, rows[ln])
                 except Exception as exc:  # noqa: BLE001
                     bad[ln] = f"sampler failed: {exc!r}"
         self.stats.decode_steps += 1

@@ -103,7 +103,10 @@ def test_complete_without_a_plan_or_twice_is_an_error():
         a.complete(torch.zeros(1, 64, 128))
 
 
-def test_submit_between_plan_and_complete_keeps_the_plan_abort_does_not():
+def test_submit_between_plan_and_complete_keeps_the_plan_abort_is_refused():
+    """abort() between plan() and complete() is refused with nothing changed (the planned call
+    may have run already: refusing the step afterwards would run it twice, which shifts a
+    hybrid model's sliding windows; tests/test_batcher_audit.py), and works after complete()."""
     a, b = _pair(kv_blocks=3)
     r0 = a.submit(PROMPTS[0], 4)
     b.submit(PROMPTS[0], 4)
@@ -114,10 +117,14 @@ def test_submit_between_plan_and_complete_keeps_the_plan_abort_does_not():
     b.submit(PROMPTS[1], 4)
     assert got == b_got
     plan = a.plan()
-    a.abort(r0)
-    with pytest.raises(RuntimeError, match="changed between plan"):
-        a.complete(getattr(a.runtime, plan.call)(*plan.args()))
-    a.step()  # the batcher goes on: the next step plans afresh
+    before = a.state
+    with pytest.raises(RuntimeError, match=r"abort\(\) while a plan is pending"):
+        a.abort(r0)
+    assert a.state == before and not a.requests[r0].ended
+    assert a.complete(getattr(a.runtime, plan.call)(*plan.args())) == b.step()
+    assert a.abort(r0) and a.requests[r0].error == "aborted"
+    a.step()  # the batcher goes on
+    a.check_invariants()
 
 
 def test_complete_with_tokens_sampled_elsewhere_is_step():
