@@ -30,8 +30,9 @@ top-2 logit gap is far above that rounding, and float32 logits with a tolerance)
 Refused, each with a message: architectures other than the supported ones (the multimodal
 Gemma3 among them), sliding-window layers in a model other than Gemma3 (Qwen2's, or a Mistral
 window shorter than `max_seq_len`), a Gemma3 config with no global layer, a non-positive window,
-bidirectional attention or attention soft-capping, dtypes other than float32/float64, and a
-`max_seq_len` beyond the model's `max_position_embeddings`.
+bidirectional attention or attention soft-capping, dtypes other than float32/float64, a
+`max_seq_len` beyond the model's `max_position_embeddings`, and LongRoPE with an original length
+below `max_seq_len` (its frequencies change per call, `_check_rope`).
 
 Nothing touches the network: loading is `from_pretrained(path, local_files_only=True)` and the
 hub is set offline (`HF_HUB_OFFLINE=1`) when this module is imported.
@@ -297,6 +298,45 @@ def check_model_config(config: Any, max_seq_len: int) -> None:
     if limit is not None and max_seq_len > limit:
         raise UnsupportedModelError(
             f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={limit}")
+    _check_rope(config, max_seq_len)
+
+
+def _rope_parameter_sets(config: Any) -> list[dict[str, Any]]:
+    """The model's RoPE parameter dicts: one, or (Gemma3) one per layer type. transformers 5
+    keeps them in `rope_parameters`; older configs in `rope_scaling`."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or not params:
+        return []
+    if all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())
+    return [params]
+
+
+def _check_rope(config: Any, max_seq_len: int) -> None:
+    """Refuse a RoPE whose frequencies depend on the call rather than on the position alone.
+
+    transformers' `dynamic_rope_update` picks LongRoPE's frequencies per forward call: the long
+    factors when the call's largest position id reaches past `original_max_position_embeddings`,
+    else the short ones. Here a prompt is prefilled one chunk per call and every lane decodes in
+    one call, so a chunk's keys would be rotated by the short factors while the rest of the
+    prompt (and `generate()`, which prefills the prompt in one call) uses the long ones, and a
+    lane's rotary frequencies would depend on how long the *other* lanes in its decode batch
+    are. Both change tokens (seen on a tiny Llama). With max_seq_len <= the original length
+    every call takes the short factors, which is position-only and fine. ("dynamic" NTK grows
+    its frequencies only past max_position_embeddings, which max_seq_len never exceeds.)"""
+    for params in _rope_parameter_sets(config):
+        if params.get("rope_type", params.get("type")) != "longrope":
+            continue
+        original = params.get("original_max_position_embeddings",
+                              getattr(config, "original_max_position_embeddings", None))
+        if original is None or int(original) < max_seq_len:
+            raise UnsupportedModelError(
+                f"this config uses LongRoPE with original_max_position_embeddings={original} < "
+                f"max_seq_len={max_seq_len}: transformers switches its rotary frequencies per "
+                "forward call on the call's longest position, which chunked prefill and batched "
+                "decode cannot reproduce (a chunk, or a lane beside a longer one, would be "
+                "rotated differently from generate()); use max_seq_len <= "
+                f"{original if original is not None else 'the original length'}")
 
 
 def _check_hybrid(config: Any, kinds: set[str]) -> None:
@@ -544,10 +584,18 @@ class HFRuntime:
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor,
              keep: int | torch.Tensor, slots: torch.Tensor | None = None,
              real: int = 0) -> torch.Tensor:
+        # The model sees position ids no larger than max_seq_len - 1. Only the padding of an
+        # eager table's last chunk (max_seq_len not a multiple of the chunk) lies past it: those
+        # positions store nothing and their outputs are dropped, but transformers' dynamic RoPE
+        # (NTK "dynamic", LongRoPE) picks the rotary frequencies of the whole call from its
+        # largest position id, so unclamped they would rotate the chunk's real tokens (and,
+        # dynamic NTK keeping its state, later calls) differently from generate(). The graph
+        # (`_Graph`) keeps the true positions for the masks and the writes.
+        position_ids = pos.long().clamp(max=self.max_seq_len - 1)
         token = _CURRENT.set(_Graph(self, pos, tab, slots, real))
         try:
             with torch_threads(self.num_threads), torch.inference_mode():
-                out = self.model(input_ids=ids, position_ids=pos.long(), use_cache=False,
+                out = self.model(input_ids=ids, position_ids=position_ids, use_cache=False,
                                  logits_to_keep=keep)
         finally:
             _CURRENT.reset(token)
