@@ -100,7 +100,14 @@ MATRIX: dict[str, tuple[str, dict[str, Any], Any, str | None]] = {
     "llama-logits-to-keep-1": ("llama", {**EAGER, "logits_to_keep": 1}, None, None),
     "llama-attention-mask": ("llama", {**EAGER, "use_attention_mask": True}, None, None),
     "qwen2-hybrid": ("qwen2", EAGER, None, None),
-    "gemma3": ("gemma3", EAGER, None, None),
+    # a text-only Gemma3 (mask and position ids, no image_prefill phase): optimum-rbln compiles
+    # its prefill bidirectional within a chunk (`use_bidirectional_prefill`), so it is refused
+    "gemma3": ("gemma3", EAGER, None, "use_position_ids"),
+    # the same model compiled with an image_prefill phase: its text prefill graph is causal
+    # (embeddings: optimum-rbln's own image-phase prefill pads token ids along the wrong axis)
+    "gemma3-image-phase": ("gemma3", {**EAGER, "phases": ["prefill", "image_prefill", "decode"],
+                                      "image_prefill_chunk_size": C, "use_inputs_embeds": True,
+                                      "embedding": True}, None, None),
     "llama-lora": ("llama", {**EAGER, "lora": True}, "math", None),
     "llama-lora-no-adapter": ("llama", {**EAGER, "lora": True}, None, "lora_config"),
     "llama-inputs-embeds": ("llama", {**EAGER, "use_inputs_embeds": True, "embedding": True},

@@ -21,10 +21,15 @@ Graph inputs. rbln_config.json says which inputs each graph was compiled with, i
 own runtime model passes for the same tables; an artifact whose inputs it cannot build is refused
 at load time with `RblnArtifactError` naming the setting (inputs_embeds without an embedding
 the binding can compute, sliding-window-only caches, linear-attention caches, LoRA without a
-chosen adapter, logits_to_keep > 1). Gemma3 is
-always compiled with an attention mask and position ids (prefill 7 inputs, decode 6); decode
-position ids equal cache positions because atom-core's text prefill never pads the cache (see
-`GraphInputs.decode_args`).
+chosen adapter, logits_to_keep > 1, and an attention mask with position ids but no
+image_prefill phase, which optimum-rbln compiles as a bidirectional prefix-LM prefill). Gemma3 is
+always compiled with an attention mask and position ids (prefill 7 inputs, decode 6), so only
+its artifacts with an image_prefill phase (a multimodal model's language model) prefill causally
+and are served; decode position ids equal cache positions because atom-core's text prefill never
+pads the cache (see `GraphInputs.decode_args`). At load, the input lists the binding builds are
+checked against the ones rbln_config.json records for every graph (`check_compiled_inputs`), so
+an input a model class adds (Qwen2-VL's `position_emb`) or an explicit size that disagrees with
+the compiled one is refused before anything runs.
 
 KV block operations use the runtime's KV-cache methods (`_copy_kv_cache(src, dst, num_tokens)`
 on device). Host transfers (`_fetch_kv_cache` / `_update_kv_cache` of one block, used by the host
@@ -60,8 +65,8 @@ from atom_core.runtime.protocol import (
 )
 
 __all__ = ["GraphInputs", "RblnArtifactError", "RblnCapabilityError", "RblnRuntime",
-           "RblnUnavailableError", "graph_inputs", "host_block_bytes", "input_embedding",
-           "read_artifact"]
+           "RblnUnavailableError", "check_compiled_inputs", "graph_inputs", "host_block_bytes",
+           "input_embedding", "read_artifact"]
 
 INSTALL_HINT = (
     "RblnRuntime needs the Rebellions SDK Python package `rebel` (rebel-compiler), which is not "
@@ -321,6 +326,19 @@ def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
     if ids and not mask:
         raise refuse("use_position_ids=True", "needs use_attention_mask=True (optimum-rbln "
                      "compiles position ids only with a mask)")
+    if mask and ids and "image_prefill" not in phases:
+        # optimum-rbln 0.12.0 (`use_bidirectional_prefill`; the attention ops' is_bidirectional)
+        # compiles such a prefill graph as a prefix-LM one: each chunk attends both ways within
+        # itself, so a token's KV depends on the tokens after it in its chunk. Served as a
+        # causal LM in chunks, its outputs and cached prefixes would be wrong on the device.
+        raise refuse("use_attention_mask=True with use_position_ids=True and no image_prefill "
+                     "phase", "optimum-rbln compiles this prefill graph with bidirectional "
+                     "attention within a chunk (a prefix-LM prefill, as PaliGemma's); atom-core "
+                     "prefills causally, chunk by chunk. A Gemma3 text model is causal only when "
+                     "compiled with an image_prefill phase (as the language model of "
+                     "RBLNGemma3ForConditionalGeneration, or phases ['prefill', "
+                     "'image_prefill', 'decode'] with image_prefill_chunk_size equal to "
+                     "prefill_chunk_size); otherwise compile without use_position_ids")
     dtype_name = cfg.get("dtype", "float32")
     if (mask or embedding is not None) and dtype_name not in _FLOAT_DTYPES:
         raise refuse(f"dtype={dtype_name!r}", f"the attention mask's and embeddings' dtype must "
@@ -361,6 +379,50 @@ def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
             _FLOAT_DTYPES.get(dtype_name, torch.float32)))
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_compiled_inputs(cfg: Mapping[str, Any], inputs: GraphInputs, sizes: Iterable[int],
+                          where: str = "rbln_config") -> None:
+    """Refuse an artifact whose graphs were compiled with other inputs than the binding builds.
+
+    optimum-rbln records every compiled graph's input list (name, shape, dtype, in call order) in
+    rbln_config.json's `_compile_cfgs`; the KV caches (`cache_metas`) are bound to the runtime
+    and not passed. A model class may add inputs the settings do not show (Qwen2-VL's
+    `position_emb`, ...), and an explicit size given to `from_compiled` may disagree with the
+    compiled one: either would reach the device as a wrong argument list. Artifacts without
+    `_compile_cfgs` (not written by optimum-rbln's save) are not checked."""
+    compiled = cfg.get("_compile_cfgs")
+    if not compiled:
+        return
+    caches = {m.get("name") for m in cfg.get("cache_metas") or []}
+    recorded: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for cc in compiled:
+        recorded[str(cc.get("compiled_model_name"))] = [
+            (str(name), str(dtype), tuple(int(d) for d in shape))
+            for name, shape, dtype in cc.get("input_info") or []
+            if name not in caches and not str(name).startswith("past_key_values")]
+    graphs = [("prefill", inputs.prefill_signature())]
+    graphs += [(f"decoder_batch_{b}", inputs.decode_signature(b)) for b in sizes]
+    for graph, sig in graphs:
+        built = [(name, _dtype_name(dtype), shape) for name, dtype, shape in sig]
+        want = recorded.get(graph)
+        if want is None:
+            raise RblnArtifactError(f"{where}: _compile_cfgs records no '{graph}' graph "
+                                    f"(compiled: {sorted(recorded)})")
+        if want != built:
+            # lists of different lengths differ at the shorter one's end at the latest
+            diff = next((i for i, (a, b) in enumerate(zip(want, built, strict=False))
+                         if a != b), min(len(want), len(built)))
+            raise RblnArtifactError(
+                f"{where}: the '{graph}' graph was compiled with inputs {want}, the binding "
+                f"would pass {built} (first difference at input {diff}: compiled "
+                f"{want[diff] if diff < len(want) else None}, built "
+                f"{built[diff] if diff < len(built) else None}); the model class adds inputs "
+                "the binding does not build, or an explicit size disagrees with the artifact")
+
+
 # optimum-rbln config classes whose model embeds tokens as Gemma3's scaled lookup (the table
 # times sqrt(hidden_size), in the table's dtype); every other decoder-only class without its own
 # `_create_embedding_layer` uses a plain lookup
@@ -368,8 +430,8 @@ _SCALED_EMBEDDING = ("RBLNGemma3ForCausalLMConfig",)
 # classes whose language model prepares its inputs in ways the binding does not reproduce
 # (Gemma4's per-layer inputs, the Qwen VL models' position embeddings, PaliGemma's bidirectional
 # prefill, ...): their inputs_embeds artifacts are refused
-_OWN_INPUTS = ("RBLNGemma4", "RBLNPaliGemma", "RBLNQwen2_5_VL", "RBLNQwen3_VL", "RBLNPixtral",
-               "RBLNColQwen2")
+_OWN_INPUTS = ("RBLNGemma4", "RBLNPaliGemma", "RBLNQwen2VL", "RBLNQwen2_5_VL", "RBLNQwen3VL",
+               "RBLNQwen3_5", "RBLNPixtral", "RBLNColQwen2")
 
 
 def input_embedding(root: Path, cfg: Mapping[str, Any]) -> torch.Tensor | None:
@@ -497,6 +559,13 @@ class RblnRuntime:
         sizes = decoder_batch_sizes if decoder_batch_sizes is not None else \
             cfg.get("decoder_batch_sizes") or [cfg.get("batch_size", 1)]
         sizes = sorted({int(b) for b in sizes}, reverse=True)
+        check_compiled_inputs(cfg, inputs, sizes, where)
+        recorded = int(cfg.get("kvcache_num_blocks") or 0)
+        if recorded and int(blocks) > recorded:
+            # block ids past the compiled cache would be addressed on the device
+            raise RblnArtifactError(f"{where}: num_blocks={blocks} exceeds the "
+                                    f"kvcache_num_blocks={recorded} the artifact was compiled "
+                                    "with")
         vocab = vocab_size if vocab_size is not None else _vocab_size(root)
         names = {b: f"decoder_batch_{b}" for b in sizes}
         missing = [f"{n}.rbln" for n in ("prefill", *names.values())
