@@ -29,6 +29,7 @@ and nothing else changes. A worker that starts late or restarts is used once it 
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -110,6 +111,12 @@ class DecodeNode:
         """`clock`: what paces reports of counters alone (a simulation passes its own)."""
         if worker.transport is not links:
             raise ValueError("the decode worker must run over this node's PrefillLinks")
+        if not worker.fallback_local:
+            # the cluster's answer to "no prefill worker is left" is local prefill (waiting
+            # requests, and the ones whose transfer failed, resubmitted here): without it a
+            # request submitted then would end inside the worker with no event to send
+            raise ValueError("a cluster's decode workers prefill locally what no prefill worker "
+                             "serves: fallback_local must be True")
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
@@ -182,6 +189,12 @@ class DecodeNode:
         except (TypeError, ValueError) as exc:
             _send(self.control, {"kind": "events", "events": [
                 [cid, "error", None, f"decode worker {self.rank} refused the request: {exc}"]]})
+            return
+        ended = self.worker.requests[wid].error
+        if ended is not None:
+            # ended at once inside the worker (it emits no event for that): the frontend
+            # must hear of it, or the request would stay open for good
+            _send(self.control, {"kind": "events", "events": [[cid, "error", None, ended]]})
             return
         self._cid[wid] = cid
         self._job[cid] = (list(prompt), max_new, eos)  # type: ignore[arg-type]
@@ -301,11 +314,15 @@ class Frontend:
     workers through their control links. `submit` and `step` are single-threaded."""
 
     def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter, *,
-                 keep_ended: int = 10_000) -> None:
+                 keep_ended: int = 10_000, max_request_bytes: int = CONTROL_BYTES) -> None:
         """`keep_ended`: how many ended requests `results` still holds (older ones are
-        forgotten, so a long-running frontend's memory does not grow with what it served)."""
+        forgotten, so a long-running frontend's memory does not grow with what it served).
+        `max_request_bytes`: the largest request message (JSON) a decode worker's control
+        link takes (`cluster_run.link_limits`: at least CONTROL_BYTES); a larger request is
+        refused at submit."""
         self.router, self.clock = router, clock
         self.keep_ended = keep_ended
+        self.max_request_bytes = max_request_bytes
         self.controls: dict[tuple[str, int], Transport] = {}
         self.results: dict[int, ClusterResult] = {}
         self.worker_stats: dict[tuple[str, int], dict[str, int]] = {}
@@ -316,6 +333,7 @@ class Frontend:
         self._next = 0
         self._open: set[int] = set()
         self._told_ready: dict[int, list[int]] = {}  # decode rank -> prefill ranks it was told
+        self.closed = False  # shut down: nothing more is submitted or served
 
     def add(self, role: str, rank: int, control: Transport) -> None:
         """A worker's control link (a new worker, or a restarted one): it is chosen once it
@@ -325,6 +343,8 @@ class Frontend:
             old.close()
             self._lost(role, rank, "restarted")
         self.controls[(role, rank)] = control
+        if self.closed:
+            _send(control, {"kind": "shutdown"})  # (linked after the shutdown: stop it too)
         if role == "decode":
             self._told_ready.pop(rank, None)  # a new worker: tell it
         self._tell_ready()
@@ -342,11 +362,15 @@ class Frontend:
         cid = self._next
         self._next += 1
         t0 = self.clock()
-        t = time.perf_counter()
         try:
+            if self.closed:
+                # its workers were told to stop: the request would wait for them forever
+                raise RuntimeError("the cluster was shut down: no request is served any more")
             if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 31
                        for x in prompt):
                 raise ValueError("the prompt must be a list of token ids (integers >= 0)")
+            self._check_size(prompt, max_new_tokens, eos)
+            t = time.perf_counter()
             a = self.router.assign(prompt)
         except (RuntimeError, ValueError) as exc:
             self.results[cid] = ClusterResult(prompt, max_new_tokens, None, None, t0,
@@ -365,6 +389,23 @@ class Frontend:
                       "max_new_tokens": max_new_tokens, "eos": eos, "prefill": a.prefill}):
             self._lost("decode", a.decode, "its control link is down")
         return cid
+
+    def _check_size(self, prompt: list[int], max_new_tokens: Any, eos: Any) -> None:
+        """ValueError unless the request's message can reach its decode worker: a message
+        that is not JSON would raise in the send (after the request was counted open: it would
+        never end), and one above the link's frame limit ends the decode worker's control link
+        (its receiver refuses the frame, `GlooTransport`), failing every request it holds."""
+        msg = {"kind": "request", "id": 2 ** 63, "prompt": prompt,
+               "max_new_tokens": max_new_tokens, "eos": eos, "prefill": 2 ** 31}
+        try:
+            size = len(json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode())
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"max_new_tokens and eos must be integers (JSON): {exc}"[:300]
+                             ) from None
+        if size > self.max_request_bytes:
+            raise ValueError(f"the request is too large for the cluster's control links "
+                             f"({size} bytes, the limit is {self.max_request_bytes}): a prompt "
+                             f"of {len(prompt)} tokens is far longer than any worker takes")
 
     def busy(self) -> bool:
         return bool(self._open)
@@ -437,8 +478,18 @@ class Frontend:
             del self.results[self._ended.popleft()]
 
     def shutdown(self) -> None:
+        """Tell every worker to stop, and end every open request with an error (its tokens so
+        far stay in its result): the stopped workers send no more events, so an open request
+        would otherwise never end, and a caller waiting for it (`busy`) would wait forever."""
+        self.closed = True
         for link in self.controls.values():
             _send(link, {"kind": "shutdown"})
+        now = self.clock()
+        for cid in sorted(self._open):
+            r = self.results[cid]
+            r.error = (f"the cluster shut down before this request ended ({len(r.tokens)} "
+                       "tokens generated); submit it again to a running cluster")
+            self._end(cid, now)
 
     def close(self) -> None:
         self.shutdown()
@@ -586,3 +637,13 @@ class LocalCluster:
 
     def live(self) -> list[Any]:
         return [n for n in [*self.prefills.values(), *self.decodes.values()] if not n.done]
+
+    def close(self) -> None:
+        """Shut the cluster down: every open request ends with an error (`Frontend.shutdown`),
+        every worker is told to stop, sees it (one step) and closes its links."""
+        self.frontend.shutdown()
+        for node in self.live():
+            node.step()  # takes the shutdown: done
+        for node in [*self.prefills.values(), *self.decodes.values()]:
+            node.close()  # (killed ones too: closing a closed link does nothing)
+        self.frontend.close()

@@ -301,7 +301,10 @@ class FrontendProcess:
         limits = link_limits(cfg, rt)
         self.linker = Linker(self.store, layout, 0, host=host, port=port, timeout=timeout,
                              key=key, limits=lambda peer: limits).start()
-        self.frontend = Frontend(Router(prefix_unit(cfg), policy))
+        # a request message larger than its link's header limit would end the decode
+        # worker's control link: the frontend refuses it instead
+        self.frontend = Frontend(Router(prefix_unit(cfg), policy),
+                                 max_request_bytes=limits["max_header_bytes"])
 
     def pump(self) -> bool:
         """Take new links, then one frontend step; False when nothing happened."""

@@ -192,6 +192,11 @@ class PrefillLinks(_Links):
         """The prefill workers that reported ready to the frontend: a worker that is linked
         but still starting (or restarting) is asked nothing until it is one of them."""
         self.ready = frozenset(ready)
+        if self.live():
+            # a prefill worker can be asked again (the node clears the worker's `lost`): the
+            # next time none is left the worker must be told again, or the requests in flight
+            # to the last one would wait for answers that cannot come (transfer timeout)
+            self._told_lost = False
 
     def add(self, peer: int, link: Transport) -> None:
         super().add(peer, link)
