@@ -13,7 +13,7 @@ import pytest
 from test_cluster import assert_clean, assert_exact, cluster, config, runtime, submit_workload
 
 from atom_core.demo import oracle_for
-from atom_core.pd.cluster import LocalCluster
+from atom_core.pd.cluster import Frontend, LocalCluster
 
 ORACLE = oracle_for(runtime(config()))
 
@@ -213,3 +213,21 @@ def run_faults(seed: int) -> None:
 def test_random_kills_restarts_and_aborts_end_every_request_once(seed: int) -> None:
     run_faults(seed)
 
+
+
+def test_the_frontend_bounds_its_open_requests() -> None:
+    """Requests beyond `max_open` are refused at once with a clear error (nothing is sent);
+    once some end, new ones are taken again, and every taken one is exact."""
+    c = cluster(prefill=1, decode=1)
+    c.frontend.max_open = 2
+    taken = submit_workload(c, n=2)
+    refused = c.submit([1, 2, 3], 4)
+    r = c.frontend.results[refused]
+    assert r.ended and "max_open" in (r.error or "")
+    c.run_until_done(rounds=3000)
+    again = submit_workload(c, n=1, seed=5)
+    c.run_until_done(rounds=3000)
+    assert_exact(c, [*taken, *again])
+    assert_at_rest(c)
+    with pytest.raises(ValueError, match="max_open"):
+        Frontend(c.frontend.router, max_open=0)

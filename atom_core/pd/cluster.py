@@ -314,13 +314,20 @@ class Frontend:
     workers through their control links. `submit` and `step` are single-threaded."""
 
     def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter, *,
-                 keep_ended: int = 10_000, max_request_bytes: int = CONTROL_BYTES) -> None:
+                 keep_ended: int = 10_000, max_request_bytes: int = CONTROL_BYTES,
+                 max_open: int = 100_000) -> None:
         """`keep_ended`: how many ended requests `results` still holds (older ones are
         forgotten, so a long-running frontend's memory does not grow with what it served).
         `max_request_bytes`: the largest request message (JSON) a decode worker's control
         link takes (`cluster_run.link_limits`: at least CONTROL_BYTES); a larger request is
-        refused at submit."""
+        refused at submit. `max_open`: the most requests open at once; more are refused at
+        submit (each open one holds its prompt and tokens here and a place in a decode worker's
+        queue: without a bound, clients submitting faster than the cluster serves would grow
+        both until memory runs out)."""
+        if max_open < 1:
+            raise ValueError(f"max_open must be >= 1, got {max_open}")
         self.router, self.clock = router, clock
+        self.max_open = max_open
         self.keep_ended = keep_ended
         self.max_request_bytes = max_request_bytes
         self.controls: dict[tuple[str, int], Transport] = {}
@@ -366,6 +373,9 @@ class Frontend:
             if self.closed:
                 # its workers were told to stop: the request would wait for them forever
                 raise RuntimeError("the cluster was shut down: no request is served any more")
+            if len(self._open) >= self.max_open:
+                raise RuntimeError(f"{len(self._open)} requests are open (max_open): retry "
+                                   "once some have ended")
             if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 31
                        for x in prompt):
                 raise ValueError("the prompt must be a list of token ids (integers >= 0)")
