@@ -124,16 +124,19 @@ class IncrementalText:
     characters (a stop string may still be forming) are held back until `finish`.
 
     A token costs O(1), not O(tokens so far): each step decodes a window, the tokens not yet
-    in the text and, as context, the tokens the text took last, and the text they add is what
-    the window decodes to beyond what its context alone does. (Context, because a decoder may
-    spell a token differently at the start of a text: SentencePiece drops the leading space of
-    the first word. The last tokens taken, because they start where a character does: a
-    byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run starts
-    inside a character.) Decoding the whole list at every token made a 4,096-token stream take
-    2.4 s of the event loop's time for the tiny tokenizer, growing with the square of its
-    length.
+    in the text and, as context, at least CONTEXT tokens before them, and the text they add is
+    what the window decodes to beyond what its context alone does. (Context, because a decoder
+    may spell a token differently by what precedes it: SentencePiece's strips the space a text
+    begins with, others clean up spaces around punctuation; the context and the window start
+    alike, so such a difference cancels out. The context starts where the text was cut before,
+    so at a character's start: a byte-fallback decoder turns a whole run of byte tokens into
+    U+FFFD when the run starts inside a character.) Decoding the whole list at every token made a
+    4,096-token stream take 2.4 s of the event loop's time for the tiny tokenizer, growing with
+    the square of its length.
     """
 
+    # The fewest tokens of context a window decodes before the new ones.
+    CONTEXT = 4
     # The most tokens that wait for a character's last byte (a UTF-8 character is at most 4
     # bytes): more never make one, and waiting on would make each step's window grow.
     PENDING = 8
@@ -146,7 +149,9 @@ class IncrementalText:
         self.stopped = False
         self._hold = max((len(s) - 1 for s in self.stop), default=0)
         self._done = 0  # ids[:_done] are in `text`; the later ones wait for more bytes
-        self._last = 0  # ids[_last:_done]: the tokens `text` took last (the window's context)
+        # where the text was cut (whole characters before each), the oldest the latest one at
+        # least CONTEXT tokens before `_done`: the window's context starts there
+        self._cuts = [0]
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -181,7 +186,7 @@ class IncrementalText:
 
     def _take_tokens(self, end: int, force: bool) -> None:
         """Add the text ids[_done:end] make, if they end on a whole character or `force`."""
-        lo = self._last
+        lo = self._cuts[0]
         before = self.tok.decode(self.ids[lo:self._done]) if lo < self._done else ""
         now = self.tok.decode(self.ids[lo:end])
         if not force and now.endswith("\ufffd"):
@@ -191,7 +196,10 @@ class IncrementalText:
             # a byte-fallback decoder): the whole list, as a last resort, past the text so far
             now, before = self.tok.decode(self.ids[:end]), self.text
         self.text += now[len(before):]
-        self._last, self._done = self._done, end
+        self._done = end
+        self._cuts.append(end)
+        while len(self._cuts) > 1 and end - self._cuts[1] >= self.CONTEXT:
+            del self._cuts[0]
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:
