@@ -8,6 +8,7 @@ proves the rule sufficient and shows, with a stuck trace, that one block fewer i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,31 @@ class ConfigError(ValueError):
     """A configuration the proofs do not cover; the message says what to change."""
 
 
+# The Config fields each spec axiom constrains, shown with their values when it fails.
+AXIOM_FIELDS: dict[str, tuple[str, ...]] = {
+    "chunk_positive": ("prefill_chunk",),
+    "chunk_divides_block": ("prefill_chunk", "block_size", "max_seq_len"),
+    "block_holds_a_chunk": ("prefill_chunk", "block_size"),
+    "host_cache_needs_prefix_cache": ("host_cache_blocks", "prefix_cache"),
+    "preemption_with_tables": ("preemption", "block_size", "max_seq_len"),
+    "hybrid_without_host_cache": ("sliding_window", "host_cache_blocks"),
+}
+
+
+def _not_int_hint(value: Any) -> str:
+    """Why an integer-looking value is refused: a numpy integer (np.int64(128)) reads as a
+    positive integer in the message, so say it is not a Python int and how to convert it."""
+    if isinstance(value, bool) or isinstance(value, int) or not hasattr(value, "__index__"):
+        return ""
+    kind = f"{type(value).__module__}.{type(value).__name__}"
+    return f" (a {kind}, not a Python int: pass int(value))"
+
+
 def _positive(name: str):
     def check(_inst: Any, _attr: Any, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}"
+                              + _not_int_hint(value))
     return check
 
 
@@ -68,16 +90,18 @@ class Config:
         if self.scratch_block is not None and (
                 isinstance(self.scratch_block, bool) or not isinstance(self.scratch_block, int)):
             raise ConfigError(f"scratch_block must be a block id (int) or None, got "
-                              f"{self.scratch_block!r}")
+                              f"{self.scratch_block!r}" + _not_int_hint(self.scratch_block))
         if self.sliding_window is not None and (
                 isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
                 or self.sliding_window <= 0):
             raise ConfigError(f"sliding_window must be a positive integer (the window of the "
-                              f"model's sliding layers) or None, got {self.sliding_window!r}")
+                              f"model's sliding layers) or None, got {self.sliding_window!r}"
+                              + _not_int_hint(self.sliding_window))
         if (isinstance(self.host_cache_blocks, bool) or not isinstance(self.host_cache_blocks, int)
                 or self.host_cache_blocks < 0):
             raise ConfigError(f"host_cache_blocks must be an integer >= 0 (0: no host tier), "
-                              f"got {self.host_cache_blocks!r}")
+                              f"got {self.host_cache_blocks!r}"
+                              + _not_int_hint(self.host_cache_blocks))
         too_big = [f"{name}={value} (at most {limit})" for name, value, limit in (
             ("kv_blocks", self.kv_blocks, INT16_IDS), ("lanes", self.lanes, INT16_IDS),
             ("host_cache_blocks", self.host_cache_blocks, INT16_IDS),
@@ -107,8 +131,12 @@ class Config:
                 f"0..{self.kv_blocks - 1}")
         failed = g.check_axioms(self.consts())
         if failed:
+            # the axioms' docs state the rule; the values here say which settings broke it
+            given = dict.fromkeys(f for a in failed for f in AXIOM_FIELDS.get(a, ()))
+            here = ", ".join(f"{f}={getattr(self, f)!r}" for f in given)
             raise ConfigError(f"configuration violates the spec's axioms {failed}: "
-                              + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed))
+                              + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed)
+                              + (f" (here {here})" if here else ""))
         if self.kv_blocks == 1 and (self.lanes > 1 or self.prefix_cache
                                     or self.scratch == "reserved"):
             raise ConfigError(single_block_message(self))
@@ -249,15 +277,24 @@ def _load_rbln(rbln_config: Any) -> tuple[dict[str, Any], str]:
     """The settings dict and where it came from (for messages)."""
     if isinstance(rbln_config, dict):
         data, where = rbln_config, "rbln_config"
+    elif not isinstance(rbln_config, (str, os.PathLike)):
+        raise ConfigError(f"rbln_config must be a dict of settings, a compiled artifact's "
+                          f"directory or its rbln_config.json, got {rbln_config!r}")
     else:
         path = Path(rbln_config)
         if path.is_dir():
             path = path / "rbln_config.json"
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{path} does not exist: give a compiled artifact's directory or "
                               "its rbln_config.json") from None
+        except OSError as exc:  # a directory named rbln_config.json, no read permission, ...
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; give a readable "
+                              "rbln_config.json (or the compiled artifact's directory)") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path} is not a UTF-8 text file ({exc.reason} at byte "
+                              f"{exc.start}): give the artifact's rbln_config.json") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from None
         where = str(path)
@@ -285,7 +322,9 @@ def rbln_fields(rbln_config: Any) -> dict[str, Any]:
             raise ConfigError(f"{where}: {a}={va!r} and {b}={vb!r} conflict (both set "
                               f"{field}); keep one of them")
         if given:
-            fields[field] = given[0][1]
+            alias, value = given[0]
+            _check_rbln_type(where, alias, field, value)
+            fields[field] = value
     cache_impl = data.get("cache_impl")
     if cache_impl == "static":  # every layer global: a window elsewhere in the file is not ours
         fields.pop("sliding_window", None)
@@ -294,6 +333,11 @@ def rbln_fields(rbln_config: Any) -> dict[str, Any]:
                           "block tables) is not supported; atom-core serves 'static' and "
                           "'hybrid' artifacts")
     sizes = data.get("decoder_batch_sizes")
+    if sizes is not None and (not isinstance(sizes, list) or not sizes or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
+        raise ConfigError(f"{where}: decoder_batch_sizes={sizes!r} must be a non-empty list of "
+                          "positive integers (the decode graphs' batch sizes); recompile, or "
+                          "remove it to use batch_size")
     if sizes and "lanes" in fields and max(sizes) != fields["lanes"]:
         raise ConfigError(f"{where}: decoder_batch_sizes={sizes} must have its largest equal to "
                           f"the batch size {fields['lanes']} (the lanes the scheduler fills); "
@@ -301,6 +345,29 @@ def rbln_fields(rbln_config: Any) -> dict[str, Any]:
     if sizes and "lanes" not in fields:
         fields["lanes"] = max(sizes)
     return fields
+
+
+# Config fields that are booleans in rbln_config.json; every other aliased field is an integer.
+RBLN_BOOLS = ("prefix_cache",)
+
+
+def _check_rbln_type(where: str, alias: str, field: str, value: Any) -> None:
+    """A setting of the wrong JSON type names the file's key, not only the Config field (the
+    CLI does arithmetic on these before Config sees them)."""
+    if field in RBLN_BOOLS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {alias}={value!r} must be true or false (it sets "
+                              f"{field}); write it as a JSON boolean")
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: {alias}={value!r} must be a non-negative integer (it sets "
+                          f"{field}); write it as a JSON integer" + _not_int_hint(value))
+
+
+def estimate_message(where: Any) -> str:
+    """kvcache_num_blocks=0: optimum-rbln's "estimate when compiling", not a block count."""
+    return (f"{where}: kvcache_num_blocks=0 asks optimum-rbln to estimate the block count when "
+            "compiling; read the settings of the compiled artifact (its rbln_config.json holds "
+            "the estimate), or give kv_blocks=")
 
 
 def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
@@ -311,9 +378,7 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
     where = rbln_config if not isinstance(rbln_config, dict) else "rbln_config"
     if fields.get("kv_blocks") == 0:
         # optimum-rbln's "estimate when compiling": a compiled artifact records the estimate
-        raise ConfigError(f"{where}: kvcache_num_blocks=0 asks optimum-rbln to estimate the block "
-                          "count when compiling; read the settings of the compiled artifact (its "
-                          "rbln_config.json holds the estimate), or give kv_blocks=")
+        raise ConfigError(estimate_message(where))
     for field, names in (("lanes", "batch_size (or max_num_seqs)"),
                          ("kv_blocks", "kvcache_num_blocks (or num_gpu_blocks_override)")):
         if field not in fields:

@@ -131,7 +131,7 @@ def _artifact_error(args: argparse.Namespace, kv_blocks: int) -> str | None:
                block_size=args.block_size if args.block_size is not None else args.max_seq_len,
                prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
                scratch=args.scratch, host_cache_blocks=args.host_cache_blocks,
-               preemption=args.preemption)
+               preemption=args.preemption, sliding_window=getattr(args, "sliding_window", None))
     except ConfigError as exc:
         return str(exc)
     return None
@@ -169,23 +169,41 @@ def _artifact_args(args: argparse.Namespace) -> int | None:
     defaults; 2 (a usage error, printed) when something required is missing."""
     fields: dict[str, Any] = {}
     if args.rbln_config is not None:
-        from atom_core.config import rbln_fields
+        from atom_core.config import estimate_message, rbln_fields
 
         try:
             fields = rbln_fields(args.rbln_config)
         except ConfigError as exc:
-            print(f"INVALID: {exc}", file=sys.stderr)
-            return 2
+            return _usage_error(args, f"INVALID: {exc}", str(exc))
+        if fields.get("kv_blocks") == 0 and getattr(args, "kv_blocks", 0) is None:
+            # 0 is not a block count (the flag's type refuses it): the search for a stuck run
+            # and the rule would run on a configuration no artifact has
+            msg = estimate_message(args.rbln_config)
+            return _usage_error(args, f"INVALID: {msg}", msg)
+    # the model's window is no flag: it comes with the artifact (Config refuses, e.g., a
+    # hybrid model with a host cache, and check-config must refuse the same artifact)
+    args.sliding_window = fields.get("sliding_window")
     for flag, (field, default) in _ARTIFACT_FLAGS.items():
         if hasattr(args, flag) and getattr(args, flag) is None:
             setattr(args, flag, fields.get(field, default))
     missing = [f"--{flag.replace('_', '-')}" for flag in ("lanes", "kv_blocks")
                if hasattr(args, flag) and getattr(args, flag) is None]
     if missing:
-        print(f"{args.command}: {' and '.join(missing)} required (or --rbln-config PATH with "
-              "batch_size and kvcache_num_blocks)", file=sys.stderr)
+        msg = (f"{' and '.join(missing)} required (or --rbln-config PATH with batch_size and "
+               "kvcache_num_blocks)")
+        _usage_error(args, f"{args.command}: {msg}", msg)
         raise SystemExit(2)  # a usage error, as argparse's own
     return None
+
+
+def _usage_error(args: argparse.Namespace, text: str, error: str) -> int:
+    """2, after saying why on stderr and, with --json, as one JSON object on stdout (a caller
+    parsing stdout gets the reason, not an empty line)."""
+    if args.json:
+        emit({"safe": False, "error": error} if args.command == "check-config"
+             else {"error": error})
+    print(text, file=sys.stderr)
+    return 2
 
 
 def check_config_arguments(p: argparse.ArgumentParser) -> None:
