@@ -16,7 +16,8 @@ cost is that much resident memory per malloc arena (one per thread that allocate
 core), kept instead of returned. It changes the whole process, so it is called by the programs
 atom-core owns (`atom-core serve`, the benchmarks), not by a runtime's constructor; code that
 embeds a runtime calls it itself if it wants it. A `GLIBC_TUNABLES` that names a malloc
-threshold is the user's choice and is left alone.
+threshold, or either threshold's environment alias (`MALLOC_TRIM_THRESHOLD_`,
+`MALLOC_MMAP_THRESHOLD_`), is the user's choice and is left alone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import os
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
+# glibc's environment aliases of the malloc.mmap_threshold and malloc.trim_threshold tunables
+_ENV_ALIASES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it (half its 64 MB heap size)
 TRIM_THRESHOLD = 128 << 20
 
@@ -36,9 +40,13 @@ TRIM_THRESHOLD = 128 << 20
 def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD,
                       trim_threshold: int = TRIM_THRESHOLD) -> bool:
     """Fix glibc's mmap and trim thresholds; False (and nothing changed) where the C library is
-    not glibc or the user set the thresholds in GLIBC_TUNABLES."""
+    not glibc or the user set the thresholds (GLIBC_TUNABLES or their environment aliases)."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables:
+        return False
+    # glibc also reads the thresholds from their older environment variables (the tunables'
+    # aliases): a user who set one of those chose them as much as through GLIBC_TUNABLES
+    if any(os.environ.get(var) for var in _ENV_ALIASES):
         return False
     name = ctypes.util.find_library("c")
     if name is None:

@@ -12,9 +12,11 @@ if TYPE_CHECKING:
 
 def snapshot_leaks(server: Server) -> list[str]:
     """Hybrid prefix cache: the snapshot buffers the adapter holds (`describe()["snapshots"]`)
-    are exactly the core's: a busy lane l's at the chunk boundaries C, 2C, .., lane_snap[l], a
-    cache entry b's at C, .., snap_upto[b]; none for an idle lane or a block that is not a
-    cache entry (each buffer is a local slot's worth of host memory)."""
+    are exactly the core's that a hit can read: a busy lane l's at the chunk boundaries past
+    its tail block's start up to lane_snap[l], a cache entry b's past start[b] up to
+    snap_upto[b] (a hit restores past the block's start; the earlier ones are the blocks
+    before's); none for an idle lane or a block that is not a cache entry (each buffer is a
+    local slot's worth of host memory)."""
     out = []
     for side, b in server.batchers().items():
         s = b.state
@@ -25,16 +27,16 @@ def snapshot_leaks(server: Server) -> list[str]:
             out.append(f"{side}: a hybrid prefix cache, but describe() reports no snapshots")
             continue
         c = s.consts.C
-        for kind, held, upto, live in (
-                ("lane", snaps["lanes"], s.lane_snap, s.busy),
+        for kind, held, upto, live, start in (
+                ("lane", snaps["lanes"], s.lane_snap, s.busy, [s.start[t] for t in s.tail]),
                 # cache entries, and full lane blocks (they keep their lane's snapshots; an
                 # importing lane's have none: importing_blocks_have_no_snapshots)
                 ("block", snaps["entries"], s.snap_upto,
                  [o == core.OWNER_CACHE or (o == core.OWNER_LANE and s.tail[s.owner_lane[b]] != b)
-                  for b, o in enumerate(s.owner)])):
+                  for b, o in enumerate(s.owner)], s.start)):
             for i in sorted(set(held) | set(range(len(upto)))):
                 ok = 0 <= i < len(upto) and live[i]
-                want = list(range(c, upto[i] + 1, c)) if ok else []
+                want = [k for k in range(c, upto[i] + 1, c) if k > start[i]] if ok else []
                 got = list(held.get(i, []))
                 if got != want:
                     why = "" if ok else (" (idle)" if kind == "lane" else
