@@ -21,48 +21,17 @@ from typing import Any
 
 import pytest
 import torch
+from test_cluster import S, assert_clean, assert_exact, config, runtime
 
-from atom_core._generated import core
-from atom_core.config import Config, min_kv_blocks
 from atom_core.demo import oracle_for, workload
 from atom_core.pd.cluster import LocalCluster
 from atom_core.pd.links import DecodeLinks
 from atom_core.pd.secure_link import SecureLink, establish_pair
 from atom_core.pd.transport import GlooTransport, InProcessTransport
 from atom_core.pd.workers import DecodeWorker, PrefillWorker
-from atom_core.runtime.reference import TorchReferenceRuntime
 
 KEY = b"audit-test-key-0123456789abcdef"
-S, C = 128, 64
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def config(lanes: int = 2) -> Config:
-    return Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, True, "dynamic") + 1,
-                  max_seq_len=S, prefill_chunk=C, prefix_cache=True)
-
-
-def runtime(cfg: Config) -> TorchReferenceRuntime:
-    return TorchReferenceRuntime.tiny(cfg, seed=0)
-
-
-def exact(c: LocalCluster, cids: list[int]) -> None:
-    oracle = oracle_for(runtime(c.cfg))
-    for cid in cids:
-        r = c.frontend.results[cid]
-        assert r.ended and r.error is None, (cid, r.error)
-        assert r.tokens == oracle.generate(r.prompt, r.max_new_tokens), cid
-
-
-def clean(c: LocalCluster) -> None:
-    """Every live worker holds nothing: no transfer, no lane, every block free or cached."""
-    c.settle()
-    for node in c.live():
-        b = node.worker.batcher
-        assert b.transfers() == {} and not any(b.state.busy)
-        assert all(o in (core.OWNER_FREE, core.OWNER_CACHE, core.OWNER_SCRATCH)
-                   for o in b.state.owner)
-        b.check_invariants()
 
 
 # --------------------------------------------------------------------------- restarts
@@ -80,9 +49,9 @@ def test_a_prefill_worker_restarted_before_its_loss_is_seen_gets_its_requests_ag
     c.kill("prefill", 0)
     c.start("prefill", 0)  # its new link replaces the old one before anyone polled the loss
     c.run_until_done(rounds=3000)
-    exact(c, cids)
+    assert_exact(c, cids)
     assert c.prefills[0].worker.stats.exports > 0  # asked again, of the restarted process
-    clean(c)
+    assert_clean(c)
 
 
 def test_a_decode_worker_restarted_before_its_loss_is_seen_gets_nothing_of_the_old_one(
@@ -102,13 +71,13 @@ def test_a_decode_worker_restarted_before_its_loss_is_seen_gets_nothing_of_the_o
     c.step()
     more = [c.submit(it.prompt, it.max_new_tokens) for it in workload(4, 6, 5, 128, S)]
     c.run_until_done(rounds=3000)
-    exact(c, more)
+    assert_exact(c, more)
     # the old process's requests were cancelled on the prefill side (blocks freed), and
     # nothing meant for it went to the new process (before the fix: its KV, counted stale)
     assert c.prefills[0].worker.stats.cancelled == held
     assert c.decodes[0].worker.stale_messages == 0
     assert c.decodes[0].worker.misdirected == 0
-    clean(c)
+    assert_clean(c)
 
 
 # --------------------------------------------------------------------------- bounded state
