@@ -51,11 +51,15 @@ MAX_WIRE_CHARS = 64
 _REQUEST_NONCE = re.compile(r"[0-9a-f]{32}\Z")
 
 
+def wellformed_nonce(nonce: Any) -> bool:
+    """`nonce` is a per-request nonce as decode workers make them."""
+    return isinstance(nonce, str) and bool(_REQUEST_NONCE.match(nonce))
+
+
 def wellformed_prefill(wire: Any, nonce: Any) -> bool:
     """`wire` and `nonce` of a prefill request are ones a prefill worker serves (else it drops
     the request unanswered: `PrefillWorker._on_prefill`, `DecodeLinks.poll`)."""
-    return isinstance(wire, str) and len(wire) <= MAX_WIRE_CHARS and \
-        isinstance(nonce, str) and bool(_REQUEST_NONCE.match(nonce))
+    return isinstance(wire, str) and len(wire) <= MAX_WIRE_CHARS and wellformed_nonce(nonce)
 
 
 def poll_until(ready: Callable[[], bool], timeout: float) -> bool:

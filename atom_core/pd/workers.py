@@ -41,7 +41,6 @@ import hmac
 import itertools
 import logging
 import math
-import re
 import secrets
 import time
 from collections import Counter, deque
@@ -54,7 +53,7 @@ from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event, Result
 from atom_core.config import Config
 from atom_core.pd import payload as pd
-from atom_core.pd.links import wellformed_prefill
+from atom_core.pd.links import wellformed_nonce, wellformed_prefill
 from atom_core.pd.transport import Transport, TransportError
 
 __all__ = ["DecodeWorker", "PrefillWorker"]
@@ -88,9 +87,6 @@ def _need_key(key: bytes | None, insecure: bool) -> None:
                          "(pd.load_key)")
 
 
-_NONCE = re.compile(r"[0-9a-f]{32}\Z")
-
-
 def _secure(transport: Transport, key: bytes | None, role: str, config: Config, runtime: Any,
             tensors: bool, **link: Any) -> tuple[Transport, bytes | None]:
     """(the transport to use, the payload MAC key): with a key, a transport that is not secure
@@ -112,7 +108,7 @@ def _secure(transport: Transport, key: bytes | None, role: str, config: Config, 
 
 def _same_nonce(got: Any, want: str | None) -> bool:
     """`got` is the per-request nonce `want` (constant time)."""
-    return want is not None and isinstance(got, str) and bool(_NONCE.match(got)) and \
+    return want is not None and wellformed_nonce(got) and \
         hmac.compare_digest(got.encode(), want.encode())
 
 
