@@ -30,15 +30,28 @@ class ConfigError(ValueError):
     """A configuration the proofs do not cover; the message says what to change."""
 
 
-# The Config fields each spec axiom constrains, shown with their values when it fails.
-AXIOM_FIELDS: dict[str, tuple[str, ...]] = {
-    "chunk_positive": ("prefill_chunk",),
-    "chunk_divides_block": ("prefill_chunk", "block_size", "max_seq_len"),
-    "block_holds_a_chunk": ("prefill_chunk", "block_size"),
-    "host_cache_needs_prefix_cache": ("host_cache_blocks", "prefix_cache"),
-    "preemption_with_tables": ("preemption", "block_size", "max_seq_len"),
-    "hybrid_without_host_cache": ("sliding_window", "host_cache_blocks"),
+# The Config fields behind each spec constant (what `Config.consts` reads to set it): a failed
+# axiom names them with their values, through the constants it reads (g.AXIOM_CONSTS).
+CONST_FIELDS: dict[str, tuple[str, ...]] = {
+    "B": ("lanes",),
+    "K": ("kv_blocks",),
+    "C": ("prefill_chunk",),
+    "S": ("block_size",),
+    "T": ("block_size", "max_seq_len"),
+    "PREFIX": ("prefix_cache",),
+    "RESERVED": ("scratch",),
+    "SCRATCH": ("scratch_block", "kv_blocks"),
+    "HYBRID": ("sliding_window",),
+    "HOST": ("host_cache_blocks",),
+    "H": ("host_cache_blocks",),
+    "PREEMPT": ("preemption",),
 }
+
+
+def axiom_fields(axioms: list[str]) -> list[str]:
+    """The Config fields behind the constants the named axioms read, in order, once each."""
+    return list(dict.fromkeys(f for a in axioms for c in g.AXIOM_CONSTS.get(a, ())
+                              for f in CONST_FIELDS[c]))
 
 
 def _not_int_hint(value: Any) -> str:
@@ -132,7 +145,7 @@ class Config:
         failed = g.check_axioms(self.consts())
         if failed:
             # the axioms' docs state the rule; the values here say which settings broke it
-            given = dict.fromkeys(f for a in failed for f in AXIOM_FIELDS.get(a, ()))
+            given = axiom_fields(failed)
             here = ", ".join(f"{f}={getattr(self, f)!r}" for f in given)
             raise ConfigError(f"configuration violates the spec's axioms {failed}: "
                               + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
+from atom_core._generated import core as g
 from atom_core.cli import main
-from atom_core.config import Config, ConfigError, rbln_fields
+from atom_core.config import CONST_FIELDS, Config, ConfigError, axiom_fields, rbln_fields
 
 GOOD = {"batch_size": 2, "kvcache_num_blocks": 64, "max_seq_len": 1024}
 
@@ -29,11 +31,55 @@ def test_numpy_int_is_refused_with_the_conversion_to_make() -> None:
 
 
 def test_axiom_failure_names_the_values() -> None:
-    with pytest.raises(ConfigError, match=r"block_holds_a_chunk.*\(here prefill_chunk=256, "
-                                          r"block_size=128"):
+    with pytest.raises(ConfigError, match=r"block_holds_a_chunk.*\(here block_size=128, "
+                                          r"max_seq_len=1024, prefill_chunk=256\)"):
         Config(lanes=2, kv_blocks=64, max_seq_len=1024, block_size=128, prefill_chunk=256)
     with pytest.raises(ConfigError, match=r"preemption_with_tables.*\(here preemption=True"):
         Config(lanes=2, kv_blocks=64, max_seq_len=1024, preemption=True)
+
+
+def _raw(**fields: object) -> Config:
+    """A Config with these field values, past its validation: `consts` on any values."""
+    c = object.__new__(Config)
+    for name, value in fields.items():
+        object.__setattr__(c, name, value)
+    return c
+
+
+# Each field's value, and another it may take.
+_BASE = {"lanes": 2, "kv_blocks": 64, "max_seq_len": 1024, "block_size": 256,
+         "prefill_chunk": 128, "prefix_cache": True, "scratch": "dynamic", "scratch_block": None,
+         "sliding_window": None, "host_cache_blocks": 0, "preemption": False}
+_OTHER = {"lanes": 3, "kv_blocks": 65, "max_seq_len": 2048, "block_size": 512,
+          "prefill_chunk": 64, "prefix_cache": False, "scratch": "reserved", "scratch_block": 5,
+          "sliding_window": 512, "host_cache_blocks": 4, "preemption": True}
+
+
+def test_const_fields_are_what_consts_reads() -> None:
+    """CONST_FIELDS (which settings an axiom failure names) matches `Config.consts`: every
+    field that changes a constant is listed under it, and every listed field changes it in some
+    configuration. A constant added to the spec without an entry fails here too."""
+    assert set(CONST_FIELDS) == {f.name for f in attrs.fields(g.Consts)}
+    assert set(_BASE) == {f.name for f in attrs.fields(Config)}
+    seen: set[tuple[str, str]] = set()
+    for base in (_BASE, _OTHER):
+        before = attrs.asdict(_raw(**base).consts())
+        for name in base:
+            other = _OTHER[name] if base is _BASE else _BASE[name]
+            after = attrs.asdict(_raw(**{**base, name: other}).consts())
+            for const in before:
+                if before[const] != after[const]:
+                    assert name in CONST_FIELDS[const], (name, const)
+                    seen.add((const, name))
+    assert seen == {(c, f) for c, fs in CONST_FIELDS.items() for f in fs}
+
+
+def test_axiom_fields_follow_the_constants_each_axiom_reads() -> None:
+    assert axiom_fields(["block_holds_a_chunk"]) == ["prefill_chunk", "block_size"]
+    assert axiom_fields(["hybrid_without_host_cache", "host_cache_needs_prefix_cache"]) == [
+        "sliding_window", "host_cache_blocks", "prefix_cache"]
+    # every axiom that reads a constant names a setting
+    assert all(axiom_fields([a]) for a in g.AXIOM_CONSTS)
 
 
 def test_rbln_not_utf8_is_a_config_error(tmp_path: Path) -> None:

@@ -5023,6 +5023,20 @@ AXIOM_DOCS = {
     ),
 }
 
+# The constants each axiom reads, in order: a config error names the settings behind
+# them (Config.CONST_FIELDS) with their values.
+AXIOM_CONSTS = {
+    "chunk_positive": ("C",),
+    "chunk_divides_block": ("T", "S", "C"),
+    "block_holds_a_chunk": ("C", "S"),
+    "lanes_positive": ("B",),
+    "blocks_positive": ("K",),
+    "tables_positive": ("T",),
+    "host_cache_needs_prefix_cache": ("HOST", "PREFIX"),
+    "preemption_with_tables": ("PREEMPT", "T"),
+    "hybrid_without_host_cache": ("HYBRID", "HOST"),
+}
+
 
 def check_axioms(c: Consts) -> list[str]:
     """The names of the config axioms `c` violates."""

@@ -79,6 +79,11 @@ def _modifies_comment(a: Any) -> str:
 _PARAM_RESERVED = frozenset("s new effects".split())
 
 
+def _consts_read(e: Expr) -> list[str]:
+    """The configuration constants `e` reads, in order of first appearance."""
+    return list(dict.fromkeys(x.name for x in walk(e) if type(x) is lang.Const))
+
+
 def _camel(name: str) -> str:
     return "".join(p[:1].upper() + p[1:] for p in name.split("_") if p)
 
@@ -155,7 +160,7 @@ class Generator:
         for imp in ("attrs", "Any", "NamedTuple", "PMap", "TokSeq", "State", "Step", "Consts",
                     "init", "ACTIONS", "GUARD_READS", "EFFECTS", "STATE_FIELDS", "GHOST_FIELDS",
                     "INDEX_SORTS", "ENUMS", "INVARIANTS", "TRANSITION_INVARIANTS", "AXIOMS",
-                    "AXIOM_DOCS", "SAFETY", "PROGRESS",
+                    "AXIOM_DOCS", "AXIOM_CONSTS", "SAFETY", "PROGRESS",
                     "check_invariants", "check_transition", "check_axioms",
                     "progress_violations", "describe_state", "_name", "_tokens"):
             self._name(imp, "a generated name")
@@ -1063,6 +1068,13 @@ class Generator:
                     [[json.dumps(n.name), ": ", bracket("(", join(
                         [json.dumps(c) for c in chunks(n.doc)], [SPACE]), ")")]
                      for n in named if n.doc])]) + "\n")
+                parts.append("\n# The constants each axiom reads, in order: a config error "
+                             "names the settings behind\n# them (Config.CONST_FIELDS) with "
+                             "their values.\n")
+                parts.append(render(["AXIOM_CONSTS = ", dict_doc(
+                    [[json.dumps(n.name), ": ", tuple_doc(
+                        [json.dumps(c) for c in _consts_read(n.expr)])]
+                     for n in named if _consts_read(n.expr)])]) + "\n")
             parts.append(f"\n\n\ndef {fn}({sig}) -> list[str]:\n")
             parts.append(self._docstring(doc))
             parts.append(self._two_pass(
