@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI-compatible endpoints over an `Engine`.
 
-Every /v1 endpoint, /metrics and /state need `Authorization: Bearer <api key>` unless the server
-was started without a key on purpose (`--insecure-no-auth`); /health is open. Errors use the
-OpenAI error shape `{"error": {"message", "type", "param", "code"}}`.
+Every path but /health needs `Authorization: Bearer <api key>` unless the server was started
+without a key on purpose (`--insecure-no-auth`), and a request body is at most
+`max_body_bytes`: both are checked before the body is read (`_Guard`). Errors use the OpenAI
+error shape `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,6 +44,9 @@ class ServerSettings:
     # A stream sends its first token at once, then every `stream_interval` tokens (and its
     # end at once): fewer, larger writes for burstier tokens. 1: each token as it comes.
     stream_interval: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    # the largest request body read: a prompt of a whole long context as token ids or JSON-escaped
+    # text fits many times over; past it a 413, before the body is read into memory
+    max_body_bytes: int = attrs.field(default=32 * 2**20, validator=attrs.validators.ge(1))
 
 
 class ApiError(Exception):
@@ -86,6 +90,100 @@ class _Unexpected:
             if not started:
                 await _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}",
                              type_="server_error")(scope, receive, send)
+
+
+# paths anyone may call: a load balancer's probe
+_OPEN_PATHS = frozenset({"/health"})
+
+
+def _location(error: Any) -> list[str]:
+    """A validation error's location in the request body, as text."""
+    return [str(x) for x in error.get("loc", ()) if x != "body"]
+
+
+def _is_type_label(part: str) -> bool:
+    """A union member's name in a validation error's location ("str", "list[int]")."""
+    return "[" in part or part in ("str", "int", "float", "bool")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """The API key and the body bound, checked before anything reads the body: a route's body is
+    read and parsed before its dependencies run, so a check there let a client without the key
+    have a malformed body answered (400, not 401) and have any body, however large, read into
+    memory. A body within the bound is read here and handed on to the app as it came."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.key, self.limit = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        if self.key is not None and scope["path"] not in _OPEN_PATHS and \
+                not self._authorized(headers.get(b"authorization", b"")):
+            await _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with "
+                              "the key the server was started with",
+                         code="invalid_api_key")(scope, receive, send)
+            return
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0  # (the HTTP parser refuses a malformed length before we see it)
+        try:
+            if declared > self.limit:
+                raise _BodyTooLarge
+            body, more = await self._read(receive)
+        except _BodyTooLarge:
+            await self._too_large(scope, receive, send)
+            return
+        if not more:  # the client left while sending it
+            return
+        await self.app(scope, self._replay(body, receive), send)
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("latin-1"), self.key.encode())  # type: ignore[union-attr]
+
+    async def _read(self, receive: Any) -> tuple[bytes, bool]:
+        """(the whole body, True), or (_, False) when the client disconnected first; past the
+        bound (a chunked body declares no length) `_BodyTooLarge`."""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", False
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise _BodyTooLarge
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts), True
+
+    @staticmethod
+    def _replay(body: bytes, receive: Any) -> Any:
+        """The body as one message, then the client's own messages (a disconnect)."""
+        sent = False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+    async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
+        await _error(413, f"the request body is larger than this server takes "
+                          f"({self.limit} bytes, --max-body-bytes): send a shorter prompt or "
+                          "fewer messages", code="request_too_large")(scope, receive, send)
 
 
 @attrs.define
@@ -236,10 +334,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="atom-core", lifespan=lifespan)
+    # (the last added runs first: a bug in the guard is still a 500 in the API's shape)
+    app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_Unexpected)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
-    # ------------------------------------------------------------------ errors and auth
+    # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, exc: ApiError) -> JSONResponse:
         if exc.status == 400:
@@ -250,27 +350,24 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.outcomes.labels("invalid").inc()
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":  # (its location is a character position)
+            return _error(400, f"the request body is not valid JSON: "
+                               f"{first.get('ctx', {}).get('error', 'decode error')} at "
+                               f"character {first['loc'][-1]}; send a JSON object")
+        loc = _location(first)
         # the parameter is the first name in the location (e.g. messages.0.role -> messages)
         param = next((x for x in loc if not x.isdigit()), None)
-        where = ".".join(loc) or "body"
         msg = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
             msg = "this parameter is not supported by this server"
-        return _error(400, f"{where}: {msg}", param)
-
-    async def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), settings.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                                "with the key the server was started with",
-                           code="invalid_api_key")
-
-    auth = [Depends(authorize)]
+        cut = next((i for i, x in enumerate(loc) if _is_type_label(x)), None)
+        if cut is not None:
+            # a value none of a union's types took: pydantic reports each type's failure,
+            # located under the type's name ("prompt.str"); say which types would do
+            loc, msg = loc[:cut], "must be one of: " + ", ".join(dict.fromkeys(
+                x[cut] for x in map(_location, exc.errors())
+                if len(x) > cut and x[:cut] == loc[:cut]))
+        return _error(400, f"{'.'.join(loc) or 'body'}: {msg}", param)
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
@@ -280,19 +377,19 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         return JSONResponse({"status": "down", "reason": engine.failure or "stopped"},
                             status_code=503)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         # (off the event loop: the batcher's gauges are read on the engine thread, between steps)
         body = await asyncio.to_thread(generate_latest, metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": 0, "owned_by": "atom-core",
             "max_model_len": cfg.max_seq_len}]}
 
-    @app.get("/state", dependencies=auth)
+    @app.get("/state")
     async def server_state() -> dict[str, Any]:
         """The batcher's lanes, blocks by owner and queue (taken between two steps)."""
         view = await asyncio.to_thread(engine.call, lambda b: b.describe())
@@ -495,6 +592,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         except RequestFailed as exc:
             yield sse({"error": {"message": f"the request failed: {exc}", "type":
                                  "server_error", "param": None, "code": None}})
+        except ApiError as exc:  # (the engine stopped between admission and submission)
+            yield sse({"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                                 "code": exc.code}})
+        except Exception as exc:  # noqa: BLE001 - a bug of ours, after the response started
+            # the status line is out: only the stream can still tell the client, which would
+            # otherwise see a connection cut mid-body (no error, no [DONE]) and maybe retry
+            log.exception("unexpected error in a stream")
+            yield sse({"error": {"message": f"internal error: {type(exc).__name__}: "
+                                            f"{str(exc)[:200]}", "type": "server_error",
+                                 "param": None, "code": None}})
         if usage_at_end:
             yield sse(make_chunk(None, [], None, usage=_usage(len(job.prompt), n)))
         yield "data: [DONE]\n\n"
@@ -513,13 +620,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                 "total_tokens": prompt + completion}
 
     # ------------------------------------------------------------------ /v1/completions
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_common(body)
         if body.echo:
             raise ApiError(400, "echo: not supported", "echo")
-        if body.logprobs:
-            raise ApiError(400, "logprobs: not supported", "logprobs")
+        if body.logprobs is not None:  # (0 too: it asks for the chosen tokens' logprobs)
+            raise ApiError(400, "logprobs: not supported (leave it out)", "logprobs")
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -546,12 +653,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         return chunk(text, ids, why, usage=_usage(len(prompt), len(ids)))
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         max_tokens = body.max_completion_tokens or body.max_tokens
         _check_common(body)
-        if body.logprobs or body.top_logprobs:
-            raise ApiError(400, "logprobs: not supported", "logprobs")
+        for name in ("logprobs", "top_logprobs"):
+            if getattr(body, name):
+                raise ApiError(400, f"{name}: not supported (leave it out)", name)
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(part.text for part in m.content)} for m in body.messages]
         try:

@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="a stream sends its first token at once, then every N tokens (fewer, "
                         "larger writes: less server CPU per token, burstier tokens)")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 2**20, metavar="N",
+                   help="the largest request body the server reads (larger: 413, before it is "
+                        "read)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
                         "they are aborted")
@@ -85,6 +88,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval {args.stream_interval}: must be at least 1 (1 "
                          "sends every token as it comes)")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1")
     overrides = {field: getattr(args, flag) for flag, field in _FIELDS.items()
                  if getattr(args, flag) is not None}
     opts = ServeOptions(model=args.model, runtime=args.runtime, compiled=args.compiled,
@@ -93,7 +98,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     settings = ServerSettings(model_name=name, api_key=key, max_queue=args.max_queue,
                               request_timeout=args.request_timeout or None,
-                              stream_interval=args.stream_interval)
+                              stream_interval=args.stream_interval,
+                              max_body_bytes=args.max_body_bytes)
     engine = Engine(AtomBatcher(cfg, rt))
     return create_app(engine, tok, settings), engine, settings
 

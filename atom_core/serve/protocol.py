@@ -1,15 +1,28 @@
 """Request bodies of the OpenAI endpoints (pydantic). A field this server does not know is a
-400 naming it (extra="forbid"), so a client never silently loses a parameter it relies on."""
+400 naming it (extra="forbid"), so a client never silently loses a parameter it relies on.
+Values have their JSON types (strict): `true` is no token id or token count and "3" no number.
+A null for an optional parameter means its default, as in OpenAI's schema, where they are
+nullable (clients send `"temperature": null` for "not set")."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # (a required field's null stays an error, an unknown field's null a 400 naming it)
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Strict):

@@ -1,9 +1,10 @@
 """Host-side sampling from a request's logits: the batcher's `sampler` hook.
 
-Greedy requests (temperature 0) pass no sampler at all, so they take the batcher's own argmax
-path and equal the oracle token for token. A sampled request owns a seeded torch.Generator and
-draws exactly once per generated token, so the same seed gives the same tokens whatever else
-is batched with it (the reference runtime's logits do not depend on the batch).
+Greedy requests (temperature 0, or below GREEDY_BELOW) pass no sampler at all, so they take the
+batcher's own argmax path and equal the oracle token for token. A sampled request owns a seeded
+torch.Generator and draws exactly once per generated token, so the same seed gives the same
+tokens whatever else is batched with it (the reference runtime's logits do not depend on the
+batch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import secrets
 
 import attrs
 import torch
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): the distribution is the
+# argmax's anyway, and dividing the logits by a temperature near 0 overflows them to inf, whose
+# softmax is NaN (a failed request instead of the most likely token).
+GREEDY_BELOW = 1e-5
 
 
 @attrs.frozen
@@ -23,7 +29,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
