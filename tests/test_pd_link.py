@@ -162,6 +162,7 @@ def _free_port() -> int:
 
 ROGUE = """
 import json, os, sys
+from atom_core.pd.secure_link import PROTOCOL
 from atom_core.pd.transport import GlooTransport
 t = GlooTransport(1, port=int(sys.argv[1]), timeout=20.0)
 got = []
@@ -171,7 +172,7 @@ while t.alive:
     got += [h for h, _ in msgs]
     if any(h["kind"] == "hello" for h, _ in msgs):
         # a guess at the handshake, without the key
-        t.send({"kind": "hello", "v": "atom-core/pd-link/v1", "role": "prefill",
+        t.send({"kind": "hello", "v": PROTOCOL, "role": "prefill",
                 "nonce": os.urandom(32).hex(), "proof": os.urandom(32).hex()})
 print(json.dumps(got))
 """

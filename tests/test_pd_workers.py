@@ -631,6 +631,9 @@ def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
     (["pd-prefill", "--host", "127.0.0.1"], "loopback included"),
     (["pd-decode", "--key", ""], "--key is empty"),
     (["pd-prefill", "--key", KEY.decode(), "--insecure"], "exclude each other"),
+    (["pd-decode", "--insecure", "--link-label", "pair-a"], "--link-label names a keyed link"),
+    (["pd-prefill", "--key", KEY.decode(), "--link-label", "a\tb"],
+     "--link-label must be printable"),
     # values argparse's types let through, checked before connecting
     (["pd-decode", "--insecure", "--timeout", "nan"], "--timeout must be finite positive"),
     (["pd-decode", "--insecure", "--timeout", "inf"], "--timeout must be finite positive"),

@@ -90,6 +90,15 @@ def _pd_key(args: argparse.Namespace) -> bytes | None:
                          "without authentication")
     if key is not None and args.insecure:
         raise UsageError("--insecure and a PD key exclude each other: drop one")
+    if args.link_label:
+        from atom_core.pd.secure_link import MAX_LABEL_CHARS, label_ok
+
+        if key is None:
+            raise UsageError("--link-label names a keyed link (the handshake binds it): give a "
+                             "--key, or drop --link-label")
+        if not label_ok(args.link_label):
+            raise UsageError(f"--link-label must be printable text of at most {MAX_LABEL_CHARS} "
+                             "characters, the same for both workers")
     if key is None:
         print(f"warning: --insecure: the PD link with {args.host} is neither authenticated nor "
               "encrypted", file=sys.stderr)
@@ -204,7 +213,7 @@ def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
 
     # the key handshake, before either worker handles anything
     link = SecureLink(transport, key, "decode" if rank == 0 else "prefill",
-                      max_box_bytes=limits["max_tensor_bytes"])
+                      label=args.link_label, max_box_bytes=limits["max_tensor_bytes"])
     try:
         link.establish(args.timeout)
     except LinkError as exc:
@@ -342,6 +351,10 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool) -> None:
     p.add_argument("--key", default=None,
                    help=f"shared PD key: literal, env:NAME or file:PATH (default: ${PD_KEY_ENV} "
                         "if set); a literal is visible in the process list, prefer env: or file:")
+    p.add_argument("--link-label", default="", metavar="NAME",
+                   help="the pair's name, the same for both workers: the key handshake binds it, "
+                        "so where several pairs share a key no worker can be wired to another "
+                        "pair's peer (default: none)")
     p.add_argument("--insecure", action="store_true",
                    help="run without a key: the link is neither authenticated nor encrypted "
                         "(anyone who reaches the port, loopback included, can read and inject "

@@ -184,7 +184,10 @@ class Linker:
             if self.key is not None:
                 from atom_core.pd.secure_link import SecureLink
 
+                # the label names both ends and generations: a relay of another link's
+                # handshake (a control link's included) fails it
                 secure = SecureLink(link, self.key, "decode" if first else "prefill",
+                                    label=prefix,
                                     max_box_bytes=self.limits(peer)["max_tensor_bytes"])
                 try:
                     secure.establish(self.timeout)

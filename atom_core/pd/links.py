@@ -24,6 +24,9 @@ still talks to "its peer" over one transport. Here that transport is a set of pe
   others, until its own node stops it.
 
 Wire ids must be unique across the decode workers (`DecodeWorker(wire_prefix=...)`).
+A link set made `secure` (there is a key) takes only links that say they are secure: the worker
+wraps nothing around it (`workers._secure`), so one plain link in it would carry prompts and KV
+in the clear, unauthenticated, without anyone having asked for the insecure mode.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ IDLE_POLL = 0.002
 # per-request nonce of 32 lowercase hex digits (secrets.token_hex(16)).
 MAX_WIRE_CHARS = 64
 _REQUEST_NONCE = re.compile(r"[0-9a-f]{32}\Z")
+# The most of a peer's reason for leaving (its "error") kept for messages.
+MAX_WHY_CHARS = 500
 
 
 def wellformed_nonce(nonce: Any) -> bool:
@@ -60,6 +65,15 @@ def wellformed_prefill(wire: Any, nonce: Any) -> bool:
     """`wire` and `nonce` of a prefill request are ones a prefill worker serves (else it drops
     the request unanswered: `PrefillWorker._on_prefill`, `DecodeLinks.poll`)."""
     return isinstance(wire, str) and len(wire) <= MAX_WIRE_CHARS and wellformed_nonce(nonce)
+
+
+def _why(header: dict[str, Any], default: str) -> str:
+    """A lost or departing peer's reason, as text of bounded size. The "error" of a shutdown
+    comes from the peer: str() of a deeply nested JSON list would recurse past the
+    interpreter's limit and raise out of `poll`."""
+    why = header.get("error", default)
+    return why[:MAX_WHY_CHARS] if isinstance(why, str) else f"{default} (a JSON " \
+        f"{type(why).__name__} for its reason)"
 
 
 def poll_until(ready: Callable[[], bool], timeout: float) -> bool:
@@ -96,6 +110,11 @@ class _Links:
         (`_lost_peer`): the old link is closed and never polled again, so otherwise those
         requests would wait for answers that cannot come (until a transfer timeout), and
         answers for the old process would go to the new one."""
+        if self.secure and not getattr(link, "secure", False):
+            # the worker wraps nothing around a secure link set: this link would run in clear
+            raise ValueError(f"peer {peer}'s link is a plain {type(link).__name__} in a secure "
+                             "link set (there is a key): wrap it in a SecureLink and complete "
+                             "its handshake first")
         old = self.links.get(peer)
         self.links[peer] = link
         self._all.append(link)
@@ -261,7 +280,7 @@ class PrefillLinks(_Links):
         for peer, header, tensor in self._gather():
             kind = header.get("kind")
             if kind == PEER_LOST:
-                self._lose(peer, str(header.get("error")), out)
+                self._lose(peer, _why(header, "its link ended"), out)
                 continue
             wire = header.get("request_id" if kind == "kv" else "id")
             if kind in ("kv", "prefill_failed") and isinstance(wire, str) and \
@@ -352,7 +371,7 @@ class DecodeLinks(_Links):
         for peer, header, tensor in self._gather():
             kind = header.get("kind")
             if kind in (PEER_LOST, "shutdown"):
-                self._lose(peer, str(header.get("error", "it shut down")), out)
+                self._lose(peer, _why(header, "it shut down"), out)
                 continue
             wire = header.get("id")
             if kind == "prefill":

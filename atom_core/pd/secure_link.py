@@ -6,26 +6,44 @@ either worker acts on comes from anyone else, and prompts and KV are not readabl
 What is not hidden: message sizes, timing and kinds (the envelope), and a peer on the path can
 still drop messages or cut the link (a request then times out or fails; never a wrong token).
 
+A link has an identity both ends know before it exists: its two roles (the decode end starts
+the handshake, the prefill end answers) and its `label`, a public name the caller gives both
+ends alike (e.g. the cluster's "link/<rank>.<generation>/<rank>.<generation>/", which names both
+ends; "" when the caller names none). Every link of a deployment shares one key, so without the
+label an attacker on the path could relay one link's handshake to another link's end (swap or
+rewire two links) and both ends would accept.
+
 Handshake, right after the rendezvous and before any message is handled (the decode worker
-starts it):
+starts it); `binding` is the link's identity, the JSON {"initiator": "decode", "link": label,
+"responder": "prefill"}:
 
-    decode -> prefill   hello(nonce_d)                      32 fresh random bytes
-    prefill -> decode   hello(nonce_p, proof_p)             proof_p = HMAC(k_proof, "prefill"
-                                                            || nonce_d || nonce_p)
+    decode -> prefill   hello(nonce_d, link)                32 fresh random bytes; the label
+    prefill -> decode   hello(nonce_p, link, proof_p)       proof_p = HMAC(k_proof, "prefill"
+                                                            || 0 || nonce_d || nonce_p || binding)
     decode -> prefill   proof(proof_d)                      proof_d = HMAC(k_proof, "decode"
-                                                            || nonce_d || nonce_p)
+                                                            || 0 || nonce_d || nonce_p || binding)
 
-Each side checks the other's proof (constant time) and drops a peer that fails with a clear
-message; a peer without the key learns fresh nonces and (as a fake decode side) one HMAC over
-them, nothing else. Every key is derived with HKDF-SHA256 from the user's key, salted with both
-nonces, one per purpose: the proof key, one AEAD key per direction, and the 16-byte session id.
+(`link` is sent only when the label is not "": an unlabelled hello is as before.) Each side
+first compares the label the peer offers with its own and drops a cross-wired peer with a
+message naming both (labels are public names, nothing secret); the prefill side does so before
+it proves anything. Each side then checks the other's proof (constant time) and drops a peer
+that fails with a clear message; a peer without the key learns fresh nonces and (as a fake
+decode side) one HMAC over them, nothing else. Every key is derived with HKDF-SHA256 from the
+user's key (at least `payload.MIN_KEY_BYTES`; a shorter one is refused), salted with both
+nonces, one per purpose, the binding in the info: the proof key, one AEAD key per direction,
+and the 16-byte session id. So a relay that rewrites the clear label in the hellos still fails
+the proofs, and no two links, sessions or directions ever share an AEAD key. Before the
+handshake completes the peer's messages are only compared with fixed shapes (bounded by the
+transport's frame limits, a tensor refused): anything else fails the link with one message.
 
 After it, every message (control messages included) travels as one ChaCha20-Poly1305 box: the
 clear envelope `{"kind": "sealed", "k": kind, "rn": request nonce, "seq": n}` and a uint8
 tensor holding the ciphertext of (the header's JSON, the tensor's dtype and shape, its bytes).
 The associated data binds the box to the session id, the direction, the kind, the per-request
 nonce (which the decode worker puts in its prefill request and the prefill worker echoes) and
-the sequence number; the AEAD nonce is the sequence number under a per-direction key. A box
+the sequence number; the AEAD nonce is the sequence number under a per-direction key, so a
+(key, nonce) pair is never used twice: numbers run from 0 up to MAX_SEQ - 1 and a link that
+used them all fails (reconnect: a new session has new keys) rather than wrap. A box
 that fails to open (altered, from another session, another direction or request) is dropped,
 counted and logged (naming this end, the session and the box's request nonce); a sequence
 number already seen, or older than the replay window, is dropped unopened.
@@ -56,6 +74,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from atom_core.pd.payload import MIN_KEY_BYTES
 from atom_core.pd.transport import (
     _CODE_DTYPES,
     _DTYPE_CODES,
@@ -67,11 +86,11 @@ from atom_core.pd.transport import (
     parse_header,
 )
 
-__all__ = ["LinkError", "SecureLink", "box_limit", "derive_key", "establish_pair"]
+__all__ = ["MAX_SEQ", "LinkError", "SecureLink", "box_limit", "derive_key", "establish_pair"]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "atom-core/pd-link/v1"
+PROTOCOL = "atom-core/pd-link/v2"
 _NONCE_BYTES = 32
 _RESERVED = frozenset({PEER_LOST, "bye"})
 _HANDSHAKE = frozenset({"hello", "proof"})
@@ -80,6 +99,11 @@ ROLES = ("decode", "prefill")
 # request.
 _REQUEST_NONCE = re.compile(r"(?:[0-9a-f]{32})?\Z")
 _HEX = re.compile(r"[0-9a-f]{64}\Z")
+# A link's sequence numbers (the AEAD nonce's 64-bit counter) run below this; a sender that
+# reaches it fails the link instead of sending boxes the peer would refuse (or wrapping).
+MAX_SEQ = 2 ** 63
+# The longest link label (a public name: printable text).
+MAX_LABEL_CHARS = 256
 # Sequence numbers within this distance of the highest seen are remembered (the transports
 # deliver in order, so a window this size only ever holds what a reordering could need).
 REPLAY_WINDOW = 1024
@@ -100,14 +124,48 @@ class LinkError(TransportError):
     not answer in time. The link is closed; nothing was handled."""
 
 
-def derive_key(key: bytes, purpose: str, salt: bytes | None = None, length: int = 32) -> bytes:
-    """A key for one `purpose` from the user's key (HKDF-SHA256)."""
-    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt,
-                info=f"{PROTOCOL} {purpose}".encode()).derive(key)
+def _check_key(key: Any) -> None:
+    """Refuse what is not a usable PD key. Says only the length: never the key."""
+    if not isinstance(key, bytes):
+        raise ValueError(f"the PD key must be bytes (pd.load_key), got {type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        # an empty or short key makes every derived key public or guessable
+        raise ValueError(f"the PD key is {len(key)} bytes; it must be at least {MIN_KEY_BYTES} "
+                         "(pd.load_key; e.g. `python -c 'import secrets; "
+                         "print(secrets.token_hex(32))'`)")
 
 
-def _proof(k_proof: bytes, role: str, nonce_d: bytes, nonce_p: bytes) -> bytes:
-    return hmac.new(k_proof, role.encode() + b"\0" + nonce_d + nonce_p, "sha256").digest()
+def derive_key(key: bytes, purpose: str, salt: bytes | None = None, length: int = 32,
+               context: bytes = b"") -> bytes:
+    """A key for one `purpose` from the user's key (HKDF-SHA256); `context` (a link's binding)
+    goes into the info after a NUL, which no purpose holds. ValueError for a key shorter than
+    `payload.MIN_KEY_BYTES`: HKDF takes an empty key and would hand out a public one."""
+    _check_key(key)
+    info = f"{PROTOCOL} {purpose}".encode() + (b"\0" + context if context else b"")
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(key)
+
+
+def _binding(label: str) -> bytes:
+    """The link's identity as the handshake binds it (canonical JSON: unambiguous)."""
+    return json.dumps({"initiator": "decode", "link": label, "responder": "prefill"},
+                      sort_keys=True, separators=(",", ":")).encode()
+
+
+def _proof(k_proof: bytes, role: str, nonce_d: bytes, nonce_p: bytes, binding: bytes) -> bytes:
+    # role and nonces have fixed lengths before the binding: the message parses one way only
+    return hmac.new(k_proof, role.encode() + b"\0" + nonce_d + nonce_p + binding,
+                    "sha256").digest()
+
+
+def label_ok(label: Any) -> bool:
+    """A usable link label: printable text of at most MAX_LABEL_CHARS."""
+    return isinstance(label, str) and len(label) <= MAX_LABEL_CHARS and label.isprintable()
+
+
+def _describe(v: Any) -> str:
+    """An unauthenticated value for a message: a short str's repr, else only its type (the
+    repr of a deeply nested list would recurse past the interpreter's limit)."""
+    return repr(v[:32]) if isinstance(v, str) else f"a JSON {type(v).__name__}"
 
 
 def _hex_bytes(v: Any, pattern: re.Pattern[str] = _HEX) -> bytes | None:
@@ -117,7 +175,9 @@ def _hex_bytes(v: Any, pattern: re.Pattern[str] = _HEX) -> bytes | None:
 class SecureLink:
     """One end of an authenticated, encrypted link over `inner` (see the module docstring).
 
-    `role`: "decode" (starts the handshake) or "prefill". The handshake runs inside `poll`
+    `role`: "decode" (starts the handshake) or "prefill". `label`: the link's public name,
+    the same on both ends (printable, at most MAX_LABEL_CHARS): a peer offering another one
+    fails the handshake. The handshake runs inside `poll`
     (single-threaded drivers) or `establish(timeout)` (blocks until done or raises LinkError);
     messages sent before it completes wait, in order, and are sealed once it does.
     `max_box_bytes`: the largest box accepted (`pd.frame_limits`: header + tensor bytes; see
@@ -127,19 +187,26 @@ class SecureLink:
 
     secure = True  # workers use a transport that says so as is
 
-    def __init__(self, inner: Transport, key: bytes, role: str, *,
+    def __init__(self, inner: Transport, key: bytes, role: str, *, label: str = "",
                  max_box_bytes: int | None = None, handshake_timeout: float = 30.0,
                  replay_window: int = REPLAY_WINDOW,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if not isinstance(key, bytes) or len(key) < 16:
-            raise ValueError("the PD key must be bytes of at least 16 (pd.load_key)")
+        _check_key(key)
+        if not label_ok(label):
+            raise ValueError(f"label must be printable text of at most {MAX_LABEL_CHARS} "
+                             f"characters (the link's public name), got {label!r:.80}")
         if not (math.isfinite(handshake_timeout) and handshake_timeout > 0):
             raise ValueError(f"handshake_timeout must be finite positive seconds, got "
                              f"{handshake_timeout!r}")
-        self.inner, self.role = inner, role
+        if isinstance(replay_window, bool) or not isinstance(replay_window, int) \
+                or replay_window < 0:
+            # a negative window would refuse every box in order: the link would drop all
+            raise ValueError(f"replay_window must be an integer >= 0, got {replay_window!r}")
+        self.inner, self.role, self.label = inner, role, label
         self._key = key
+        self._binding = _binding(label)
         self.max_box_bytes = max_box_bytes
         self._clock, self._deadline = clock, clock() + handshake_timeout
         self._window = replay_window
@@ -157,8 +224,7 @@ class SecureLink:
         self._early: list[Message] = []  # what arrived in the same poll as the last proof
         self.dropped: Counter[str] = Counter()
         if role == "decode":
-            self._raw_send({"kind": "hello", "v": PROTOCOL, "role": "decode",
-                            "nonce": self._nonce.hex()})
+            self._raw_send(self._hello())
 
     # ------------------------------------------------------------------ Transport
     @property
@@ -201,7 +267,7 @@ class SecureLink:
             elif self.failed is not None:
                 continue
             elif not self.established:
-                self._handshake(header)
+                self._handshake(header, tensor)
             else:
                 opened = self._open(header, tensor)
                 if opened is not None:
@@ -269,37 +335,60 @@ class SecureLink:
             except Exception:  # noqa: BLE001 - closing a broken link is best effort
                 pass
 
-    def _handshake(self, h: dict[str, Any]) -> None:
+    def _hello(self, **more: str) -> dict[str, Any]:
+        h = {"kind": "hello", "v": PROTOCOL, "role": self.role, "nonce": self._nonce.hex()}
+        if self.label:  # (an unlabelled hello keeps its fields as before labels existed)
+            h["link"] = self.label
+        return {**h, **more}
+
+    def _derive(self, purpose: str, length: int = 32) -> bytes:
+        """A key of this session: salted with both nonces, bound to the link's identity."""
+        nd, np_ = self._nonces()
+        return derive_key(self._key, purpose, nd + np_, length, self._binding)
+
+    def _handshake(self, h: dict[str, Any], tensor: torch.Tensor | None) -> None:
+        # Nothing here is authenticated yet: every field is compared with a fixed shape, and
+        # messages name what came only through `_describe` (bounded, never recursive).
         kind, want = h.get("kind"), ("hello" if self.role == "decode" or
                                      self._peer_nonce is None else "proof")
         if kind != want or h.get("v", PROTOCOL) != PROTOCOL:
-            self._fail(f"the peer sent {str(kind)[:32]!r} where the key handshake expects "
+            self._fail(f"the peer sent {_describe(kind)} where the key handshake expects "
                        f"{want!r}: it is not a PD worker of this version, or has no key "
                        "(start both workers with the same --key)")
+            return
+        if tensor is not None:
+            self._fail(f"the peer's {kind!r} carries a tensor: the key handshake has none; "
+                       "dropped")
             return
         if kind == "hello":
             nonce = _hex_bytes(h.get("nonce"))
             peer_role = "prefill" if self.role == "decode" else "decode"
-            if nonce is None or h.get("role") != peer_role or nonce == self._nonce:
-                self._fail("the peer's hello is malformed (nonce or role): dropped")
+            offered = h.get("link", "")
+            if nonce is None or h.get("role") != peer_role or nonce == self._nonce \
+                    or not label_ok(offered):
+                self._fail("the peer's hello is malformed (nonce, role or link label): dropped")
+                return
+            if offered != self.label:
+                # before any proof: a misrouted peer learns nothing of this key
+                self._fail(f"cross-wired link: this {self.role} end belongs to link "
+                           f"{self.label!r}, but the {peer_role} end it reached offered link "
+                           f"{offered!r}; dropped (an attacker on the path relays another "
+                           "link, or the two ends were given different labels)")
                 return
             self._peer_nonce = nonce
             nd, np_ = self._nonces()
-            k_proof = derive_key(self._key, "handshake proof", nd + np_)
+            k_proof = self._derive("handshake proof")
             if self.role == "prefill":
-                self._raw_send({"kind": "hello", "v": PROTOCOL, "role": "prefill",
-                                "nonce": self._nonce.hex(),
-                                "proof": _proof(k_proof, "prefill", nd, np_).hex()})
+                self._raw_send(self._hello(
+                    proof=_proof(k_proof, "prefill", nd, np_, self._binding).hex()))
                 return
             if not self._check_proof(h.get("proof"), k_proof, "prefill"):
                 return
-            self._raw_send({"kind": "proof", "proof": _proof(k_proof, "decode", nd, np_).hex()})
+            self._raw_send({"kind": "proof",
+                            "proof": _proof(k_proof, "decode", nd, np_, self._binding).hex()})
             self._ready()
-        else:
-            nd, np_ = self._nonces()
-            k_proof = derive_key(self._key, "handshake proof", nd + np_)
-            if self._check_proof(h.get("proof"), k_proof, "decode"):
-                self._ready()
+        elif self._check_proof(h.get("proof"), self._derive("handshake proof"), "decode"):
+            self._ready()
 
     def _nonces(self) -> tuple[bytes, bytes]:
         assert self._peer_nonce is not None
@@ -308,21 +397,21 @@ class SecureLink:
 
     def _check_proof(self, got: Any, k_proof: bytes, peer_role: str) -> bool:
         nd, np_ = self._nonces()
-        want = _proof(k_proof, peer_role, nd, np_)
+        want = _proof(k_proof, peer_role, nd, np_, self._binding)
         got_b = _hex_bytes(got)
         if got_b is None or not hmac.compare_digest(got_b, want):
             self._fail(f"the {peer_role} worker failed the key challenge: it does not hold "
-                       "this key (or is not who it claims to be); dropped. Give both workers "
-                       "the same --key")
+                       "this key (or is not who it claims to be: the handshake binds the link "
+                       f"{self.label!r}, and a relay from another link fails here), or runs "
+                       "another atom-core version; dropped. Give both workers the same --key")
             return False
         return True
 
     def _ready(self) -> None:
-        nd, np_ = self._nonces()
-        salt = nd + np_
-        self.session_id = derive_key(self._key, "session id", salt, 16)
-        d2p = ChaCha20Poly1305(derive_key(self._key, "aead decode->prefill", salt))
-        p2d = ChaCha20Poly1305(derive_key(self._key, "aead prefill->decode", salt))
+        self.session_id = self._derive("session id", 16)
+        # one key per direction: the two ends' sequence numbers never share a key
+        d2p = ChaCha20Poly1305(self._derive("aead decode->prefill"))
+        p2d = ChaCha20Poly1305(self._derive("aead prefill->decode"))
         self._send_key, self._recv_key = (d2p, p2d) if self.role == "decode" else (p2d, d2p)
         self.established = True
         queued, self._queued = self._queued, []
@@ -361,6 +450,13 @@ class SecureLink:
             raise ValueError(f"a message of {size} bytes does not fit one sealed box (at most "
                              f"{MAX_BOX_PLAINTEXT}): ship KV of fewer positions per message")
         seq = self._send_seq
+        if seq >= MAX_SEQ:
+            # the peer refuses this number (and the nonce's 8-byte counter ends at 2**64, where
+            # only a wrap, reusing a nonce under this key, could go on): end the session
+            # instead; a new one has new keys
+            self._fail(f"this link sent {MAX_SEQ} boxes, every sequence number its keys allow: "
+                       "reconnect (a new session has new keys)")
+            raise TransportError(f"cannot send: {self.failed}")
         self._send_seq += 1
         plain = b"".join([struct.pack(">I", len(inner)), inner, data])
         box = self._send_key.encrypt(struct.pack(">4xQ", seq), plain,
@@ -378,7 +474,7 @@ class SecureLink:
         kind, rn, seq = env.get("k"), env.get("rn"), env.get("seq")
         if set(env) != {"kind", "k", "rn", "seq"} or not isinstance(kind, str) \
                 or len(kind) > 64 or not isinstance(rn, str) or not _REQUEST_NONCE.match(rn) \
-                or isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2 ** 63 \
+                or isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < MAX_SEQ \
                 or not isinstance(box, torch.Tensor) or box.dtype != torch.uint8 \
                 or box.dim() != 1:
             self.dropped["malformed"] += 1
