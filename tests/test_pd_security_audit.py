@@ -305,3 +305,22 @@ def test_cluster_links_are_labelled_with_both_ends() -> None:
             lk.stop()
         for _, link in ends:
             link.close()
+
+
+def test_link_keys_come_from_the_secret_stretched_with_scrypt() -> None:
+    """A prefill end proves itself to whoever connects first, so anyone who reaches its port
+    holds an HMAC to test guesses at the shared secret against offline. Every derived key
+    comes from scrypt of the secret: a guess costs a scrypt (32 MiB), not one HKDF."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
+    secret = b"correct horse battery staple"
+    root = Scrypt(salt=b"atom-core/pd-key/v2", length=32, n=2 ** 15, r=8, p=1).derive(secret)
+
+    def hkdf(k: bytes) -> bytes:
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                    info=f"{PROTOCOL} payload mac".encode()).derive(k)
+
+    assert derive_key(secret, "payload mac") == hkdf(root)
+    assert derive_key(secret, "payload mac") != hkdf(secret)

@@ -65,6 +65,7 @@ message is unchanged from before hybrid payloads existed (same tag, same checksu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -90,6 +91,7 @@ __all__ = [
     "from_wire",
     "layout_of",
     "load_key",
+    "stretch_key",
     "make_payload",
     "model_fingerprint",
     "to_wire",
@@ -98,6 +100,14 @@ __all__ = [
 ]
 
 MIN_KEY_BYTES = 16
+# The link keys are derived from the shared secret stretched with scrypt (`stretch_key`, about
+# 65 ms and 32 MiB, once per process and secret): anyone who reaches a worker's port can play
+# the other end of the key handshake and get one proof to test guesses at the secret against
+# offline, and a secret a person chose (a passphrase) falls to a fast guess loop. A random key
+# (`secrets.token_hex(32)`) needs none of this, but both are treated alike so that no one has
+# to tell them apart.
+_STRETCH_SALT = b"atom-core/pd-key/v2"
+_STRETCH_N = 2 ** 15
 _TAG = b"atom-core/pd-kv/v1\n"
 _HEADER_FIELDS = ("request_id", "prompt", "first_token", "dtype", "fingerprint", "checksum",
                   "mac", "shape")
@@ -704,3 +714,13 @@ def load_key(value: str | None) -> bytes | None:
                          f"{MIN_KEY_BYTES} (e.g. `python -c 'import secrets; "
                          "print(secrets.token_hex(32))'`)")
     return key
+
+
+@functools.lru_cache(maxsize=8)
+def stretch_key(secret: bytes) -> bytes:
+    """The 32-byte root of every key derived from a shared secret (scrypt with a fixed salt:
+    every worker given the same secret gets the same root; see _STRETCH_N for why). Cached:
+    a process pays for it once per secret."""
+    from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
+    return Scrypt(salt=_STRETCH_SALT, length=32, n=_STRETCH_N, r=8, p=1).derive(secret)

@@ -29,7 +29,9 @@ message naming both (labels are public names, nothing secret); the prefill side 
 it proves anything. Each side then checks the other's proof (constant time) and drops a peer
 that fails with a clear message; a peer without the key learns fresh nonces and (as a fake
 decode side) one HMAC over them, nothing else. Every key is derived with HKDF-SHA256 from the
-user's key (at least `payload.MIN_KEY_BYTES`; a shorter one is refused), salted with both
+user's key (at least `payload.MIN_KEY_BYTES`; a shorter one is refused) stretched with scrypt
+(`payload.stretch_key`: a proof lets anyone who reaches the port test guesses at the key
+offline, and each guess then costs a scrypt), salted with both
 nonces, one per purpose, the binding in the info: the proof key, one AEAD key per direction,
 and the 16-byte session id. So a relay that rewrites the clear label in the hellos still fails
 the proofs, and no two links, sessions or directions ever share an AEAD key. Before the
@@ -74,7 +76,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from atom_core.pd.payload import MIN_KEY_BYTES
+from atom_core.pd.payload import MIN_KEY_BYTES, stretch_key
 from atom_core.pd.transport import (
     _CODE_DTYPES,
     _DTYPE_CODES,
@@ -142,7 +144,9 @@ def derive_key(key: bytes, purpose: str, salt: bytes | None = None, length: int 
     `payload.MIN_KEY_BYTES`: HKDF takes an empty key and would hand out a public one."""
     _check_key(key)
     info = f"{PROTOCOL} {purpose}".encode() + (b"\0" + context if context else b"")
-    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(key)
+    # from the stretched secret: a guess at it costs a scrypt, not one HMAC (payload.py)
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(
+        stretch_key(key))
 
 
 def _binding(label: str) -> bytes:
