@@ -8,9 +8,10 @@ The state is the in-place core's (`atom_core/_generated/inplace.py`: the same gu
 and effects as `core.py`, applied to one mutable state instead of building a new immutable one
 per transition); `state` offers it frozen, as a `core.State`.
 
-One prefill per step (a prefix-hit copy first, then only the chunks not yet computed),
-otherwise one decode call over every row. A runtime error fails the requests it touched and
-nothing else: the batcher keeps serving.
+One prefill per step (a prefix-hit copy first, then only the chunks not yet computed), the
+earliest admitted prefilling lane's, otherwise one decode call over every row; decoding lanes
+wait for at most `Policy.max_decode_wait` prefill calls in a row (`Policy.prefill_first`).
+A runtime error fails the requests it touched and nothing else: the batcher keeps serving.
 
 Prefill/decode disaggregation (PD): a request submitted with `remote=True` is admitted into a
 lane whose block waits for KV computed by a prefill worker (`import_kv` delivers it,
@@ -698,6 +699,8 @@ class AtomBatcher:
         if self._version != before:  # (else the state is the one the first pass left: no lane
             self._grow(events)       # needs a block, and asking again costs B guard checks)
         lane = self._prefilling_lane()
+        if lane is not None and not self.policy.prefill_first(self._m, self._can_decode):
+            lane = None  # decoding lanes waited long enough: a decode call goes first
         plan = self._plan_prefill(lane, events) if lane is not None \
             else self._plan_decode(events)
         self._plan, self._planned = plan, self._version
@@ -1015,12 +1018,18 @@ class AtomBatcher:
         events.append(Event("preempted", rid))
 
     # --------------------------------------------------------------- prefill
-    def _prefilling_lane(self) -> int | None:
+    def _can_decode(self) -> bool:
+        """A decode call with a live row is possible now, without a preemption or a spill: the
+        core's plan for it (`decode_plan`, which changes nothing) with the policy's padding
+        targets. (`_plan_decode` preempts when there is no padding target: asked only when no
+        lane can prefill, never to make room for a decode call a prefill could replace.)"""
         s = self._m
-        for ln in range(s.consts.B):
-            if inplace.enabled_prefill(s, l=ln):  # for some token: the guard reads none
-                return ln
-        return None
+        plan = inplace.decode_plan(s, self.policy.pad(s), self.policy.local_pad(s), None)
+        return not isinstance(plan, str) and any(plan[0].live)
+
+    def _prefilling_lane(self) -> int | None:
+        # the oldest prefilling lane, not the lowest: see `Policy.prefill_lane`
+        return self.policy.prefill_lane(self._m)
 
     def _plan_prefill(self, lane: int, events: list[Event]) -> Plan:
         (eff,) = inplace.prefill_plan(self._m, lane, None)

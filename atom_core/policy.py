@@ -15,7 +15,7 @@ core's read its indexes.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
 from operator import eq
 from typing import Any, NamedTuple
@@ -64,8 +64,20 @@ class Policy:
     requests. Off (the default): every lane runs, and while all are busy and one of them is
     not decoding, decode waits for it (see `local_pad`)."""
 
-    def __init__(self, spare_local_slot: bool = False) -> None:
+    def __init__(self, spare_local_slot: bool = False,
+                 max_decode_wait: int | None = None) -> None:
         self.spare_local_slot = spare_local_slot
+        # How many prefill calls in a row may run while some lane could decode (`prefill_first`);
+        # None: as many as the longest prompt has chunks, so one prompt's prefill is never
+        # interrupted, but a stream of them is.
+        if max_decode_wait is not None and (isinstance(max_decode_wait, bool)
+                                            or not isinstance(max_decode_wait, int)
+                                            or max_decode_wait < 1):
+            # (0 would starve prefill instead: no new request would start while a lane decodes)
+            raise ValueError(f"max_decode_wait must be an integer >= 1 or None, got "
+                             f"{max_decode_wait!r}")
+        self.max_decode_wait = max_decode_wait
+        self.decode_waits = 0  # prefill calls since the last decode call
         self.clock = 0
         # block -> time its cache entry was made or hit (0: never)
         self.last_use: defaultdict[int, int] = defaultdict(int)
@@ -86,6 +98,8 @@ class Policy:
             elif isinstance(e, (g.Store, g.Load)):
                 self.clock += 1
                 self.slot_use[e.slot] = self.clock
+            elif isinstance(e, g.Decode):
+                self.decode_waits = 0
 
     def _touch(self, block: int) -> None:
         self.clock += 1
@@ -99,6 +113,42 @@ class Policy:
             return s.busy.index(False)
         except ValueError:
             return None
+
+    def prefill_lane(self, s: g.State) -> int | None:
+        """The lane whose next prompt chunk this step computes (one prefill per step): the
+        earliest admitted of those that can prefill, first come first served as admission is.
+        The lowest-numbered lane instead let requests that end at their prefill
+        (max_new_tokens=1, an end token first, an export), admitted one per step into a lower
+        lane, hold a long prompt in a higher lane at length 0 for as long as they came; and
+        with preemption a younger lane's prefill took the blocks the older one then had to
+        preempt it for, throwing its chunks away."""
+        enabled = _core(s).enabled_prefill
+        best: int | None = None
+        for ln in range(s.consts.B):
+            # (for some token: the guard reads none)
+            if enabled(s, l=ln) and (best is None or self.admitted.get(ln, 0)
+                                     < self.admitted.get(best, 0)):
+                best = ln
+        return best
+
+    def prefill_first(self, s: g.State, can_decode: Callable[[], bool]) -> bool:
+        """A lane can prefill: run its chunk this step rather than a decode call? Prefill first
+        (a new request's first token soon), but not for ever: requests that end at their
+        prefill (max_new_tokens=1, an end token first, an export), arriving one per step, kept
+        every decoding lane at its token for as long as they came. So once decoding lanes have
+        waited `max_decode_wait` prefill calls (since the last decode call), one decode call
+        goes first if `can_decode()` (a decode call with a live row is possible now: asked only
+        then, as it costs a plan, where the wait counts any decoding lane)."""
+        decoding = _core(s).decoding
+        if not any(decoding(s, ln) for ln in range(s.consts.B)):
+            return True  # no lane waits for this prefill
+        limit = self.max_decode_wait
+        if limit is None:  # the chunks of the longest prompt: ceil(max_seq_len / chunk)
+            limit = -(-s.consts.T * s.consts.S // s.consts.C)
+        if self.decode_waits >= limit and can_decode():
+            return False  # (the decode call's effect resets the count: `observe`)
+        self.decode_waits += 1
+        return True
 
     def pinned(self, s: g.State) -> set[int]:
         """The blocks an in-flight copy reads (the spec's `pinned`; a host load reads a slot,

@@ -143,8 +143,7 @@ def test_lane_blocks_hold_only_their_own_requests_kv(scratch):
     rng = random.Random(5 if scratch == "dynamic" else 6)
     prompts = SHARED * 3 + OTHER * 2
     rng.shuffle(prompts)
-    for p in prompts:
-        b.submit(p, rng.randint(1, 8))
+    wants = {b.submit(p, n): n for p in prompts for n in [rng.randint(1, 8)]}
     snaps: list[tuple[int, int, torch.Tensor]] = []  # (request, length, block content)
     while b.busy():
         b.step()
@@ -155,7 +154,9 @@ def test_lane_blocks_hold_only_their_own_requests_kv(scratch):
                 snaps.append((s.lane_req[ln], s.length[ln],
                               b.runtime.read_block(s.tail[ln])[:, :, :, :s.length[ln]].clone()))
     assert b.stats.prefix_hit_tokens > 0
-    assert len({rid for rid, _, _ in snaps}) == len(prompts)
+    # every request seen busy after some step, but one whose prefill ends it (one token
+    # wanted) may start and end within a step
+    assert {rid for rid, _, _ in snaps} >= {rid for rid, n in wants.items() if n > 1}
     for rid, n, kv in snaps:
         ref = reference_kv(full_sequence(b, rid))
         assert torch.equal(kv, ref[:, :, :, :n]), (rid, n)

@@ -175,7 +175,7 @@ SCENARIOS = {
     "prefill": {"prefill": (0, 3, 7)},
     "decode": {"decode": (1, 6)},
     "copy": {"copy": (0, 2)},
-    "mixed": {"prefill": (2, 9), "decode": (4,), "copy": (0,)},
+    "mixed": {"prefill": (1, 9), "decode": (4,), "copy": (0,)},
 }
 
 

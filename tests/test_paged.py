@@ -66,9 +66,10 @@ class Tables:
             self.rows_seen += 1
             p = int(pos[0, 0])
             assert tables.shape == (b.config.blocks_per_table,)
-            lane = next(ln for ln in range(b.config.lanes) if b.state.busy[ln]
-                        and b.state.phase.get(b.state.lane_req[ln]) == core.PHASE_PREFILL
-                        and b.state.length[ln] == p)
+            # the lane plan() chose (two prefilling lanes may be at the same position)
+            (lane,) = b._plan.lanes
+            assert b.state.busy[lane] and b.state.length[lane] == p
+            assert b.state.phase.get(b.state.lane_req[lane]) == core.PHASE_PREFILL
             assert int(tables[p // b.config.block_size]) == b.state.tail[lane]
             return prefill(ids, pos, tables, local, qpos)
 

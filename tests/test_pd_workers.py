@@ -475,7 +475,8 @@ def test_prefetched_kv_survives_the_prefill_workers_loss() -> None:
     r = rig(config(2), prefetch=2)
     ps = prompts(6, seed=17)
     wids = [r.dw.submit(p, 5) for p in ps]
-    r.pump(lambda: r.dw.requests[2].payload is not None)  # 2 is buffered, still waiting
+    # some request's KV is buffered (prefetched: it arrived before the request's lane did)
+    r.pump(lambda: any(r.dw.requests[w].payload is not None for w in wids))
     buffered = [w for w in wids if r.dw.requests[w].payload is not None]
     r.to_decode.kill()
     r.pump()
@@ -487,7 +488,7 @@ def test_prefetched_kv_survives_the_prefill_workers_loss() -> None:
             r.exact(w, 5)
     remote = [w for w in wids if w not in lost
               and r.dw.batcher.requests[r.dw.requests[w].brid].remote]
-    assert 2 in buffered and 2 in remote  # buffered before the loss, imported after it
+    assert buffered and set(buffered) <= set(remote)  # buffered before the loss, imported after
     assert r.dw.batcher.stats.imported_tokens == sum(len(ps[w]) for w in remote)
     assert r.dw.local_fallbacks == len(wids) - len(lost) - len(remote) > 0
     assert_clean(r.dw)

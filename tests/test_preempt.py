@@ -219,7 +219,9 @@ def test_planted_admission_without_room_livelocks() -> None:
     """Every step is safe (the core accepts each one), but a request admitted into the last
     block is preempted by its own prefill and admitted again, forever, while the lane it keeps
     from decoding never finishes: caught by the step limit."""
-    b = make(3, 2, True, "reserved", policy=AdmitsWithoutRoom())
+    # (decode never forced ahead of prefill: the bounded wait lets the displaced lanes decode
+    # and finish, which hides the livelock behind the bug rather than the bug itself)
+    b = make(3, 2, True, "reserved", policy=AdmitsWithoutRoom(max_decode_wait=10**9))
     for i, p in enumerate(POOL):
         b.submit(p, max_new_tokens=12 + 3 * i)
     with pytest.raises(AssertionError, match="not idle"):
