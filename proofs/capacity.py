@@ -197,8 +197,12 @@ def tight_check(f: Features, lanes: int, blocks: int, tr: bmc.Trace | None, seco
 
 
 def expect(f: Features, lanes: int, blocks: int) -> dict[str, Any]:
-    """The core constants a witness for `f` at this size must have."""
-    return {"B": lanes, "K": blocks, "T": f.tables, "PREFIX": f.prefix_cache,
+    """The core constants a witness for `f` at this size must have: the chunk and block size
+    too, those the table's progress is proved at (`TABLE_CHUNK`), so that the row is shown safe
+    at K_min and stuck one block below in one configuration (a run at other sizes replays just
+    as well and would certify a claim the table does not make)."""
+    return {"B": lanes, "K": blocks, "C": TABLE_CHUNK, "S": TABLE_SEQ_LEN, "T": f.tables,
+            "PREFIX": f.prefix_cache,
             "RESERVED": f.scratch == "reserved", "SCRATCH": 0, "HYBRID": f.hybrid,
             "HOST": f.host, "PREEMPT": f.preempt}
 
@@ -254,7 +258,8 @@ class SingleBlockCase:
 
     def replay(self, model: L.Model, w: Witness) -> bmc.Trace | str:
         """A committed stuck run of this case, replayed (`witness.replay`), or why it fails."""
-        return replay(model, w, {"B": self.lanes, "K": 1, "PREFIX": self.prefix_cache,
+        return replay(model, w, {"B": self.lanes, "K": 1, "C": search.TRACE_CHUNK,
+                                 "S": search.TRACE_SEQ_LEN, "PREFIX": self.prefix_cache,
                                  "RESERVED": False, "SCRATCH": 0, "T": 1, "HYBRID": False,
                                  "HOST": False, "PREEMPT": False},
                       avoid=search.ROLES[self.role], want=self.want)

@@ -339,16 +339,32 @@ def bounded(model: L.Model, max_lanes: int, max_blocks: int, *, base: bool = Tru
 
 
 def arithmetic(model: L.Model, seq_len: int = SEQ_LEN, *, base: bool = True,
-               actions: Collection[str] | None = None) -> Iterator[Check]:
+               actions: Collection[str] | None = None, chunk: int = CHUNK) -> Iterator[Check]:
     """Arithmetic invariants (`Model.invariant(arithmetic=True)`) for all sizes, over unbounded
-    sorts like the relational ones, with the chunk and block size fixed (`CHUNK`, `seq_len`) so
+    sorts like the relational ones, with the chunk and block size fixed (`chunk`, `seq_len`) so
     that positions modulo C and multiples of S are linear; assuming the relational invariants
     and themselves. `actions`: only these actions' steps."""
     rel = [i for i in model.invariants if i.kind == "relational"]
     ar = [i for i in model.invariants if i.kind == "arithmetic"]
-    u = Universe(model, None, {"C": CHUNK, "S": seq_len})
-    yield from induction(model, ar, u, rel + ar, size=f"all sizes,C={CHUNK},S={seq_len}",
+    u = Universe(model, None, {"C": chunk, "S": seq_len})
+    yield from induction(model, ar, u, rel + ar, size=arithmetic_label(chunk, seq_len),
                          base=base, actions=actions)
+
+
+def arithmetic_label(chunk: int, seq_len: int) -> str:
+    """The size label of the arithmetic obligations at this chunk and block size."""
+    return f"all sizes,C={chunk},S={seq_len}"
+
+
+def bounded_label(lanes: int, blocks: int, seq_len: int | None = SEQ_LEN,
+                  chunk: int | None = CHUNK) -> str:
+    """The size label of the bounded obligations at one size (the chunk and block size named
+    when they are not the default `CHUNK`, `SEQ_LEN`; None: every chunk and block size)."""
+    if seq_len is None or chunk is None:
+        return f"B={lanes},K={blocks},any C,S"
+    return f"B={lanes},K={blocks}" + ("" if (seq_len, chunk) == (SEQ_LEN, CHUNK) else
+                                      f",S={seq_len}" if chunk == CHUNK else
+                                      f",C={chunk},S={seq_len}")
 
 
 def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> Iterator[

@@ -53,14 +53,21 @@ def task_progress(show: bool) -> Iterator[Callable[[str, int, int], None] | None
 
 def cmd_verify(args: argparse.Namespace) -> int:
     z3_or_exit()
-    from atom_core.proofs.run import DEEP_BLOCKS, DEEP_LANES, verify
+    from atom_core.proofs.run import DEEP_BLOCKS, DEEP_LANES, TaskFailed, verify
     from atom_core.spec.model import MODEL
 
     lanes = args.max_lanes or (DEEP_LANES if args.deep else 4)
     blocks = args.max_blocks or (DEEP_BLOCKS if args.deep else 8)
     show = not (args.json or args.quiet) and sys.stderr.isatty()
     with task_progress(show) as on_task:
-        report = verify(MODEL, lanes, blocks, jobs=args.jobs, on_task=on_task)
+        try:
+            report = verify(MODEL, lanes, blocks, jobs=args.jobs, on_task=on_task)
+        except TaskFailed as exc:  # (a task raised or its worker died: nothing to report on)
+            if args.json:
+                emit({"ok": False, "error": str(exc)})
+            print(f"atom-core verify FAILED: {exc}; its obligations were not decided",
+                  file=sys.stderr)
+            return 1
     if args.json:
         emit(report.as_json())
         return 0 if report.ok else 1
