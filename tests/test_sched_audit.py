@@ -39,6 +39,12 @@ V = 128
 _rng = random.Random(2024)
 
 
+@pytest.fixture(autouse=True)
+def _same_tokens_in_every_run() -> None:
+    # each test draws the same prompts whichever tests ran before it in this process (xdist)
+    _rng.seed(2024)
+
+
 def _toks(n: int) -> list[int]:
     return [_rng.randrange(V) for _ in range(n)]
 
