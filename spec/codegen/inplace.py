@@ -73,6 +73,8 @@ class InplaceGenerator(Generator):
         super().__init__(model)
         self.state_cls = "MState"
         self.core_module = core_module
+        # the axioms read only the constants, never a state: core.py's, re-exported
+        self.imported_checkers = frozenset({"AXIOMS"})
         for f in model.state:  # a plain dict's reads need the default as a module constant
             if self.layout(f) == "map" and f.init is not None and f.name not in self.defaults:
                 raise GenerationError(f"in-place: the default of {f.name} reads a constant")
@@ -320,8 +322,8 @@ class InplaceGenerator(Generator):
                "mutable MState; each action\nmutates its state argument and returns "
                "Step(s, effects, rejected) with that same object.\n"
                "A read-only function whose generated text is the same in both cores is "
-               "core.py's, imported\n(re-exported) here; the others read the maintained "
-               "indexes (or call one that does).\n"
+               "core.py's, imported\n(re-exported) here, as are the axioms (they read no "
+               "state); the others read the\nmaintained indexes (or call one that does).\n"
                "`thaw(core.State) -> MState`, `freeze(MState) -> core.State`. core.py stays the "
                "reference\n(proofs, tests); tests/test_inplace.py checks the two agree step by "
                'step.\n"""\n')
@@ -331,15 +333,22 @@ class InplaceGenerator(Generator):
         if "attrs" in used:
             out.append("import attrs\n\n")
         out.append(f"import {self.core_module} as _core\n")
+        # (one statement per re-export, ordered among the others by its first name, as ruff's
+        # isort orders them)
+        imports = []
         if names:
-            out.append(render([f"from {self.core_module} import ",
-                               bracket("(", join(names, [",", SPACE]) + [IfBreak(",", "")],
-                                        ")")]) + "\n")
-        # re-exported (`x as x`): the read-only functions shared with core.py
-        for name in sorted(self.shared, key=_isort_key):
-            out.append(render([f"from {self.core_module} import ",
-                               Group([IfBreak("(", ""), Nest(4, [SOFT, f"{name} as {name}"]),
-                                      IfBreak(",", ""), SOFT, IfBreak(")", "")])]) + "\n")
+            imports.append((_isort_key(names[0]), render(
+                [f"from {self.core_module} import ",
+                 bracket("(", join(names, [",", SPACE]) + [IfBreak(",", "")], ")")]) + "\n"))
+        # re-exported (`x as x`): the read-only functions shared with core.py, and the axioms
+        axioms = {"AXIOMS", "AXIOM_DOCS", "AXIOM_CONSTS", "check_axioms"} \
+            if "AXIOMS" in self.imported_checkers else set()
+        for name in self.shared | axioms:
+            imports.append((_isort_key(name), render(
+                [f"from {self.core_module} import ",
+                 Group([IfBreak("(", ""), Nest(4, [SOFT, f"{name} as {name}"]),
+                        IfBreak(",", ""), SOFT, IfBreak(")", "")])]) + "\n"))
+        out.extend(text for _, text in sorted(imports))
         if "PMap" in used:
             out.append("from atom_core.pmap import PMap\n")
         if seq_names:

@@ -121,6 +121,8 @@ class Generator:
         self.effects: dict[str, tuple[str, list[str], list[str]]] = {}
         self._guard_params: dict[str, set[str]] = {}
         self.state_cls = "State"  # the state parameters' annotation
+        # checker groups (by their constant) imported from the pure core instead of emitted
+        self.imported_checkers: frozenset[str] = frozenset()
         self.shared = frozenset(shared)
         self._validate()
         # ident-keyed function -> the module constant holding its default, which every read
@@ -1056,6 +1058,8 @@ class Generator:
              "s.consts", "checker progress"),
         ]
         for const, named, fn, sig, doc, states, consts, mode in specs:
+            if const in self.imported_checkers:
+                continue
             parts.append(render([f"{const} = ", tuple_doc([f'"{n.name}"' for n in named])]))
             if const == "INVARIANTS":
                 parts.append("\n# The invariants that are the point (`m.safety`); the rest help "
