@@ -336,6 +336,14 @@ class TaskFailed(RuntimeError):
     run cannot report on them (never read as proved)."""
 
 
+def _result(task: Task, get: Callable[[], Any]) -> Any:
+    """`get()`, the task's (result, cpu, ...), or `TaskFailed` naming the task."""
+    try:
+        return get()
+    except Exception as exc:  # (BrokenProcessPool when a worker died)
+        raise TaskFailed(f"{task.describe()} failed: {exc!r}") from exc
+
+
 _MODEL: Any = None
 
 
@@ -402,18 +410,13 @@ class Runner:
 
     def run(self, tasks: list[Task]) -> list[Any]:
         """Every task's result, in order. A task that raises (or whose worker dies: z3 can
-        abort the process) is a `TaskFailed` naming it; every result is accounted for before
-        returning, so none can go missing and be mistaken for a task with nothing to say."""
+        abort the process) is a `TaskFailed` naming it: every task either gives its result or
+        stops the run, so none can go missing and be mistaken for a task with nothing to say."""
         self.total += len(tasks)
         results: list[Any] = [None] * len(tasks)
-        got = [False] * len(tasks)
         if self.pool is None:
             for i, t in enumerate(tasks):
-                try:
-                    results[i], cpu, _ = _run(t)
-                except Exception as exc:
-                    raise TaskFailed(f"{t.describe()} failed: {exc!r}") from exc
-                got[i] = True
+                results[i], cpu, _ = _result(t, lambda t=t: _run(t))
                 self._account(t, cpu)
         else:
             order = sorted(range(len(tasks)), key=lambda i: -tasks[i].weight)
@@ -423,15 +426,8 @@ class Runner:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in done:
                     i = futures[fut]
-                    try:
-                        results[i], cpu, _ = fut.result()
-                    except Exception as exc:  # (BrokenProcessPool when a worker died)
-                        raise TaskFailed(f"{tasks[i].describe()} failed: {exc!r}") from exc
-                    got[i] = True
+                    results[i], cpu, _ = _result(tasks[i], fut.result)
                     self._account(tasks[i], cpu)
-        lost = [tasks[i].describe() for i, ok in enumerate(got) if not ok]
-        if lost:
-            raise TaskFailed(f"no result from {len(lost)} task(s): " + "; ".join(lost[:5]))
         return results
 
 
