@@ -16,13 +16,14 @@ tried fails, naming a minimal unsat core (which axiom, law, invariant or guard c
 `unknown` fails too.
 
 A guard (or antecedent) may be dead by configuration: a host-tier action without `HOST`,
-`grow` with one block per table. Which ones are is derived from the unsat core, not listed by
-hand: an (action, combination) is expected dead when its core contains one of the
-combination's constants and, besides, either an invariant (the invariants say what a
-configuration rules out: `host_needs_host_cache`) or only conjuncts that read nothing but
-constants (an explicit gate: `require("preemption_on", PREEMPT)`). Any other unsat fails (a
-guard dead whatever the configuration, or made dead by a constant mixed into a state
-condition), and so does an action or antecedent dead in every combination.
+`grow` with one block per table. Which ones are is declared in the spec, not inferred: each
+action (and progress property) says where it can fire with `live_when(...)` (an expression
+over constants, default everywhere), and both sides are checked: satisfiable in every
+combination where `live_when` holds, unsatisfiable in every other (the detail names the unsat
+core). So a guard made dead where it should fire fails even when a configuration constant is
+to blame (a gate `~HYBRID` planted in `admit_hit` reads only constants, and an unsat core
+alone would take it for a feature), and so does a host action left live without a host tier;
+an action or antecedent dead in every combination fails too.
 
 The laws are quantified over values; these queries stay quantifier-free (finite sorts expand
 the rest) by instantiating each law on the ground applications of its trigger
@@ -63,39 +64,7 @@ def flags(f: capacity.Features) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the spec, read
-def _children(x: Any) -> list[Any]:
-    if isinstance(x, L.App):
-        return list(x.args)
-    if isinstance(x, L.Ite):
-        return [x.cond, x.then, x.other]
-    if isinstance(x, L.Not):
-        return [x.arg]
-    if isinstance(x, (L.And, L.Or)):
-        return list(x.args)
-    if isinstance(x, L.Implies):
-        return [x.hyp, x.concl]
-    if isinstance(x, (L.Eq, L.Arith, L.Cmp)):
-        return [x.lhs, x.rhs]
-    if isinstance(x, L.Quant):
-        return [x.body]
-    if isinstance(x, L.Count):
-        return [x.cond]
-    if isinstance(x, L.Enabled):
-        return list(x.bindings.values())
-    return []
-
-
-def constants_only(e: L.Expr) -> bool:
-    """Whether `e` reads nothing but configuration constants (no state, parameter or bound
-    variable): a feature gate."""
-    stack: list[Any] = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, (L.Var, L.Enabled, L.Quant, L.Count)) or (
-                isinstance(x, L.App) and not isinstance(x.fn, L.Op)):
-            return False
-        stack.extend(_children(x))
-    return True
+constants_only = L.reads_only_constants
 
 
 def antecedent(p: L.Named) -> tuple[list[L.Var], L.Expr] | None:
@@ -158,6 +127,18 @@ class Space:
         sorts = {c.name: c.sort for c in self.model.consts}
         return [Query(f"constant {n} = {v}", self.u.consts[n] == self.u.value(v, sorts[n]))
                 for n, v in flags(f).items() if n in sorts]
+
+    def holds(self, cond: L.Expr, f: capacity.Features) -> bool:
+        """Whether a condition over constants (a `live_when`) holds in combination `f`."""
+        sorts = {c.name: c.sort for c in self.model.consts}
+        fixed = [(self.u.consts[n], self.u.value(v, sorts[n])) for n, v in flags(f).items()
+                 if n in sorts]
+        e = z3.simplify(z3.substitute(self.u.tr(cond, {}, {}), *fixed))
+        if not (z3.is_true(e) or z3.is_false(e)):
+            raise ValueError(f"live_when {L.show(cond)} reads a constant a feature "
+                             f"combination does not fix (left: {e}): use only "
+                             f"{', '.join(sorted(flags(f)))}")
+        return z3.is_true(e)
 
     def guard(self, action: L.Action) -> list[Query]:
         """The guard's conjuncts in the state, over fresh parameters."""
@@ -263,16 +244,6 @@ def unsat_core(facts: list[Query], timeout_ms: int) -> Answer:
     return Answer("unsat", tuple(first[n] for n, lit in lits.items() if str(lit) in core))
 
 
-def by_configuration(core: tuple[Query, ...], own: str) -> bool:
-    """Whether an unsat core shows a guard (or antecedent) dead by the configuration: it names
-    a constant of the combination, and either an invariant or, of the `own` facts (the guard's
-    or antecedent's), only feature gates."""
-    if not any(q.name.startswith("constant ") for q in core):
-        return False
-    mine = [q for q in core if q.name.startswith(own)]
-    return any(q.name.startswith("invariant ") for q in core) or all(q.gate for q in mine)
-
-
 # --------------------------------------------------------------------------- the checks
 @attrs.frozen
 class Item:
@@ -280,28 +251,28 @@ class Item:
 
     check: str  # GUARD | ANTECEDENT
     name: str  # the action or property
-    own: str  # the prefix of its facts' names
     facts: Callable[[Space], list[Query]]
+    live_when: L.Expr  # the configurations where it must be satisfiable (dead in the others)
 
 
 def items(model: L.Model) -> list[Item]:
-    out = [Item(GUARD, a.name, f"guard {a.name}.", lambda sp, a=a: sp.guard(a))
+    out = [Item(GUARD, a.name, lambda sp, a=a: sp.guard(a), a.live_when)
            for a in model.actions]
-    out += [Item(ANTECEDENT, p.name, f"antecedent of {p.name}",
-                 lambda sp, p=p: sp.antecedent(p))
+    out += [Item(ANTECEDENT, p.name, lambda sp, p=p: sp.antecedent(p), p.live_when)
             for p in model.progress if antecedent(p) is not None]
     return out
 
 
 def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check]:
-    """The non-vacuity checks for these combinations, each a `Check` of kind `nonvacuity`
-    whose status is `proved` when satisfiable (a witness state exists) or dead by
-    configuration (the detail says so, with the unsat core).
+    """The non-vacuity checks for these combinations, each a `Check` of kind `nonvacuity`.
 
-    A witness found for one item settles every other item it satisfies too. An unsat item is
-    asked again for its unsat core; a core that shows it dead by configuration settles the same
-    item in every later combination that agrees on the constants the core names (the same
-    facts are unsat there)."""
+    Each guard and antecedent is asked where the spec says it can hold (its `live_when`) and
+    where it says it cannot: `proved` when satisfiable in the first (a witness state exists) and
+    unsatisfiable in the second (dead by configuration: the detail names the unsat core); a
+    guard dead where it should fire, or satisfiable where it should be dead, is a
+    `counterexample`. A witness found for one item settles every other item it satisfies too.
+    An expected-dead item's unsat core is reused in every later combination that agrees on the
+    constants it names (the same facts are unsat there)."""
     out: list[Check] = []
     spaces: list[Space] = []
     todo = items(model)
@@ -315,6 +286,7 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
     for f in features:
         t0 = time.perf_counter()
         sessions = [Session(space(0), space(0).base + space(0).feature(f) + space(0).invs)]
+        live = {(it.check, it.name): space(0).holds(it.live_when, f) for it in todo}
         done: dict[tuple[str, str], tuple[str, str]] = {}  # (check, name) -> status, detail
         spent: dict[tuple[str, str], float] = {}  # seconds (0: settled by another's witness)
         status, detail = "counterexample", ""
@@ -338,6 +310,16 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
                 out.append(Check(it.check, it.name, KIND, status, 0.0, f.name,
                                  f"not asked: the hypotheses alone are {why} ({CONSISTENT})"))
             continue
+
+        def witnessed(it: Item, where: str,
+                      live: dict[tuple[str, str], bool] = live) -> tuple[str, str]:
+            if live[(it.check, it.name)]:
+                return ("proved", f"witness {where}")
+            return ("counterexample",
+                    f"satisfiable ({where}) where the spec says it is dead: its live_when "
+                    f"({L.show(it.live_when)}) is false in this combination; "
+                    f"correct live_when, or add the guard conjunct that rules it out")
+
         for i, sess in enumerate(sessions):
             sp = sess.sp
             where = f"with {sp.label}"
@@ -345,8 +327,9 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
             pending = [it for it in todo if (it.check, it.name) not in done]
             for it in list(pending):  # dead for a reason found in an earlier combination
                 core = cores.get((i, it.check, it.name))
-                if core is not None and all(q.name in feats for q in core
-                                            if q.name.startswith("constant ")):
+                if (core is not None and not live[(it.check, it.name)]
+                        and all(q.name in feats for q in core
+                                if q.name.startswith("constant "))):
                     done[(it.check, it.name)] = ("proved", f"{DEAD} ({where}): "
                                                  + ", ".join(q.name for q in core))
                     pending.remove(it)
@@ -358,20 +341,21 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
                 spent[(it.check, it.name)] = (spent.get((it.check, it.name), 0.0)
                                               + time.perf_counter() - t1)
                 if ans.status == "sat":
-                    done[(it.check, it.name)] = ("proved", f"witness {where}")
+                    done[(it.check, it.name)] = witnessed(it, where)
                     for j in ans.held:  # (the same state and parameters witness these too)
-                        done[(pending[j].check, pending[j].name)] = ("proved",
-                                                                     f"witness {where}")
+                        done[(pending[j].check, pending[j].name)] = witnessed(pending[j], where)
                     pending = [x for j, x in enumerate(pending) if j not in ans.held]
                 elif ans.status == "unknown":
                     done[(it.check, it.name)] = ("unknown", f"{ans.reason} ({where})")
-                elif by_configuration(ans.core, it.own):
+                elif not live[(it.check, it.name)]:
                     cores[(i, it.check, it.name)] = ans.core
                     done[(it.check, it.name)] = ("proved",
                                                  f"{DEAD} ({where}): {ans.core_names()}")
                 elif i == len(SIZES) - 1:
-                    done[(it.check, it.name)] = ("counterexample",
-                                                 f"unsat core ({where}): {ans.core_names()}")
+                    done[(it.check, it.name)] = (
+                        "counterexample",
+                        f"unsatisfiable ({where}) where the spec says it can hold (live_when "
+                        f"{L.show(it.live_when)}): unsat core {ans.core_names()}")
             if all((it.check, it.name) in done for it in todo):
                 break
             if i + 1 < len(SIZES):  # an unexpected unsat: ask again in a larger universe
@@ -386,8 +370,8 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
 
 def live_somewhere(model: L.Model, checks: list[Check],
                    features: tuple[capacity.Features, ...]) -> list[Check]:
-    """Per action and antecedent: it is live in some combination (an action dead by
-    configuration everywhere can never run, and every proof about it is vacuous). Read off
+    """Per action and antecedent: it has a witness in some combination (an action that can
+    fire nowhere makes every proof about it vacuous, whatever its `live_when` says). Read off
     `check`'s results over all of `features`."""
     names = {f.name for f in features}
     out = []
@@ -395,12 +379,14 @@ def live_somewhere(model: L.Model, checks: list[Check],
                                  (ANTECEDENT_LIVE, ANTECEDENT,
                                   [p.name for p in model.progress if antecedent(p) is not None])):
         for name in names_of:
-            dead = sorted({c.size for c in checks if c.invariant == kind and c.action == name
-                           and c.size in names and c.detail.startswith(DEAD)})
-            everywhere = len(dead) == len(names)
-            detail = ("dead by configuration in every combination checked" if everywhere
-                      else f"dead by configuration in {len(dead)} of {len(names)} combinations"
+            mine = [c for c in checks if c.invariant == kind and c.action == name
+                    and c.size in names]
+            live = sorted({c.size for c in mine if c.detail.startswith("witness")})
+            dead = sorted({c.size for c in mine if c.detail.startswith(DEAD)})
+            detail = (f"no witness in any of {len(names)} combinations checked"
+                      if not live else
+                      f"dead by configuration in {len(dead)} of {len(names)} combinations"
                       if dead else "")
-            out.append(Check(what, name, KIND, "counterexample" if everywhere else "proved",
+            out.append(Check(what, name, KIND, "proved" if live else "counterexample",
                              0.0, detail=detail))
     return out

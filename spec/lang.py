@@ -465,10 +465,14 @@ class Action:
         self.guards: list[tuple[str, Expr]] = []
         self.updates: list[Update] = []
         self.effects: list[Effect] = []
+        # where the action can fire (see `live_when`): a claim about the guard that the proofs
+        # check, not part of it
+        self.live_when: Expr = TRUE
 
     def copy(self) -> Action:
         a = Action(self.name, list(self.params), self.doc)
         a.guards, a.updates, a.effects = list(self.guards), list(self.updates), list(self.effects)
+        a.live_when = self.live_when
         return a
 
     def __repr__(self) -> str:
@@ -508,10 +512,14 @@ class Definition:
 class Named:
     """An invariant, transition invariant, progress property or axiom."""
 
-    __slots__ = ("name", "expr", "kind", "doc")
+    __slots__ = ("name", "expr", "kind", "doc", "live_when")
 
-    def __init__(self, name: str, expr: Expr, kind: str, doc: str) -> None:
+    def __init__(self, name: str, expr: Expr, kind: str, doc: str,
+                 live_when: Expr | None = None) -> None:
         self.name, self.expr, self.kind, self.doc = name, expr, kind, doc
+        # (progress properties: the configurations where the hypothesis can hold; see
+        # `live_when`)
+        self.live_when = TRUE if live_when is None else live_when
 
 
 class Model:
@@ -601,8 +609,12 @@ class Model:
     def transition_invariant(self, name: str, expr: Expr, doc: str = "") -> None:
         self.transition_invariants.append(Named(name, lift(expr, BOOL), "transition", doc))
 
-    def progress_property(self, name: str, expr: Expr, doc: str = "") -> None:
-        self.progress.append(Named(name, lift(expr, BOOL), "progress", doc))
+    def progress_property(self, name: str, expr: Expr, doc: str = "",
+                          live_when: Any = True) -> None:
+        """`live_when`: the configurations (an expression over constants) where the property's
+        hypothesis can hold; it must be unsatisfiable in every other (see `live_when`)."""
+        cond = _constant_condition(live_when, f"progress property {name}: live_when")
+        self.progress.append(Named(name, lift(expr, BOOL), "progress", doc, cond))
 
     def definition(self, fn: Callable[..., Any]) -> Definition:
         """Decorator: a named predicate (or term) over the state; the function's annotated
@@ -696,6 +708,81 @@ def use_model(m: Model) -> None:
 def require(name: str, cond: Any) -> None:
     """A named guard conjunct: the action is allowed only when it holds."""
     _MODEL[0]._act().guards.append((name, lift(cond, BOOL)))
+
+
+def live_when(cond: Any) -> None:
+    """Where the action can fire: the configurations (an expression over constants only, e.g.
+    `HOST`, `T > 1`) in which its guard is satisfiable; in every other it must be dead.
+    Without it, the action must be able to fire in every configuration. A claim about the
+    guard, not part of it: `verify` checks it both ways (proofs/nonvacuity.py), so a guard made
+    dead where the action should fire, or left live where it cannot, fails."""
+    act = _MODEL[0]._act()
+    cond = _constant_condition(cond, f"action {act.name}: live_when")
+    act.live_when = cond if act.live_when is TRUE else And(act.live_when, cond)
+
+
+def _constant_condition(cond: Any, what: str) -> Expr:
+    e = lift(cond, BOOL)
+    if not reads_only_constants(e):
+        raise TypeError(f"{what} must read only configuration constants (e.g. HOST, T > 1), "
+                        f"not the state, a parameter or a bound variable")
+    return e
+
+
+def _children(x: Any) -> list[Any]:
+    if isinstance(x, App):
+        return list(x.args)
+    if isinstance(x, Ite):
+        return [x.cond, x.then, x.other]
+    if isinstance(x, Not):
+        return [x.arg]
+    if isinstance(x, (And, Or)):
+        return list(x.args)
+    if isinstance(x, Implies):
+        return [x.hyp, x.concl]
+    if isinstance(x, (Eq, Arith, Cmp)):
+        return [x.lhs, x.rhs]
+    if isinstance(x, Quant):
+        return [x.body]
+    if isinstance(x, Count):
+        return [x.cond]
+    if isinstance(x, Enabled):
+        return list(x.bindings.values())
+    return []
+
+
+def show(e: Expr) -> str:
+    """A condition over constants as the spec writes it (`PREFIX & (T > 1)`), for messages."""
+    if isinstance(e, Const):
+        return e.name
+    if isinstance(e, Lit):
+        return str(e.value)
+    if isinstance(e, Not):
+        return f"~{_wrap(e.arg)}"
+    if isinstance(e, (And, Or)):
+        return f" {'&' if isinstance(e, And) else '|'} ".join(_wrap(a) for a in e.args)
+    if isinstance(e, Eq):
+        return f"{_wrap(e.lhs)} == {_wrap(e.rhs)}"
+    if isinstance(e, (Arith, Cmp)):
+        return f"{_wrap(e.lhs)} {e.op} {_wrap(e.rhs)}"
+    return type(e).__name__
+
+
+def _wrap(e: Expr) -> str:
+    return show(e) if isinstance(e, (Const, Lit, Not)) else f"({show(e)})"
+
+
+def reads_only_constants(e: Expr) -> bool:
+    """Whether `e` reads nothing but configuration constants (no state, parameter or bound
+    variable): a feature gate."""
+    stack: list[Any] = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (Var, Enabled, Quant, Count)) or (
+                isinstance(x, App) and not isinstance(x.fn, Op)):
+            return False
+        stack.extend(_children(x))
+    return True
 
 
 def assign(target: App, value: Any) -> None:

@@ -26,6 +26,7 @@ from atom_core.spec.lang import (
     implies,
     index_sort,
     ite,
+    live_when,
     one_of,
     require,
     use_model,
@@ -453,6 +454,7 @@ def admit_miss(l: Lane, r: Req, dst: Block):
 @m.action
 def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
     """Admit r into idle lane l by copying n cached tokens from entry src into a fresh dst."""
+    live_when(PREFIX)
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
     require("src_cached", owner(src) == Owner.CACHE)
@@ -478,6 +480,7 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
 def copy_done(l: Lane):
     """The runtime finished copying lane l's prefix hit (and, for a hybrid model, restoring the
     lane's local slot from its snapshot at the hit's length); the source is unpinned."""
+    live_when(PREFIX)
     require("copy_in_flight", copying(l) & ~copy_host(l))
     assign(copying(l), False)
     assign(holds(tail(l)), take(holds(copy_src(l)), length(l)))
@@ -494,6 +497,7 @@ def copy_done(l: Lane):
 def snapshot(l: Lane):
     """Hybrid prefix cache: the host saves lane l's local slot (its sliding state) at the next
     chunk boundary, so that a later hit of that length can restore it."""
+    live_when(HYBRID & PREFIX)
     require("hybrid_prefix_cache", HYBRID & PREFIX)
     require("lane_computing", computing(l))
     require("next_boundary", length(l) == lane_snap(l) + C)
@@ -565,6 +569,7 @@ def continues_prompt(l, k, n):
 @m.action
 def grow(l: Lane, dst: Block):
     """Lane l's tail is full and it has more to compute: dst becomes its next block."""
+    live_when(T > 1)
     require("lane_computing", computing(l))
     require("tail_full", tail_full(l))
     require("table_not_full", nblocks(l) < T)
@@ -583,6 +588,7 @@ def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
     sliding state at length + n from the entry's snapshot there). Each block is copied, not
     shared: one rule for every runtime, and a block is never in two tables
     (docs/design/paged-tables.md)."""
+    live_when(PREFIX & (T > 1))
     at_block_boundary_mid_prompt(l)
     require("src_cached", owner(src) == Owner.CACHE)
     require("src_at_the_boundary", start(src) == length(l))
@@ -612,6 +618,7 @@ def preempt(l: Lane):
     freed, never cached: their content is exactly what the restart recomputes. Its prompt
     becomes everything it has (prompt and sampled tokens), so the restart's prefill samples its
     next token."""
+    live_when(PREEMPT)
     require("preemption_on", PREEMPT)
     require("lane_computing", computing(l))
     require("a_lane_waits_for_a_block", exists(Lane, lambda n: needs_block(n) | import_waits(n))
@@ -721,6 +728,7 @@ def discard(b: Block):
 @m.action
 def spill(b: Block, h: Slot):
     """Evict cache entry b to host slot h: the store (device -> host) pins both until it ends."""
+    live_when(HOST)
     require("host_cache_on", HOST)
     require("entry_cached", owner(b) == Owner.CACHE)
     require("entry_unpinned", ~pinned(b))
@@ -738,6 +746,7 @@ def spill(b: Block, h: Slot):
 @m.action
 def store_done(h: Slot):
     """The store into h completed: h is a host entry, and its device block is free."""
+    live_when(HOST)
     require("slot_storing", slot_state(h) == SlotState.STORING)
     b = slot_block(h)
     assign(slot_state(h), SlotState.STORED)
@@ -749,6 +758,7 @@ def store_done(h: Slot):
 @m.action
 def store_fail(h: Slot):
     """The store into h failed: the entry is dropped (the device block is free, the slot empty)."""
+    live_when(HOST)
     require("slot_storing", slot_state(h) == SlotState.STORING)
     assign(slot_state(h), SlotState.EMPTY)
     assign(owner(slot_block(h)), Owner.FREE)
@@ -757,6 +767,7 @@ def store_fail(h: Slot):
 @m.action
 def host_evict(h: Slot):
     """Drop host entry h (never one a store writes or a load reads)."""
+    live_when(HOST)
     require("slot_stored", slot_state(h) == SlotState.STORED)
     assign(slot_state(h), SlotState.EMPTY)
 
@@ -764,6 +775,7 @@ def host_evict(h: Slot):
 @m.action
 def admit_host_hit(l: Lane, r: Req, h: Slot, dst: Block, n: INT):
     """Admit r into idle lane l by loading n tokens of host entry h into a fresh dst."""
+    live_when(HOST)
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
     require("slot_stored", slot_state(h) == SlotState.STORED)
@@ -791,6 +803,7 @@ def grow_host_hit(l: Lane, h: Slot, dst: Block, n: INT):
     host entry h, at the same position of a sequence with the same prefix, holds n more of its
     tokens; dst becomes the lane's next block, loaded with those n tokens (`load_done` ends the
     load). The slot is read, not moved: it stays a host entry."""
+    live_when(HOST & (T > 1))
     at_block_boundary_mid_prompt(l)
     require("slot_stored", slot_state(h) == SlotState.STORED)
     require("slot_at_the_boundary", slot_start(h) == length(l))
@@ -810,6 +823,7 @@ def grow_host_hit(l: Lane, h: Slot, dst: Block, n: INT):
 @m.action
 def load_done(l: Lane):
     """The load into lane l's block completed; its slot is a plain host entry again."""
+    live_when(HOST)
     require("load_in_flight", copying(l) & copy_host(l))
     assign(copying(l), False)
     assign(holds(tail(l)), take(slot_holds(copy_slot(l)), length(l)))
@@ -824,6 +838,7 @@ def load_fail(l: Lane):
     """The load into lane l's block failed: the request recomputes that block's tokens (the
     blocks before it hold theirs; nothing past the block's start is read, so the half-written
     block is an empty one)."""
+    live_when(HOST)
     require("load_in_flight", copying(l) & copy_host(l))
     assign(copying(l), False)
     assign(length(l), start(tail(l)))
@@ -872,6 +887,7 @@ def import_grow(l: Lane, dst: Block):
     """Importing lane l's table does not reach its prompt's end yet: dst becomes its next block,
     pinned for the same transfer. The transfer writes only once the table covers the prompt
     (the adapter starts it then), so every block is in place before any KV lands."""
+    live_when(T > 1)
     require("lane_importing", importing(l))
     require("table_short_of_prompt", start(tail(l)) + S < lane_plen(l))
     require("table_not_full", nblocks(l) < T)
@@ -1270,7 +1286,8 @@ m.progress_property("import_table_grows", forall(Lane, lambda l: implies(
                   | exists(Lane, lambda n: moving(n) & ~import_waits(n)))))),
     doc="an importing lane always gets its next block until its table covers the prompt (so "
         "its transfer can start); with preemption, or a computing lane can be preempted for "
-        "it, or a lane at its table's end finishes, or another lane's transfer is in flight")
+        "it, or a lane at its table's end finishes, or another lane's transfer is in flight",
+    live_when=T > 1)
 m.progress_property("transfers_end", forall(Block, lambda b: implies(
     transfer(b), enabled(transfer_end, r=transfer_req(b), b=b)
     | enabled(transfer_fail, r=transfer_req(b)))),
@@ -1278,7 +1295,7 @@ m.progress_property("transfers_end", forall(Block, lambda b: implies(
 
 m.progress_property("stores_end", forall(Slot, lambda h: implies(
     slot_state(h) == SlotState.STORING, enabled(store_done, h=h) | enabled(store_fail, h=h))),
-    doc="every store to the host tier can end, releasing its device block")
+    doc="every store to the host tier can end, releasing its device block", live_when=HOST)
 
 MODEL = m
 # The actions only prefill/decode disaggregation uses; colocated serving never takes them.

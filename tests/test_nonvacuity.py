@@ -66,10 +66,10 @@ def test_model_hypotheses_are_satisfiable(model_report):
         a.name for a in MODEL.actions}
 
 
-def test_dead_by_configuration_is_derived_from_the_constants(model_report):
-    """Host-tier actions are dead without `HOST` and live with it; nobody listed them: each
-    reason is an unsat core naming a constant. (PD imports, once dead with preemption, are
-    live with it now.)"""
+def test_dead_by_configuration_is_where_the_spec_says(model_report):
+    """Host-tier actions are dead without `HOST` and live with it, as their `live_when(HOST)`
+    says; each dead one names its reason, an unsat core with a constant. (PD imports, once dead
+    with preemption, are live with it now.)"""
     cs = model_report.checks
     plain, host, hybrid_preempt = (f.name for f in SOME)
 
@@ -119,8 +119,9 @@ def test_the_issue_plant_is_proved_vacuously_and_caught_here(few_combinations):
                                 goals={"copy_source_cached"}))
     assert [(c.invariant, c.status) for c in cs] == [("copy_source_cached", "proved")]
     bad = failing(nonvacuity_report(planted))
-    assert bad and all(c.invariant == nonvacuity.CONSISTENT or "unsatisfiable" in c.detail
-                       for c in bad)
+    assert bad and all(c.invariant in (nonvacuity.CONSISTENT, nonvacuity.LIVE,
+                                       nonvacuity.ANTECEDENT_LIVE)
+                       or "unsatisfiable" in c.detail for c in bad)
     assert any("law push_adds_two_tokens" in c.detail for c in bad)
 
 
@@ -181,4 +182,67 @@ def test_action_dead_in_every_combination_fails():
     cs += nonvacuity.live_somewhere(m, cs, fs)
     live = next(c for c in cs if c.invariant == nonvacuity.LIVE and c.action == "decode")
     assert live.status == "counterexample"
-    assert "every combination" in live.detail
+    assert "no witness" in live.detail
+
+
+def test_every_dead_action_declares_where_it_is_live():
+    """The spec declares where each action and antecedent can hold, and only host, prefix,
+    hybrid, preemption and paged-table features are named."""
+    declared = {a.name: a.live_when for a in MODEL.actions if a.live_when is not L.TRUE}
+    assert set(spec.HOST_ACTIONS) <= set(declared)
+    assert {"admit_hit", "grow", "preempt", "snapshot", "import_grow"} <= set(declared)
+    for a in MODEL.actions:
+        assert L.reads_only_constants(a.live_when), a.name
+
+
+def test_gate_planted_where_the_action_should_fire_fails():
+    """The plant an inferred rule let through: a gate `~HYBRID` in `admit_hit` reads only
+    constants, so an unsat core naming `HYBRID = True` looked like a feature turned off. The
+    spec says admit_hit fires wherever the prefix cache is on, so verify fails with a hybrid
+    model, and only there."""
+    m = MODEL.copy()
+    a = m.get_action("admit_hit")
+    a.guards = [*a.guards, ("planted_gate", ~spec.HYBRID)]
+    cs = nonvacuity.check(m, SOME)
+    bad = [c for c in cs if c.status != "proved"]
+    assert [(c.invariant, c.action, c.size) for c in bad] == [
+        (nonvacuity.GUARD, "admit_hit", SOME[2].name)]
+    assert bad[0].status == "counterexample"
+    assert "live_when" in bad[0].detail and "guard admit_hit.planted_gate" in bad[0].detail
+    assert "constant HYBRID = True" in bad[0].detail
+
+
+def test_action_live_where_the_spec_says_dead_fails():
+    """`spill` without its `host_cache_on` gate can fire with no host tier (every slot is
+    empty): its live_when(HOST) says it must not, so verify fails there."""
+    m = MODEL.copy()
+    a = m.get_action("spill")
+    a.guards = [g for g in a.guards if g[0] != "host_cache_on"]
+    no_host, host = Features(True, "dynamic"), Features(True, "dynamic", host=True)
+    cs = nonvacuity.check(m, (no_host, host))
+    bad = [c for c in cs if c.status != "proved"]
+    assert [(c.invariant, c.action, c.size) for c in bad] == [
+        (nonvacuity.GUARD, "spill", no_host.name)]
+    assert "satisfiable" in bad[0].detail and "live_when (HOST)" in bad[0].detail
+
+
+def test_live_when_reads_only_constants():
+    m = MODEL.copy()
+
+    def planted(l):
+        """A live_when over the state."""
+        L.live_when(spec.busy(l))
+
+    planted.__annotations__ = {"l": spec.Lane}
+    saved = list(L._MODEL)
+    L.use_model(m)
+    try:
+        with pytest.raises(TypeError, match="only configuration constants"):
+            m.action(planted)
+    finally:
+        L._MODEL[:] = saved
+
+
+def test_live_when_is_shown_as_written():
+    assert L.show(MODEL.get_action("grow_host_hit").live_when) == "HOST & (1 < T)"
+    assert L.show(MODEL.get_action("snapshot").live_when) == "HYBRID & PREFIX"

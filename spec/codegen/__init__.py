@@ -53,7 +53,7 @@ from types import ModuleType
 from atom_core.spec.codegen.analysis import GenerationError, modifies, reads_param
 from atom_core.spec.codegen.inplace import InplaceGenerator
 from atom_core.spec.codegen.pure import HEADER, Generator
-from atom_core.spec.lang import Model
+from atom_core.spec.lang import TRUE, Model, show
 
 __all__ = ["GenerationError", "Generator", "InplaceGenerator", "check", "generate", "load",
            "load_inplace", "main", "output_dir", "reads_param", "write"]
@@ -94,11 +94,15 @@ def action_table(model: Model | None = None) -> str:
            "Every transition of the spec (`spec/model.py`), in declaration order: its "
            "parameters, its guards (conjuncts, in the order the generated `<action>_guard` "
            "checks them), the state functions it updates (ghost ones apart: proofs and checks "
-           "only, never read by a guard) and the runtime effects the adapter performs.\n"]
+           "only, never read by a guard) and the runtime effects the adapter performs; an "
+           "action that exists only with some feature says where it can fire (`live_when`, "
+           "checked both ways by `verify`).\n"]
     for a in m.actions:
         params = ", ".join(f"{p.name}: {p.sort.name}" for p in a.params)
         plain, ghost = modifies(a)
         out.append(f"\n## `{a.name}({params})`\n\n{' '.join((a.doc or '').split())}\n\n")
+        if a.live_when is not TRUE:
+            out.append(f"- live when: `{show(a.live_when)}`\n")
         out.append("- guards: " + (", ".join(f"`{g}`" for g, _ in a.guards) or "none") + "\n")
         out.append("- modifies: " + (", ".join(f"`{n}`" for n in plain) or "nothing") + "\n")
         if ghost:
