@@ -28,7 +28,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from atom_core.batcher import Event
 from atom_core.serve.engine import Engine, EngineStopped, Handle
 from atom_core.serve.metrics import Metrics
-from atom_core.serve.protocol import ChatRequest, CompletionRequest
+from atom_core.serve.protocol import (
+    GENERIC_UNSUPPORTED,
+    UNSUPPORTED,
+    ChatRequest,
+    CompletionRequest,
+)
 from atom_core.serve.sampling import SamplingParams, sampler_for
 from atom_core.serve.tokenizer import ChatTemplateError, IncrementalText, Tokenizer
 
@@ -359,7 +364,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         param = next((x for x in loc if not x.isdigit()), None)
         msg = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
-            msg = "this parameter is not supported by this server"
+            msg = UNSUPPORTED.get(loc[-1], GENERIC_UNSUPPORTED) if len(loc) == 1 else \
+                GENERIC_UNSUPPORTED
         cut = next((i for i, x in enumerate(loc) if _is_type_label(x)), None)
         if cut is not None:
             # a value none of a union's types took: pydantic reports each type's failure,
@@ -411,7 +417,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
     def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str) -> _Job:
         if not prompt:
-            raise ApiError(400, f"{param}: the prompt is empty (no tokens)", param)
+            raise ApiError(400, f"{param}: the prompt is empty (no tokens): send at least one "
+                                "token", param)
         if vocab is not None and not (min(prompt) >= 0 and max(prompt) < vocab):
             raise ApiError(400, f"{param}: token ids must be in 0..{vocab - 1}", param)
         s = cfg.max_seq_len
@@ -624,7 +631,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_common(body)
         if body.echo:
-            raise ApiError(400, "echo: not supported", "echo")
+            raise ApiError(400, "echo: not supported (the prompt is not sent back): leave it "
+                                "out or send false", "echo")
         if body.logprobs is not None:  # (0 too: it asks for the chosen tokens' logprobs)
             raise ApiError(400, "logprobs: not supported (leave it out)", "logprobs")
         p = body.prompt
@@ -653,15 +661,35 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         return chunk(text, ids, why, usage=_usage(len(prompt), len(ids)))
 
     # ------------------------------------------------------------------ /v1/chat/completions
+    # whether the model's chat template renders a list of content parts itself (multimodal
+    # models' templates do: Gemma 3's, Llama 4's, Qwen2-VL's)
+    takes_parts = bool(getattr(tokenizer, "takes_content_parts", False))
+
+    def _content(content: str | list[Any]) -> str | list[dict[str, str]]:
+        """A message's content for the chat template. Text parts go to a template that takes
+        parts as they came, so the model's own template joins them; for one that takes a string
+        (and the plain layout) they are joined with a newline, as servers that flatten parts for
+        such templates do (vLLM, TensorRT-LLM): "" ran two parts' words together."""
+        if isinstance(content, str):
+            return content
+        if takes_parts:
+            return [{"type": "text", "text": part.text} for part in content]
+        return "\n".join(part.text for part in content)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
-        max_tokens = body.max_completion_tokens or body.max_tokens
         _check_common(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if body.max_completion_tokens is not None and body.max_tokens is not None and \
+                body.max_tokens != body.max_completion_tokens:
+            raise ApiError(400, f"max_completion_tokens ({body.max_completion_tokens}) and "
+                                f"max_tokens ({body.max_tokens}) disagree: send one of them "
+                                "(max_tokens is the older name of max_completion_tokens)",
+                           "max_completion_tokens")
         for name in ("logprobs", "top_logprobs"):
             if getattr(body, name):
                 raise ApiError(400, f"{name}: not supported (leave it out)", name)
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(part.text for part in m.content)} for m in body.messages]
+        messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
         try:
             prompt = tokenizer.chat(messages)
         except ChatTemplateError as exc:

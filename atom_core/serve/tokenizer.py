@@ -8,6 +8,7 @@ of its own. `IncrementalText` turns a growing list of ids into text deltas for s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -33,7 +34,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
-    def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    # a message's content is a string; it is a list of {"type": "text", "text": ...} parts only
+    # for a tokenizer whose `takes_content_parts` is true (HFTokenizer's, for some templates)
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
 def plain_chat(messages: list[dict[str, str]]) -> str:
@@ -93,6 +96,24 @@ class HFTokenizer:
             self.eos_token_id = ends[0]
         self.end_token_ids = frozenset(ends) - {self.eos_token_id}
 
+    @functools.cached_property
+    def takes_content_parts(self) -> bool:
+        """Whether the chat template renders a message's content given as a list of text
+        parts ({"type": "text", "text": ...}) itself, as multimodal models' templates do
+        (Gemma 3's, Llama 4's, Qwen2-VL's), rather than only a string (a list it would print as
+        Python's repr of it, or fail on). Tried once, on one user message."""
+        if not getattr(self._tok, "chat_template", None):
+            return False
+        probe = "atom-core content part probe"
+        try:
+            out = self._tok.apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - whatever a template raises, it takes no parts
+            return False
+        return isinstance(out, str) and probe in out and "'type'" not in out \
+            and '"type"' not in out
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 
@@ -100,7 +121,7 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True,
                                 clean_up_tokenization_spaces=False)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if getattr(self._tok, "chat_template", None):
             from jinja2 import TemplateError
 
