@@ -7,8 +7,10 @@ proves the rule sufficient and shows, with a stuck trace, that one block fewer i
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +88,11 @@ class Config:
     scratch: str = "dynamic"
     scratch_block: int | None = None  # reserved mode only; default: the last block
     # Hybrid (Gemma3-style) models: the sliding window W of their local layers, each lane's
-    # sliding KV in its own local slot; None: every layer is global.
+    # sliding KV in its own local slot; None: every layer is global. W >= max_seq_len is
+    # accepted and kept: the sliding layers then see the whole sequence (transformers' sliding
+    # mask and the slot's last min(p, W) positions are full causal attention), but the model
+    # is still hybrid (its runtime takes local_block_tables, and the window must equal the
+    # model's, see `check_runtime`), so it is not turned into None.
     sliding_window: int | None = None
     # Host cache tier: evicted prefix-cache entries are stored into this many host slots (one
     # block's KV each) and loaded back on a hit; 0: off.
@@ -322,6 +328,36 @@ def _load_rbln(rbln_config: Any) -> tuple[dict[str, Any], str]:
     return data, where
 
 
+# The other keys the files hold that atom-core reads, by the Config field they set.
+RBLN_OTHER_KEYS = {"decoder_batch_sizes": "lanes", "cache_impl": "sliding_window"}
+# Keys optimum-rbln 0.12.0 / vllm-rbln write whose names are close to one above but mean
+# something else (an encoder-decoder's lengths, a vision tower's patch, Gemma3's image prefill
+# chunk, which layers slide, vllm's token budget): not typos.
+RBLN_NEAR_NAMES = frozenset({"dec_max_seq_len", "enc_max_seq_len", "image_prefill_chunk_size",
+                             "patch_size", "sliding_window_layers", "max_num_batched_tokens"})
+
+
+def _misspelt_key(data: Mapping[str, Any], fields: Mapping[str, Any], where: str) -> None:
+    """A key that is not one atom-core reads but is spelt like one (`max_seq_length`,
+    `kv_cache_block_size`) would be ignored, and its field silently take its default: refuse it
+    while that field is not set by a correctly spelt key."""
+    names = {a: f for f, aliases in RBLN_ALIASES for a in aliases} | RBLN_OTHER_KEYS
+    for key in data:
+        if not isinstance(key, str) or key in names or key in RBLN_NEAR_NAMES:
+            continue
+        close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.8)
+        if close and names[close[0]] not in fields and close[0] not in data:
+            raise ConfigError(f"{where}: unknown setting {key!r}: did you mean {close[0]!r}? "
+                              f"(a misspelt key is not read, so {names[close[0]]} would "
+                              "silently take its default); rename it")
+
+
+def rbln_settings(rbln_config: Any) -> dict[str, Any]:
+    """The raw settings of a dict, a compiled artifact's directory or its rbln_config.json
+    (a multimodal artifact's language model's), e.g. for `rbln_compile_errors`."""
+    return dict(_load_rbln(rbln_config)[0])
+
+
 def rbln_fields(rbln_config: Any) -> dict[str, Any]:
     """The Config fields that optimum-rbln / vllm-rbln settings give (a dict, a compiled
     artifact's directory or its rbln_config.json), by Config field name; nothing is validated
@@ -357,6 +393,7 @@ def rbln_fields(rbln_config: Any) -> dict[str, Any]:
                           f"recompile, or set batch_size={max(sizes)}")
     if sizes and "lanes" not in fields:
         fields["lanes"] = max(sizes)
+    _misspelt_key(data, fields, where)
     return fields
 
 
@@ -387,6 +424,13 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
     """A Config from optimum-rbln / vllm-rbln settings (see `rbln_fields`). `overrides` are
     Config field names and win over the file (e.g. `prefix_cache=True`, `preemption=True`).
     Keys the scheduler does not use (the model's id, tensor_parallel_size, ...) are ignored."""
+    known = [f.name for f in attrs.fields(Config)]
+    for name in overrides:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+            raise ConfigError(f"from_rbln: {name!r} is not a Config field"
+                              + (f"; did you mean {close[0]!r}?" if close else "")
+                              + f" (the fields: {', '.join(known)})")
     fields = {**rbln_fields(rbln_config), **overrides}
     where = rbln_config if not isinstance(rbln_config, dict) else "rbln_config"
     if fields.get("kv_blocks") == 0:
@@ -397,3 +441,100 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
         if field not in fields:
             raise ConfigError(f"{where} has no {names}: give it in the file or as {field}=")
     return Config(**fields)
+
+
+# ----------------------------------------------------------------- what optimum-rbln compiles
+# optimum-rbln 0.12.0's limits on the KV cache's dynamic axis (modeling_attention_utils:
+# `AttentionLimits`), for ATOM (RBLN-CA*, and any host without an NPU named) and REBEL
+# (RBLN-CR*): eager max_seq_len, flash-attention partition length, sliding window.
+RBLN_LIMITS = {"ATOM": (32_768, 1_024, 32_768, 32_768),
+               "REBEL": (16_384, 1_024, 16_384, 32_767)}
+
+
+def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
+                        kv_blocks: int | None = None) -> list[str]:
+    """What optimum-rbln 0.12.0 refuses to compile (or compiles into other graphs) for `cfg`'s
+    sizes, one message per setting, each naming the fix; [] when it compiles. `settings`: the
+    artifact's other rbln_config settings (`attn_impl`, `kvcache_partition_len`, `npu`); without
+    `attn_impl` the one `cfg` needs is assumed (eager for one block per sequence, flash attention
+    with kvcache_partition_len = block_size for paged tables). `kv_blocks`: the artifact's block
+    count when it differs from `cfg`'s (check-config checks a Config of at least the minimum)."""
+    settings = settings or {}
+    npu = settings.get("npu")
+    family = "REBEL" if isinstance(npu, str) and npu.startswith("RBLN-CR") else "ATOM"
+    max_eager, min_part, max_part, max_window = RBLN_LIMITS[family]
+    seq, block, b = cfg.max_seq_len, cfg.block_size, cfg.lanes
+    k = cfg.kv_blocks if kv_blocks is None else kv_blocks
+    part = settings.get("kvcache_partition_len")
+    attn = settings.get("attn_impl") or ("flash_attn" if part is not None or block < seq
+                                         else "eager")
+    errors: list[str] = []
+    if attn not in ("eager", "flash_attn"):
+        return [f"attn_impl={attn!r} is not one optimum-rbln compiles ('eager' or "
+                "'flash_attn'); recompile with one of them"]
+    if attn == "eager":
+        if block != seq:
+            errors.append(
+                f"attn_impl='eager' keeps one block per sequence (kvcache_block_size = "
+                f"max_seq_len), but block_size={block} and max_seq_len={seq}; compile paged "
+                f"tables with attn_impl='flash_attn' and kvcache_partition_len={block}, or use "
+                f"block_size={seq}")
+        if seq > max_eager:
+            errors.append(
+                f"max_seq_len={seq} exceeds optimum-rbln's {family} limit of {max_eager} for "
+                f"'eager' attention; use max_seq_len <= {max_eager}, or flash attention (paged "
+                f"tables: block_size = kvcache_partition_len in {min_part}..{max_part}, dividing "
+                "max_seq_len)")
+    else:
+        part = block if part is None else part
+        if part != block:
+            errors.append(
+                f"attn_impl='flash_attn' needs kvcache_block_size equal to "
+                f"kvcache_partition_len={part}, got block_size={block}; use block_size={part}")
+        if seq % part or seq // part < 2:
+            errors.append(
+                f"attn_impl='flash_attn' needs max_seq_len={seq} to be a multiple of at least "
+                f"two partitions of kvcache_partition_len={part}; use a partition (and "
+                f"block_size) that divides max_seq_len at least twice, or eager attention "
+                f"(block_size = max_seq_len)")
+        if not min_part <= part <= max_part:
+            errors.append(
+                f"kvcache_partition_len={part} (the paged block_size) is outside optimum-rbln's "
+                f"{family} range {min_part}..{max_part} for 'flash_attn'; use a block size in "
+                f"that range, or eager attention (block_size = max_seq_len <= {max_eager})")
+        if seq < 2 * min_part:
+            errors.append(
+                f"max_seq_len={seq} is below optimum-rbln's minimum {2 * min_part} for "
+                f"'flash_attn' (two partitions of at least {min_part}); use eager attention "
+                f"(block_size = max_seq_len) or a longer max_seq_len")
+    if cfg.sliding_window is not None and cfg.sliding_window > max_window - cfg.prefill_chunk:
+        errors.append(
+            f"sliding_window={cfg.sliding_window} exceeds optimum-rbln's {family} limit of "
+            f"{max_window} - prefill_chunk ({cfg.prefill_chunk}) = "
+            f"{max_window - cfg.prefill_chunk}; a model with that window cannot be compiled "
+            "for this NPU with this chunk (use a smaller prefill_chunk)")
+    t = seq // block
+    need = min(max(t, b) + 1, t * b) if attn == "flash_attn" else b
+    rule = ("min(max(T, batch_size) + 1, T * batch_size)" if attn == "flash_attn"
+            else "batch_size")
+    if k < need:
+        errors.append(
+            f"kv_blocks={k} is below optimum-rbln's minimum kvcache_num_blocks={need} for "
+            f"batch_size={b} with T = {t} block{'s' if t > 1 else ''} per sequence ({rule}); "
+            f"compile with kvcache_num_blocks >= {need}")
+    return errors
+
+
+def check_end_tokens(ids: Any, vocab_size: int, where: str) -> None:
+    """Refuse end-of-sequence ids the model can never emit: a token id outside 0..vocab_size-1
+    is never sampled, so generation would never stop on it (and indexing with it fails)."""
+    ids = [] if ids is None else list(ids) if isinstance(ids, (list, tuple, set, frozenset)) \
+        else [ids]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"{where}: end-of-sequence token id{'s' if len(bad) > 1 else ''} "
+                          f"{', '.join(map(repr, sorted(bad, key=repr)))} outside the model's "
+                          f"vocabulary 0..{vocab_size - 1}: generation could never stop on "
+                          "it; use the tokenizer that belongs to this model (or fix its "
+                          "eos_token_id)")

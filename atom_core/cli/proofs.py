@@ -130,18 +130,38 @@ def _short(v: Any) -> str:
     return str(v)
 
 
+def _artifact_config(args: argparse.Namespace, kv_blocks: int) -> Config | str:
+    """The artifact's Config with `kv_blocks` blocks (at least the rule's minimum), or what is
+    wrong with its settings other than its number of KV blocks."""
+    try:
+        return Config(lanes=args.lanes, kv_blocks=kv_blocks, max_seq_len=args.max_seq_len,
+                      block_size=args.block_size if args.block_size is not None
+                      else args.max_seq_len,
+                      prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
+                      scratch=args.scratch, host_cache_blocks=args.host_cache_blocks,
+                      preemption=args.preemption,
+                      sliding_window=getattr(args, "sliding_window", None))
+    except ConfigError as exc:
+        return str(exc)
+
+
 def _artifact_error(args: argparse.Namespace, kv_blocks: int) -> str | None:
     """What is wrong with the artifact's settings other than its number of KV blocks (checked
     with `kv_blocks` blocks, at least the rule's minimum), or None."""
-    try:
-        Config(lanes=args.lanes, kv_blocks=kv_blocks, max_seq_len=args.max_seq_len,
-               block_size=args.block_size if args.block_size is not None else args.max_seq_len,
-               prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache,
-               scratch=args.scratch, host_cache_blocks=args.host_cache_blocks,
-               preemption=args.preemption, sliding_window=getattr(args, "sliding_window", None))
-    except ConfigError as exc:
-        return str(exc)
-    return None
+    cfg = _artifact_config(args, kv_blocks)
+    return cfg if isinstance(cfg, str) else None
+
+
+def _rbln_check(args: argparse.Namespace, cfg: Config) -> tuple[list[str], bool]:
+    """What optimum-rbln 0.12.0 would not compile for these settings (`rbln_compile_errors`), and
+    whether that refuses the configuration: with --rbln, or for an artifact whose
+    rbln_config.json records `attn_impl` (optimum-rbln writes it into every compiled decoder's);
+    otherwise it is a note (the flags may describe a configuration for another runtime)."""
+    from atom_core.config import rbln_compile_errors
+
+    settings = getattr(args, "rbln_settings", None) or {}
+    errors = rbln_compile_errors(cfg, settings, kv_blocks=args.kv_blocks)
+    return errors, bool(args.rbln or "attn_impl" in settings)
 
 
 def _invalid(args: argparse.Namespace, error: str, out: dict[str, Any]) -> int:
@@ -176,10 +196,11 @@ def _artifact_args(args: argparse.Namespace) -> int | None:
     defaults; 2 (a usage error, printed) when something required is missing."""
     fields: dict[str, Any] = {}
     if args.rbln_config is not None:
-        from atom_core.config import estimate_message, rbln_fields
+        from atom_core.config import estimate_message, rbln_fields, rbln_settings
 
         try:
             fields = rbln_fields(args.rbln_config)
+            args.rbln_settings = rbln_settings(args.rbln_config)
         except ConfigError as exc:
             return _usage_error(args, f"INVALID: {exc}", str(exc))
         if fields.get("kv_blocks") == 0 and getattr(args, "kv_blocks", 0) is None:
@@ -215,6 +236,10 @@ def _usage_error(args: argparse.Namespace, text: str, error: str) -> int:
 
 def check_config_arguments(p: argparse.ArgumentParser) -> None:
     _artifact_arguments(p, kv_blocks=True)
+    p.add_argument("--rbln", action="store_true",
+                   help="refuse what optimum-rbln 0.12.0 would not compile for an ATOM NPU "
+                        "(eager/flash-attention sizes, kvcache_num_blocks' minimum, sliding "
+                        "window); on for an --rbln-config that records attn_impl, else a note")
 
 
 def min_blocks_arguments(p: argparse.ArgumentParser) -> None:
@@ -255,14 +280,21 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     t = _tables(args)
     need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
     rule = rule_for(args.prefix_cache, args.scratch, t, args.preemption)
-    error = _artifact_error(args, max(need, args.kv_blocks))
-    if error is not None:
-        return _invalid(args, error, {"safe": False, "lanes": args.lanes,
-                                      "kv_blocks": args.kv_blocks})
+    cfg = _artifact_config(args, max(need, args.kv_blocks))
+    if isinstance(cfg, str):
+        return _invalid(args, cfg, {"safe": False, "lanes": args.lanes,
+                                    "kv_blocks": args.kv_blocks})
+    rbln_errors, strict = _rbln_check(args, cfg)
+    if rbln_errors and strict:
+        return _invalid(args, "optimum-rbln 0.12.0 would not compile this artifact: "
+                        + "; ".join(rbln_errors), {"safe": False, "lanes": args.lanes,
+                                                    "kv_blocks": args.kv_blocks})
     out: dict[str, Any] = {"safe": args.kv_blocks >= need, "rule": rule, "trace": [],
                            "lanes": args.lanes, "kv_blocks": args.kv_blocks,
                            "min_kv_blocks": need, "proved_lanes": capacity.PROVED_LANES,
                            "blocks_per_table": t}
+    if rbln_errors:
+        out["rbln_notes"] = rbln_errors
     if not out["safe"] and args.lanes * t > TRACE_LANE_BLOCKS:
         out["violated"] = None
         out["note"] = (f"no stuck run shown: the search covers lanes * T <= {TRACE_LANE_BLOCKS} "
@@ -288,6 +320,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         args.prefix_cache, args.scratch) + (
         f", host cache of {args.host_cache_blocks} blocks" if args.host_cache_blocks else "") + (
         ", preemption" if args.preemption else "")
+    for n in out.get("rbln_notes", []):
+        print(f"note: optimum-rbln 0.12.0 would not compile this (--rbln refuses it): {n}")
     if out["safe"]:
         note = ("" if args.lanes <= capacity.PROVED_LANES else
                 f" (the rule is proved for lanes <= {capacity.PROVED_LANES} by `atom-core verify`)")

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from atom_core.config import check_end_tokens
 from atom_core.runtime.paged import (
     append_windows,
     block_coords,
@@ -769,7 +770,21 @@ def serve_factory(opts: ServeOptions) -> tuple[Config, HFRuntime, Any]:
     if opts.model in TINY_MODELS:
         tok: Any = ByteTokenizer()
         return cfg, tiny_runtime(opts.model, cfg, opts.seed, vocab_size=tok.vocab_size), tok
-    return cfg, HFRuntime.from_pretrained(opts.model, cfg), tokenizer_for(opts.model)
+    tok = tokenizer_for(opts.model)
+    check_tokenizer(tok, opts.model)  # before the model is loaded and its KV allocated
+    return cfg, HFRuntime.from_pretrained(opts.model, cfg), tok
+
+
+def check_tokenizer(tok: Any, model: str | os.PathLike[str]) -> None:
+    """Refuse a tokenizer whose end tokens the model directory's model cannot emit (ids at or
+    past its config's vocab_size): generation would never stop on them."""
+    mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
+    vocab = getattr(mcfg, "vocab_size", None)
+    if vocab is None and hasattr(mcfg, "get_text_config"):
+        vocab = getattr(mcfg.get_text_config(), "vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        ends = [tok.eos_token_id, *sorted(getattr(tok, "end_token_ids", ()) or ())]
+        check_end_tokens([i for i in ends if i is not None], vocab, f"{model}: the tokenizer")
 
 
 class GenerateOracle:
@@ -787,6 +802,8 @@ class GenerateOracle:
     def generate(self, prompt: Iterable[int], max_new_tokens: int,
                  eos_token_id: int | None = None) -> list[int]:
         key = tuple(int(t) for t in prompt)
+        if eos_token_id is not None:
+            check_end_tokens(eos_token_id, int(self.model.config.vocab_size), "generate")
         # the batcher ends a sequence whose last token's KV would not fit: at most
         # max_seq_len - len(prompt) + 1 tokens (as `atom_core.demo.Oracle`)
         need = min(max_new_tokens, self.max_seq_len - len(key) + 1)

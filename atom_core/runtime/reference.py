@@ -618,6 +618,10 @@ class TorchReferenceRuntime:
         seq = list(prompt_ids)
         if not 1 <= len(seq) <= self.max_seq_len:
             raise ValueError(f"prompt length {len(seq)} must be in 1..{self.max_seq_len}")
+        if eos_token_id is not None:
+            from atom_core.config import check_end_tokens
+
+            check_end_tokens(eos_token_id, self.vocab_size, "generate")
         out: list[int] = []
         while len(out) < max_new_tokens and len(seq) <= self.max_seq_len:
             tok = int(torch.argmax(self.oracle_logits(seq)))
