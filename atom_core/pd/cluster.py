@@ -8,11 +8,13 @@ Control messages (frontend <-> node), none carrying a tensor:
 
 - frontend -> decode node: `{"kind": "request", "id", "prompt", "max_new_tokens", "eos",
   "prefill"}` (the router's choices: this node, and the prefill worker to ask or None), `{"kind":
-  "abort", "id"}`, `{"kind": "prefill_ready", "ranks"}` (the prefill workers that reported
-  ready, whenever that changes: the only ones the node asks, retries included); to every node:
+  "abort", "id"}`, `{"kind": "prefill_ready", "ranks", "gens"}` (the prefill workers that
+  reported ready and the generation of each that did, whenever that changes: the only ones the
+  node asks, retries included, and only over a link to that generation); to every node:
   `{"kind": "shutdown"}`.
-- node -> frontend: `{"kind": "load", "load": Load, "stats": {...}}` whenever it changed (the
-  first ready one makes the worker eligible; the stats feed `Frontend.worker_stats`), and from a
+- node -> frontend: `{"kind": "load", "load": Load, "stats": {...}, "gen"}` whenever it
+  changed (the first ready one makes the worker eligible; the stats feed
+  `Frontend.worker_stats`; "gen" is the node's generation, when it knows it), and from a
   decode node `{"kind": "events", "events": [[id, kind, token, error], ...]}` per step.
 
 Faults. A prefill worker that is lost: its unanswered requests go to another prefill worker
@@ -84,13 +86,16 @@ class _Reporter:
         self.clock = clock
 
     def report(self, control: Transport, load: Load, stats: dict[str, Any],
-               took: int = 0) -> None:
+               took: int = 0, gen: int | None = None) -> None:
         now = self.clock()
         ld = load.as_json()
         if ld == self._load and took == self._took and (
                 stats == self._stats or now - self._at < STATS_EVERY):
             return
-        if _send(control, {"kind": "load", "load": ld, "stats": stats}):
+        msg = {"kind": "load", "load": ld, "stats": stats}
+        if gen is not None:
+            msg["gen"] = gen
+        if _send(control, msg):
             self._load, self._stats, self._at, self._took = ld, stats, now, took
 
 
@@ -107,8 +112,10 @@ class DecodeNode:
     """A decode worker serving what the frontend sends it, its KV from the prefill workers."""
 
     def __init__(self, rank: int, worker: DecodeWorker, links: PrefillLinks,
-                 control: Transport, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: what paces reports of counters alone (a simulation passes its own)."""
+                 control: Transport, clock: Callable[[], float] = time.monotonic,
+                 gen: int | None = None) -> None:
+        """`clock`: what paces reports of counters alone (a simulation passes its own).
+        `gen`: this process's generation (reported with its load)."""
         if worker.transport is not links:
             raise ValueError("the decode worker must run over this node's PrefillLinks")
         if not worker.fallback_local:
@@ -118,6 +125,7 @@ class DecodeNode:
             raise ValueError("a cluster's decode workers prefill locally what no prefill worker "
                              "serves: fallback_local must be True")
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
+        self.gen = gen
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
         self._job: dict[int, tuple[list[int], int, int | None]] = {}  # to resubmit locally
@@ -142,8 +150,13 @@ class DecodeNode:
             elif kind == "abort":
                 self._abort(header.get("id"))
             elif kind == "prefill_ready" and isinstance(header.get("ranks"), list) and all(
-                    isinstance(r, int) and not isinstance(r, bool) for r in header["ranks"]):
-                self.links.set_ready(header["ranks"])
+                    _is_int(r) for r in header["ranks"]):
+                gens = header.get("gens")
+                if isinstance(gens, list) and len(gens) == len(header["ranks"]) and all(
+                        g is None or _is_int(g) for g in gens):
+                    self.links.set_ready(dict(zip(header["ranks"], gens, strict=True)))
+                else:
+                    self.links.set_ready(header["ranks"])
             elif kind in ("shutdown", PEER_LOST):
                 self.done = True  # (the frontend gone: nobody would read the results)
         if self.done:
@@ -177,7 +190,7 @@ class DecodeNode:
             **_stats_of(self.worker.batcher), "retried": self.links.retried,
             "resubmitted": self.resubmitted, "busy_retried": self.links.busy_retried,
             "busy_local": self.busy_local, "local_fallbacks": self.worker.local_fallbacks},
-            took=self.taken)
+            took=self.taken, gen=self.gen)
 
     def _submit(self, h: dict[str, Any]) -> None:
         cid = h.get("id")
@@ -249,10 +262,14 @@ class PrefillNode:
     """A prefill worker serving every decode worker's prefill requests."""
 
     def __init__(self, rank: int, worker: PrefillWorker, links: DecodeLinks,
-                 control: Transport, clock: Callable[[], float] = time.monotonic) -> None:
+                 control: Transport, clock: Callable[[], float] = time.monotonic,
+                 gen: int | None = None) -> None:
+        """`gen`: this process's generation, reported with its load: the frontend names it in
+        its ready lists, so that decode workers ask this process, not an older one."""
         if worker.transport is not links:
             raise ValueError("the prefill worker must run over this node's DecodeLinks")
         self.rank, self.worker, self.links, self.control = rank, worker, links, control
+        self.gen = gen
         self._reporter = _Reporter(clock)
         self.ready = True  # as DecodeNode.ready
 
@@ -274,7 +291,7 @@ class PrefillNode:
         self._reporter.report(self.control, load_of(self.worker.batcher, ready=self.ready),
                               {**_stats_of(self.worker.batcher),
                                "refused_busy": self.worker.stats.refused_busy},
-                              took=self.worker.stats.requests)
+                              took=self.worker.stats.requests, gen=self.gen)
         return progress
 
     def serve(self, idle_wait: float = 0.005) -> None:
@@ -285,6 +302,10 @@ class PrefillNode:
     def close(self) -> None:
         self.links.close()
         self.control.close()
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _wait(node: DecodeNode | PrefillNode, timeout: float) -> None:
@@ -339,7 +360,10 @@ class Frontend:
         self.late_events = 0  # for requests already ended: dropped (each ends once)
         self._next = 0
         self._open: set[int] = set()
-        self._told_ready: dict[int, list[int]] = {}  # decode rank -> prefill ranks it was told
+        # decode rank -> the prefill ranks (and their generations) it was told are ready
+        self._told_ready: dict[int, tuple[list[int], list[int | None]]] = {}
+        # (role, rank) -> the generation its current control link's worker reported
+        self.gens: dict[tuple[str, int], int | None] = {}
         self.closed = False  # shut down: nothing more is submitted or served
 
     def add(self, role: str, rank: int, control: Transport) -> None:
@@ -350,6 +374,7 @@ class Frontend:
             old.close()
             self._lost(role, rank, "restarted")
         self.controls[(role, rank)] = control
+        self.gens.pop((role, rank), None)  # a new process: known once it reports
         if self.closed:
             _send(control, {"kind": "shutdown"})  # (linked after the shutdown: stop it too)
         if role == "decode":
@@ -358,10 +383,12 @@ class Frontend:
 
     def _tell_ready(self) -> None:
         """Tell each decode worker which prefill workers are ready, when that changed."""
-        ready = self.router.ready("prefill")
+        ranks = self.router.ready("prefill")
+        ready = (ranks, [self.gens.get(("prefill", r)) for r in ranks])
         for (role, rank), link in self.controls.items():
             if role == "decode" and self._told_ready.get(rank) != ready and \
-                    _send(link, {"kind": "prefill_ready", "ranks": ready}):
+                    _send(link, {"kind": "prefill_ready", "ranks": ready[0],
+                                 "gens": ready[1]}):
                 self._told_ready[rank] = ready
 
     def submit(self, prompt: Iterable[int], max_new_tokens: int, eos: int | None = None) -> int:
@@ -445,7 +472,10 @@ class Frontend:
         if kind == PEER_LOST:
             self._lost(role, rank, str(h.get("error")))
         elif kind == "load":
-            self.router.report(role, rank, Load.from_json(h["load"]))
+            load = Load.from_json(h["load"])
+            gen = h.get("gen")
+            self.gens[(role, rank)] = gen if _is_int(gen) else None
+            self.router.report(role, rank, load)
             if isinstance(h.get("stats"), dict):
                 self.worker_stats[(role, rank)] = h["stats"]
         elif kind == "events" and role == "decode":
@@ -586,9 +616,10 @@ class LocalCluster:
             for d, dn in self.decodes.items():
                 if not dn.done:
                     de, pe = _pair(key)
-                    dn.links.add(rank, de)
-                    links.add(d, pe)
-            self.prefills[rank] = PrefillNode(rank, worker, links, control, self.clock)
+                    dn.links.add(rank, de, gen=self._gen)
+                    links.add(d, pe, gen=dn.gen)
+            self.prefills[rank] = PrefillNode(rank, worker, links, control, self.clock,
+                                              gen=self._gen)
             self.prefills[rank].ready = ready
         else:
             links_p = PrefillLinks(secure=key is not None)
@@ -598,9 +629,10 @@ class LocalCluster:
             for p, pn in self.prefills.items():
                 if not pn.done:
                     de, pe = _pair(key)
-                    pn.links.add(rank, pe)
-                    links_p.add(p, de)
-            self.decodes[rank] = DecodeNode(rank, dworker, links_p, control, self.clock)
+                    pn.links.add(rank, pe, gen=self._gen)
+                    links_p.add(p, de, gen=pn.gen)
+            self.decodes[rank] = DecodeNode(rank, dworker, links_p, control, self.clock,
+                                            gen=self._gen)
             self.decodes[rank].ready = ready
         self.frontend.add(role, rank, fe_end)
 

@@ -108,8 +108,9 @@ def initiates(layout: Layout, rank: int, peer: int) -> bool:
 
 class Linker:
     """Builds `rank`'s links to its peers as they (re)register; finished links come out of
-    `links` as (peer rank, link). `limits(peer)`: the link's frame limits (GlooTransport's
-    max_header_bytes, max_tensor_bytes)."""
+    `links` as (peer rank, link), and `generation(link)` then names the peer's generation it
+    goes to. `limits(peer)`: the link's frame limits (GlooTransport's max_header_bytes,
+    max_tensor_bytes)."""
 
     def __init__(self, store: Any, layout: Layout, rank: int, *, host: str, port: int,
                  timeout: float, key: bytes | None, limits: Any) -> None:
@@ -124,6 +125,7 @@ class Linker:
         self._prefix = dist.PrefixStore
         self.gen = int(store.add(f"gen/{rank}", 1))
         self.links: queue.Queue[tuple[int, Transport]] = queue.Queue()
+        self._gen_of: dict[int, int] = {}  # id(link) -> the peer generation it goes to
         self._lock = threading.Lock()
         self._seen: dict[int, int] = {}  # peer -> its latest generation
         self._tried: dict[int, int] = {}  # peer -> the generation last built or failed
@@ -133,6 +135,11 @@ class Linker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._scan, daemon=True,
                                         name=f"cluster-linker-r{rank}")
+
+    def generation(self, link: Transport) -> int | None:
+        """The generation of the peer a link taken from `links` goes to (once per link)."""
+        with self._lock:
+            return self._gen_of.pop(id(link), None)
 
     def start(self) -> Linker:
         self._thread.start()
@@ -206,6 +213,8 @@ class Linker:
         if link is not None and stale:
             link.close()  # to a generation that is gone: it would only replace the new link
         elif link is not None:
+            with self._lock:
+                self._gen_of[id(link)] = g
             self.links.put((peer, link))
 
 
@@ -232,11 +241,12 @@ def link_limits(cfg: Any, rt: Any) -> dict[str, int]:
     return {"max_header_bytes": header, "max_tensor_bytes": header + lim.tensor_bytes + 4096}
 
 
-def _take(linker: Linker) -> list[tuple[int, Transport]]:
+def _take(linker: Linker) -> list[tuple[int, Transport, int | None]]:
     out = []
     while True:
         try:
-            out.append(linker.links.get_nowait())
+            peer, link = linker.links.get_nowait()
+            out.append((peer, link, linker.generation(link)))
         except queue.Empty:
             return out
 
@@ -254,30 +264,32 @@ def run_worker(layout: Layout, rank: int, *, host: str, port: int, timeout: floa
     limits = link_limits(cfg, rt)
     linker = Linker(store, layout, rank, host=host, port=port, timeout=timeout, key=key,
                     limits=lambda peer: limits).start()
-    got: list[tuple[int, Transport]] = []
-    wait_for(lambda: any(p == 0 for p, _ in got), timeout,
+    got: list[tuple[int, Transport, int | None]] = []
+    wait_for(lambda: any(p == 0 for p, _, _ in got), timeout,
              f"rank {rank} ({role} {index}): no link with the frontend (rank 0)",
              lambda: got.extend(_take(linker)))
-    control = next(link for p, link in got if p == 0)
+    control = next(link for p, link, _ in got if p == 0)
     node: Any
     if role == "prefill":
         dlinks = DecodeLinks(secure=key is not None)
         node = PrefillNode(index, PrefillWorker(cfg, rt, dlinks, key=key, insecure=key is None),
-                           dlinks, control)
+                           dlinks, control, gen=linker.gen)
     else:
         plinks = PrefillLinks(secure=key is not None)
         node = DecodeNode(index, DecodeWorker(cfg, rt, plinks, key=key, insecure=key is None,
                                               prefetch=prefetch,
                                               transfer_timeout=transfer_timeout,
                                               wire_prefix=f"d{index}g{linker.gen}."),
-                          plinks, control)
+                          plinks, control, gen=linker.gen)
     try:
         while not node.done:
-            for peer, link in [*got, *_take(linker)]:
+            for peer, link, g in [*got, *_take(linker)]:
                 if peer == 0 and link is not control:
                     link.close()  # one frontend per cluster: a second one is not served
                 elif peer != 0:
-                    node.links.add(layout.role(peer)[1], link)
+                    # with its generation: a restarted prefill worker is asked nothing until
+                    # the frontend names this generation ready (`PrefillLinks.set_ready`)
+                    node.links.add(layout.role(peer)[1], link, gen=g)
             got = []
             node.ready = linker.settled()
             if not node.step():
@@ -311,7 +323,7 @@ class FrontendProcess:
 
     def pump(self) -> bool:
         """Take new links, then one frontend step; False when nothing happened."""
-        for peer, link in _take(self.linker):
+        for peer, link, _ in _take(self.linker):
             self.frontend.add(*self.layout.role(peer), link)
         return self.frontend.step()
 

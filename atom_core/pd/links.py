@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -102,11 +102,14 @@ class _Links:
         self._inbox: list[Message] = []  # made here, handed out by the next poll
         self._closed = False
         self.lost: dict[int, str] = {}  # peer -> why its link ended
+        # peer -> the generation (process start) its current link goes to, None: not known
+        self.gens: dict[int, int | None] = {}
 
-    def add(self, peer: int, link: Transport) -> None:
-        """A (re)joined peer's link, its handshake done: used from now on. When it replaces a
-        link the peer still has here (the peer restarted before its old link's loss was
-        polled), what was in flight on the old link is settled as for a loss
+    def add(self, peer: int, link: Transport, gen: int | None = None) -> None:
+        """A (re)joined peer's link, its handshake done: used from now on. `gen`: the peer
+        process's generation (its start count, `cluster_run.Linker`), when known. When it
+        replaces a link the peer still has here (the peer restarted before its old link's loss
+        was polled), what was in flight on the old link is settled as for a loss
         (`_lost_peer`): the old link is closed and never polled again, so otherwise those
         requests would wait for answers that cannot come (until a transfer timeout), and
         answers for the old process would go to the new one."""
@@ -117,6 +120,7 @@ class _Links:
                              "its handshake first")
         old = self.links.get(peer)
         self.links[peer] = link
+        self.gens[peer] = gen
         self._all.append(link)
         self.lost.pop(peer, None)
         if old is not None and old is not link:
@@ -194,6 +198,11 @@ class PrefillLinks(_Links):
         self._cancelled: set[str] = set()
         self._told_lost = False  # the worker was told no prefill worker is left
         self.ready: frozenset[int] | None = None  # None: every linked one (`set_ready`)
+        # rank -> the generation the frontend said is ready (None: it did not say)
+        self._ready_gen: dict[int, int | None] = {}
+        # peers (re)linked since the frontend last named them ready: a rank alone does not say
+        # which process reported ready, so a new process is not taken for the old one
+        self._unconfirmed: set[int] = set()
         self._refused: dict[str, set[int]] = {}  # wire id -> prefill workers that were full
         self.retried = 0  # prefill requests sent again after their prefill worker was lost
         self.busy_retried = 0  # prefill requests sent again after a worker refused them (full)
@@ -207,23 +216,44 @@ class PrefillLinks(_Links):
 
     def live(self) -> list[int]:
         """The prefill workers to ask: linked, alive and, once the frontend said which are
-        ready (`set_ready`), ready."""
-        return sorted(p for p, link in self.links.items() if link.alive
-                      and (self.ready is None or p in self.ready))
+        ready (`set_ready`), ready in the process this link goes to."""
+        return sorted(p for p, link in self.links.items() if link.alive and self._is_ready(p))
 
-    def set_ready(self, ready: Iterable[int]) -> None:
+    def _is_ready(self, peer: int) -> bool:
+        if self.ready is None:
+            return True
+        if peer not in self.ready:
+            return False
+        want, have = self._ready_gen.get(peer), self.gens.get(peer)
+        if want is not None and have is not None:
+            return want == have  # the frontend's ready report is this very process's
+        return peer not in self._unconfirmed
+
+    def set_ready(self, ready: Iterable[int] | Mapping[int, int | None]) -> None:
         """The prefill workers that reported ready to the frontend: a worker that is linked
-        but still starting (or restarting) is asked nothing until it is one of them."""
-        self.ready = frozenset(ready)
+        but still starting (or restarting) is asked nothing until it is one of them. A mapping
+        names each one's generation (rank -> the generation that reported ready, or None):
+        a link to another generation of that rank (a restarted process, linked before the
+        frontend heard of the restart, or after an older ready list was sent) is not asked
+        until the frontend names that generation ready. Without generations a link added
+        after the last ready list waits for the next list that names its rank."""
+        gens = dict(ready) if isinstance(ready, Mapping) else dict.fromkeys(ready)
+        self.ready = frozenset(gens)
+        self._ready_gen = gens
+        self._unconfirmed -= self.ready
         if self.live():
             # a prefill worker can be asked again (the node clears the worker's `lost`): the
             # next time none is left the worker must be told again, or the requests in flight
             # to the last one would wait for answers that cannot come (transfer timeout)
             self._told_lost = False
 
-    def add(self, peer: int, link: Transport) -> None:
-        super().add(peer, link)
-        self._told_lost = False
+    def add(self, peer: int, link: Transport, gen: int | None = None) -> None:
+        if self.ready is not None:
+            # (before the old link's requests are retried: not to the new process, unready)
+            self._unconfirmed.add(peer)
+        super().add(peer, link, gen)
+        if self.live():
+            self._told_lost = False
 
     def busy(self) -> bool:
         """Some prefill request is unanswered."""
