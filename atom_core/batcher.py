@@ -319,6 +319,10 @@ class AtomBatcher:
         if eos_token_id is not None and eos is None:
             raise ValueError(f"eos_token_id must be a token id (int) or None, got "
                              f"{eos_token_id!r}")
+        if eos is not None and vocab is not None and not 0 <= eos < vocab:
+            # (never sampled: the request would run to max_new_tokens whatever it says)
+            raise ValueError(f"eos_token_id {eos} is outside the vocabulary 0..{vocab - 1}: "
+                             f"no token can end the request; pass the model's own end token")
         if sampler is not None and not callable(sampler):
             # else it would fail only at this request's first token, steps later
             raise ValueError(f"sampler must be a callable (logits [V] -> token id) or None, got "

@@ -306,6 +306,9 @@ def test_submit_rejects_bad_requests_with_clear_messages():
         b.submit([1, 2, V], 4)
     with pytest.raises(ValueError, match=r"outside the vocabulary 0\.\.127"):
         b.submit([-1, 2], 4)
+    for eos in (V, -1):  # never sampled: the request could not end on it
+        with pytest.raises(ValueError, match=rf"eos_token_id {eos} is outside the vocabulary"):
+            b.submit([1, 2], 4, eos)
     for bad in (0, -3, 2.5, "4", None):
         with pytest.raises(ValueError, match=f"max_new_tokens must be an integer >= 1, got "
                                              f"{re.escape(repr(bad))}"):
