@@ -284,3 +284,23 @@ def test_bounded_mutant_breaks_its_invariants(key: tuple[str, str, str]) -> None
                                                   kinds=("bounded", "arithmetic"))
               if c.status == "counterexample"}
     assert set(BOUNDED_MUTANTS[key]) <= broken, broken
+
+
+
+def test_host_witnesses_are_stuck_with_the_host_slots_progress_is_proved_with():
+    """Host-tier runs are searched with `search.SEARCH_SLOTS` host slots, the rows' progress is
+    proved with `checks.SLOTS`: every committed host witness replays (core and z3) with that
+    many too, so each row is shown safe and stuck one block below at one size."""
+    import attrs
+
+    from atom_core.proofs import capacity, checks, search, witness
+    from atom_core.spec.model import MODEL
+
+    tight, single = witness.committed()
+    host = [(k, w) for k, w in tight.items() if w.consts["HOST"]]
+    assert host and search.SEARCH_SLOTS != checks.SLOTS
+    for (name, lanes), w in host:
+        f = next(f for f in capacity.COMBINATIONS if f.name == name)
+        wider = attrs.evolve(w, consts={**w.consts, "H": checks.SLOTS})
+        tr = witness.replay(MODEL, wider, capacity.expect(f, lanes, w.consts["K"]))
+        assert not isinstance(tr, str), (name, lanes, tr)
