@@ -31,8 +31,11 @@ Refused, each with a message: architectures other than the supported ones (the m
 Gemma3 among them), sliding-window layers in a model other than Gemma3 (Qwen2's, or a Mistral
 window shorter than `max_seq_len`), a Gemma3 config with no global layer, a non-positive window,
 bidirectional attention or attention soft-capping, dtypes other than float32/float64, a
-`max_seq_len` beyond the model's `max_position_embeddings`, and LongRoPE with an original length
-below `max_seq_len` (its frequencies change per call, `_check_rope`).
+`max_seq_len` beyond the model's `max_position_embeddings`, LongRoPE with an original length
+below `max_seq_len` (its frequencies change per call, `_check_rope`), a checkpoint lacking any
+weight of the causal LM (a bare decoder's or a classifier's: transformers would initialize the
+LM head at random, `_check_complete`) and a model of another class than the supported causal LM
+(`_check_model_class`).
 
 Nothing touches the network: loading is `from_pretrained(path, local_files_only=True)` and the
 hub is set offline (`HF_HUB_OFFLINE=1`) when this module is imported.
@@ -366,6 +369,33 @@ def _check_hybrid(config: Any, kinds: set[str]) -> None:
             "implement; use a config with attn_logit_softcapping=null")
 
 
+def _check_complete(path: Path, config: Any, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks weights of the causal LM (`from_pretrained`'s
+    `missing_keys`): transformers initializes those at random and only logs it, so a bare
+    decoder or a classifier checkpoint of a supported model_type (no `lm_head`) would be served
+    as noise, and an oracle built from a copy of the loaded model would agree with it."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        archs = getattr(config, "architectures", None) or [getattr(config, "model_type", None)]
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
+                                          if len(missing) > 5 else "")
+        want = SUPPORTED_MODEL_TYPES.get(getattr(config, "model_type", None), "a causal LM")
+        raise UnsupportedModelError(
+            f"{path}: the checkpoint ({archs}) has no weights for {shown}: transformers would "
+            f"initialize them at random; HFRuntime serves complete {want} checkpoints only")
+
+
+def _check_model_class(model: Any) -> None:
+    """Refuse a model of a supported model_type but another class (a classifier, the bare
+    decoder): HFRuntime reads a causal LM's next-token logits."""
+    want = SUPPORTED_MODEL_TYPES.get(getattr(model.config, "model_type", None))
+    got = type(model).__name__
+    if got != want:
+        raise UnsupportedModelError(
+            f"the model is a {got}: HFRuntime serves {want} for model_type "
+            f"'{model.config.model_type}' (load it with AutoModelForCausalLM)")
+
+
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in DTYPES:
         raise UnsupportedModelError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -430,6 +460,7 @@ class HFRuntime:
                  num_threads: int | str | None = DEFAULT_THREADS) -> None:
         cfg = model.config
         check_model_config(cfg, max_seq_len)
+        _check_model_class(model)
         dtype = next(model.parameters()).dtype
         _check_dtype(dtype)
         if getattr(cfg, "_attn_implementation", None) != ATTENTION:
@@ -488,8 +519,10 @@ class HFRuntime:
                              "config.json and the weights)")
         mcfg = AutoConfig.from_pretrained(p, local_files_only=True)
         check_model_config(mcfg, config.max_seq_len)
-        model = AutoModelForCausalLM.from_pretrained(
-            p, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            p, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION,
+            output_loading_info=True)
+        _check_complete(p, mcfg, info)
         return cls.for_config(model, config, **kw)
 
     @classmethod
