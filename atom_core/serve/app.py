@@ -289,6 +289,8 @@ class _Frames:
 
 
 _WHY = {None: "null", "stop": '"stop"', "length": '"length"'}
+# the events that end a request in the engine (each request gets exactly one)
+_FINAL = frozenset(("finished", "error", "aborted"))
 
 
 class RequestTimedOut(Exception):
@@ -476,9 +478,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         see `_Inbox`."""
         loop = asyncio.get_running_loop()
         inbox = _Inbox(every)
-        # (the engine hands events over through `engine.deliver`, on this loop)
-        handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling),
-                        sink=inbox.put)
+
+        def sink(ev: Event) -> None:  # (the engine hands events over on this loop)
+            inbox.put(ev)
+            if ev.kind in _FINAL:
+                # its in-flight place is back once the batcher ended it, not once its client
+                # read the end: a stream whose client stops reading held it for good
+                _release(job)
+
+        handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling), sink=sink)
         text = IncrementalText(tokenizer, job.stop)
         t0 = last = time.perf_counter()
         n = 0

@@ -5,12 +5,15 @@ the thread applies the commands between steps, steps while anything is busy, and
 event to its request's `sink`. The HTTP server sets `deliver`, so that a step's events cross to
 the event loop in one call, where each sink puts its event in its request's inbox. A request
 that ended (finished, failed or aborted) gets exactly one final event. A batcher bug (an
-exception out of `step`) fails every request in flight and stops the engine: `/health` then
-says so.
+exception out of `step`, a BaseException such as SystemExit included) fails every request in
+flight and stops the engine: `/health` then says so. A command that races the engine's end (a
+`submit` or `call` just as it stops) is still answered: both check `running` and queue their
+command under one lock, which the thread takes to clear `running` before it drains the queue.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -21,6 +24,8 @@ from typing import Any
 import attrs
 
 from atom_core.batcher import AtomBatcher, Event
+
+log = logging.getLogger(__name__)
 
 Sink = Callable[[Event], None]
 # hands a batch of (request, event) pairs to the clients' side at once; None: each event goes
@@ -57,6 +62,9 @@ class Engine:
         self._live: dict[int, Handle] = {}
         self._idle_wait = idle_wait
         self._thread: threading.Thread | None = None
+        # held to check `running` and queue a command at once (`submit`, `call`) and by the
+        # thread to clear `running`: a command queued while it still ran is drained after
+        self._gate = threading.Lock()
         self.failure: str | None = None  # why the engine stopped on its own
         self.running = False
         self.steps = 0
@@ -79,9 +87,10 @@ class Engine:
         self.running = False
 
     def submit(self, handle: Handle) -> Handle:
-        if not self.running:
-            raise EngineStopped(self.failure or "the engine is shut down")
-        self._cmds.put(("submit", handle))
+        with self._gate:
+            if not self.running:
+                raise EngineStopped(self.failure or "the engine is shut down")
+            self._cmds.put(("submit", handle))
         return handle
 
     def abort(self, handle: Handle) -> None:
@@ -91,10 +100,13 @@ class Engine:
 
     def call(self, fn: Callable[[AtomBatcher], Any], timeout: float = 10.0) -> Any:
         """Run `fn(batcher)` on the engine thread between steps (a consistent view)."""
-        if not self.running:
-            return fn(self.batcher)  # nothing steps any more
         fut: Future[Any] = Future()
-        self._cmds.put(("call", (fn, fut)))
+        with self._gate:
+            queued = self.running
+            if queued:
+                self._cmds.put(("call", (fn, fut)))
+        if not queued:
+            return fn(self.batcher)  # nothing steps any more
         return fut.result(timeout)
 
     # ------------------------------------------------------------------ engine thread
@@ -122,13 +134,19 @@ class Engine:
                     for ev in events:
                         self._deliver(ev)
                 self._flush()
-        except Exception as exc:  # noqa: BLE001 - a bug in the batcher or the core
+        except BaseException as exc:  # noqa: BLE001 - a bug in the batcher or the core
+            # (BaseException too: a SystemExit or KeyboardInterrupt out of a runtime call, which
+            # the batcher re-raises, left every request in flight without an end)
+            log.error("the engine stopped: %r", exc, exc_info=exc)
             self.failure = f"engine stopped: {exc!r}"
             self._abort_all(self.failure, abort_in_batcher=False)
         finally:
-            self._flush()
-            self.running = False
-            self._drain_after_stop()
+            try:
+                self._flush()
+            finally:
+                with self._gate:  # no submit or call is queued after this
+                    self.running = False
+                self._drain_after_stop()
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "submit":
@@ -201,4 +219,8 @@ class Engine:
                                       error=self.failure or "the server is shutting down"))
                 self._flush()
             elif kind == "call":
-                arg[1].set_result(arg[0](self.batcher))
+                fn, fut = arg
+                try:
+                    fut.set_result(fn(self.batcher))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
@@ -95,6 +96,15 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     opts = ServeOptions(model=args.model, runtime=args.runtime, compiled=args.compiled,
                         rbln_config=args.rbln_config, overrides=overrides, seed=args.seed)
     cfg, rt, tok = build(opts)
+    vocab = getattr(rt, "vocab_size", None)
+    if isinstance(vocab, int):
+        from atom_core.config import check_end_tokens
+
+        # (else every request would be refused by the batcher: no reply could end on them)
+        ends = [tok.eos_token_id, *sorted(getattr(tok, "end_token_ids", ()) or ())]
+        check_end_tokens([i for i in ends if i is not None], vocab,
+                         f"--model {args.model}: the tokenizer's end tokens do not fit the "
+                         f"{args.runtime} runtime's model")
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
     settings = ServerSettings(model_name=name, api_key=key, max_queue=args.max_queue,
                               request_timeout=args.request_timeout or None,
@@ -136,6 +146,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # handler it found installed: with this one, that ends nothing and we exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE)
+    server = draining_server(uvicorn.Server, engine, args.drain_timeout)(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # (a second SIGINT while the first one's shutdown runs)
+        pass
+    return 0 if server.started else 1
+
+
+# seconds a connection may stay open after the engine ended the requests in flight (a stream
+# whose client stopped reading) before uvicorn cuts it
+DRAIN_GRACE = 5.0
+
+
+def draining_server(base: Any, engine: Any, drain_timeout: float) -> Any:
+    """A uvicorn Server class whose graceful shutdown, `drain_timeout` seconds after it began,
+    stops the engine: every request still in flight then ends with a clear error of its own (a
+    stream an error event and `data: [DONE]`, a request without stream a 500 in the API's error
+    shape) while its handler still runs. (uvicorn's own timeout cancels the handlers instead:
+    a bare "Internal Server Error" or a stream cut mid-body; it stays as the backstop,
+    DRAIN_GRACE later, for connections that still do not close.)"""
+
+    class DrainingServer(base):  # type: ignore[misc, valid-type]
+        async def shutdown(self, sockets: Any = None) -> None:
+            loop = asyncio.get_running_loop()
+            # (engine.stop joins the engine thread: off the event loop)
+            timer = loop.call_later(drain_timeout,
+                                    lambda: loop.run_in_executor(None, engine.stop))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return DrainingServer
