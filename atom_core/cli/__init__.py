@@ -15,12 +15,14 @@ module, and one row here."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
 import attrs
 
 from atom_core.cli import demo, pd, pd_cluster, pd_demo, proofs, serve
+from atom_core.cli.common import emit
 
 # `atom-core --help`'s description.
 DESCRIPTION = "`atom-core`: prove the model, and check an artifact's configuration before " \
@@ -74,8 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Exit code after Ctrl-C (128 + SIGINT, as a shell reports a process SIGINT ended).
+INTERRUPTED = 130
+
+# The PD commands rendezvous through torch.distributed, whose C++ logger prints a native stack
+# trace with every failed connection attempt; the commands say what failed in one line of
+# their own. `TORCH_CPP_LOG_LEVEL=INFO atom-core ...` brings the native log back.
+_QUIET_TORCH_LOG = ("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "argv", False) is None:  # pd-cluster starts its workers with it
         args.argv = list(sys.argv[1:] if argv is None else argv)
-    return int(args.func(args))
+    if args.command.startswith("pd-") and "torch" not in sys.modules:
+        # (read once, when torch loads; the workers pd-demo and pd-cluster start inherit it)
+        os.environ.setdefault(*_QUIET_TORCH_LOG)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback (and with --json, the reason on stdout)
+        if getattr(args, "json", False):
+            emit({"ok": False, "error": "interrupted"})
+        print(f"atom-core {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED

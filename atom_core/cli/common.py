@@ -1,5 +1,5 @@
-"""What every command group shares: JSON and table output, z3 as an extra, positive
-integers as an argument type."""
+"""What every command group shares: JSON and table output (errors included), z3 as an extra,
+positive integers as an argument type."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ def emit(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, indent=None, sort_keys=False))
 
 
+def fail(args: argparse.Namespace, message: str, code: int = 2) -> int:
+    """`code`, after saying `message` on stderr and, with --json, as the one JSON object on
+    stdout (`{"ok": false, "error": ...}`: a caller parsing stdout gets the reason, not an
+    empty line)."""
+    if getattr(args, "json", False):
+        emit({"ok": False, "error": message})
+    print(message, file=sys.stderr)
+    return code
+
+
 def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     try:
         from rich.console import Console
@@ -43,7 +53,10 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def positive(text: str) -> int:
-    v = int(text)
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return v

@@ -5,26 +5,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from atom_core.cli.common import emit, positive
+from atom_core.cli.common import emit, fail, positive
 from atom_core.config import SCRATCH_MODES
 
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lanes", type=positive, default=4)
-    p.add_argument("--requests", type=positive, default=24)
-    p.add_argument("--max-new-tokens", type=positive, default=16)
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--lanes", type=positive, default=4, help="default: 4")
+    p.add_argument("--requests", type=positive, default=24, help="default: 24")
+    p.add_argument("--max-new-tokens", type=positive, default=16, help="default: 16")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
-                        "free block (default)")
+                        "free block (default: dynamic)")
     p.add_argument("--runtime", choices=("reference", "hf"), default="reference",
-                   help="hf: a transformers model (--model) checked against its own generate()")
+                   help="hf: a transformers model (--model) checked against its own generate() "
+                        "(default: reference)")
     p.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",
                    help="hf: a local checkpoint directory, or tiny-llama / tiny-gemma3 (seeded "
-                        "random weights, saved to a temporary directory and loaded back)")
+                        "random weights, saved to a temporary directory and loaded back; "
+                        "default with --runtime hf: tiny-llama)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout (no progress bar)")
 
@@ -33,20 +34,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         from atom_core.demo import print_summary, run_demo
     except ImportError as exc:  # torch is an extra
-        print(f"the demo needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
-        return 2
+        return fail(args, f"the demo needs torch: pip install 'atom-core[torch]' ({exc})")
     try:
         out = run_demo(lanes=args.lanes, requests=args.requests,
                        max_new_tokens=args.max_new_tokens, seed=args.seed,
                        prefix_cache=not args.no_prefix_cache, scratch=args.scratch,
                        progress=not args.json, runtime=args.runtime, model=args.model)
     except ImportError as exc:  # transformers is an extra
-        print(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})",
-              file=sys.stderr)
-        return 2
+        return fail(args, f"--runtime hf needs transformers: pip install 'atom-core[hf]' "
+                          f"({exc})")
     except ValueError as exc:  # a bad --model (not a directory, an unsupported model)
-        print(f"demo: {exc}", file=sys.stderr)
-        return 2
+        return fail(args, f"demo: {exc}")
     if args.json:
         emit(out)
     else:
@@ -57,7 +55,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="picks the configuration, the workload and the faults (deep mode: "
-                        "the first seed)")
+                        "the first seed; default: 0)")
     p.add_argument("--steps", type=int, default=200,
                    help="ticks with fault injection before the drain (default 200)")
     p.add_argument("--faults", default=None,
@@ -97,8 +95,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         from atom_core import simulate
     except ImportError as exc:  # torch is an extra
-        print(f"simulate needs torch: pip install 'atom-core[torch]' ({exc})", file=sys.stderr)
-        return 2
+        return fail(args, f"simulate needs torch: pip install 'atom-core[torch]' ({exc})")
     try:
         faults = simulate.parse_faults(args.faults)
         fixed = simulate.parse_fixed(args.set)
@@ -118,9 +115,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             try:
                 import atom_core.runtime.hf  # noqa: F401
             except ImportError as exc:  # transformers is an extra
-                print(f"--runtime hf needs transformers: pip install 'atom-core[hf]' ({exc})",
-                      file=sys.stderr)
-                return 2
+                return fail(args, f"--runtime hf needs transformers: pip install "
+                                  f"'atom-core[hf]' ({exc})")
         simulate.draw_config(args.seed, fixed)  # a bad combination is a usage error, now
         if args.minutes is None and args.seeds is None:
             report = simulate.run(args.seed, args.steps, faults, shrink=True, **fixed)
@@ -131,8 +127,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             first, args.steps, last_seed=last, faults=faults, show=not args.json,
             seconds=None if args.minutes is None else args.minutes * 60, **fixed)
     except simulate.UsageError as exc:
-        print(f"atom-core simulate: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(args, f"atom-core simulate: error: {exc}")
     if args.json:
         emit(result.as_json())
     elif result.failing is None:
@@ -155,7 +150,10 @@ def _seed_range(text: str) -> tuple[int, int]:
 
 
 def _minutes(text: str) -> float:
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected minutes > 0, got {text!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return v

@@ -7,14 +7,18 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 
-from atom_core.cli.common import emit, positive, table
+from atom_core.cli.common import emit, fail, positive, table
 from atom_core.config import SCRATCH_MODES, min_kv_blocks
 
 PD_KEY_ENV = "ATOM_CORE_PD_KEY"
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -205,8 +209,8 @@ def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
         "prefill worker: connecting to the decode worker at"
     print(f"{role} {args.host}:{args.port}", file=sys.stderr, flush=True)
     limits = _wire_limits(cfg, rt)
-    transport = GlooTransport(rank, host=args.host, port=args.port, timeout=args.timeout,
-                              **limits)
+    transport = interruptible(lambda: GlooTransport(rank, host=args.host, port=args.port,
+                                                    timeout=args.timeout, **limits))
     if key is None:
         return transport
     from atom_core.pd.secure_link import LinkError, SecureLink
@@ -220,6 +224,27 @@ def connect(args: argparse.Namespace, rank: int, cfg: Any, rt: Any,
         link.close()
         raise LinkError(f"PD link refused: {exc}") from None
     return link
+
+
+def interruptible(make: Callable[[], T]) -> T:
+    """`make()`, run in a helper thread so that Ctrl-C reaches this one: torch.distributed's
+    rendezvous blocks in C++, where Python sees no signal until it returns (--timeout later).
+    On Ctrl-C the helper is left blocked (a daemon thread: it does not hold the exit up)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = make()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=run, name="pd-rendezvous", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
 
 def _wire_limits(cfg: Any, rt: Any) -> dict[str, int]:
@@ -242,11 +267,9 @@ def _pd_start(args: argparse.Namespace, decode: bool) -> tuple[Any, ...] | int:
         cfg, rt, key = pd_setup(args, decode=decode)
         return cfg, rt, key, connect(args, 0 if decode else 1, cfg, rt, key)
     except UsageError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        return fail(args, str(exc), 2)
     except TransportError as exc:
-        print(exc, file=sys.stderr)
-        return 1
+        return fail(args, str(exc), 1)
 
 
 def cmd_pd_prefill(args: argparse.Namespace) -> int:
@@ -336,18 +359,30 @@ def pd_decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill here the requests not yet sent when the prefill worker is "
                         "lost (default: on)")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
-                   help="seconds before an unanswered KV transfer fails its request")
+                   help="seconds before an unanswered KV transfer fails its request "
+                        "(default: 30)")
     p.add_argument("--prefetch", type=int, default=None,
                    help="ask for the KV of up to this many waiting requests before they get "
                         "a lane (default: --lanes; 0: only once a lane waits for it)")
 
 
-def pd_common_arguments(p: argparse.ArgumentParser, decode: bool) -> None:
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the decode worker's address (default: loopback only)")
-    p.add_argument("--port", type=_port, default=29500)
+def pd_common_arguments(p: argparse.ArgumentParser, decode: bool,
+                        cluster: bool = False) -> None:
+    if cluster:
+        p.add_argument("--host", default="127.0.0.1",
+                       help="the store's address: rank 0 hosts it there, every other rank "
+                            "connects to it (default: 127.0.0.1, loopback only)")
+        p.add_argument("--port", type=_port, default=None,
+                       help="the store's port (default: a free port when launching; --rank "
+                            "needs it)")
+    else:
+        p.add_argument("--host", default="127.0.0.1",
+                       help="the decode worker's address (default: 127.0.0.1, loopback only)")
+        p.add_argument("--port", type=_port, default=29500,
+                       help="the decode worker's rendezvous port (default: 29500)")
     p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds to wait for the other worker to connect")
+                   help="seconds to wait for the other worker" + ("s" if cluster else "")
+                        + " to connect (default: 60)")
     p.add_argument("--key", default=None,
                    help=f"shared PD key: literal, env:NAME or file:PATH (default: ${PD_KEY_ENV} "
                         "if set); a literal is visible in the process list, prefer env: or file:")
@@ -359,22 +394,24 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool) -> None:
                    help="run without a key: the link is neither authenticated nor encrypted "
                         "(anyone who reaches the port, loopback included, can read and inject "
                         "KV); for tests on a machine you alone use")
-    p.add_argument("--lanes", type=positive, default=4)
+    p.add_argument("--lanes", type=positive, default=4, help="default: 4")
     p.add_argument("--kv-blocks", type=positive, default=None,
                    help="default: the proved minimum" + (
                        " (plus one with dynamic scratch, so decode runs while imports are in "
                        "flight)" if decode else ""))
-    p.add_argument("--max-seq-len", type=positive, default=256)
+    p.add_argument("--max-seq-len", type=positive, default=256, help="default: 256")
     p.add_argument("--block-size", type=positive, default=None,
                    help="KV block size; max_seq_len / block_size blocks per lane's table "
                         "(default: max_seq_len, one block per lane); the two workers' may "
                         "differ (a payload is the prompt's positions)")
-    p.add_argument("--prefill-chunk", type=positive, default=64)
+    p.add_argument("--prefill-chunk", type=positive, default=64, help="default: 64")
     p.add_argument("--prefix-cache", action="store_true")
-    p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic")
+    p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
+                   help="reserved: a fixed scratch block; dynamic: padding rows write into a "
+                        "free block (default: dynamic)")
     p.add_argument("--runtime", choices=("reference", "hf", "rbln"), default="reference",
                    help="hf: a transformers model (--model) on HFRuntime, float64; both workers "
-                        "must give the same model")
+                        "must give the same model (default: reference)")
     p.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",
                    help="hf: a local checkpoint directory, or tiny-llama / tiny-gemma3 (seeded "
                         "random weights from --seed, saved and loaded back)")
@@ -383,18 +420,22 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool) -> None:
                    help="rbln: the model's id for PD (e.g. a hash of the artifact); both "
                         "workers must give the same")
     p.add_argument("--seed", type=int, default=0,
-                   help="reference runtime and hf tiny models: the model's seed")
+                   help="reference runtime and hf tiny models: the model's seed (default: 0)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
 def _port(text: str) -> int:
-    v = int(text)
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}") from None
     if not 0 < v < 65536:
         raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {text}")
     return v
 
 
 def workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=positive, default=24)
-    p.add_argument("--max-new-tokens", type=positive, default=16)
-    p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload")
+    p.add_argument("--requests", type=positive, default=24, help="default: 24")
+    p.add_argument("--max-new-tokens", type=positive, default=16, help="default: 16")
+    p.add_argument("--workload-seed", type=int, default=0,
+                   help="seed of the workload (default: 0)")

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from atom_core.cli.common import emit, free_port, positive, table
+from atom_core.cli.common import emit, fail, free_port, positive, table
 from atom_core.cli.pd import (
     UsageError,
     config_json,
@@ -22,9 +22,9 @@ from atom_core.cli.pd import (
 
 
 def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    pd_common_arguments(p, decode=True)
+    pd_common_arguments(p, decode=True, cluster=True)
     workload_arguments(p)
-    p.set_defaults(port=None, argv=None)
+    p.set_defaults(argv=None)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=positive, default=1, help="decode workers (default 1)")
     p.add_argument("--backend", default="gloo",
@@ -48,7 +48,8 @@ def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="submit the workload in this many waves, each once the previous one "
                         "ended and every worker is ready (default 1)")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
-                   help="seconds before an unanswered KV transfer fails its request")
+                   help="seconds before an unanswered KV transfer fails its request "
+                        "(default: 30)")
     p.add_argument("--kill", type=_kill_spec, action="append", default=[],
                    metavar="ROLE:I@N",
                    help="fault injection (launcher only): SIGKILL worker I of ROLE once N "
@@ -65,6 +66,38 @@ def _kill_spec(text: str) -> tuple[str, int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected prefill:I@N or decode:I@N (kill worker I "
                                          f"once N requests ended), got {text!r}") from None
+
+
+def _check_faults(args: argparse.Namespace, launch: bool) -> None:
+    """--kill and --restart name a worker this launcher starts (else they would be ignored)."""
+    faults = [("--kill", k) for k in args.kill] + [("--restart", k) for k in args.restart]
+    if faults and not launch:
+        raise UsageError("--kill and --restart are for the launcher (it kills the workers it "
+                         "started): drop them with --rank or under torchrun")
+    sizes = {"prefill": args.prefill, "decode": args.decode}
+    for flag, (role, index, after) in faults:
+        if not 0 <= index < sizes[role]:
+            which = f"workers 0..{sizes[role] - 1}" if sizes[role] else "none"
+            raise UsageError(f"{flag} {role}:{index}@{after}: there is no {role} worker {index} "
+                             f"(--{role} {sizes[role]}: {which})")
+
+
+# the launcher's own options, which its workers do not take
+_LAUNCHER_ONLY = ("--kill", "--restart")
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The launcher's command line without --kill and --restart (its workers refuse them)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _LAUNCHER_ONLY:
+            skip = True
+        elif not a.startswith(tuple(f"{o}=" for o in _LAUNCHER_ONLY)):
+            out.append(a)
+    return out
 
 
 def _cluster_rank(args: argparse.Namespace) -> tuple[int | None, str, int | None]:
@@ -104,11 +137,11 @@ def cmd_pd_cluster(args: argparse.Namespace) -> int:
             raise UsageError("a cluster needs --decode >= 1 and --prefill >= 0")
         rank, host, port = _cluster_rank(args)
         layout = Layout(args.prefill, args.decode)
+        _check_faults(args, launch=rank is None)
         role = "frontend" if not rank else layout.role(rank)[0]
         cfg, rt, key = pd_setup(args, decode=role != "prefill")
     except UsageError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        return fail(args, str(exc), 2)
     if role != "frontend":
         from atom_core.pd.cluster_run import run_worker
 
@@ -140,8 +173,8 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
         # the children get this command line and environment (so the same key, however it was
         # given), each with its rank and the store's address
         procs[layout.role(r)] = subprocess.Popen(
-            [sys.executable, "-m", "atom_core.cli", *args.argv, "--rank", str(r), "--host",
-             host, "--port", str(port)], stdout=subprocess.DEVNULL)
+            [sys.executable, "-m", "atom_core.cli", *_worker_argv(args.argv), "--rank", str(r),
+             "--host", host, "--port", str(port)], stdout=subprocess.DEVNULL)
 
     if launch:
         for r in range(1, layout.world):
@@ -207,8 +240,7 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
         out["checked"], out["mismatches"] = bool(args.check), mismatches
         out["exact"] = (not mismatches and not unexpected) if args.check else None
     except (TransportError, TimeoutError, OSError) as exc:
-        print(f"pd-cluster failed: {exc}", file=sys.stderr)
-        return 1
+        return fail(args, f"pd-cluster failed: {exc}", 1)
     finally:
         if fp is not None:
             fp.close()

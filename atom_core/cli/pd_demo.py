@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from atom_core.cli.common import emit, free_port, positive, table
+from atom_core.cli.common import emit, fail, free_port, positive, table
 from atom_core.cli.pd import (
     PD_KEY_ENV,
     UsageError,
@@ -24,7 +24,7 @@ from atom_core.cli.pd import (
 
 
 def pd_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lanes", type=positive, default=4)
+    p.add_argument("--lanes", type=positive, default=4, help="default: 4")
     workload_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -88,18 +88,20 @@ def _pd_session(args: argparse.Namespace, prefetch: int) -> dict[str, Any]:
                                     "--workload-seed", str(args.workload_seed), "--check",
                                     "--prefetch", str(prefetch)])
     dec.key = key  # in-process: a literal key is seen by no one
+    # the decode side's settings first: a bad one is a usage error before any process starts
+    cfg, rt, k = pd_setup(dec, decode=True)
     with tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(child_argv, env={**os.environ, PD_KEY_ENV: key},
                                  stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            cfg, rt, k = pd_setup(dec, decode=True)
             out = run_pd_decode(dec, cfg, rt, k, connect(dec, 0, cfg, rt, k))
             child_out, _ = child.communicate(timeout=30)
         except BaseException:
             child.kill()
             child.wait()
             err.seek(0)
-            print(f"prefill worker stderr:\n{err.read()}", file=sys.stderr)
+            if text := err.read().strip():
+                print(f"prefill worker stderr:\n{text}", file=sys.stderr)
             raise
     lines = child_out.strip().splitlines()
     out["prefill_worker"] = json.loads(lines[-1]) if lines else {}
@@ -116,9 +118,10 @@ def cmd_pd_demo(args: argparse.Namespace) -> int:
     try:
         runs = {"pd_on_demand": _pd_session(args, prefetch=0),
                 "pd_prefetch": _pd_session(args, prefetch=args.lanes)}
-    except (TransportError, UsageError, OSError, subprocess.TimeoutExpired) as exc:
-        print(f"pd-demo failed: {exc}", file=sys.stderr)
-        return 1
+    except UsageError as exc:  # refused before any worker started
+        return fail(args, f"pd-demo: {exc}", 2)
+    except (TransportError, OSError, subprocess.TimeoutExpired) as exc:
+        return fail(args, f"pd-demo failed: {exc}", 1)
     runs["colocated"] = _colocated(args)
     if args.json:
         emit(runs)

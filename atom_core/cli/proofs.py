@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from atom_core._generated import capacity
-from atom_core.cli.common import emit, positive, table, z3_or_exit
+from atom_core.cli.common import emit, fail, positive, table, z3_or_exit
 from atom_core.config import SCRATCH_MODES, Config, ConfigError, features, min_kv_blocks, rule_for
 
 
@@ -259,7 +259,7 @@ def _artifact_arguments(p: argparse.ArgumentParser, kv_blocks: bool) -> None:
     p.add_argument("--prefix-cache", action="store_true", default=None)
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
-                        "free block (default)")
+                        "free block (default: dynamic)")
     p.add_argument("--max-seq-len", type=positive, default=None, help="default 4096")
     p.add_argument("--block-size", type=positive, default=None,
                    help="KV block size; max_seq_len / block_size blocks per lane's table "
@@ -364,7 +364,7 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
 
 
 def check_trace_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file")
+    p.add_argument("file", help="a batcher trace: JSON lines, the first {\"consts\": ...}")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
@@ -375,8 +375,7 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
         with open(args.file, "rb") as f:
             v = replay(read_lines(f))
     except OSError as exc:
-        print(f"cannot read {args.file}: {exc.strerror}", file=sys.stderr)
-        return 2
+        return fail(args, f"cannot read {args.file}: {exc.strerror}")
     if args.json:
         emit(attrs.asdict(v))
     elif v.ok:

@@ -91,6 +91,12 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                          "sends every token as it comes)")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue}: must be at least 0 (0: only as many "
+                         "requests in flight as lanes)")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: must be in 0..65535 (0: a free port, which "
+                         "uvicorn's log names)")
     overrides = {field: getattr(args, flag) for flag, field in _FIELDS.items()
                  if getattr(args, flag) is not None}
     opts = ServeOptions(model=args.model, runtime=args.runtime, compiled=args.compiled,
@@ -122,6 +128,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from atom_core.runtime.host_memory import keep_freed_memory
 
+    busy = _cannot_listen(args.host, args.port)
+    if busy is not None:  # (before the model loads: that may take minutes)
+        print(f"atom-core serve: {busy}", file=sys.stderr)
+        return 2
     # before the model loads: a step's buffers then stay mapped between steps (see there)
     kept = keep_freed_memory()
     try:
@@ -137,7 +147,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = engine.batcher.config
     print(f"atom-core serve: model '{settings.model_name}' on {args.runtime}, lanes={cfg.lanes}, "
           f"kv_blocks={cfg.kv_blocks}, max_seq_len={cfg.max_seq_len}, block_size="
-          f"{cfg.block_size} ({cfg.rule}); http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"{cfg.block_size} ({cfg.rule}); http://{args.host}:"
+          f"{args.port or '<a free port: see uvicorn below>'}/v1", file=sys.stderr)
     if not kept:
         print("note: malloc thresholds left as they are (not glibc, or set in GLIBC_TUNABLES)",
               file=sys.stderr)
@@ -154,6 +165,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # (a second SIGINT while the first one's shutdown runs)
         pass
     return 0 if server.started else 1
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (in use, no such address), or None. A
+    check before the model loads; uvicorn binds for real afterwards (with SO_REUSEADDR, as
+    here, so a port in TIME_WAIT passes both)."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        return None  # (0: the OS picks a free one; out of range: `build` says what to give)
+    try:
+        with socket.create_server((host, port)):
+            return None
+    except (OSError, OverflowError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        return (f"cannot listen on {host}:{port}: {why}; pick another --port (or stop what "
+                "listens there), or another --host")
 
 
 # seconds a connection may stay open after the engine ended the requests in flight (a stream

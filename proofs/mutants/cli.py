@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from atom_core.cli.common import positive
 from atom_core.proofs.mutants.enumeration import select
 from atom_core.proofs.mutants.layer_simulation import simulate_one
 from atom_core.proofs.mutants.options import LAYERS, Options
@@ -31,23 +32,25 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(LAYERS)}")
     ap.add_argument("--only", metavar="PATTERN",
                     help="mutant ids matching this glob (or containing this text)")
-    ap.add_argument("--sample", type=int, metavar="N",
+    ap.add_argument("--sample", type=positive, metavar="N",
                     help="only N mutants, spread evenly over the selection (a quick estimate)")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes")
+    ap.add_argument("--jobs", type=positive, default=1, help="worker processes")
     ap.add_argument("--json", metavar="PATH", type=Path, help="write the results as JSON")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("-v", "--verbose", action="store_true", help="a row per mutant")
     defaults = Options()
-    ap.add_argument("--examples", type=int, default=defaults.examples,
+    ap.add_argument("--examples", type=positive, default=defaults.examples,
                     help="hypothesis examples per mutant")
-    ap.add_argument("--sim-runs", type=int, default=defaults.sim_runs,
+    ap.add_argument("--sim-runs", type=positive, default=defaults.sim_runs,
                     help="simulated runs per mutant (SIM_RUNS)")
-    ap.add_argument("--sim-steps", type=int, default=defaults.sim_steps,
+    ap.add_argument("--sim-steps", type=positive, default=defaults.sim_steps,
                     help="simulated ticks per seed")
     ap.add_argument("--source-report", action="store_true",
                     help="print mutmut's results under mutants/ per file (`make mutants-source`)")
     ap.add_argument("--simulate-one", metavar="ID", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.json is not None and not args.json.parent.is_dir():
+        ap.error(f"--json {args.json}: no directory {args.json.parent} to write it in")
 
     if args.source_report:
         rows = source_report()
