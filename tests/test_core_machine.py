@@ -63,9 +63,17 @@ class Tally(NamedTuple):
     preempt: bool = False  # the configurations have PREEMPT
 
 
+# Runs per configuration family for the coverage checks: the rarest situations they ask for
+# (a preempt refused because no lane waits, an import_grow on a lane that is not importing)
+# need more than the ci profile's 50 examples to be sure of.
+COVERAGE_EXAMPLES = 100
+
+
 def run_machine(config: st.SearchStrategy[Any], pd: bool, preempt: bool = False) -> Tally:
     Stats.reset()
-    run_state_machine_as_test(make_machine(config=config, pd=pd, preempt=preempt))
+    run_state_machine_as_test(
+        make_machine(config=config, pd=pd, preempt=preempt),
+        settings=settings(max_examples=max(settings().max_examples, COVERAGE_EXAMPLES)))
     return Tally(pd, Counter(Stats.applied), Counter(Stats.rejected), Counter(Stats.events),
                  preempt)
 
