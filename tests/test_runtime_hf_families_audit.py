@@ -29,7 +29,6 @@ import torch
 pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -44,8 +43,8 @@ from atom_core.batcher import AtomBatcher  # noqa: E402
 from atom_core.config import Config, min_kv_blocks  # noqa: E402
 from atom_core.runtime import hf  # noqa: E402
 from atom_core.runtime.hf import HFRuntime, UnsupportedModelError  # noqa: E402
-from atom_core.runtime.reference import torch_threads  # noqa: E402
-from tests.test_runtime_hf import F64, Oracle  # noqa: E402
+from tests.test_runtime_hf import F64  # noqa: E402
+from tests.test_runtime_hf_audit import serve  # noqa: E402
 
 S, C, BLOCK = 256, 64, 64  # max_seq_len, prefill chunk, block size: 4 blocks a table
 V = 131                    # a vocabulary that is not a multiple of 8
@@ -78,36 +77,11 @@ def paths_work(to_end: bool = False) -> list[tuple[list[int], int]]:
     return work
 
 
-_ORACLES: dict[Path, Oracle] = {}
-
-
 def save(model: Any, root: Path, name: str) -> Path:
     d = root / name
     if not d.exists():
         model.save_pretrained(d)
     return d
-
-
-def serve(cfg: Config, d: Path, work: list[tuple[list[int], int]]) -> AtomBatcher:
-    """Run `work` through a batcher over the checkpoint and assert every request equals
-    generate() (at most max_seq_len - len(prompt) + 1 tokens, as the batcher stops)."""
-    b = AtomBatcher(cfg, HFRuntime.from_pretrained(d, cfg, dtype=F64, num_threads=1))
-    rids = [b.submit(p, n) for p, n in work]
-    for _ in range(20_000):
-        if not b.busy():
-            break
-        b.step()
-    assert not b.busy()
-    if d not in _ORACLES:
-        _ORACLES[d] = Oracle(AutoModelForCausalLM.from_pretrained(d, local_files_only=True,
-                                                                  dtype=F64))
-    for r, (p, n) in zip(rids, work, strict=True):
-        req = b.requests[r]
-        assert req.error is None, req.error
-        with torch_threads(1):
-            want = _ORACLES[d].generate(p, min(n, cfg.max_seq_len - len(p) + 1))
-        assert req.tokens == want, f"prompt of {len(p)} tokens, {n} new"
-    return b
 
 
 def check_paths(b: AtomBatcher) -> None:

@@ -178,6 +178,29 @@ class BuggyBatcher(AtomBatcher):
         return super().step()
 
 
+def long_completions(base: str, calls: tuple[tuple[str, bool], ...], timeout: float
+                     ) -> tuple[dict[str, Any], list[threading.Thread]]:
+    """Start one 200-token completion of LONG per (name, stream), 50 ms apart (so they queue in
+    that order), each in its own thread; `results[name]` is then the response (a stream's
+    chunks) or the openai.APIError it raised."""
+    results: dict[str, Any] = {}
+
+    def call(name: str, stream: bool) -> None:
+        c = openai.OpenAI(api_key=KEY, base_url=base + "/v1", max_retries=0, timeout=timeout)
+        try:
+            res = c.completions.create(model=MODEL, prompt=LONG, max_tokens=200,
+                                       temperature=0, stream=stream)
+            results[name] = list(res) if stream else res
+        except openai.APIError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=call, args=call_args) for call_args in calls]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    return results, threads
+
+
 @pytest.mark.parametrize("where", ["runtime-base-exception", "batcher-exception"])
 def test_an_engine_that_stops_ends_every_request_with_one_clear_error(where: str) -> None:
     """Bug: the engine loop caught Exception only; a BaseException out of a step (the batcher
@@ -192,23 +215,9 @@ def test_an_engine_that_stops_ends_every_request_with_one_clear_error(where: str
     s.runtime = rt
     s.engine.batcher = (BuggyBatcher if where == "batcher-exception" else AtomBatcher)(s.cfg, rt)
     with s:
-        results: dict[str, Any] = {}
-
-        def call(name: str, stream: bool) -> None:
-            c = openai.OpenAI(api_key=KEY, base_url=s.base + "/v1", max_retries=0, timeout=20)
-            try:
-                res = c.completions.create(model=MODEL, prompt=LONG, max_tokens=200,
-                                           temperature=0, stream=stream)
-                results[name] = list(res) if stream else res
-            except openai.APIError as exc:
-                results[name] = exc
-
-        threads = [threading.Thread(target=call, args=(name, stream))
-                   for name, stream in (("plain", False), ("stream", True),
-                                        ("queued-plain", False), ("queued-stream", True))]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
+        results, threads = long_completions(s.base, (("plain", False), ("stream", True),
+                                                      ("queued-plain", False),
+                                                      ("queued-stream", True)), timeout=20)
         until(lambda: s.state()["in_flight"] == 4 and len(s.state()["waiting"]) == 3,
               what="one request running and three queued")
         t0 = time.monotonic()
@@ -329,22 +338,8 @@ def test_sigterm_past_the_drain_timeout_gives_each_request_a_clear_error() -> No
         assert port, "no port printed"
         threading.Thread(target=proc.stderr.read, daemon=True).start()  # (keep the pipe empty)
         base = f"http://127.0.0.1:{port}"
-        results: dict[str, Any] = {}
-
-        def call(name: str, stream: bool) -> None:
-            c = openai.OpenAI(api_key=KEY, base_url=base + "/v1", max_retries=0, timeout=30)
-            try:
-                res = c.completions.create(model=MODEL, prompt=LONG, max_tokens=200,
-                                           temperature=0, stream=stream)
-                results[name] = list(res) if stream else res
-            except openai.APIError as exc:
-                results[name] = exc
-
-        threads = [threading.Thread(target=call, args=(name, stream))
-                   for name, stream in (("plain", False), ("stream", True), ("queued", False))]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
+        results, threads = long_completions(
+            base, (("plain", False), ("stream", True), ("queued", False)), timeout=30)
 
         def state() -> dict[str, Any]:
             return httpx.get(base + "/state", headers=AUTH).json()
