@@ -64,9 +64,6 @@ def flags(f: capacity.Features) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the spec, read
-constants_only = L.reads_only_constants
-
-
 def antecedent(p: L.Named) -> tuple[list[L.Var], L.Expr] | None:
     """A progress property `forall xs. hyp -> concl` as (xs, hyp); None if it is not an
     implication (it then has no hypothesis to be vacuous about)."""
@@ -146,7 +143,7 @@ class Space:
         if key not in self._memo:
             bound = self.u.params(action, "nv")
             self._memo[key] = [Query(f"guard {action.name}.{g}", self.u.tr(e, self.st, bound),
-                                     constants_only(e)) for g, e in action.guards]
+                                     L.reads_only_constants(e)) for g, e in action.guards]
         return self._memo[key]
 
     def antecedent(self, p: L.Named) -> list[Query]:
@@ -158,8 +155,8 @@ class Space:
             assert a is not None
             vs, hyp = a
             parts = _conjuncts(hyp)
-            closed = [c for c in parts if constants_only(c)]
-            rest = [c for c in parts if not constants_only(c)]
+            closed = [c for c in parts if L.reads_only_constants(c)]
+            rest = [c for c in parts if not L.reads_only_constants(c)]
             e: L.Expr = L.And(*rest) if rest else L.TRUE
             for v in reversed(vs):
                 e = L.Quant("exists", v, e)

@@ -41,6 +41,7 @@ import attrs
 
 from atom_core.config import Config
 from atom_core.pd.links import DecodeLinks, PrefillLinks, poll_until
+from atom_core.pd.payload import is_int
 from atom_core.pd.router import Load, Policy, Router, load_of
 from atom_core.pd.transport import PEER_LOST, InProcessTransport, Transport, TransportError
 from atom_core.pd.workers import DecodeWorker, PrefillWorker, quantile
@@ -150,10 +151,10 @@ class DecodeNode:
             elif kind == "abort":
                 self._abort(header.get("id"))
             elif kind == "prefill_ready" and isinstance(header.get("ranks"), list) and all(
-                    _is_int(r) for r in header["ranks"]):
+                    is_int(r) for r in header["ranks"]):
                 gens = header.get("gens")
                 if isinstance(gens, list) and len(gens) == len(header["ranks"]) and all(
-                        g is None or _is_int(g) for g in gens):
+                        g is None or is_int(g) for g in gens):
                     self.links.set_ready(dict(zip(header["ranks"], gens, strict=True)))
                 else:
                     self.links.set_ready(header["ranks"])
@@ -304,10 +305,6 @@ class PrefillNode:
         self.control.close()
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _wait(node: DecodeNode | PrefillNode, timeout: float) -> None:
     """Until a message is on the node's control link or one of its links, or `timeout`."""
     poll_until(lambda: node.control.wait(0) or node.links.wait(0), timeout)
@@ -403,7 +400,7 @@ class Frontend:
             if len(self._open) >= self.max_open:
                 raise RuntimeError(f"{len(self._open)} requests are open (max_open): retry "
                                    "once some have ended")
-            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2 ** 31
+            if not all(is_int(x) and 0 <= x < 2 ** 31
                        for x in prompt):
                 raise ValueError("the prompt must be a list of token ids (integers >= 0)")
             self._check_size(prompt, max_new_tokens, eos)
@@ -474,7 +471,7 @@ class Frontend:
         elif kind == "load":
             load = Load.from_json(h["load"])
             gen = h.get("gen")
-            self.gens[(role, rank)] = gen if _is_int(gen) else None
+            self.gens[(role, rank)] = gen if is_int(gen) else None
             self.router.report(role, rank, load)
             if isinstance(h.get("stats"), dict):
                 self.worker_stats[(role, rank)] = h["stats"]

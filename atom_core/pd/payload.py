@@ -138,7 +138,8 @@ class PayloadError(ValueError):
         return (type(self), (self.field, str(self)))
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """A JSON integer (an int, not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -148,7 +149,7 @@ def _tokens(value: Iterable[Any]) -> tuple[int, ...]:
 
 
 def _first_token(_inst: Any, _attr: Any, value: Any) -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"first_token must be an int, got {type(value).__name__}")
 
 
@@ -607,7 +608,7 @@ def _text_ok(v: Any, limit: int) -> bool:
 
 
 def _dims_ok(v: Any) -> bool:
-    return isinstance(v, list) and len(v) == 5 and all(_is_int(d) and d >= 0 for d in v)
+    return isinstance(v, list) and len(v) == 5 and all(is_int(d) and d >= 0 for d in v)
 
 
 def _from_wire(header: Mapping[str, Any], tensor: Any) -> KVPayload:
@@ -629,7 +630,7 @@ def _from_wire(header: Mapping[str, Any], tensor: Any) -> KVPayload:
         bad.append("checksum must be a string")
     elif not _HEX_DIGEST.match(header["checksum"]):
         bad.append("checksum must be 64 lowercase hex digits (SHA-256)")
-    if not _is_int(header["first_token"]):
+    if not is_int(header["first_token"]):
         bad.append("first_token must be an integer")
     if header["mac"] is not None and not isinstance(header["mac"], str):
         bad.append("mac must be a string or null")
@@ -637,7 +638,7 @@ def _from_wire(header: Mapping[str, Any], tensor: Any) -> KVPayload:
         bad.append("mac must be 64 lowercase hex digits (HMAC-SHA256) or null")
     for k in ("prompt", "shape"):
         v = header[k]
-        if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        if not isinstance(v, list) or not all(is_int(t) for t in v):
             bad.append(f"{k} must be a list of integers")
     local_shape = header.get("local_shape")
     for k in ("shape",) + (("local_shape",) if local_shape is not None else ()):

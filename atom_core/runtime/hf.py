@@ -816,8 +816,9 @@ def check_tokenizer(tok: Any, model: str | os.PathLike[str]) -> None:
     if vocab is None and hasattr(mcfg, "get_text_config"):
         vocab = getattr(mcfg.get_text_config(), "vocab_size", None)
     if isinstance(vocab, int) and not isinstance(vocab, bool):
-        ends = [tok.eos_token_id, *sorted(getattr(tok, "end_token_ids", ()) or ())]
-        check_end_tokens([i for i in ends if i is not None], vocab, f"{model}: the tokenizer")
+        from atom_core.serve.tokenizer import end_ids
+
+        check_end_tokens(end_ids(tok), vocab, f"{model}: the tokenizer")
 
 
 class GenerateOracle:

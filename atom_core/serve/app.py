@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from atom_core.batcher import Event
-from atom_core.serve.engine import Engine, EngineStopped, Handle
+from atom_core.serve.engine import FINAL, Engine, EngineStopped, Handle
 from atom_core.serve.metrics import Metrics
 from atom_core.serve.protocol import (
     GENERIC_UNSUPPORTED,
@@ -289,8 +289,6 @@ class _Frames:
 
 
 _WHY = {None: "null", "stop": '"stop"', "length": '"length"'}
-# the events that end a request in the engine (each request gets exactly one)
-_FINAL = frozenset(("finished", "error", "aborted"))
 
 
 class RequestTimedOut(Exception):
@@ -481,7 +479,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
 
         def sink(ev: Event) -> None:  # (the engine hands events over on this loop)
             inbox.put(ev)
-            if ev.kind in _FINAL:
+            if ev.kind in FINAL:
                 # its in-flight place is back once the batcher ended it, not once its client
                 # read the end: a stream whose client stops reading held it for good
                 _release(job)

@@ -27,6 +27,10 @@ from atom_core.batcher import AtomBatcher, Event
 
 log = logging.getLogger(__name__)
 
+# the kinds of the one final event each request gets (aborted: the engine's own, for requests
+# it ends without the batcher)
+FINAL = frozenset(("finished", "error", "aborted"))
+
 Sink = Callable[[Event], None]
 # hands a batch of (request, event) pairs to the clients' side at once; None: each event goes
 # to its request's sink from the engine thread
@@ -174,7 +178,7 @@ class Engine:
         h = self._live.get(ev.request_id)
         if h is None:
             return
-        if ev.kind in ("finished", "error"):
+        if ev.kind in FINAL:
             self._end(h, ev)
         else:  # token, preempted
             self._emit(h, ev)

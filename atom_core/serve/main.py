@@ -105,10 +105,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     vocab = getattr(rt, "vocab_size", None)
     if isinstance(vocab, int):
         from atom_core.config import check_end_tokens
+        from atom_core.serve.tokenizer import end_ids
 
         # (else every request would be refused by the batcher: no reply could end on them)
-        ends = [tok.eos_token_id, *sorted(getattr(tok, "end_token_ids", ()) or ())]
-        check_end_tokens([i for i in ends if i is not None], vocab,
+        check_end_tokens(end_ids(tok), vocab,
                          f"--model {args.model}: the tokenizer's end tokens do not fit the "
                          f"{args.runtime} runtime's model")
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]

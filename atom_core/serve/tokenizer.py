@@ -39,6 +39,13 @@ class Tokenizer(Protocol):
     def chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
+def end_ids(tok: Tokenizer) -> list[int]:
+    """Every id that ends a reply: the end token, then the model's others (a tokenizer of the
+    protocol before `end_token_ids` has none)."""
+    ends = [tok.eos_token_id, *sorted(getattr(tok, "end_token_ids", ()) or ())]
+    return [i for i in ends if i is not None]
+
+
 def plain_chat(messages: list[dict[str, str]]) -> str:
     """'<|role|>\\ncontent\\n' per message, then '<|assistant|>\\n' for the reply."""
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
