@@ -267,6 +267,19 @@ def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
         del ix[v]
 
 
+def _refile(ix: dict[Any, set[int]], old: Any, new: Any, x: int) -> None:
+    """x moves from key `old` to key `new` of value index `ix`."""
+    xs = ix[old]
+    xs.discard(x)
+    if not xs:
+        del ix[old]
+    xs = ix.get(new)
+    if xs is None:
+        ix[new] = {x}
+    else:
+        xs.add(x)
+
+
 def _index(m: MState) -> MState:
     """`m` with its indexes (re)built from its fields."""
     m._ix0 = _by_value(m.copy_src, None)
@@ -874,9 +887,10 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     s.lane_snap[l] = new_lane_snap_v0
     copying[l] = True
     copy_host[l] = False
-    _unindex(s._ix0, s.copy_src[l], l)
+    _ixk = s.copy_src[l]
     copy_src[l] = src
-    s._ix0.setdefault(s.copy_src[l], set()).add(l)
+    if (_ixn := s.copy_src[l]) != _ixk:
+        _refile(s._ix0, _ixk, _ixn, l)
     return _new(Step, (s, effects, None))
 
 
@@ -1279,9 +1293,10 @@ def grow(s: MState, l: int, dst: int) -> Step:
         s.holds[dst] = new_holds_v0
         s.junk[dst] = False
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
+    _ixk = _sig(s.head[new_head_i00])
     s.head[new_head_i00] = new_head_v0
-    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    if (_ixn := _sig(s.head[new_head_i00])) != _ixk:
+        _refile(s._ix1, _ixk, _ixn, new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
@@ -1566,9 +1581,10 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
         lane_snap_taken[l] = new_lane_snap_taken_v0
         s.junk[dst] = True
     key[new_key_i00] = new_key_v0
-    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
+    _ixk = _sig(s.head[new_head_i00])
     s.head[new_head_i00] = new_head_v0
-    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    if (_ixn := _sig(s.head[new_head_i00])) != _ixk:
+        _refile(s._ix1, _ixk, _ixn, new_head_i00)
     snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
@@ -1587,9 +1603,10 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
     lane_snap[l] = new_lane_snap_v0
     copying[l] = True
     copy_host[l] = False
-    _unindex(s._ix0, s.copy_src[l], l)
+    _ixk = s.copy_src[l]
     copy_src[l] = src
-    s._ix0.setdefault(s.copy_src[l], set()).add(l)
+    if (_ixn := s.copy_src[l]) != _ixk:
+        _refile(s._ix0, _ixk, _ixn, l)
     return _new(Step, (s, effects, None))
 
 
@@ -2199,9 +2216,10 @@ def finish(s: MState, l: int, keep: bool) -> Step:
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
     phase[new_phase_k0] = PHASE_FINISHED
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
+    _ixk = _sig(s.head[new_head_i00])
     s.head[new_head_i00] = new_head_v0
-    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    if (_ixn := _sig(s.head[new_head_i00])) != _ixk:
+        _refile(s._ix1, _ixk, _ixn, new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     busy[l] = False
     lane_snap[l] = 0
@@ -2435,9 +2453,10 @@ def spill(s: MState, b: int, h: int) -> Step:
     slot_state[h] = SLOTSTATE_STORING
     s.slot_block[h] = b
     s.slot_key[h] = new_slot_key_v0
-    _unindex(s._ix4, _sig(s.slot_head[h]), h)
+    _ixk = _sig(s.slot_head[h])
     s.slot_head[h] = new_slot_head_v0
-    s._ix4.setdefault(_sig(s.slot_head[h]), set()).add(h)
+    if (_ixn := _sig(s.slot_head[h])) != _ixk:
+        _refile(s._ix4, _ixk, _ixn, h)
     s.slot_start[h] = new_slot_start_v0
     return _new(Step, (s, effects, None))
 
@@ -3038,9 +3057,10 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
         s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
         s.junk[dst] = True
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
+    _ixk = _sig(s.head[new_head_i00])
     s.head[new_head_i00] = new_head_v0
-    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    if (_ixn := _sig(s.head[new_head_i00])) != _ixk:
+        _refile(s._ix1, _ixk, _ixn, new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     tail[l] = dst
     nblocks[l] = new_nblocks_v0
@@ -3432,9 +3452,10 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
         s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     s.snap_upto[dst] = 0
     s.transfer[dst] = True
-    _unindex(s._ix3, s.transfer_req[dst], dst)
+    _ixk = s.transfer_req[dst]
     s.transfer_req[dst] = r
-    s._ix3.setdefault(s.transfer_req[dst], set()).add(dst)
+    if (_ixn := s.transfer_req[dst]) != _ixk:
+        _refile(s._ix3, _ixk, _ixn, dst)
     return _new(Step, (s, effects, None))
 
 
@@ -3641,9 +3662,10 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
         s._ix2.setdefault(s.owner_lane[dst], set()).add(dst)
     s.snap_upto[dst] = 0
     s.transfer[dst] = True
-    _unindex(s._ix3, s.transfer_req[dst], dst)
+    _ixk = s.transfer_req[dst]
     s.transfer_req[dst] = new_transfer_req_v0
-    s._ix3.setdefault(s.transfer_req[dst], set()).add(dst)
+    if (_ixn := s.transfer_req[dst]) != _ixk:
+        _refile(s._ix3, _ixk, _ixn, dst)
     return _new(Step, (s, effects, None))
 
 
@@ -3811,9 +3833,10 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     for _k, _v in new_key:
         s.key[_k] = _v
     for _k, _v in new_head:
-        _unindex(s._ix1, _sig(s.head[_k]), _k)
+        _ixk = _sig(s.head[_k])
         s.head[_k] = _v
-        s._ix1.setdefault(_sig(s.head[_k]), set()).add(_k)
+        if (_ixn := _sig(s.head[_k])) != _ixk:
+            _refile(s._ix1, _ixk, _ixn, _k)
     s.length[new_length_i00] = new_length_v0
     lane_seq[new_lane_seq_i00] = new_lane_seq_v0
     phase[r] = PHASE_DECODE
@@ -3854,9 +3877,10 @@ def export(s: MState, l: int) -> Step:
     transfer_req = s.transfer_req
     for b in tuple(s._ix2.get(l, ())):
         if owner[b] == OWNER_LANE and owner_lane[b] == l:
-            _unindex(s._ix3, s.transfer_req[b], b)
+            _ixk = s.transfer_req[b]
             transfer_req[b] = lane_req[l]
-            s._ix3.setdefault(s.transfer_req[b], set()).add(b)
+            if (_ixn := s.transfer_req[b]) != _ixk:
+                _refile(s._ix3, _ixk, _ixn, b)
     if s.ghost:
         xfer_on = s.xfer_on
         for b in range(K):
@@ -3929,9 +3953,10 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     for _k, _v in new_transfer:
         s.transfer[_k] = _v
     s.key[new_key_i00] = new_key_v0
-    _unindex(s._ix1, _sig(s.head[new_head_i00]), new_head_i00)
+    _ixk = _sig(s.head[new_head_i00])
     s.head[new_head_i00] = new_head_v0
-    s._ix1.setdefault(_sig(s.head[new_head_i00]), set()).add(new_head_i00)
+    if (_ixn := _sig(s.head[new_head_i00])) != _ixk:
+        _refile(s._ix1, _ixk, _ixn, new_head_i00)
     s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
     s.busy[new_busy_i00] = False
     lane_snap[new_lane_snap_i00] = 0

@@ -200,9 +200,12 @@ class InplaceGenerator(Generator):
                 post.append(f"if s.{f}[{x}] == {c}:")
                 post.append(f"    {slot}.setdefault(s.{g}[{x}], set()).add({x})")
             elif key[0] == "val" and fname == key[1]:
+                # refiled only when the key changes: a write that keeps it (the same
+                # first chunk, say) costs two key computations and no set work
                 k = self._ix_key(key, f"s.{fname}[{x}]")
-                pre.append(f"_unindex({slot}, {k}, {x})")
-                post.append(f"{slot}.setdefault({k}, set()).add({x})")
+                pre.append(f"_ixk = {k}")
+                post.append(f"if (_ixn := {k}) != _ixk:")
+                post.append(f"    _refile({slot}, _ixk, _ixn, {x})")
         return pre, post
 
     def _ix_rebuild(self, fname: str) -> list[str]:
@@ -415,6 +418,17 @@ class InplaceGenerator(Generator):
             "    xs.discard(x)\n"
             "    if not xs:\n"
             "        del ix[v]\n\n\n"
+            "def _refile(ix: dict[Any, set[int]], old: Any, new: Any, x: int) -> None:\n"
+            "    \"\"\"x moves from key `old` to key `new` of value index `ix`.\"\"\"\n"
+            "    xs = ix[old]\n"
+            "    xs.discard(x)\n"
+            "    if not xs:\n"
+            "        del ix[old]\n"
+            "    xs = ix.get(new)\n"
+            "    if xs is None:\n"
+            "        ix[new] = {x}\n"
+            "    else:\n"
+            "        xs.add(x)\n\n\n"
             "def _index(m: MState) -> MState:\n"
             '    """`m` with its indexes (re)built from its fields."""\n')
         for i, key in enumerate(self.indexes):
