@@ -115,8 +115,8 @@ def test_a_client_that_stops_reading_holds_no_place_once_its_request_ended() -> 
     """Bug: a stream's in-flight place (what the 429 limit counts) came back only when its
     client read the end. A client that stops reading (or reads slowly) stalls its stream at a
     write, long after the batcher finished it: one such client kept a one-lane server answering
-    429 to everyone (with the default queue, 68 of them did), and --request-timeout does not
-    end a write. Now the place comes back when the batcher ends the request. Memory stays
+    429 to everyone (with the default queue, 68 of them did) (--request-timeout now ends such a
+    write too: tests/test_serve_edge_audit.py). Now the place comes back when the batcher ends the request. Memory stays
     bounded meanwhile (the request's own tokens: its generation ended), other streams flow, and
     the slow client still gets every byte when it does read."""
     with Server(tiny_config(lanes=1), tokenizer=Wide(), max_queue=0) as s:

@@ -111,6 +111,17 @@ def _is_type_label(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool")
 
 
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON (none: it does not)."""
+    kind = content_type.partition(";")[0].strip().lower()
+    return kind == "application/json" or \
+        (kind.startswith("application/") and kind.endswith("+json"))
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -201,21 +212,72 @@ class _Job:
     stop: list[str]
     stop_ids: set[int]
     reserved: bool = False  # holds one of the in-flight places `_admit` counts
+    # the ids the reply's text continues (a completion's prompt: its reply's first word keeps
+    # its space); a chat reply is a message of its own, so its text starts afresh
+    context: list[int] = attrs.field(factory=list)
+
+
+# How long past its request's deadline a stream may still take to send its end (the timeout's
+# error event and [DONE]: a client that reads gets them in far less); past that its client is
+# not reading, and the connection is dropped. (main.py's --request-timeout help names it.)
+SEND_GRACE = 1.0
+
+# where `_App` puts the connection's transport in the scope (uvicorn's only)
+_TRANSPORT = "atom_core.transport"
+
+
+class _App(FastAPI):
+    """The app, noting each HTTP connection's transport in its scope: the one handle that can
+    drop a connection whose client stopped reading. ASGI has no way to: an app that returns
+    mid-response has uvicorn *close* the transport, which waits for the client to read what is
+    buffered, i.e. for ever. (uvicorn's `send` is a method of the connection's request cycle,
+    which holds the transport; under another server there is none, and that close is all.)"""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            cycle = getattr(send, "__self__", None)
+            scope[_TRANSPORT] = getattr(cycle, "transport", None)
+        await super().__call__(scope, receive, send)
 
 
 class _Stream(StreamingResponse):
     """An SSE response that gives its request's in-flight place back however it ends, even when
-    the client left before the body was ever iterated."""
+    the client left before the body was ever iterated. With a `timeout`, sending is bounded
+    too: a write the client does not read blocks the stream, where the request's own timer
+    cannot see it, so past `timeout` + SEND_GRACE the stream stops and its connection is
+    dropped (with what it buffered): a client that stops reading holds nothing of the server's
+    past its request's deadline."""
 
-    def __init__(self, body: AsyncIterator[str], release: Any) -> None:
+    def __init__(self, body: AsyncIterator[str], release: Any,
+                 timeout: float | None = None) -> None:
         super().__init__(body, media_type="text/event-stream")
         self._release = release
+        self._timeout = timeout
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if self._timeout is None:
+                await super().__call__(scope, receive, send)
+                return
+            deadline = asyncio.timeout(self._timeout + SEND_GRACE)
+            try:
+                async with deadline:
+                    await super().__call__(scope, receive, send)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                await self._cut(scope)
         finally:
             self._release()
+
+    async def _cut(self, scope: Any) -> None:
+        log.warning("a stream's client read nothing past its request's deadline: dropping "
+                    "the connection")
+        # (ends the request in the engine, if it still runs: `generate` aborts it on close)
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        transport = scope.get(_TRANSPORT)
+        if transport is not None:
+            transport.abort()  # (close() would wait for the client to read the buffer)
 
 
 class _Inbox:
@@ -338,7 +400,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         finally:  # shutdown (SIGINT/SIGTERM): every request in flight ends, then the thread
             await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="atom-core", lifespan=lifespan)
+    app = _App(title="atom-core", lifespan=lifespan)
     # (the last added runs first: a bug in the guard is still a 500 in the API's shape)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_Unexpected)
@@ -352,7 +414,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         return _error(exc.status, exc.message, exc.param, exc.type, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.outcomes.labels("invalid").inc()
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":  # (its location is a character position)
@@ -360,6 +422,20 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                                f"{first.get('ctx', {}).get('error', 'decode error')} at "
                                f"character {first['loc'][-1]}; send a JSON object")
         loc = _location(first)
+        kind = req.headers.get("content-type", "")
+        if not loc and first.get("type") == "missing":
+            return _error(400, "the request body is empty: send a JSON object")
+        if not loc and not _is_json(kind):
+            # FastAPI reads a body of another type, or of none (`curl -d` sends a form's,
+            # `requests.post(data=...)` none), as no JSON at all: its own message ('Input
+            # should be a valid dictionary') hid why
+            return _error(400, f"the request body must be JSON, sent with 'Content-Type: "
+                               f"application/json' (this one came "
+                               f"{f'as {kind[:60]!r}' if kind else 'without one'}); with "
+                               "curl, add -H 'Content-Type: application/json'")
+        if not loc:  # JSON, but not an object (a list, a string, a number)
+            return _error(400, f"the request body must be a JSON object ({{\"model\": ...}}), "
+                               f"not a JSON {_JSON_KINDS.get(type(exc.body), 'value')}")
         # the parameter is the first name in the location (e.g. messages.0.role -> messages)
         param = next((x for x in loc if not x.isdigit()), None)
         msg = first.get("msg", "invalid request")
@@ -485,7 +561,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                 _release(job)
 
         handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling), sink=sink)
-        text = IncrementalText(tokenizer, job.stop)
+        text = IncrementalText(tokenizer, job.stop, job.context)
         t0 = last = time.perf_counter()
         n = 0
         metrics.prompt_tokens.inc(len(job.prompt))
@@ -525,7 +601,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                                 return
                             out.append((delta, [ev.token], None))
                         elif ev.kind == "finished":
-                            last_tok = text.ids[-1] if text.ids else None
+                            last_tok = text.last
                             outcome = "stop" if eos is not None and last_tok == eos else "length"
                             out.append((text.finish(), [], outcome))
                             yield out
@@ -590,8 +666,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         frame = _Frames(make_chunk)
         if first is not None:
             yield sse(first)
+        # (closed with the stream, not when collected: a stream cut mid-write aborts its
+        # request at once)
+        gen = generate(job, settings.stream_interval)
         try:
-            async for items in generate(job, settings.stream_interval):
+            async for items in gen:
                 frames = []
                 for delta, toks, why in items:
                     n += len(toks)
@@ -615,6 +694,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             yield sse({"error": {"message": f"internal error: {type(exc).__name__}: "
                                             f"{str(exc)[:200]}", "type": "server_error",
                                  "param": None, "code": None}})
+        finally:
+            await gen.aclose()
         if usage_at_end:
             yield sse(make_chunk(None, [], None, usage=_usage(len(job.prompt), n)))
         yield "data: [DONE]\n\n"
@@ -649,6 +730,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         prompt = tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
         job = _job(body, prompt, body.max_tokens if body.max_tokens is not None else
                    min(16, cfg.max_seq_len - len(prompt) + 1), "prompt")
+        job.context = prompt
         _admit(job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -662,7 +744,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return _Stream(stream(job, chunk, usage, None, body.return_token_ids),
-                           lambda: _release(job))
+                           lambda: _release(job), settings.request_timeout)
         text, ids, why = await until_disconnect(request, job)
         return chunk(text, ids, why, usage=_usage(len(prompt), len(ids)))
 
@@ -682,6 +764,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             return [{"type": "text", "text": part.text} for part in content]
         return "\n".join(part.text for part in content)
 
+    def _message(m: Any) -> dict[str, Any]:
+        """A message as the chat template sees it: `name` only when given, so a template that
+        tests for the key (not its value) sees the message as before."""
+        out = {"role": m.role, "content": _content(m.content)}
+        if m.name is not None:
+            out["name"] = m.name
+        return out
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         _check_common(body)
@@ -695,7 +785,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         for name in ("logprobs", "top_logprobs"):
             if getattr(body, name):
                 raise ApiError(400, f"{name}: not supported (leave it out)", name)
-        messages = [{"role": m.role, "content": _content(m.content)} for m in body.messages]
+        messages = [_message(m) for m in body.messages]
         try:
             prompt = tokenizer.chat(messages)
         except ChatTemplateError as exc:
@@ -717,7 +807,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                 "index": 0, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}])
             return _Stream(stream(job, chunk, usage, first, body.return_token_ids),
-                           lambda: _release(job))
+                           lambda: _release(job), settings.request_timeout)
         text, ids, why = await until_disconnect(request, job)
         return _envelope(rid, "chat.completion", created,
                          [{"index": 0, "message": {"role": "assistant", "content": text},

@@ -130,6 +130,9 @@ class Engine:
                         self._apply(*cmd)
                 except queue.Empty:
                     pass
+                # the commands' own events (an abort's end, a refused submit) go out now: held
+                # for the step's, they waited a whole step (a prefill chunk, a slow decode)
+                self._flush()
                 if self.batcher.busy():
                     c0 = time.thread_time()
                     events = self.batcher.step()

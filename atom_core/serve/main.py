@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting beyond the lanes before new ones get 429")
     p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds before a request is ended (0: never)")
+                   help="seconds before a request is ended, sending included: a stream its "
+                        "client has not read 1 s past it is dropped (0: never)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="a stream sends its first token at once, then every N tokens (fewer, "
                         "larger writes: less server CPU per token, burstier tokens)")

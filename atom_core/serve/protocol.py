@@ -91,7 +91,18 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
+    # the author's name (OpenAI's, on any role): chat templates that render it get it
     name: str | None = None
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name_is_text(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, str):
+            raise PydanticCustomError(
+                "name_type", "a message's name must be a string (its author's name), not "
+                             "{kind}: send it as a string or leave it out",
+                {"kind": type(v).__name__})
+        return v
 
     @field_validator("content", mode="before")
     @classmethod

@@ -35,7 +35,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     # a message's content is a string; it is a list of {"type": "text", "text": ...} parts only
-    # for a tokenizer whose `takes_content_parts` is true (HFTokenizer's, for some templates)
+    # for a tokenizer whose `takes_content_parts` is true (HFTokenizer's, for some templates);
+    # a message may carry a "name" (its author's, a string) for templates that render one
     def chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
@@ -169,17 +170,39 @@ class IncrementalText:
     # bytes): more never make one, and waiting on would make each step's window grow.
     PENDING = 8
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
+                 prompt: Sequence[int] = ()) -> None:
+        """`prompt`: the ids the text continues, whose last few are the first tokens' context:
+        a decoder that strips the space a text begins with (SentencePiece's) then keeps the
+        space of a reply that continues the prompt with a new word ("Hello," -> " world")."""
         self.tok, self.stop = tokenizer, [s for s in stop if s]
-        self.ids: list[int] = []
+        self._base = self._context(prompt)
+        self.ids: list[int] = list(prompt[len(prompt) - self._base:]) if self._base else []
         self.sent = 0  # characters already handed out
         self.text = ""
         self.stopped = False
         self._hold = max((len(s) - 1 for s in self.stop), default=0)
-        self._done = 0  # ids[:_done] are in `text`; the later ones wait for more bytes
+        self._done = self._base  # ids[:_done] are in `text`; later ones wait for more bytes
         # where the text was cut (whole characters before each), the oldest the latest one at
         # least CONTEXT tokens before `_done`: the window's context starts there
         self._cuts = [0]
+
+    def _context(self, prompt: Sequence[int]) -> int:
+        """How many of the prompt's last ids to keep as context: CONTEXT, fewer if those start
+        inside a character (a byte-fallback decoder would spell the run they start as U+FFFD,
+        the reply's first characters with it), none if the prompt ends inside one."""
+        for k in range(min(self.CONTEXT, len(prompt)), 0, -1):
+            text = self.tok.decode(list(prompt[len(prompt) - k:]))
+            if text.endswith("\ufffd"):
+                return 0
+            if text and not text.startswith("\ufffd"):
+                return k
+        return 0
+
+    @property
+    def last(self) -> int | None:
+        """The last token added (None before the first)."""
+        return self.ids[-1] if len(self.ids) > self._base else None
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -222,7 +245,7 @@ class IncrementalText:
         if not now.startswith(before):
             # the new tokens respelled their context (bytes that never make a character, in
             # a byte-fallback decoder): the whole list, as a last resort, past the text so far
-            now, before = self.tok.decode(self.ids[:end]), self.text
+            now, before = self.tok.decode(self.ids[self._base:end]), self.text
         self.text += now[len(before):]
         self._done = end
         self._cuts.append(end)
