@@ -116,9 +116,9 @@ def test_a_client_that_stops_reading_holds_no_place_once_its_request_ended() -> 
     client read the end. A client that stops reading (or reads slowly) stalls its stream at a
     write, long after the batcher finished it: one such client kept a one-lane server answering
     429 to everyone (with the default queue, 68 of them did) (--request-timeout now ends such a
-    write too: tests/test_serve_edge_audit.py). Now the place comes back when the batcher ends the request. Memory stays
-    bounded meanwhile (the request's own tokens: its generation ended), other streams flow, and
-    the slow client still gets every byte when it does read."""
+    write too: tests/test_serve_edge_audit.py). Now the place comes back when the batcher ends
+    the request. Memory stays bounded meanwhile (the request's own tokens: its generation
+    ended), other streams flow, and the slow client still gets every byte when it does read."""
     with Server(tiny_config(lanes=1), tokenizer=Wide(), max_queue=0) as s:
         slow = open_stream(s.base, {"model": MODEL, "prompt": LONG, "max_tokens": 230,
                                     "temperature": 0, "stream": True}, rcvbuf=4096)

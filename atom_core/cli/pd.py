@@ -122,6 +122,7 @@ def _pd_options(args: argparse.Namespace, decode: bool) -> None:
     if decode and args.prefetch is not None and args.prefetch < 0:
         raise UsageError(f"--prefetch must be >= 0 (0: ask for KV only once a lane waits), got "
                          f"{args.prefetch}")
+    check_host(args.host, args.port)
     if args.runtime == "rbln":
         # the RBLN host buffer is a flat aligned byte buffer; the KV payload ships the
         # [layers, 2, kv_heads, positions, head_dim] layout, which it does not expose
@@ -129,6 +130,22 @@ def _pd_options(args: argparse.Namespace, decode: bool) -> None:
                          "aligned buffer, not the [layers, 2, kv_heads, block_size, head_dim] "
                          "layout a KV payload ships; run PD on --runtime reference, or serve an "
                          "RBLN model colocated")
+
+
+def check_host(host: str, port: int | None) -> None:
+    """UsageError unless `host` names an address a link can use: said at once, before any
+    "waiting" line, rather than by the rendezvous after it (exit 1, a timeout later)."""
+    from atom_core.pd.transport import TransportError, resolve_address
+
+    try:
+        resolve_address(host, port or 0)
+    except TransportError as exc:
+        cause = exc.__cause__ or exc
+        raise UsageError(f"--host {host!r} does not resolve to an address ({cause}): give a "
+                         "host name or IP address this machine can look up (127.0.0.1 when "
+                         "every worker runs here)") from None
+    except ValueError as exc:  # the wildcard address: nothing to connect to
+        raise UsageError(f"--host: {exc}") from None
 
 
 def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:

@@ -48,8 +48,10 @@ def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="submit the workload in this many waves, each once the previous one "
                         "ended and every worker is ready (default 1)")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
-                   help="seconds before an unanswered KV transfer fails its request "
-                        "(default: 30)")
+                   help="seconds a prefill worker has to answer each attempt of a KV "
+                        "transfer; past them the request is asked of another prefill worker "
+                        "or prefilled locally, and that worker is asked nothing until it "
+                        "answers again (default: 30)")
     p.add_argument("--kill", type=_kill_spec, action="append", default=[],
                    metavar="ROLE:I@N",
                    help="fault injection (launcher only): SIGKILL worker I of ROLE once N "
@@ -136,6 +138,8 @@ def cmd_pd_cluster(args: argparse.Namespace) -> int:
         if args.prefill < 0 or args.decode < 1:
             raise UsageError("a cluster needs --decode >= 1 and --prefill >= 0")
         rank, host, port = _cluster_rank(args)
+        # (under torchrun the store's host is MASTER_ADDR: the one pd_setup checks and names)
+        args.host = host
         layout = Layout(args.prefill, args.decode)
         _check_faults(args, launch=rank is None)
         role = "frontend" if not rank else layout.role(rank)[0]

@@ -21,6 +21,11 @@ Faults. A prefill worker that is lost: its unanswered requests go to another pre
 (`PrefillLinks`), or, with none left, to local prefill on their decode worker: those waiting
 for a lane are made local by the decode worker itself, those holding one (their transfer
 failed; no token was produced yet) are resubmitted locally here, so each still ends once. A
+prefill worker that lets a request time out is taken for hung by that decode node's links
+(asked nothing until it answers again, `PrefillLinks.timed_out`): the request is resubmitted
+(to another prefill worker once, else locally) and the worker's other unanswered requests
+are asked again elsewhere; the node's stats count it (`prefill_timeouts`,
+`unresponsive_prefill`). A
 decode worker that is lost: the frontend fails its unfinished requests with an error naming it,
 and nothing else changes. A worker that starts late or restarts is used once it reports ready
 (`Frontend.add`, `PrefillLinks.add`).
@@ -130,10 +135,12 @@ class DecodeNode:
         self._cid: dict[int, int] = {}  # worker request id -> frontend request id
         self._tokens: dict[int, int] = {}  # frontend id -> tokens produced so far
         self._job: dict[int, tuple[list[int], int, int | None]] = {}  # to resubmit locally
+        self._timed_out: set[int] = set()  # frontend ids resubmitted after a prefill timeout
         self._reporter = _Reporter(clock)
         self.taken = 0  # request messages received from the frontend
         self.resubmitted = 0  # requests prefilled here after their transfer failed
         self.busy_local = 0  # of which because every live prefill worker was full
+        self.timeout_resubmitted = 0  # of which because their prefill worker timed out
         self.done = False
         # reported with the load: the process sets it once its links are up (cluster_run)
         self.ready = True
@@ -190,7 +197,11 @@ class DecodeNode:
         self._reporter.report(self.control, self.load(), {
             **_stats_of(self.worker.batcher), "retried": self.links.retried,
             "resubmitted": self.resubmitted, "busy_retried": self.links.busy_retried,
-            "busy_local": self.busy_local, "local_fallbacks": self.worker.local_fallbacks},
+            "busy_local": self.busy_local, "local_fallbacks": self.worker.local_fallbacks,
+            "prefill_timeouts": self.links.timeouts,
+            "timeout_resubmitted": self.timeout_resubmitted,
+            # prefill workers it takes for hung (asked nothing until they answer again)
+            "unresponsive_prefill": len(self.links.unresponsive)},
             took=self.taken, gen=self.gen)
 
     def _submit(self, h: dict[str, Any]) -> None:
@@ -219,19 +230,30 @@ class DecodeNode:
     def _resubmit(self, wid: int, cid: int) -> bool:
         """A request whose transfer failed before it produced a token because every prefill
         worker was lost, or every live one refused it for backpressure (full): prefilled here
-        instead (True), so it still ends once."""
+        instead (True), so it still ends once. One whose prefill worker let it time out is
+        served too: that worker is taken for hung (`PrefillLinks.timed_out`) and the request
+        is asked of another live one, once, else prefilled here."""
         req = self.worker.requests.get(wid)
         if req is None or self._tokens.get(cid):
             return False
+        local = True
         if req.kind == "prefill_busy":
             self.busy_local += 1
+        elif req.kind == "timeout":
+            self.links.timed_out(req.wire)  # type: ignore[arg-type]
+            # (a second timeout is not tried elsewhere again: local prefill always progresses)
+            local = cid in self._timed_out or not self.links.live()
+            self.timeout_resubmitted += 1
         elif req.kind != "peer_lost" or self.worker.lost is None:
             return False
         prompt, max_new, eos = self._job[cid]
+        timed_out = req.kind == "timeout" or cid in self._timed_out  # (`_end` forgets it)
         self._end(wid, cid)
-        new = self.worker.submit(prompt, max_new, eos, local=True)
+        new = self.worker.submit(prompt, max_new, eos, local=local)
         self._cid[new] = cid
         self._job[cid] = (prompt, max_new, eos)
+        if timed_out:
+            self._timed_out.add(cid)
         self.resubmitted += 1
         return True
 
@@ -248,6 +270,7 @@ class DecodeNode:
         self._cid.pop(wid, None)
         self._job.pop(cid, None)
         self._tokens.pop(cid, None)
+        self._timed_out.discard(cid)
 
     def serve(self, idle_wait: float = 0.005) -> None:
         while not self.done:

@@ -18,10 +18,20 @@ still talks to "its peer" over one transport. Here that transport is a set of pe
   `busy`) has it asked again, same id and nonce, of another live prefill worker that has not
   refused it (`busy_retried`); when every live one has, the refusal reaches the decode worker,
   whose node prefills the request locally (`DecodeNode`): it never fails for backpressure.
+  A prefill worker that let a request time out (`timed_out`: the decode worker's deadline for
+  that attempt passed) is taken for hung: it is asked nothing more (`unresponsive`), its other
+  unanswered requests are cancelled there and asked again elsewhere (`retried`), and it gets a
+  `ping`. Any message from it (an answer, a late one included, or the `pong` its links send at
+  their next poll, i.e. once its loop runs again) or a new link to it (a restart) makes it
+  live again. With no prefill worker left to ask, the decode worker is told so, as when every
+  one is lost.
+  Every time a request is asked again (after a loss, a refusal or a hang) its `attempt`
+  number grows: the decode worker's transfer deadline counts from the latest attempt.
 - `DecodeLinks`, a prefill worker's links to the decode workers. Answers go back on the link the
   request came from; a decode worker that is lost (or says shutdown) has its requests cancelled
   inside the prefill worker (blocks freed) and nothing else: the prefill worker keeps serving the
-  others, until its own node stops it.
+  others, until its own node stops it. A `ping` is answered `pong` at once, by the links
+  (the worker's loop polled them: it is running).
 
 Wire ids must be unique across the decode workers (`DecodeWorker(wire_prefix=...)`).
 A link set made `secure` (there is a key) takes only links that say they are secure: the worker
@@ -31,7 +41,9 @@ in the clear, unauthenticated, without anyone having asked for the insecure mode
 
 from __future__ import annotations
 
+import logging
 import re
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +55,8 @@ import torch
 from atom_core.pd.transport import PEER_LOST, Message, Transport, TransportError
 
 __all__ = ["DecodeLinks", "PrefillLinks"]
+
+log = logging.getLogger(__name__)
 
 
 # The longest sleep between two looks at idle links.
@@ -195,6 +209,7 @@ class PrefillLinks(_Links):
         self._assigned: dict[str, int] = {}  # wire id -> the prefill worker the router chose
         self._where: dict[str, int] = {}  # wire id -> the link it was asked on, until answered
         self._asked: dict[str, dict[str, Any]] = {}  # wire id -> its prefill message
+        self._attempts: dict[str, int] = {}  # wire id -> times asked, until answered
         self._cancelled: set[str] = set()
         self._told_lost = False  # the worker was told no prefill worker is left
         self.ready: frozenset[int] | None = None  # None: every linked one (`set_ready`)
@@ -206,6 +221,10 @@ class PrefillLinks(_Links):
         self._refused: dict[str, set[int]] = {}  # wire id -> prefill workers that were full
         self.retried = 0  # prefill requests sent again after their prefill worker was lost
         self.busy_retried = 0  # prefill requests sent again after a worker refused them (full)
+        # peer -> why it is taken for hung: linked, but asked nothing until it shows it is alive
+        self.unresponsive: dict[int, str] = {}
+        self.timeouts = 0  # requests whose deadline passed on a prefill worker (`timed_out`)
+        self.superseded = 0  # answers of a worker a request was taken from: dropped
 
     def route(self, wire: str, prefill: int | None) -> None:
         """Ask `prefill` for `wire`'s KV (None or not live: the least busy live one)."""
@@ -217,7 +236,8 @@ class PrefillLinks(_Links):
     def live(self) -> list[int]:
         """The prefill workers to ask: linked, alive and, once the frontend said which are
         ready (`set_ready`), ready in the process this link goes to."""
-        return sorted(p for p, link in self.links.items() if link.alive and self._is_ready(p))
+        return sorted(p for p, link in self.links.items()
+                      if link.alive and self._is_ready(p) and p not in self.unresponsive)
 
     def _is_ready(self, peer: int) -> bool:
         if self.ready is None:
@@ -248,6 +268,7 @@ class PrefillLinks(_Links):
             self._told_lost = False
 
     def add(self, peer: int, link: Transport, gen: int | None = None) -> None:
+        self.unresponsive.pop(peer, None)  # a new process: the hung one is gone
         if self.ready is not None:
             # (before the old link's requests are retried: not to the new process, unready)
             self._unconfirmed.add(peer)
@@ -293,6 +314,7 @@ class PrefillLinks(_Links):
             if not live:
                 self._where.pop(wire, None)
                 self._asked.pop(wire, None)
+                self._attempts.pop(wire, None)
                 raise TransportError("no prefill worker is alive: the decode worker prefills "
                                      "locally until one reports ready")
             peer = prefer if prefer in live else min(
@@ -303,6 +325,7 @@ class PrefillLinks(_Links):
                 tried.add(peer)  # its loss is handled at the next poll; try another
                 continue
             self._where[wire], self._asked[wire] = peer, header
+            self._attempts[wire] = self._attempts.get(wire, 0) + 1
             return
 
     def poll(self) -> list[Message]:
@@ -312,9 +335,17 @@ class PrefillLinks(_Links):
             if kind == PEER_LOST:
                 self._lose(peer, _why(header, "its link ended"), out)
                 continue
+            self._alive_again(peer)
+            if kind == "pong":
+                continue  # (it did its job: the peer answered)
             wire = header.get("request_id" if kind == "kv" else "id")
-            if kind in ("kv", "prefill_failed") and isinstance(wire, str) and \
-                    self._where.get(wire) == peer:
+            if kind in ("kv", "prefill_failed") and isinstance(wire, str) and wire in self._where:
+                if self._where[wire] != peer:
+                    # from a worker it was taken away from (hung, then woke): the worker the
+                    # request went to answers it; this one's answer (a refusal of the cancel
+                    # it was sent, say) would end a transfer still running elsewhere
+                    self.superseded += 1
+                    continue
                 if kind == "prefill_failed" and header.get("busy") is True and \
                         self._ask_another(wire, peer):
                     continue
@@ -322,17 +353,78 @@ class PrefillLinks(_Links):
             out.append((header, tensor))
         return out
 
+    def timed_out(self, wire: str) -> int | None:
+        """The decode worker gave up on `wire` (its attempt's deadline passed; it cancelled
+        it): the prefill worker asked is taken for hung (`unresponsive`, see the module
+        docstring). Returns that worker, or None when `wire` was not waiting on any."""
+        self.timeouts += 1
+        peer = self._where.get(wire)
+        if peer is None or peer not in self.links:
+            return None  # (its worker was marked, or lost, a moment ago: already settled)
+        self._answered(wire)  # cancelled: a late answer of the hung worker is stale
+        self._hung(peer, f"request {wire} got no answer before its deadline", self._inbox)
+        return peer
+
+    def _hung(self, peer: int, why: str, out: list[Message]) -> None:
+        if peer in self.unresponsive:
+            return
+        self.unresponsive[peer] = why
+        log.warning("prefill worker %d is not answering (%s): it is asked nothing more until "
+                    "it answers again; its unanswered requests go to another prefill worker "
+                    "or to local prefill", peer, why)
+        link = self.links[peer]
+        # a live worker's links answer at their next poll, whether or not it holds anything
+        # of ours (a request lost on the way leaves it nothing else to answer)
+        self._try_send(link, {"kind": "ping", "nonce": secrets.token_hex(16)})
+        for wire in [w for w, p in self._where.items() if p == peer]:
+            if wire in self._cancelled:
+                self._answered(wire)  # ended on the decode side (cancel sent): not asked again
+                continue
+            header = self._asked[wire]
+            # when it wakes it drops the request instead of prefilling it for nobody
+            self._try_send(link, {"kind": "cancel", "id": wire, "nonce": header["nonce"]})
+            if self._ask_again(header):
+                self.retried += 1
+        self._tell_if_none_left(f"the last, {peer}, is not answering: {why}", out)
+
+    def _alive_again(self, peer: int) -> None:
+        why = self.unresponsive.pop(peer, None)
+        if why is None:
+            return
+        log.warning("prefill worker %d answers again: it is asked again", peer)
+        if self.live():
+            self._told_lost = False  # as in set_ready: a later loss must be told again
+
+    @staticmethod
+    def _try_send(link: Transport, header: dict[str, Any]) -> None:
+        try:
+            link.send(header)
+        except TransportError:
+            pass  # its loss shows in the next poll
+
+    def _ask_again(self, header: dict[str, Any], exclude: frozenset[int] = frozenset()
+                   ) -> bool:
+        """Ask another live prefill worker for `header`'s request, same id and nonce (a new
+        `attempt`); False when none is left."""
+        try:
+            self._ask(header, None, exclude)
+        except TransportError:
+            return False
+        return True
+
+    def attempt(self, wire: str) -> int:
+        """How many times `wire` was asked of a prefill worker, while it waits for its answer
+        (0: it does not): each attempt has a deadline of its own (`DecodeWorker`), or a retry
+        sent late in the first attempt's time would time out almost at once."""
+        return self._attempts.get(wire, 0)
+
     def _ask_another(self, wire: str, peer: int) -> bool:
         """`peer` was full: ask a live prefill worker that has not refused `wire` (True), or
         False when there is none (or it was cancelled): the refusal then goes to the worker."""
         refused = self._refused.setdefault(wire, set())
         refused.add(peer)
-        if wire in self._cancelled:
-            return False
-        header = self._asked[wire]
-        try:
-            self._ask(header, None, frozenset(refused))
-        except TransportError:
+        if wire in self._cancelled or not self._ask_again(self._asked[wire],
+                                                          frozenset(refused)):
             return False
         self.busy_retried += 1
         return True
@@ -340,10 +432,12 @@ class PrefillLinks(_Links):
     def _answered(self, wire: str) -> None:
         self._where.pop(wire, None)
         self._asked.pop(wire, None)
+        self._attempts.pop(wire, None)
         self._cancelled.discard(wire)
         self._refused.pop(wire, None)
 
     def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
+        self.unresponsive.pop(peer, None)  # gone rather than hung
         for wire in [w for w, p in self._where.items() if p == peer]:
             header = self._asked[wire]
             if wire in self._cancelled:
@@ -352,19 +446,24 @@ class PrefillLinks(_Links):
                              "error": f"prefill worker {peer} lost: {why}"}, None))
                 self._answered(wire)
                 continue
-            try:
-                self._ask(header, None)
+            if self._ask_again(header):
                 self.retried += 1
-            except TransportError:
-                pass  # no prefill worker left: the worker's own loss handling takes it
-        if not self.live() and not self._told_lost:
-            self._told_lost = True
-            self._where.clear()
-            self._asked.clear()
-            self._cancelled.clear()
-            self._refused.clear()
-            out.append(({"kind": PEER_LOST, "error": f"every prefill worker is lost (the last, "
-                                                     f"{peer}: {why})"}, None))
+            # (else none is left: the worker's own loss handling takes it)
+        self._tell_if_none_left(f"the last, {peer}: {why}", out)
+
+    def _tell_if_none_left(self, why: str, out: list[Message]) -> None:
+        """With no prefill worker left to ask, tell the decode worker once (its peer-lost
+        handling: local prefill), forgetting what was asked."""
+        if self.live() or self._told_lost:
+            return
+        self._told_lost = True
+        self._where.clear()
+        self._asked.clear()
+        self._attempts.clear()
+        self._cancelled.clear()
+        self._refused.clear()
+        out.append(({"kind": PEER_LOST, "error": f"every prefill worker is lost or not "
+                                                 f"answering ({why})"}, None))
 
 
 class DecodeLinks(_Links):
@@ -403,6 +502,9 @@ class DecodeLinks(_Links):
             if kind in (PEER_LOST, "shutdown"):
                 self._lose(peer, _why(header, "it shut down"), out)
                 continue
+            if kind == "ping":
+                self._pong(peer, header.get("nonce"))
+                continue
             wire = header.get("id")
             if kind == "prefill":
                 link = self.links.get(peer)
@@ -420,6 +522,17 @@ class DecodeLinks(_Links):
                 continue
             out.append((header, tensor))
         return out
+
+    def _pong(self, peer: int, nonce: Any) -> None:
+        """Answer a decode worker's ping: this worker's loop runs (it polled)."""
+        link = self.links.get(peer)
+        if link is None or not wellformed_nonce(nonce):
+            self.refused += 1
+            return
+        try:
+            link.send({"kind": "pong", "nonce": nonce})
+        except TransportError:
+            pass  # the loss shows in the next poll
 
     def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
         # its requests end here: cancelled inside the worker (their blocks freed); the answers

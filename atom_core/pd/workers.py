@@ -12,6 +12,10 @@ worker also asks for the KV of the next N waiting requests before they get a lan
 validated, in host memory until they do (the round trip then overlaps other requests' decode);
 KV that arrives while its lane's table is still growing waits the same way.
 
+A transport that asks another prefill worker for a request on its own (a cluster's links)
+numbers its attempts (`attempt(wire)`): the request's transfer deadline (`transfer_timeout`)
+counts from the latest one.
+
 Other messages, decode -> prefill: `{"kind": "cancel", "id"}` (the request was aborted or timed
 out: the prefill worker drops it and answers prefill_failed, so a block draining on the decode
 side is freed) and `{"kind": "shutdown"}`.
@@ -297,7 +301,8 @@ class _Req:
     t_submit: float
     wire: str | None = None  # set once its prefill request is sent
     nonce: str | None = None  # fresh per prefill request; every answer must echo it
-    t_sent: float | None = None
+    t_sent: float | None = None  # when its latest attempt was sent
+    attempt: int = 0  # the transport's attempt that t_sent times (see DecodeWorker._expire)
     answered: bool = False  # its KV (or a failure) arrived
     payload: pd.KVPayload | None = None  # prefetched KV, validated, until it gets a lane
     t_first: float | None = None
@@ -313,7 +318,9 @@ class DecodeWorker:
     HMAC under it. `fallback_local`: when
     the prefill worker is lost, requests it has not answered and that hold no lane yet (and new
     ones) are prefilled here. `transfer_timeout`: a transfer unanswered for this many seconds
-    ends (the request fails; a draining block is freed); finite, 30 s by default.
+    ends (the request fails; a draining block is freed); finite, 30 s by default. It is per
+    attempt: when the transport asks another prefill worker (a cluster's links, after a loss,
+    a refusal or a hang: its `attempt(wire)` grows) the clock starts again.
     `prefetch`: ask for the KV of up to this many waiting requests before they get a lane, and
     keep what arrives (validated, in host memory: at most `prefetch` prompts' KV) until they
     do; 0 asks only once a lane and a block wait for it. Prefetching takes the prefill round
@@ -356,6 +363,9 @@ class DecodeWorker:
         self.transport, self.key = _secure(transport, key, "decode", config, runtime,
                                            tensors=True, clock=clock)
         self.fallback_local = fallback_local
+        # a transport that asks again on its own numbers each request's attempts (a cluster's
+        # PrefillLinks); a pair's asks once
+        self._attempt: Callable[[str], int] | None = getattr(self.transport, "attempt", None)
         self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
         self.fingerprint = pd.model_fingerprint(runtime)
         # One host tensor for every import, a whole table long: import_kv writes it into the
@@ -645,8 +655,8 @@ class DecodeWorker:
         for brid in [*self.batcher.transfers(), *self._next_waiting()]:
             wid = self._by_brid.get(brid)
             req = self.requests[wid] if wid is not None else None
-            if req is None or req.t_sent is None or req.answered or \
-                    now - req.t_sent < self.transfer_timeout:
+            if req is None or req.t_sent is None or req.answered or self._retried(req, now) \
+                    or now - req.t_sent < self.transfer_timeout:
                 continue
             if self._importing(brid) or self.batcher.phase(brid) == \
                     core.PHASE_WAITING:
@@ -655,6 +665,18 @@ class DecodeWorker:
             else:
                 req.answered = True
                 self._end_transfer(brid, msg, out)
+
+    def _retried(self, req: _Req, now: float) -> bool:
+        """The transport asked again for `req` since it was last timed (its first worker was
+        lost, full or hung): the deadline counts from now, the retry's own (seen at most a
+        step after it was sent, which only gives it that step more)."""
+        if self._attempt is None or req.wire is None:
+            return False
+        n = self._attempt(req.wire)
+        if n <= req.attempt:
+            return False  # (0: not waiting there any more; the worker's own events end it)
+        req.attempt, req.t_sent = n, now
+        return True
 
     def _end_transfer(self, brid: int, why: str, out: list[Event]) -> None:
         """A transfer of an ended request is over: frees its draining block, else stale."""
@@ -707,6 +729,9 @@ class DecodeWorker:
                                  "prompt": req.prompt})
         except TransportError as exc:
             self._on_lost(str(exc), out)
+            return
+        if self._attempt is not None:
+            req.attempt = self._attempt(req.wire)  # t_sent times this one
 
     def _prefetch(self, out: list[Event]) -> None:
         """Ask for the KV of the first `prefetch` waiting requests (FIFO: admission order)."""
