@@ -39,7 +39,7 @@ import attrs
 import torch
 
 from atom_core._generated import core, inplace
-from atom_core.config import Config
+from atom_core.config import HOST_KV_REFUSAL, LOCAL_COPY_REFUSAL, Config
 from atom_core.policy import Policy
 from atom_core.replay import record
 from atom_core.seq import seq
@@ -201,8 +201,6 @@ def check_runtime(cfg: Config, rt: Any) -> None:
         wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime {rt.sliding_window}")
     if cfg.host_cache_blocks and getattr(rt, "host_kv_transfers", True) is False:
         # a runtime whose block transfers to and from the host are not yet trusted (RBLN)
-        from atom_core.runtime.rbln import HOST_KV_REFUSAL
-
         wrong.append(f"host_cache_blocks: {HOST_KV_REFUSAL}")
     elif cfg.host_cache_blocks and not all(
             hasattr(rt, op) for op in ("new_host_buffer", "fetch_kv_cache", "update_kv_cache")):
@@ -212,9 +210,7 @@ def check_runtime(cfg: Config, rt: Any) -> None:
     if hybrid and cfg.prefix_cache and not all(
             hasattr(rt, op) for op in ("new_local_host_buffer", "fetch_local_cache",
                                        "update_local_cache")):
-        wrong.append("prefix_cache: a hybrid model's hits restore sliding-window snapshots, and "
-                     "this runtime cannot move a local slot to and from the host "
-                     "(fetch_local_cache/update_local_cache); set prefix_cache=False")
+        wrong.append(f"prefix_cache: {LOCAL_COPY_REFUSAL}")
     sizes = getattr(rt, "decoder_batch_sizes", None) or (getattr(rt, "batch_size", None),)
     if None not in sizes and cfg.lanes not in sizes:
         wrong.append(f"lanes: config {cfg.lanes}, runtime decode graphs {list(sizes)}")

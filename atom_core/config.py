@@ -156,6 +156,8 @@ class Config:
             raise ConfigError(f"configuration violates the spec's axioms {failed}: "
                               + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed)
                               + (f" (here {here})" if here else ""))
+        if self.prefix_cache and not prefix_can_hit(self.max_seq_len, self.prefill_chunk):
+            raise ConfigError(dead_prefix_cache_message(self))
         if self.kv_blocks == 1 and (self.lanes > 1 or self.prefix_cache
                                     or self.scratch == "reserved"):
             raise ConfigError(single_block_message(self))
@@ -226,6 +228,30 @@ def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str,
     if scratch not in SCRATCH_MODES:
         raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
     return capacity.min_kv_blocks(lanes, blocks_per_table, (prefix_cache, scratch), preemption)
+
+
+def prefix_can_hit(max_seq_len: int, prefill_chunk: int) -> bool:
+    """Whether any prompt can take a prefix hit: a hit reuses whole chunks (n >= prefill_chunk)
+    and leaves a token to compute (n < len(prompt)), and the batcher takes prompts of at most
+    max_seq_len - 1 tokens (room for the first generated one); so some prompt can hit iff
+    prefill_chunk <= max_seq_len - 2."""
+    return prefill_chunk <= max_seq_len - 2
+
+
+def dead_prefix_cache_message(cfg: Config) -> str:
+    longest = cfg.max_seq_len - 1
+    chunk = (cfg.max_seq_len - 2) // 64 * 64  # prefill chunks are multiples of 64
+    fixes = ["turn the prefix cache off (prefix_cache=False: it only costs KV blocks here"
+             + (" and the host tier's slots" if cfg.host_cache_blocks else "") + ")",
+             f"use max_seq_len >= {cfg.prefill_chunk + 2}"]
+    if chunk >= 64:
+        fixes.append(f"use prefill_chunk <= {chunk}")
+    return (f"prefix_cache=True can never hit with prefill_chunk={cfg.prefill_chunk} and "
+            f"max_seq_len={cfg.max_seq_len}: a hit reuses whole chunks and must leave at least "
+            f"one prompt token to compute, but a prompt holds at most max_seq_len - 1 = "
+            f"{longest} tokens, fewer than the {cfg.prefill_chunk + 1} a one-chunk hit needs. "
+            "Fix: "
+            + "; or ".join(fixes) + ".")
 
 
 def single_block_message(cfg: Config) -> str:
@@ -362,7 +388,19 @@ def rbln_fields(rbln_config: Any) -> dict[str, Any]:
     """The Config fields that optimum-rbln / vllm-rbln settings give (a dict, a compiled
     artifact's directory or its rbln_config.json), by Config field name; nothing is validated
     beyond the names (the CLI's check-config reports an unsafe artifact instead of raising)."""
+    return _fields_of(*_load_rbln(rbln_config))
+
+
+def rbln_artifact(rbln_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(`rbln_fields`, `rbln_settings`) of one read of the file: a path may be readable only
+    once (a pipe, `--rbln-config <(ssh host cat rbln_config.json)`), and two reads of a file
+    being rewritten could disagree."""
     data, where = _load_rbln(rbln_config)
+    return _fields_of(data, where), dict(data)
+
+
+def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`rbln_fields` of settings already read from `where` (named in every message)."""
     fields: dict[str, Any] = {}
     for field, aliases in RBLN_ALIASES:
         given = [(a, data[a]) for a in aliases if data.get(a) is not None]
@@ -436,8 +474,11 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
     if fields.get("kv_blocks") == 0:
         # optimum-rbln's "estimate when compiling": a compiled artifact records the estimate
         raise ConfigError(estimate_message(where))
+    # max_seq_len too: Config's 4096 default would invent the table size (T) and the longest
+    # prompt of settings that never said them (vllm-rbln flags without max_model_len)
     for field, names in (("lanes", "batch_size (or max_num_seqs)"),
-                         ("kv_blocks", "kvcache_num_blocks (or num_gpu_blocks_override)")):
+                         ("kv_blocks", "kvcache_num_blocks (or num_gpu_blocks_override)"),
+                         ("max_seq_len", "max_seq_len (or max_model_len)")):
         if field not in fields:
             raise ConfigError(f"{where} has no {names}: give it in the file or as {field}=")
     return Config(**fields)
@@ -449,6 +490,31 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
 # (RBLN-CR*): eager max_seq_len, flash-attention partition length, sliding window.
 RBLN_LIMITS = {"ATOM": (32_768, 1_024, 32_768, 32_768),
                "REBEL": (16_384, 1_024, 16_384, 32_767)}
+
+
+def _rbln_attn(cfg: Config, settings: Mapping[str, Any]) -> Any:
+    """The attention optimum-rbln compiles `cfg` with: the artifact's `attn_impl` as written
+    (`rbln_compile_errors` names one it does not know), else the one its sizes need (flash
+    attention for paged tables or a given partition length)."""
+    given = settings.get("attn_impl")
+    if given:
+        return given
+    paged = settings.get("kvcache_partition_len") is not None or cfg.block_size < cfg.max_seq_len
+    return "flash_attn" if paged else "eager"
+
+
+def _rbln_min_blocks(attn: str, blocks_per_table: int, lanes: int) -> int:
+    """optimum-rbln 0.12.0's least kvcache_num_blocks: a block per sequence (eager), or the
+    flash-attention minimum min(max(T, batch_size) + 1, T * batch_size)."""
+    t, b = blocks_per_table, lanes
+    return min(max(t, b) + 1, t * b) if attn == "flash_attn" else b
+
+
+def rbln_min_kv_blocks(cfg: Config, settings: Mapping[str, Any] | None = None) -> int:
+    """The fewest KV blocks optimum-rbln 0.12.0 compiles for `cfg`'s sizes (`settings` as for
+    `rbln_compile_errors`); `min-blocks --rbln` answers the larger of this and the spec's
+    rule, so that `check-config --rbln` accepts the block count it gives."""
+    return _rbln_min_blocks(_rbln_attn(cfg, settings or {}), cfg.blocks_per_table, cfg.lanes)
 
 
 def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
@@ -466,8 +532,7 @@ def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
     seq, block, b = cfg.max_seq_len, cfg.block_size, cfg.lanes
     k = cfg.kv_blocks if kv_blocks is None else kv_blocks
     part = settings.get("kvcache_partition_len")
-    attn = settings.get("attn_impl") or ("flash_attn" if part is not None or block < seq
-                                         else "eager")
+    attn = _rbln_attn(cfg, settings)
     errors: list[str] = []
     if attn not in ("eager", "flash_attn"):
         return [f"attn_impl={attn!r} is not one optimum-rbln compiles ('eager' or "
@@ -514,7 +579,7 @@ def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
             f"{max_window - cfg.prefill_chunk}; a model with that window cannot be compiled "
             "for this NPU with this chunk (use a smaller prefill_chunk)")
     t = seq // block
-    need = min(max(t, b) + 1, t * b) if attn == "flash_attn" else b
+    need = _rbln_min_blocks(attn, t, b)
     rule = ("min(max(T, batch_size) + 1, T * batch_size)" if attn == "flash_attn"
             else "batch_size")
     if k < need:
@@ -522,6 +587,36 @@ def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
             f"kv_blocks={k} is below optimum-rbln's minimum kvcache_num_blocks={need} for "
             f"batch_size={b} with T = {t} block{'s' if t > 1 else ''} per sequence ({rule}); "
             f"compile with kvcache_num_blocks >= {need}")
+    return errors
+
+
+# Why the RBLN binding refuses a host tier (and PD), and why a runtime without local-slot
+# host copies (RBLN's) refuses a hybrid model's prefix cache: `batcher.check_runtime` and
+# `rbln_binding_errors` give the same words.
+HOST_KV_REFUSAL = (
+    "host KV transfers (fetch_kv_cache/update_kv_cache of one block, used by the host cache tier "
+    "and by PD) are off for RBLN: neither optimum-rbln nor vllm-rbln moves single blocks to and "
+    "from the host, and no device run has shown yet that fetching block X then updating block Y "
+    "moves exactly X's content. Serve without them (host_cache_blocks=0, no PD), or, to test "
+    "them on a device, load with RblnRuntime.from_compiled(..., host_kv_transfers=True)")
+LOCAL_COPY_REFUSAL = (
+    "a hybrid model's hits restore sliding-window snapshots, and this runtime cannot move a "
+    "local slot to and from the host (fetch_local_cache/update_local_cache); set "
+    "prefix_cache=False")
+
+RBLN_SERVES = "atom-core's RBLN runtime would not serve it"
+
+
+def rbln_binding_errors(cfg: Config) -> list[str]:
+    """What `AtomBatcher` refuses over `RblnRuntime.from_compiled` (its defaults: no host KV
+    transfers, no local-slot host copies) for `cfg`, as `check_runtime` words it; [] when it
+    serves. (tests/test_config_edge_audit.py builds the batcher over an RblnRuntime to check
+    both refuse the same.)"""
+    errors = []
+    if cfg.host_cache_blocks:
+        errors.append(f"host_cache_blocks: {HOST_KV_REFUSAL}")
+    if cfg.sliding_window is not None and cfg.prefix_cache:
+        errors.append(f"prefix_cache: {LOCAL_COPY_REFUSAL}")
     return errors
 
 

@@ -194,7 +194,7 @@ def test_prefix_cache_must_be_a_bool():
 
 @pytest.mark.parametrize("lanes", [1, 3])
 @pytest.mark.parametrize("prefix,scratch", FEATURES, ids=FEATURE_IDS)
-@pytest.mark.parametrize("chunk,seq_len", [(64, 64), (128, 4096), (256, 8192)])
+@pytest.mark.parametrize("chunk,seq_len", [(64, 128), (128, 4096), (256, 8192)])
 def test_consts_satisfy_the_axioms(prefix, scratch, lanes, chunk, seq_len):
     cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, prefix, scratch),
                  prefill_chunk=chunk, max_seq_len=seq_len, prefix_cache=prefix, scratch=scratch)

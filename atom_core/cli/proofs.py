@@ -145,36 +145,76 @@ def _artifact_config(args: argparse.Namespace, kv_blocks: int) -> Config | str:
         return str(exc)
 
 
-def _artifact_error(args: argparse.Namespace, kv_blocks: int) -> str | None:
-    """What is wrong with the artifact's settings other than its number of KV blocks (checked
-    with `kv_blocks` blocks, at least the rule's minimum), or None."""
-    cfg = _artifact_config(args, kv_blocks)
-    return cfg if isinstance(cfg, str) else None
+def _rbln_strict(args: argparse.Namespace) -> bool:
+    """Whether what optimum-rbln 0.12.0 would not compile (or atom-core's RBLN runtime would not
+    serve) refuses the configuration: with
+    --rbln, or for an artifact whose rbln_config.json records `attn_impl` (optimum-rbln writes
+    it into every compiled decoder's); otherwise it is a note (the flags may describe a
+    configuration for another runtime). check-config and min-blocks decide it alike."""
+    return bool(args.rbln or "attn_impl" in _rbln_settings(args))
 
 
-def _rbln_check(args: argparse.Namespace, cfg: Config) -> tuple[list[str], bool]:
-    """What optimum-rbln 0.12.0 would not compile for these settings (`rbln_compile_errors`), and
-    whether that refuses the configuration: with --rbln, or for an artifact whose
-    rbln_config.json records `attn_impl` (optimum-rbln writes it into every compiled decoder's);
-    otherwise it is a note (the flags may describe a configuration for another runtime)."""
-    from atom_core.config import rbln_compile_errors
+def _rbln_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return getattr(args, "rbln_settings", None) or {}
 
-    settings = getattr(args, "rbln_settings", None) or {}
-    errors = rbln_compile_errors(cfg, settings, kv_blocks=args.kv_blocks)
-    return errors, bool(args.rbln or "attn_impl" in settings)
+
+COMPILES = "optimum-rbln 0.12.0 would not compile this artifact"
+
+
+def _rbln_problems(args: argparse.Namespace, cfg: Config,
+                   kv_blocks: int) -> list[tuple[str, str]]:
+    """(why, message): what optimum-rbln 0.12.0 would not compile at `kv_blocks` blocks
+    (`rbln_compile_errors`), then what atom-core's RBLN runtime would not serve (a host tier,
+    a hybrid model's prefix cache: `rbln_binding_errors`), so that a configuration --rbln
+    accepts is one `serve --runtime rbln` takes. The latter only under `_rbln_strict`: they
+    are what other runtimes serve, so as notes they would only be noise."""
+    from atom_core.config import RBLN_SERVES, rbln_binding_errors, rbln_compile_errors
+
+    compiled = rbln_compile_errors(cfg, _rbln_settings(args), kv_blocks=kv_blocks)
+    served = rbln_binding_errors(cfg) if _rbln_strict(args) else []
+    return [(COMPILES, e) for e in compiled] + [(RBLN_SERVES, e) for e in served]
+
+
+def _rbln_refusal(problems: list[tuple[str, str]]) -> str:
+    """One message: each reason once, then its problems."""
+    reasons = dict.fromkeys(why for why, _ in problems)
+    return "; ".join(f"{why}: " + "; ".join(e for w, e in problems if w == why)
+                     for why in reasons)
+
+
+def _rbln_notes(problems: list[tuple[str, str]]) -> None:
+    for why, e in problems:
+        print(f"note: {why} (--rbln refuses it): {e}")
+
+
+def _rbln_minimum(args: argparse.Namespace, cfg: Config,
+                  need: int) -> tuple[int, list[tuple[str, str]]]:
+    """min-blocks under the RBLN checks: the least kv_blocks check-config accepts (the spec's
+    `need`, raised to optimum-rbln's kvcache_num_blocks minimum when the checks refuse), and
+    the RBLN problems at that count."""
+    from atom_core.config import rbln_min_kv_blocks
+
+    settings = _rbln_settings(args)
+    least = max(need, rbln_min_kv_blocks(cfg, settings)) if _rbln_strict(args) else need
+    return least, _rbln_problems(args, cfg, least)
 
 
 def _invalid(args: argparse.Namespace, error: str, out: dict[str, Any]) -> int:
+    """check-config (`out` has "safe"): an unsafe verdict, exit 1. min-blocks: no result, exit
+    2, and its JSON is every command's failure object (`"ok": false`), not a verdict it has no
+    field for."""
+    verdict = "safe" in out
     if args.json:
-        emit({**out, "safe": False, "error": error})
+        emit({**out, "safe": False, "error": error} if verdict
+             else {**out, "ok": False, "error": error})
     else:
         print(f"INVALID: {error}", file=sys.stderr)
-    return 1 if "safe" in out else 2
+    return 1 if verdict else 2
 
 
 def _tables(args: argparse.Namespace) -> int:
     """T, the blocks per lane's table (a block size that does not divide max_seq_len is
-    reported by `_artifact_error`)."""
+    reported by `_artifact_config`)."""
     block = args.block_size if args.block_size is not None else args.max_seq_len
     return max(1, args.max_seq_len // block)
 
@@ -196,11 +236,10 @@ def _artifact_args(args: argparse.Namespace) -> int | None:
     defaults; 2 (a usage error, printed) when something required is missing."""
     fields: dict[str, Any] = {}
     if args.rbln_config is not None:
-        from atom_core.config import estimate_message, rbln_fields, rbln_settings
+        from atom_core.config import estimate_message, rbln_artifact
 
-        try:
-            fields = rbln_fields(args.rbln_config)
-            args.rbln_settings = rbln_settings(args.rbln_config)
+        try:  # one read: the path may be a pipe (`--rbln-config <(...)`)
+            fields, args.rbln_settings = rbln_artifact(args.rbln_config)
         except ConfigError as exc:
             return _usage_error(args, f"INVALID: {exc}", str(exc))
         if fields.get("kv_blocks") == 0 and getattr(args, "kv_blocks", 0) is None:
@@ -229,7 +268,7 @@ def _usage_error(args: argparse.Namespace, text: str, error: str) -> int:
     parsing stdout gets the reason, not an empty line)."""
     if args.json:
         emit({"safe": False, "error": error} if args.command == "check-config"
-             else {"error": error})
+             else {"ok": False, "error": error})
     print(text, file=sys.stderr)
     return 2
 
@@ -239,11 +278,18 @@ def check_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rbln", action="store_true",
                    help="refuse what optimum-rbln 0.12.0 would not compile for an ATOM NPU "
                         "(eager/flash-attention sizes, kvcache_num_blocks' minimum, sliding "
-                        "window); on for an --rbln-config that records attn_impl, else a note")
+                        "window) or atom-core's RBLN runtime would not serve (a host tier, a "
+                        "hybrid model's prefix cache); on for an --rbln-config that records "
+                        "attn_impl, else a note")
 
 
 def min_blocks_arguments(p: argparse.ArgumentParser) -> None:
     _artifact_arguments(p, kv_blocks=False)
+    p.add_argument("--rbln", action="store_true",
+                   help="as check-config --rbln: refuse what optimum-rbln 0.12.0 would not "
+                        "compile for an ATOM NPU or atom-core's RBLN runtime would not serve, "
+                        "and give at least optimum-rbln's kvcache_num_blocks minimum; on for "
+                        "an --rbln-config that records attn_impl, else a note")
 
 
 def _artifact_arguments(p: argparse.ArgumentParser, kv_blocks: bool) -> None:
@@ -284,17 +330,16 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if isinstance(cfg, str):
         return _invalid(args, cfg, {"safe": False, "lanes": args.lanes,
                                     "kv_blocks": args.kv_blocks})
-    rbln_errors, strict = _rbln_check(args, cfg)
-    if rbln_errors and strict:
-        return _invalid(args, "optimum-rbln 0.12.0 would not compile this artifact: "
-                        + "; ".join(rbln_errors), {"safe": False, "lanes": args.lanes,
-                                                    "kv_blocks": args.kv_blocks})
+    problems = _rbln_problems(args, cfg, args.kv_blocks)
+    if problems and _rbln_strict(args):
+        return _invalid(args, _rbln_refusal(problems), {"safe": False, "lanes": args.lanes,
+                                                        "kv_blocks": args.kv_blocks})
     out: dict[str, Any] = {"safe": args.kv_blocks >= need, "rule": rule, "trace": [],
                            "lanes": args.lanes, "kv_blocks": args.kv_blocks,
                            "min_kv_blocks": need, "proved_lanes": capacity.PROVED_LANES,
                            "blocks_per_table": t}
-    if rbln_errors:
-        out["rbln_notes"] = rbln_errors
+    if problems:
+        out["rbln_notes"] = [e for _, e in problems]
     if not out["safe"] and args.lanes * t > TRACE_LANE_BLOCKS:
         out["violated"] = None
         out["note"] = (f"no stuck run shown: the search covers lanes * T <= {TRACE_LANE_BLOCKS} "
@@ -320,8 +365,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         args.prefix_cache, args.scratch) + (
         f", host cache of {args.host_cache_blocks} blocks" if args.host_cache_blocks else "") + (
         ", preemption" if args.preemption else "")
-    for n in out.get("rbln_notes", []):
-        print(f"note: optimum-rbln 0.12.0 would not compile this (--rbln refuses it): {n}")
+    _rbln_notes(problems)
     if out["safe"]:
         note = ("" if args.lanes <= capacity.PROVED_LANES else
                 f" (the rule is proved for lanes <= {capacity.PROVED_LANES} by `atom-core verify`)")
@@ -350,16 +394,27 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
         return bad
     t = _tables(args)
     need = min_kv_blocks(args.lanes, args.prefix_cache, args.scratch, t, args.preemption)
-    error = _artifact_error(args, need)
-    if error is not None:
-        return _invalid(args, error, {"lanes": args.lanes})
-    out = {"lanes": args.lanes, "min_kv_blocks": need, "blocks_per_table": t,
-           "rule": rule_for(args.prefix_cache, args.scratch, t, args.preemption)}
+    cfg = _artifact_config(args, need)
+    if isinstance(cfg, str):
+        return _invalid(args, cfg, {"lanes": args.lanes})
+    least, problems = _rbln_minimum(args, cfg, need)
+    strict = _rbln_strict(args)
+    if problems and strict:
+        return _invalid(args, _rbln_refusal(problems), {"lanes": args.lanes})
+    out: dict[str, Any] = {"lanes": args.lanes, "min_kv_blocks": least, "blocks_per_table": t,
+                           "rule": rule_for(args.prefix_cache, args.scratch, t,
+                                            args.preemption)}
+    if strict:
+        out["spec_min_kv_blocks"] = need
+    if problems:
+        out["rbln_notes"] = [e for _, e in problems]
     if args.json:
         emit(out)
-    else:
-        print(f"lanes={args.lanes}, {features(args.prefix_cache, args.scratch)}: "
-              f"kv_blocks >= {need} ({out['rule']})")
+        return 0
+    _rbln_notes(problems)
+    raised = (f"; optimum-rbln 0.12.0 compiles no fewer than {least}" if least > need else "")
+    print(f"lanes={args.lanes}, {features(args.prefix_cache, args.scratch)}: "
+          f"kv_blocks >= {least} ({out['rule']}{raised})")
     return 0
 
 

@@ -28,14 +28,15 @@ floating-point rounding (not bit for bit; the tests compare greedy tokens at ste
 top-2 logit gap is far above that rounding, and float32 logits with a tolerance).
 
 Refused, each with a message: architectures other than the supported ones (the multimodal
-Gemma3 among them), sliding-window layers in a model other than Gemma3 (Qwen2's, or a Mistral
-window shorter than `max_seq_len`), a Gemma3 config with no global layer, a non-positive window,
-bidirectional attention or attention soft-capping, dtypes other than float32/float64, a
-`max_seq_len` beyond the model's `max_position_embeddings`, LongRoPE with an original length
-below `max_seq_len` (its frequencies change per call, `_check_rope`), a checkpoint lacking any
-weight of the causal LM (a bare decoder's or a classifier's: transformers would initialize the
-LM head at random, `_check_complete`) and a model of another class than the supported causal LM
-(`_check_model_class`).
+Gemma3 among them), sliding-window layers in a model other than Gemma3 whose window is shorter
+than `max_seq_len` (Qwen2's sliding layers, a Mistral window; one at least as long is full
+attention for every sequence served, and is served so), a Gemma3 config with no global layer, a
+non-positive window, bidirectional attention or attention soft-capping, dtypes other than
+float32/float64, a `max_seq_len` beyond the model's `max_position_embeddings`, LongRoPE with an
+original length below `max_seq_len` (its frequencies change per call, `_check_rope`), a
+checkpoint lacking any weight of the causal LM (a bare decoder's or a classifier's:
+transformers would initialize the LM head at random, `_check_complete`) and a model of another
+class than the supported causal LM (`_check_model_class`).
 
 Nothing touches the network: loading is `from_pretrained(path, local_files_only=True)` and the
 hub is set offline (`HF_HUB_OFFLINE=1`) when this module is imported.
@@ -283,6 +284,9 @@ def check_model_config(config: Any, max_seq_len: int) -> None:
             f"model architecture {archs} (model_type '{mt}') is not supported by HFRuntime: "
             f"supported are {sorted(SUPPORTED_MODEL_TYPES.values())}.{extra}")
     kinds = set(getattr(config, "layer_types", None) or [FULL])
+    if mt not in HYBRID_MODEL_TYPES and SLIDING in kinds:
+        _check_unslid_window(config, mt, sorted(kinds), max_seq_len)
+        kinds = (kinds - {SLIDING}) | {FULL}
     allowed = {FULL, SLIDING} if mt in HYBRID_MODEL_TYPES else {FULL}
     if not kinds <= allowed:
         raise UnsupportedModelError(
@@ -303,6 +307,29 @@ def check_model_config(config: Any, max_seq_len: int) -> None:
         raise UnsupportedModelError(
             f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={limit}")
     _check_rope(config, max_seq_len)
+
+
+def _check_unslid_window(config: Any, mt: str, kinds: list[str], max_seq_len: int) -> None:
+    """Sliding layers of a model without local slots (Qwen2's, `layer_types`) are served as
+    full attention, which they are when the window covers every sequence the server accepts:
+    transformers' sliding mask lets the query at q see keys q - W + 1 .. q, and q never
+    exceeds max_seq_len - 1, so W >= max_seq_len hides no key (`_Graph.attend` checks each
+    call's window against the same bound). A shorter window would need local slots."""
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise UnsupportedModelError(
+            f"this {mt} config has attention layer types {kinds} but "
+            f"sliding_window={window!r}: "
+            "give a positive integer window, or a config without sliding layers "
+            "(use_sliding_window=false)")
+    if window < max_seq_len:
+        raise UnsupportedModelError(
+            f"this {mt} config has attention layer types {kinds} with sliding_window="
+            f"{window} < max_seq_len={max_seq_len}: HFRuntime keeps local slots (a window "
+            f"that slides) for Gemma3 only and serves {mt}'s sliding layers as full attention, "
+            f"which they are only while the window covers the sequence; use max_seq_len <= "
+            f"{window}, or "
+            "a config without sliding layers (use_sliding_window=false)")
 
 
 def _rope_parameter_sets(config: Any) -> list[dict[str, Any]]:
@@ -805,7 +832,31 @@ def serve_factory(opts: ServeOptions) -> tuple[Config, HFRuntime, Any]:
         return cfg, tiny_runtime(opts.model, cfg, opts.seed, vocab_size=tok.vocab_size), tok
     tok = tokenizer_for(opts.model)
     check_tokenizer(tok, opts.model)  # before the model is loaded and its KV allocated
-    return cfg, HFRuntime.from_pretrained(opts.model, cfg), tok
+    rt = HFRuntime.from_pretrained(opts.model, cfg)
+    _end_where_generate_ends(tok, rt.model, opts.model)
+    return cfg, rt, tok
+
+
+def model_end_ids(model: Any) -> list[int]:
+    """The ids transformers' generate() ends a sequence at: the loaded model's
+    generation_config (generation_config.json, or config.json's eos_token_id when a checkpoint
+    has no generation_config.json: transformers derives it from the model config)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return [int(i) for i in ids]
+
+
+def _end_where_generate_ends(tok: Any, model: Any, where: str | os.PathLike[str]) -> None:
+    """Make the served replies end at every id generate() ends at. The tokenizer reads
+    generation_config.json only, so a checkpoint without it whose config.json lists several
+    end ids (Llama 3's <|end_of_text|> and <|eot_id|>) would run past the second one to
+    max_tokens. Ids outside the vocabulary are refused (`check_end_tokens`)."""
+    ends = model_end_ids(model)
+    check_end_tokens(ends, int(model.config.vocab_size), f"{where}: the model's eos_token_id")
+    have = {tok.eos_token_id, *(getattr(tok, "end_token_ids", ()) or ())}
+    missing = frozenset(ends) - have
+    if missing and hasattr(tok, "end_token_ids"):
+        tok.end_token_ids = frozenset(tok.end_token_ids) | missing
 
 
 def check_tokenizer(tok: Any, model: str | os.PathLike[str]) -> None:

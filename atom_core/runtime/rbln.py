@@ -54,6 +54,7 @@ from typing import Any
 import attrs
 import torch
 
+from atom_core.config import HOST_KV_REFUSAL  # (config: torch-free, for check-config)
 from atom_core.runtime.protocol import (
     RuntimeInputError,
     check_block,
@@ -74,12 +75,6 @@ INSTALL_HINT = (
     "`pip install --extra-index-url https://pypi.rbln.ai/simple rebel-compiler` (the version "
     "that compiled the artifact). Without a device, use atom_core.runtime.TorchReferenceRuntime.")
 
-HOST_KV_REFUSAL = (
-    "host KV transfers (fetch_kv_cache/update_kv_cache of one block, used by the host cache tier "
-    "and by PD) are off for RBLN: neither optimum-rbln nor vllm-rbln moves single blocks to and "
-    "from the host, and no device run has shown yet that fetching block X then updating block Y "
-    "moves exactly X's content. Serve without them (host_cache_blocks=0, no PD), or, to test "
-    "them on a device, load with RblnRuntime.from_compiled(..., host_kv_transfers=True)")
 
 
 class RblnUnavailableError(ImportError):
@@ -262,6 +257,23 @@ class GraphInputs:
         return args
 
 
+def _read_json(f: Path) -> dict[str, Any]:
+    """A JSON object file of the artifact, or `RblnArtifactError` naming the file (a truncated
+    copy or an editor's stray comma otherwise surfaces as a bare JSONDecodeError)."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RblnArtifactError(f"{f} is not a UTF-8 text file ({exc.reason} at byte "
+                                f"{exc.start}): restore the file optimum-rbln saved") from None
+    except json.JSONDecodeError as exc:
+        raise RblnArtifactError(f"{f} is not valid JSON ({exc}): restore the file "
+                                "optimum-rbln saved, or recompile") from None
+    if not isinstance(data, dict):
+        raise RblnArtifactError(f"{f} must hold a JSON object, got {type(data).__name__}: "
+                                "restore the file optimum-rbln saved, or recompile")
+    return data
+
+
 def read_artifact(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """The directory holding the causal LM's graphs and its rbln_config.json settings.
 
@@ -274,7 +286,7 @@ def read_artifact(path: str | Path) -> tuple[Path, dict[str, Any]]:
     if not f.exists():
         raise RblnArtifactError(f"{root} has no rbln_config.json: give an optimum-rbln compiled "
                                 "model directory (`save_pretrained` of an RBLN...ForCausalLM)")
-    data = json.loads(f.read_text())
+    data = _read_json(f)
     if "max_seq_len" in data:
         return root, data
     nested = [k for k, v in data.items() if isinstance(v, dict) and "max_seq_len" in v]
@@ -288,7 +300,7 @@ def read_artifact(path: str | Path) -> tuple[Path, dict[str, Any]]:
             f"{f} nests the language model under '{nested[0]}', but {sub}/rbln_config.json does "
             "not exist (optimum-rbln 0.12.0 saves a submodule's graphs in that sub-folder); "
             f"give the directory that holds its prefill.rbln")
-    return sub, json.loads((sub / "rbln_config.json").read_text())
+    return sub, _read_json(sub / "rbln_config.json")
 
 
 def graph_inputs(cfg: Mapping[str, Any], where: str = "rbln_config",
@@ -669,7 +681,7 @@ class RblnRuntime:
 def _vocab_size(root: Path) -> int:
     f = root / "config.json"
     if f.exists():
-        data = json.loads(f.read_text())
+        data = _read_json(f)
         for d in (data, data.get("text_config") or {}):
             if isinstance(d.get("vocab_size"), int):
                 return d["vocab_size"]
