@@ -274,3 +274,17 @@ def test_mutants_refuse_a_json_path_in_no_directory_before_running(capsys, tmp_p
     with pytest.raises(SystemExit) as exc:
         main(["--json", str(tmp_path / "missing" / "out.json")])
     assert exc.value.code == 2 and "no directory" in capsys.readouterr().err
+
+
+def test_a_piped_table_keeps_every_name_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bug: `verify`'s table, piped or redirected (80 columns), cut names to a few characters
+    ('no_cache…'), so a failing check did not say which invariant and action it was."""
+    from atom_core.cli.common import table
+
+    names = [("an_invariant_whose_name_is_long_enough_to_matter", "admit_host_hit_after_spill",
+              "counterexample: found with B=1, K=2, T=2, C=2, PREFIX")] * 3
+    table("checks", ["invariant", "action", "detail"], [list(r) for r in names])
+    out = capsys.readouterr().out
+    for inv, action, detail in names:
+        assert inv in out and action in out and detail in out
+    assert "…" not in out

@@ -44,12 +44,17 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
         for r in rows:
             print("  ".join(r))
         return
+    console = Console()
+    if not console.is_terminal:
+        # piped or redirected (80 columns by default): rows as wide as they need, so every
+        # invariant and action name stays whole and a grep finds it
+        console = Console(width=10_000)
     t = Table(title=title)
     for c in columns:
-        t.add_column(c)
+        t.add_column(c, overflow="fold")  # (a narrow terminal folds a name, never cuts it)
     for r in rows:
         t.add_row(*r)
-    Console().print(t)
+    console.print(t)
 
 
 def positive(text: str) -> int:
