@@ -170,10 +170,10 @@ def test_a_retry_still_times_out_after_its_own_deadline() -> None:
 def test_a_hung_prefill_worker_is_avoided_until_it_answers_again(
         caplog: pytest.LogCaptureFixture) -> None:
     """A prefill worker whose process hangs (links up, nothing answered): once a request times
-    out on it, it is asked nothing more, though the router still picks it (its last load
-    report stands); what it held is served elsewhere, exactly, none failed; the log and the
-    decode node's stats say so. Once it runs again (it answers the ping) it is asked again;
-    nothing is left behind, on either side."""
+    out on it, it is asked nothing more, and the router chooses it no more (the decode node
+    reports it: tests/test_pd_router_health_audit.py); what it held is served elsewhere,
+    exactly, none failed; the log and the decode node's stats say so. Once it runs again (it
+    answers the ping) it is asked again; nothing is left behind, on either side."""
     c, clock = _timed(2, policy=_Lowest(), prefetch=2)
     first = submit_workload(c, n=6)
     with caplog.at_level(logging.WARNING, logger="atom_core.pd.links"):
@@ -188,7 +188,7 @@ def test_a_hung_prefill_worker_is_avoided_until_it_answers_again(
     more = submit_workload(c, n=6, seed=5)
     _run_without(c, 0)
     assert_exact(c, first + more)  # none failed for the hang
-    assert all(c.frontend.results[x].prefill == 0 for x in more)  # the router's choice
+    assert all(c.frontend.results[x].prefill == 1 for x in more)  # set aside by the router
     assert d.links.timeouts >= 1 and d.timeout_resubmitted >= 1
     stats = _reported(c, lambda: _step_without(c, 0, 2))
     assert stats["prefill_timeouts"] >= 1 and stats["unresponsive_prefill"] == 1

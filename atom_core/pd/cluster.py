@@ -10,12 +10,17 @@ Control messages (frontend <-> node), none carrying a tensor:
   "prefill"}` (the router's choices: this node, and the prefill worker to ask or None), `{"kind":
   "abort", "id"}`, `{"kind": "prefill_ready", "ranks", "gens"}` (the prefill workers that
   reported ready and the generation of each that did, whenever that changes: the only ones the
-  node asks, retries included, and only over a link to that generation); to every node:
+  node asks, retries included, and only over a link to that generation; "unresponsive":
+  [[rank, gen], ...], ready ones left out of "ranks" because a decode node reports them as not
+  answering: the node moves what it asked of them elsewhere at once); to every node:
   `{"kind": "shutdown"}`.
 - node -> frontend: `{"kind": "load", "load": Load, "stats": {...}, "gen"}` whenever it
   changed (the first ready one makes the worker eligible; the stats feed
-  `Frontend.worker_stats`; "gen" is the node's generation, when it knows it), and from a
-  decode node `{"kind": "events", "events": [[id, kind, token, error], ...]}` per step.
+  `Frontend.worker_stats`; "gen" is the node's generation, when it knows it; a decode node's
+  also has "unresponsive": [[rank, gen], ...], the prefill workers it takes for hung, sent at
+  once when that changes: the router sets them aside until no decode node reports them; a
+  report without it reports none), and from a decode node `{"kind": "events", "events":
+  [[id, kind, token, error], ...]}` per step.
 
 Faults. A prefill worker that is lost: its unanswered requests go to another prefill worker
 (`PrefillLinks`), or, with none left, to local prefill on their decode worker: those waiting
@@ -25,7 +30,12 @@ prefill worker that lets a request time out is taken for hung by that decode nod
 (asked nothing until it answers again, `PrefillLinks.timed_out`): the request is resubmitted
 (to another prefill worker once, else locally) and the worker's other unanswered requests
 are asked again elsewhere; the node's stats count it (`prefill_timeouts`,
-`unresponsive_prefill`). A
+`unresponsive_prefill`, `unresponsive_prefill_ranks`). The node reports it to the frontend,
+whose router chooses it no more, and whose ready lists leave it out and name it unresponsive
+to the other decode nodes (they move what they asked of it at once, instead of each waiting
+for its own deadline), until no decode node reports it: it answered the one that saw it hang
+(that one's ping), or restarted (a report names a process generation: an older process's hang
+says nothing about the new one), or that decode node was lost. A
 decode worker that is lost: the frontend fails its unfinished requests with an error naming it,
 and nothing else changes. A worker that starts late or restarts is used once it reports ready
 (`Frontend.add`, `PrefillLinks.add`).
@@ -73,6 +83,21 @@ def _stats_of(batcher: Any) -> dict[str, int]:
             "exports": st.exports}
 
 
+# The most prefill workers a report, or a ready list, names as not answering: a longer list is
+# malformed (no cluster has that many prefill workers).
+MAX_UNRESPONSIVE = 4096
+
+
+def rank_gens(obj: Any) -> dict[int, int | None]:
+    """[[rank, generation or None], ...] from a peer's message, as rank -> generation;
+    ValueError if it is not one (it comes from the wire: checked, never trusted blindly)."""
+    if not isinstance(obj, list) or len(obj) > MAX_UNRESPONSIVE or not all(
+            isinstance(e, list) and len(e) == 2 and is_int(e[0]) and 0 <= e[0] < 2 ** 31
+            and (e[1] is None or is_int(e[1])) for e in obj):
+        raise ValueError(f"a list of [rank, generation] pairs, got {obj!r}"[:200])
+    return {e[0]: e[1] for e in obj}
+
+
 # Counters alone (no change of load) are reported at most this often: a decode worker's change
 # every step, and the router only needs the load at once.
 STATS_EVERY = 0.05
@@ -81,7 +106,8 @@ STATS_EVERY = 0.05
 class _Reporter:
     """Sends a node's load report when the load changed, or the node took new requests since
     its last report (`took`: the router counted them in its load when it assigned them, and
-    only a report corrects that count, even when taking them left the load as it was), or its
+    only a report corrects that count, even when taking them left the load as it was), or the
+    prefill workers it takes for hung changed (`hung`: the router avoids them at once), or its
     counters changed and STATS_EVERY passed (on `clock`) since the last report."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,20 +115,27 @@ class _Reporter:
         self._stats: dict[str, Any] | None = None
         self._at = 0.0
         self._took = 0
+        self._hung: list[list[int | None]] | None = None
         self.clock = clock
 
     def report(self, control: Transport, load: Load, stats: dict[str, Any],
-               took: int = 0, gen: int | None = None) -> None:
+               took: int = 0, gen: int | None = None,
+               hung: list[list[int | None]] | None = None) -> None:
+        """`hung`: a decode node's prefill workers taken for hung ([rank, gen] each), None for
+        a prefill node (its message has no such field)."""
         now = self.clock()
         ld = load.as_json()
-        if ld == self._load and took == self._took and (
+        if ld == self._load and took == self._took and hung == self._hung and (
                 stats == self._stats or now - self._at < STATS_EVERY):
             return
-        msg = {"kind": "load", "load": ld, "stats": stats}
+        msg: dict[str, Any] = {"kind": "load", "load": ld, "stats": stats}
         if gen is not None:
             msg["gen"] = gen
+        if hung is not None:
+            msg["unresponsive"] = hung
         if _send(control, msg):
             self._load, self._stats, self._at, self._took = ld, stats, now, took
+            self._hung = hung
 
 
 def _send(link: Transport, header: dict[str, Any]) -> bool:
@@ -165,6 +198,7 @@ class DecodeNode:
                     self.links.set_ready(dict(zip(header["ranks"], gens, strict=True)))
                 else:
                     self.links.set_ready(header["ranks"])
+                self.links.set_avoided(_avoided_in(header))
             elif kind in ("shutdown", PEER_LOST):
                 self.done = True  # (the frontend gone: nobody would read the results)
         if self.done:
@@ -201,8 +235,11 @@ class DecodeNode:
             "prefill_timeouts": self.links.timeouts,
             "timeout_resubmitted": self.timeout_resubmitted,
             # prefill workers it takes for hung (asked nothing until they answer again)
-            "unresponsive_prefill": len(self.links.unresponsive)},
-            took=self.taken, gen=self.gen)
+            "unresponsive_prefill": len(self.links.unresponsive),
+            "unresponsive_prefill_ranks": sorted(self.links.unresponsive),
+            # requests moved off a worker another decode node reported (no deadline paid here)
+            "unresponsive_moved": self.links.moved},
+            took=self.taken, gen=self.gen, hung=self.links.hung_report())
 
     def _submit(self, h: dict[str, Any]) -> None:
         cid = h.get("id")
@@ -328,6 +365,15 @@ class PrefillNode:
         self.control.close()
 
 
+def _avoided_in(header: dict[str, Any]) -> dict[int, int | None]:
+    """The prefill workers a ready list names as not answering; none when it names none (a
+    frontend that does not say) or says it malformed (the ready list alone still holds)."""
+    try:
+        return rank_gens(header.get("unresponsive", []))
+    except ValueError:
+        return {}
+
+
 def _wait(node: DecodeNode | PrefillNode, timeout: float) -> None:
     """Until a message is on the node's control link or one of its links, or `timeout`."""
     poll_until(lambda: node.control.wait(0) or node.links.wait(0), timeout)
@@ -373,15 +419,19 @@ class Frontend:
         self.max_request_bytes = max_request_bytes
         self.controls: dict[tuple[str, int], Transport] = {}
         self.results: dict[int, ClusterResult] = {}
-        self.worker_stats: dict[tuple[str, int], dict[str, int]] = {}
+        self.worker_stats: dict[tuple[str, int], dict[str, Any]] = {}
         # the router's time per request, the latest ones
         self.route_seconds: deque[float] = deque(maxlen=100_000)
         self._ended: deque[int] = deque()
         self.late_events = 0  # for requests already ended: dropped (each ends once)
         self._next = 0
         self._open: set[int] = set()
-        # decode rank -> the prefill ranks (and their generations) it was told are ready
-        self._told_ready: dict[int, tuple[list[int], list[int | None]]] = {}
+        # decode rank -> the prefill ranks (and their generations) it was told are ready, and
+        # the ones it was told are not answering
+        self._told_ready: dict[int, tuple[list[int], list[int | None], list[list[int | None]]]] \
+            = {}
+        # decode rank -> the prefill workers (rank -> generation) it reports as not answering
+        self.unresponsive: dict[int, dict[int, int | None]] = {}
         # (role, rank) -> the generation its current control link's worker reported
         self.gens: dict[tuple[str, int], int | None] = {}
         self.closed = False  # shut down: nothing more is submitted or served
@@ -402,14 +452,32 @@ class Frontend:
         self._tell_ready()
 
     def _tell_ready(self) -> None:
-        """Tell each decode worker which prefill workers are ready, when that changed."""
-        ranks = self.router.ready("prefill")
-        ready = (ranks, [self.gens.get(("prefill", r)) for r in ranks])
+        """Tell each decode worker which prefill workers are ready, when that changed: the
+        ones the router may choose, and apart the ready ones a decode worker reports as not
+        answering (a node that does not know that field still leaves them out)."""
+        avoided = self._avoid_unresponsive()
+        ranks = self.router.usable("prefill")
+        aside = [[r, avoided[r]] for r in self.router.ready("prefill") if r in avoided]
+        ready = (ranks, [self.gens.get(("prefill", r)) for r in ranks], aside)
         for (role, rank), link in self.controls.items():
             if role == "decode" and self._told_ready.get(rank) != ready and \
                     _send(link, {"kind": "prefill_ready", "ranks": ready[0],
-                                 "gens": ready[1]}):
+                                 "gens": ready[1], "unresponsive": ready[2]}):
                 self._told_ready[rank] = ready
+
+    def _avoid_unresponsive(self) -> dict[int, int | None]:
+        """The prefill workers some decode worker reports as not answering, each with its
+        current generation (as far as known), set aside in the router. A report about another
+        generation than the one that last reported to the frontend is about a process that is
+        gone (the decode worker has not seen the restart yet): it sets nothing aside."""
+        out: dict[int, int | None] = {}
+        for reported in self.unresponsive.values():
+            for p, gen in reported.items():
+                now = self.gens.get(("prefill", p))
+                if gen is None or now is None or gen == now:
+                    out[p] = now if now is not None else gen
+        self.router.avoid("prefill", frozenset(out))
+        return out
 
     def submit(self, prompt: Iterable[int], max_new_tokens: int, eos: int | None = None) -> int:
         prompt = list(prompt)
@@ -493,9 +561,13 @@ class Frontend:
             self._lost(role, rank, str(h.get("error")))
         elif kind == "load":
             load = Load.from_json(h["load"])
+            # (checked before anything is taken from the report: a malformed one changes nothing)
+            hung = rank_gens(h.get("unresponsive", [])) if role == "decode" else None
             gen = h.get("gen")
             self.gens[(role, rank)] = gen if is_int(gen) else None
             self.router.report(role, rank, load)
+            if hung is not None and rank not in self.router.lost[role]:
+                self.unresponsive[rank] = hung  # (a lost worker's late report says nothing)
             if isinstance(h.get("stats"), dict):
                 self.worker_stats[(role, rank)] = h["stats"]
         elif kind == "events" and role == "decode":
@@ -517,6 +589,9 @@ class Frontend:
         self.router.mark_lost(role, rank)
         if role != "decode":
             return  # its decode workers re-ask another prefill worker, or prefill locally
+        # what it reported set workers aside for everyone: gone with it (else they would stay
+        # aside for good, nobody else withdrawing its report)
+        self.unresponsive.pop(rank, None)
         now = self.clock()
         for cid in sorted(self._open):
             r = self.results[cid]

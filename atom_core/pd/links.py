@@ -25,6 +25,11 @@ still talks to "its peer" over one transport. Here that transport is a set of pe
   their next poll, i.e. once its loop runs again) or a new link to it (a restart) makes it
   live again. With no prefill worker left to ask, the decode worker is told so, as when every
   one is lost.
+  The decode node reports the workers it takes for hung (`hung_report`); the frontend sets
+  them aside and tells the other decode nodes (`set_avoided`): those ask such a worker
+  nothing either, and move what they asked of it elsewhere at once instead of each waiting
+  for a deadline of its own. They do not ping it or report it themselves: only the decode
+  nodes that saw it hang do, so it is used again once each of them has its answer.
   Every time a request is asked again (after a loss, a refusal or a hang) its `attempt`
   number grows: the decode worker's transfer deadline counts from the latest attempt.
 - `DecodeLinks`, a prefill worker's links to the decode workers. Answers go back on the link the
@@ -223,7 +228,11 @@ class PrefillLinks(_Links):
         self.busy_retried = 0  # prefill requests sent again after a worker refused them (full)
         # peer -> why it is taken for hung: linked, but asked nothing until it shows it is alive
         self.unresponsive: dict[int, str] = {}
+        # peer -> the generation another decode node takes for hung (None: not known), as the
+        # frontend names them (`set_avoided`): asked nothing, neither pinged nor reported here
+        self.avoided: dict[int, int | None] = {}
         self.timeouts = 0  # requests whose deadline passed on a prefill worker (`timed_out`)
+        self.moved = 0  # requests taken from a worker another decode node reported hung
         self.superseded = 0  # answers of a worker a request was taken from: dropped
 
     def route(self, wire: str, prefill: int | None) -> None:
@@ -237,7 +246,38 @@ class PrefillLinks(_Links):
         """The prefill workers to ask: linked, alive and, once the frontend said which are
         ready (`set_ready`), ready in the process this link goes to."""
         return sorted(p for p, link in self.links.items()
-                      if link.alive and self._is_ready(p) and p not in self.unresponsive)
+                      if link.alive and self._is_ready(p) and p not in self.unresponsive
+                      and not self._avoided(p))
+
+    def _avoided(self, peer: int) -> bool:
+        """Another decode node takes the process this link goes to for hung (a report about
+        an older process of that rank says nothing about this one)."""
+        if peer not in self.avoided:
+            return False
+        want, have = self.avoided[peer], self.gens.get(peer)
+        return want is None or have is None or want == have
+
+    def set_avoided(self, avoided: Mapping[int, int | None]) -> None:
+        """The prefill workers (rank -> generation, None: not known) that some decode node
+        reports as not answering, as the frontend names them (replacing the last ones): asked
+        nothing, and what they were asked here is moved to another live one now (or, with
+        none left, the worker is told so) rather than waiting for its deadline there."""
+        self.avoided = dict(avoided)
+        touched = False
+        for peer in sorted(self.avoided):
+            if peer in self.links and self._avoided(peer) and peer in self._where.values() and \
+                    peer not in self.unresponsive:  # (hung here: moved already)
+                self.moved += self._move_from(peer)
+                touched = True
+        if touched:
+            self._tell_if_none_left("the others are reported as not answering", self._inbox)
+        if self.live():
+            self._told_lost = False  # (as in set_ready: one no longer set aside is live again)
+
+    def hung_report(self) -> list[list[int | None]]:
+        """[rank, generation] of each prefill worker this decode worker takes for hung, for
+        the frontend (the generation tells it which process the report is about)."""
+        return [[p, self.gens.get(p)] for p in sorted(self.unresponsive)]
 
     def _is_ready(self, peer: int) -> bool:
         if self.ready is None:
@@ -376,6 +416,13 @@ class PrefillLinks(_Links):
         # a live worker's links answer at their next poll, whether or not it holds anything
         # of ours (a request lost on the way leaves it nothing else to answer)
         self._try_send(link, {"kind": "ping", "nonce": secrets.token_hex(16)})
+        self.retried += self._move_from(peer)
+        self._tell_if_none_left(f"the last, {peer}, is not answering: {why}", out)
+
+    def _move_from(self, peer: int) -> int:
+        """Cancel on `peer` what it was asked and not answered, and ask another live prefill
+        worker for each (same id and nonce); returns how many were asked again."""
+        link, moved = self.links[peer], 0
         for wire in [w for w, p in self._where.items() if p == peer]:
             if wire in self._cancelled:
                 self._answered(wire)  # ended on the decode side (cancel sent): not asked again
@@ -383,9 +430,8 @@ class PrefillLinks(_Links):
             header = self._asked[wire]
             # when it wakes it drops the request instead of prefilling it for nobody
             self._try_send(link, {"kind": "cancel", "id": wire, "nonce": header["nonce"]})
-            if self._ask_again(header):
-                self.retried += 1
-        self._tell_if_none_left(f"the last, {peer}, is not answering: {why}", out)
+            moved += self._ask_again(header)
+        return moved
 
     def _alive_again(self, peer: int) -> None:
         why = self.unresponsive.pop(peer, None)

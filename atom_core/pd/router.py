@@ -22,6 +22,11 @@ that was least loaded at the last report. A worker's next report replaces that c
 reports after taking requests); an assignment whose request ended before the worker's next
 report (it never reached the worker: refused, aborted, its decode worker lost or it asked
 another prefill worker) is taken back (`release`), so no count stays inflated.
+
+A ready worker that a peer reports as not answering (a decode node took a prefill worker for
+hung) is set aside (`avoid`): not chosen, and not among the `usable` ones the frontend names
+to the decode nodes, until no peer reports it any more. It stays `ready` (it reported so and
+was not lost): being set aside is the reporters' view, undone by their next report.
 """
 
 from __future__ import annotations
@@ -136,6 +141,8 @@ class Router:
         self._seen: dict[str, dict[int, OrderedDict[bytes, int]]] = {r: {} for r in ROLES}
         self.affinity_hits = {r: 0 for r in ROLES}  # choices of a worker holding a prefix
         self.reports: dict[str, dict[int, int]] = {r: {} for r in ROLES}  # reports received
+        # workers a peer reports as not answering: never chosen while reported (`avoid`)
+        self.avoided: dict[str, frozenset[int]] = {r: frozenset() for r in ROLES}
 
     # ------------------------------------------------------------------ reports
     def report(self, role: str, worker: int, load: Load) -> None:
@@ -168,6 +175,16 @@ class Router:
         self._check(role)
         return sorted(w for w, ld in self.loads[role].items() if ld.ready)
 
+    def avoid(self, role: str, workers: frozenset[int]) -> None:
+        """The workers of `role` that some peer now reports as not answering (replacing the
+        previous set): none of them is chosen until a later call leaves it out."""
+        self._check(role)
+        self.avoided[role] = frozenset(workers)
+
+    def usable(self, role: str) -> list[int]:
+        """The ready workers that may be chosen: ready, and not reported as not answering."""
+        return [w for w in self.ready(role) if w not in self.avoided[role]]
+
     # ------------------------------------------------------------------ choices
     def assign(self, prompt: Sequence[int]) -> Assignment:
         """A decode worker and a prefill worker for `prompt`; RuntimeError when no decode worker
@@ -184,7 +201,8 @@ class Router:
         """A ready worker of `role` for a prompt with these `prefix_keys`, or None; counts the
         assignment in its load and remembers its prefixes there."""
         self._check(role)
-        cands = {w: ld for w, ld in self.loads[role].items() if ld.ready and w not in exclude}
+        skip = exclude | self.avoided[role]
+        cands = {w: ld for w, ld in self.loads[role].items() if ld.ready and w not in skip}
         if not cands:
             return None
         holders = self._holders(role, keys, cands) if role in self.affinity else {}
