@@ -18,9 +18,8 @@ import pytest
 from atom_core._generated import core
 from atom_core.batcher import AtomBatcher, Event
 from atom_core.config import Config, min_kv_blocks
-from atom_core.demo import oracle_for
 from atom_core.runtime import TorchReferenceRuntime
-from tests.test_batcher_audit import at_rest
+from tests.test_batcher_audit import at_rest, drive, oracle
 
 S, C, V = 256, 64, 128
 
@@ -37,18 +36,7 @@ def batcher(lanes: int, kv_blocks: int, block: int, **kw: object) -> AtomBatcher
 
 def exact(b: AtomBatcher, rid: int) -> bool:
     r = b.requests[rid]
-    return r.error is None and r.tokens == oracle_for(b.runtime).generate(
-        r.prompt, r.max_new_tokens, r.eos_token_id)
-
-
-def run(b: AtomBatcher, max_steps: int = 2000) -> list[Event]:
-    log: list[Event] = []
-    for _ in range(max_steps):
-        if not b.busy():
-            return log
-        log += b.step()
-        b.check_invariants()
-    raise AssertionError(f"not done after {max_steps} steps")
+    return r.error is None and r.tokens == oracle(b, rid)
 
 
 def test_a_request_preempted_at_max_seq_len_resumes_token_exact() -> None:
@@ -137,10 +125,10 @@ def test_abort_of_a_preempted_request_frees_it_and_the_rest_stay_exact() -> None
     had = list(b.requests[young].tokens)
     assert b.abort(young) is True and b.abort(young) is False
     assert young not in b.waiting
-    log = run(b)
+    log = drive(b)
     assert not [e for e in log if e.request_id == young]
     r = b.requests[young]
-    want = oracle_for(b.runtime).generate(r.prompt, r.max_new_tokens)
+    want = oracle(b, young)
     assert r.error == "aborted" and r.tokens == had == want[:len(had)]
     assert exact(b, old) and exact(b, later)
     at_rest(b)
@@ -158,7 +146,7 @@ def test_a_hit_whose_source_is_the_only_free_block_does_not_wait_for_a_whole_req
     b = batcher(2, 3, 128, scratch="reserved", prefix_cache=True)
     p = _toks(rng, 100)
     b.submit(p, 1)
-    run(b)
+    drive(b)
     b.submit([1, 2, 3], 100)
     b.step()
     w = b.submit(p[:70] + [5, 6], 3)

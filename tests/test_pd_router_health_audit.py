@@ -70,6 +70,18 @@ def _avoided(c: LocalCluster) -> frozenset[int]:
     return c.frontend.router.avoided["prefill"]
 
 
+def _chosen_again(c: LocalCluster, policy: _Chosen, at: int) -> None:
+    """Prefill worker 0 runs again: it answers decode node 0's ping, so no one reports it,
+    and new requests (from decode node 1) go to it, exactly; nothing is left."""
+    _steps(c, 6)
+    assert c.decodes[0].links.unresponsive == {} and _avoided(c) == frozenset()
+    again = _submit(c, policy, decode=1, n=2, at=at)
+    assert [c.frontend.results[x].prefill for x in again] == [0, 0]
+    c.run_until_done(rounds=3000)
+    assert_exact(c, again)
+    assert_at_rest(c)
+
+
 # --------------------------------------------------------------------------- the router
 def test_the_router_stops_choosing_a_reported_hung_prefill_worker_until_it_answers() -> None:
     """Decode node 0 reports prefill worker 0 as not answering (which one, and which process
@@ -88,15 +100,9 @@ def test_the_router_stops_choosing_a_reported_hung_prefill_worker_until_it_answe
     assert [c.frontend.results[x].prefill for x in more] == [1, 1, 1, 1]
     _run_without(c, 0)
     assert_exact(c, first + more)
-    _steps(c, 6)  # worker 0 runs: answers the ping; decode node 0 reports it no more
-    assert c.decodes[0].links.unresponsive == {} and _avoided(c) == frozenset()
+    _chosen_again(c, policy, at=5)
     assert c.frontend.worker_stats[("decode", 0)]["unresponsive_prefill_ranks"] == []
     assert all(d.links.live() == [0, 1] for d in c.decodes.values())
-    again = _submit(c, policy, decode=1, n=2, at=5)
-    assert [c.frontend.results[x].prefill for x in again] == [0, 0]
-    c.run_until_done(rounds=3000)
-    assert_exact(c, again)
-    assert_at_rest(c)
 
 
 def test_another_decode_node_moves_its_requests_off_a_reported_worker_at_once() -> None:
@@ -190,13 +196,7 @@ def test_a_worker_answering_again_is_reported_at_once() -> None:
     assert_exact(c, first)
     _step_without(c, 0, 3)
     assert _avoided(c) == {0}
-    _steps(c, 6)
-    assert c.decodes[0].links.unresponsive == {} and _avoided(c) == frozenset()
-    more = _submit(c, policy, decode=1, n=2, at=2)
-    assert [c.frontend.results[x].prefill for x in more] == [0, 0]
-    c.run_until_done(rounds=3000)
-    assert_exact(c, more)
-    assert_at_rest(c)
+    _chosen_again(c, policy, at=2)
 
 
 # --------------------------------------------------------------------------- who reports

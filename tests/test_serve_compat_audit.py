@@ -34,6 +34,16 @@ def post(s: Server, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(s.base + path, json=body, headers=AUTH, timeout=30)
 
 
+def served_exactly(s: Server, messages: list[dict[str, Any]], prompt: list[int], n: int) -> None:
+    """The server's chat reply to `messages` (greedy, `n` tokens) counts `prompt` as its prompt
+    and is what the batcher's oracle gives for it."""
+    res = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=n,
+                                             temperature=0,
+                                             extra_body={"return_token_ids": True})
+    assert res.usage.prompt_tokens == len(prompt)
+    assert res.choices[0].token_ids == s.oracle(prompt, n)
+
+
 def bad_request(call: Any) -> dict[str, Any]:
     """The error body of the 400 `call` raises."""
     with pytest.raises(openai.BadRequestError) as exc:
@@ -180,11 +190,7 @@ def test_a_template_that_takes_parts_is_given_them(tmp_path: Path) -> None:
     prompt = tok.chat(messages)
     assert tok.decode(prompt) == "<|user|>\n[The quick][brown fox]\n<|assistant|>\n"
     with Server(tiny_config(), tokenizer=tok) as s:
-        res = s.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
-                                                 temperature=0,
-                                                 extra_body={"return_token_ids": True})
-        assert res.usage.prompt_tokens == len(prompt)
-        assert res.choices[0].token_ids == s.oracle(prompt, 6)
+        served_exactly(s, messages, prompt, 6)
 
 
 @pytest.mark.parametrize("part", [

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from test_serve import KEY, MODEL, Server, SlowRuntime, tiny_config  # noqa: E402
+from test_serve import MODEL, Server, SlowRuntime, tiny_config  # noqa: E402
+from test_serve_compat_audit import AUTH, post, served_exactly, srv  # noqa: E402, F401 (a fixture)
+from test_serve_lifecycle_audit import LONG, open_stream, until  # noqa: E402
 
 from atom_core.batcher import AtomBatcher, Event  # noqa: E402
 from atom_core.config import Config, min_kv_blocks  # noqa: E402
@@ -40,30 +41,6 @@ from atom_core.serve.tokenizer import (  # noqa: E402
     IncrementalText,
     build_tiny_tokenizer,
 )
-
-AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = "never stop talking"  # its greedy reply has no end token: 230 tokens unless aborted
-
-
-def until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
-        time.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def srv() -> Any:
-    with Server(tiny_config()) as s:
-        yield s
-
-
-def post(s: Server, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(s.base + path, json=body, headers=AUTH, timeout=30)
-
 
 # ------------------------------------------------------------------ 1. a message's name (fixed)
 # a template that renders a message's name, as some models' do ("<|user name=alice|>")
@@ -88,11 +65,7 @@ def test_a_message_name_reaches_a_template_that_renders_it(model_dir: Path) -> N
     prompt = tok.chat(named)
     assert "<|user name=alice|>" in tok.decode(prompt)
     with Server(tiny_config(), tokenizer=tok) as s:
-        res = s.client().chat.completions.create(model=MODEL, messages=named, max_tokens=4,
-                                                 temperature=0,
-                                                 extra_body={"return_token_ids": True})
-        assert res.usage.prompt_tokens == len(prompt)
-        assert res.choices[0].token_ids == s.oracle(prompt, 4)
+        served_exactly(s, named, prompt, 4)
         r = post(s, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
             {"role": "user", "content": "hi", "name": 7}]})
         assert r.status_code == 400, r.text
@@ -116,19 +89,6 @@ class Wide(ByteTokenizer):
 
     def decode(self, ids: Any) -> str:
         return "".join(c * 10_000 for c in super().decode(ids))
-
-
-def open_stream(base: str, body: dict[str, Any], rcvbuf: int) -> socket.socket:
-    """POST a streamed completion on a raw socket with a small receive buffer, left unread."""
-    host, port = base.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-                 .encode() + data)
-    return sock
 
 
 def read_to_end(sock: socket.socket, timeout: float = 10.0) -> bytes:
@@ -313,7 +273,7 @@ def test_a_continuation_is_what_prompt_and_reply_decode_to_beyond_the_prompt(
     ({"content-type": "application/json"}, b'[{"model": "tiny"}]', "not a JSON array"),
 ])
 def test_a_body_that_is_no_json_object_is_a_400_that_says_why(
-        srv: Server, headers: dict[str, str], body: bytes, says: str) -> None:
+        srv: Server, headers: dict[str, str], body: bytes, says: str) -> None:  # noqa: F811
     """Bug: each was 'body: Input should be a valid dictionary or object to extract fields
     from' (or 'body: Field required'), though most were valid JSON a header short."""
     r = httpx.post(srv.base + "/v1/completions", content=body, headers={**AUTH, **headers})

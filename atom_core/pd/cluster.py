@@ -55,10 +55,10 @@ from typing import Any
 import attrs
 
 from atom_core.config import Config
-from atom_core.pd.links import DecodeLinks, PrefillLinks, poll_until
+from atom_core.pd.links import DecodeLinks, PrefillLinks, poll_until, try_send
 from atom_core.pd.payload import is_int
 from atom_core.pd.router import Load, Policy, Router, load_of
-from atom_core.pd.transport import PEER_LOST, InProcessTransport, Transport, TransportError
+from atom_core.pd.transport import PEER_LOST, InProcessTransport, Transport
 from atom_core.pd.workers import DecodeWorker, PrefillWorker, quantile
 
 __all__ = ["ClusterResult", "DecodeNode", "Frontend", "LocalCluster", "PrefillNode"]
@@ -133,17 +133,9 @@ class _Reporter:
             msg["gen"] = gen
         if hung is not None:
             msg["unresponsive"] = hung
-        if _send(control, msg):
+        if try_send(control, msg):
             self._load, self._stats, self._at, self._took = ld, stats, now, took
             self._hung = hung
-
-
-def _send(link: Transport, header: dict[str, Any]) -> bool:
-    try:
-        link.send(header)
-    except TransportError:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------- nodes
@@ -220,7 +212,7 @@ class DecodeNode:
                 self._end(ev.request_id, cid)
         if out:
             progress = True
-            _send(self.control, {"kind": "events", "events": out})
+            try_send(self.control, {"kind": "events", "events": out})
         self._report()
         return progress or self.worker._progress
 
@@ -249,14 +241,14 @@ class DecodeNode:
         try:
             wid = self.worker.submit(prompt, max_new, eos)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
-            _send(self.control, {"kind": "events", "events": [
+            try_send(self.control, {"kind": "events", "events": [
                 [cid, "error", None, f"decode worker {self.rank} refused the request: {exc}"]]})
             return
         ended = self.worker.requests[wid].error
         if ended is not None:
             # ended at once inside the worker (it emits no event for that): the frontend
             # must hear of it, or the request would stay open for good
-            _send(self.control, {"kind": "events", "events": [[cid, "error", None, ended]]})
+            try_send(self.control, {"kind": "events", "events": [[cid, "error", None, ended]]})
             return
         self._cid[wid] = cid
         self._job[cid] = (list(prompt), max_new, eos)  # type: ignore[arg-type]
@@ -297,7 +289,7 @@ class DecodeNode:
     def _abort(self, cid: Any) -> None:
         for wid, c in list(self._cid.items()):
             if c == cid and self.worker.abort(wid):
-                _send(self.control, {"kind": "events", "events": [
+                try_send(self.control, {"kind": "events", "events": [
                     [cid, "error", None, "aborted"]]})
                 self._end(wid, cid)
 
@@ -446,7 +438,7 @@ class Frontend:
         self.controls[(role, rank)] = control
         self.gens.pop((role, rank), None)  # a new process: known once it reports
         if self.closed:
-            _send(control, {"kind": "shutdown"})  # (linked after the shutdown: stop it too)
+            try_send(control, {"kind": "shutdown"})  # (linked after the shutdown: stop it too)
         if role == "decode":
             self._told_ready.pop(rank, None)  # a new worker: tell it
         self._tell_ready()
@@ -461,7 +453,7 @@ class Frontend:
         ready = (ranks, [self.gens.get(("prefill", r)) for r in ranks], aside)
         for (role, rank), link in self.controls.items():
             if role == "decode" and self._told_ready.get(rank) != ready and \
-                    _send(link, {"kind": "prefill_ready", "ranks": ready[0],
+                    try_send(link, {"kind": "prefill_ready", "ranks": ready[0],
                                  "gens": ready[1], "unresponsive": ready[2]}):
                 self._told_ready[rank] = ready
 
@@ -509,7 +501,7 @@ class Frontend:
             since=(reports["decode"].get(a.decode, 0),
                    reports["prefill"].get(a.prefill, 0) if a.prefill is not None else 0))
         self._open.add(cid)
-        if not _send(self.controls[("decode", a.decode)],
+        if not try_send(self.controls[("decode", a.decode)],
                      {"kind": "request", "id": cid, "prompt": prompt,
                       "max_new_tokens": max_new_tokens, "eos": eos, "prefill": a.prefill}):
             self._lost("decode", a.decode, "its control link is down")
@@ -541,7 +533,7 @@ class Frontend:
         r = self.results.get(cid)
         if r is None or r.ended or r.decode is None:
             return False
-        return _send(self.controls[("decode", r.decode)], {"kind": "abort", "id": cid})
+        return try_send(self.controls[("decode", r.decode)], {"kind": "abort", "id": cid})
 
     def step(self) -> bool:
         progress = False
@@ -618,7 +610,7 @@ class Frontend:
         would otherwise never end, and a caller waiting for it (`busy`) would wait forever."""
         self.closed = True
         for link in self.controls.values():
-            _send(link, {"kind": "shutdown"})
+            try_send(link, {"kind": "shutdown"})
         now = self.clock()
         for cid in sorted(self._open):
             r = self.results[cid]

@@ -59,9 +59,19 @@ import torch
 
 from atom_core.pd.transport import PEER_LOST, Message, Transport, TransportError
 
-__all__ = ["DecodeLinks", "PrefillLinks"]
+__all__ = ["DecodeLinks", "PrefillLinks", "try_send"]
 
 log = logging.getLogger(__name__)
+
+
+def try_send(link: Transport, header: dict[str, Any]) -> bool:
+    """Send `header` on `link`; False if the link is lost (its loss shows in the next poll,
+    which handles it)."""
+    try:
+        link.send(header)
+    except TransportError:
+        return False
+    return True
 
 
 # The longest sleep between two looks at idle links.
@@ -271,8 +281,7 @@ class PrefillLinks(_Links):
                 touched = True
         if touched:
             self._tell_if_none_left("the others are reported as not answering", self._inbox)
-        if self.live():
-            self._told_lost = False  # (as in set_ready: one no longer set aside is live again)
+        self._rearm()
 
     def hung_report(self) -> list[list[int | None]]:
         """[rank, generation] of each prefill worker this decode worker takes for hung, for
@@ -301,6 +310,9 @@ class PrefillLinks(_Links):
         self.ready = frozenset(gens)
         self._ready_gen = gens
         self._unconfirmed -= self.ready
+        self._rearm()
+
+    def _rearm(self) -> None:
         if self.live():
             # a prefill worker can be asked again (the node clears the worker's `lost`): the
             # next time none is left the worker must be told again, or the requests in flight
@@ -313,8 +325,7 @@ class PrefillLinks(_Links):
             # (before the old link's requests are retried: not to the new process, unready)
             self._unconfirmed.add(peer)
         super().add(peer, link, gen)
-        if self.live():
-            self._told_lost = False
+        self._rearm()
 
     def busy(self) -> bool:
         """Some prefill request is unanswered."""
@@ -331,17 +342,11 @@ class PrefillLinks(_Links):
             peer = self._where.get(wire) if isinstance(wire, str) else None
             if peer is not None:
                 self._cancelled.add(wire)  # type: ignore[arg-type]
-                try:
-                    self.links[peer].send(header)
-                except TransportError:
-                    pass  # its loss shows in the next poll, which ends the transfer
+                try_send(self.links[peer], header)  # (a loss: the next poll ends the transfer)
         elif kind == "shutdown":
             # this decode worker is done with them; each prefill worker keeps serving the others
             for link in self.links.values():
-                try:
-                    link.send(header)
-                except TransportError:
-                    pass
+                try_send(link, header)
         else:
             raise ValueError(f"a decode worker sends prefill, cancel or shutdown, not {kind!r}")
 
@@ -415,7 +420,7 @@ class PrefillLinks(_Links):
         link = self.links[peer]
         # a live worker's links answer at their next poll, whether or not it holds anything
         # of ours (a request lost on the way leaves it nothing else to answer)
-        self._try_send(link, {"kind": "ping", "nonce": secrets.token_hex(16)})
+        try_send(link, {"kind": "ping", "nonce": secrets.token_hex(16)})
         self.retried += self._move_from(peer)
         self._tell_if_none_left(f"the last, {peer}, is not answering: {why}", out)
 
@@ -429,7 +434,7 @@ class PrefillLinks(_Links):
                 continue
             header = self._asked[wire]
             # when it wakes it drops the request instead of prefilling it for nobody
-            self._try_send(link, {"kind": "cancel", "id": wire, "nonce": header["nonce"]})
+            try_send(link, {"kind": "cancel", "id": wire, "nonce": header["nonce"]})
             moved += self._ask_again(header)
         return moved
 
@@ -438,15 +443,7 @@ class PrefillLinks(_Links):
         if why is None:
             return
         log.warning("prefill worker %d answers again: it is asked again", peer)
-        if self.live():
-            self._told_lost = False  # as in set_ready: a later loss must be told again
-
-    @staticmethod
-    def _try_send(link: Transport, header: dict[str, Any]) -> None:
-        try:
-            link.send(header)
-        except TransportError:
-            pass  # its loss shows in the next poll
+        self._rearm()
 
     def _ask_again(self, header: dict[str, Any], exclude: frozenset[int] = frozenset()
                    ) -> bool:
@@ -575,10 +572,7 @@ class DecodeLinks(_Links):
         if link is None or not wellformed_nonce(nonce):
             self.refused += 1
             return
-        try:
-            link.send({"kind": "pong", "nonce": nonce})
-        except TransportError:
-            pass  # the loss shows in the next poll
+        try_send(link, {"kind": "pong", "nonce": nonce})
 
     def _lost_peer(self, peer: int, why: str, out: list[Message]) -> None:
         # its requests end here: cancelled inside the worker (their blocks freed); the answers

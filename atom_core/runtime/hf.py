@@ -841,9 +841,9 @@ def model_end_ids(model: Any) -> list[int]:
     """The ids transformers' generate() ends a sequence at: the loaded model's
     generation_config (generation_config.json, or config.json's eos_token_id when a checkpoint
     has no generation_config.json: transformers derives it from the model config)."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [] if ids is None else list(ids) if isinstance(ids, (list, tuple)) else [ids]
-    return [int(i) for i in ids]
+    from atom_core.serve.tokenizer import id_list
+
+    return id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
 
 
 def _end_where_generate_ends(tok: Any, model: Any, where: str | os.PathLike[str]) -> None:
@@ -853,8 +853,9 @@ def _end_where_generate_ends(tok: Any, model: Any, where: str | os.PathLike[str]
     max_tokens. Ids outside the vocabulary are refused (`check_end_tokens`)."""
     ends = model_end_ids(model)
     check_end_tokens(ends, int(model.config.vocab_size), f"{where}: the model's eos_token_id")
-    have = {tok.eos_token_id, *(getattr(tok, "end_token_ids", ()) or ())}
-    missing = frozenset(ends) - have
+    from atom_core.serve.tokenizer import end_ids
+
+    missing = frozenset(ends) - set(end_ids(tok))
     if missing and hasattr(tok, "end_token_ids"):
         tok.end_token_ids = frozenset(tok.end_token_ids) | missing
 

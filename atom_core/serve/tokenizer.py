@@ -59,10 +59,15 @@ def generation_end_ids(model_dir: Path) -> list[int]:
         cfg = json.loads((model_dir / "generation_config.json").read_text())
     except FileNotFoundError:
         return []
-    ids = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    return id_list(cfg.get("eos_token_id") if isinstance(cfg, dict) else None)
+
+
+def id_list(ids: Any) -> list[int]:
+    """An `eos_token_id` as transformers' configs give it (None, one id, or a list) as a
+    list of ids."""
     if ids is None:
         return []
-    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+    return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
 
 class ByteTokenizer:
