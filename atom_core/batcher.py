@@ -111,7 +111,7 @@ class Export:
 @attrs.define
 class Stats:
     prefill_tokens: int = 0  # prompt tokens computed by prefill
-    prefix_hit_tokens: int = 0  # prompt tokens copied from the prefix cache instead
+    prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache (copied or adopted)
     decode_steps: int = 0
     decode_rows_padding: int = 0
     generated_tokens: int = 0
@@ -917,11 +917,14 @@ class AtomBatcher:
             choice = self.policy.admission(self._m, rid, remote=self.requests[rid].remote)
             if choice is None:
                 return
-            dst = choice.args.get("dst")
-            if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
+            dst = choice.args.get("dst")  # (none for admit_adopt: it takes its source over)
+            if (self.config.host_cache_blocks and dst is not None and self._is_cache_entry(dst)
+                    and self._spill(dst)):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.waiting.popleft()
             self._dispatch(self._apply(choice.action, **choice.args), events)
+            if choice.action == "admit_adopt":  # a hit with nothing to copy: the entry's block
+                self.stats.prefix_hit_tokens += choice.args["n"]
 
     def _dispatch(self, step: core.Step, events: list[Event]) -> None:
         """Run what an applied choice's effects ask of the runtime, in their order: a prefix

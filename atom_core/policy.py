@@ -313,9 +313,14 @@ class Policy:
         if hit is not None:
             src, n = hit
             dst = self.reusable(s, exclude=src)
-            if dst is None:
-                return None
-            return Choice("admit_hit", {"l": lane, "r": r, "src": src, "dst": dst, "n": n})
+            if dst is not None:
+                return Choice("admit_hit", {"l": lane, "r": r, "src": src, "dst": dst, "n": n})
+            # the hit's source is the only reusable block: with preemption (fewer blocks than
+            # the prefix rule) take the entry over rather than wait for a running request
+            adopt = {"l": lane, "r": r, "src": src, "n": n}
+            if _core(s).admit_adopt_guard(s, **adopt) is None:
+                return Choice("admit_adopt", adopt)
+            return None
         dst = self.reusable(s)
         if dst is None:
             return None

@@ -451,10 +451,10 @@ def admit_miss(l: Lane, r: Req, dst: Block):
     emit("admit", lane=l, request=r, block=dst)
 
 
-@m.action
-def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
-    """Admit r into idle lane l by copying n cached tokens from entry src into a fresh dst."""
-    live_when(PREFIX)
+def hits_entry(l, r, src, n):
+    """The guards an admission from cache entry src starts with (`admit_hit`, `admit_adopt`):
+    idle lane l, waiting request r, and src agrees with r's prompt through n tokens (whole
+    chunks) with a token left to compute."""
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
     require("src_cached", owner(src) == Owner.CACHE)
@@ -462,9 +462,21 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
     require("n_within_entry", n <= slen(key(src)))
     require("token_left_to_compute", n < slen(prompt(r)))
     require("prefix_matches", take(key(src), n) == take(prompt(r), n))
-    require("hybrid_snapshot_at_n", implies(HYBRID, n <= snap_upto(src)))
+
+
+def into_first_block(src, n):
+    """... and the hit lands in the lane's first block: src starts a sequence, n fits a block."""
     require("src_first_block", start(src) == 0)
     require("n_within_block", n <= S)
+
+
+@m.action
+def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
+    """Admit r into idle lane l by copying n cached tokens from entry src into a fresh dst."""
+    live_when(PREFIX)
+    hits_entry(l, r, src, n)
+    require("hybrid_snapshot_at_n", implies(HYBRID, n <= snap_upto(src)))
+    into_first_block(src, n)
     require("dst_not_src", dst != src)
     require("dst_reusable", reusable(dst))
     occupy(l, r, dst, n, src=src)
@@ -474,6 +486,30 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
     assign(copy_src(l), src)
     emit("admit", lane=l, request=r, block=dst)
     emit("copy", lane=l, src=src, dst=dst, n=n)
+
+
+@m.action
+def admit_adopt(l: Lane, r: Req, src: Block, n: INT):
+    """With preemption, admit r into idle lane l by taking cache entry src over: its first n
+    tokens are already the prompt's KV, so nothing is copied, and the prefill overwrites the
+    rest. For when src is the only reusable block (fewer blocks than the prefix rule): a copy
+    would need a second one, and a miss must not skip the hit (`no_cache_hit`), so without it
+    the request waits for a running one to end. The entry is gone afterwards (the policy copies
+    instead whenever it can). Not for a hybrid model: its hit restores the sliding state as part
+    of the copy (`copy_done`)."""
+    live_when(PREFIX & PREEMPT & ~HYBRID)
+    require("preemption_on", PREEMPT)
+    require("not_hybrid", ~HYBRID)
+    hits_entry(l, r, src, n)
+    into_first_block(src, n)
+    require("src_unpinned", ~pinned(src))
+    occupy(l, r, src, n, src=src)
+    # the lane's n tokens are the entry's first n (`prefix_matches`), whose KV the block holds
+    assign(holds(src), take(holds(src), n))
+    # Ghost: slot j of the block holds token start(src) + j; as the lane's first block it must
+    # hold token j, so the block holds its own tokens only if it starts a sequence already.
+    assign(junk(src), start(src) != 0)
+    emit("admit", lane=l, request=r, block=src)
 
 
 @m.action
@@ -1246,7 +1282,8 @@ def admission_room():
 
 m.progress_property("idle_lane_admits", forall((Lane, Req), lambda l, r: implies(
     quiescent() & ~busy(l) & (phase(r) == Phase.WAITING) & admission_room(),
-    enabled(admit_miss, l=l, r=r) | enabled(admit_hit, l=l, r=r, n=C))),
+    enabled(admit_miss, l=l, r=r) | enabled(admit_hit, l=l, r=r, n=C)
+    | enabled(admit_adopt, l=l, r=r, n=C))),
     doc="an idle lane and a waiting request can always be admitted (evicting if needed)")
 m.progress_property("running_request_advances", implies(
     exists(Req, lambda r: running(r)),

@@ -291,6 +291,32 @@ def test_serve_ends_replies_where_generate_ends_without_a_generation_config(
     assert other in end_ids(tok)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_tokenizer_ends_where_generate_ends_without_a_generation_config(
+        tmp_path: Path, family: str) -> None:
+    """A model directory (an RBLN artifact, a checkpoint served by the reference runtime)
+    with no generation_config.json: the tokenizer's end ids are config.json's, as the
+    generation config transformers derives from the model config says (a multimodal config
+    keeps them in its text config). Before, the tokenizer knew only its own eos token and a
+    reply ran past the model's second end id."""
+    transformers = pytest.importorskip("transformers")
+    from atom_core.serve.tokenizer import HFTokenizer, build_tiny_tokenizer, end_ids, id_list
+
+    d = build_tiny_tokenizer(tmp_path / "model")
+    eos = HFTokenizer(d).eos_token_id
+    ends = [eos, 300]
+    if family == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=320, eos_token_id=ends)
+    else:
+        cfg = transformers.Gemma3Config(text_config={"vocab_size": 320, "eos_token_id": ends})
+    cfg.save_pretrained(d)
+    (d / "generation_config.json").unlink(missing_ok=True)
+    derived = transformers.GenerationConfig.from_model_config(
+        transformers.AutoConfig.from_pretrained(d, local_files_only=True))
+    assert set(id_list(derived.eos_token_id)) == set(ends)  # transformers' own reading
+    assert set(end_ids(HFTokenizer(d))) == set(ends)
+
+
 # --------------------------------------------------------------------------- max_seq_len
 def test_from_rbln_does_not_invent_max_seq_len() -> None:
     """vllm-rbln style settings with a block size but no max_model_len: before, Config's 4096

@@ -87,17 +87,19 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     the table end; and the situations each feature exists for happened."""
     actions = set(committed.ACTIONS)
     cannot = set() if prefix else {"admit_hit", "copy_done", "grow_hit"}
+    # (a hybrid hit restores the sliding state in its copy: a lane never takes one over)
+    cannot |= {"admit_adopt"} if not prefix or tier == "hybrid" else set()
     cannot |= set() if tier == "hybrid" else {"snapshot"}
     cannot |= set() if tier == "host" else set(HOST_ACTIONS)
     for run in runs:
         off = cannot | (set() if run.pd else set(PD_ACTIONS))
-        off |= set() if run.preempt else {"preempt"}
+        off |= set() if run.preempt else {"preempt", "admit_adopt"}
         assert not off & set(run.applied), (run.pd, run.preempt, off & set(run.applied))
     applied = {a for run in runs for a in run.applied}
     rejected = {k for run in runs for k, v in run.rejected.items() if v}
     events = {k for run in runs for k, v in run.events.items() if v}
     expected = actions - cannot - (set() if any(run.pd for run in runs) else set(PD_ACTIONS))
-    expected -= set() if any(run.preempt for run in runs) else {"preempt"}
+    expected -= set() if any(run.preempt for run in runs) else {"preempt", "admit_adopt"}
     assert expected <= applied, expected - applied
     assert ("decode", "no_block_overflow") in rejected
     # Each tier's actions are refused where they do not belong, and at wrong times.

@@ -355,7 +355,7 @@ WALK_STEPS = 45
 # first block and host hits need a finished request's entries still cached (or stored) when a
 # request with the same prompt is admitted. The directed scenarios take them.
 DIRECTED_ONLY = frozenset(("grow_hit", "grow_host_hit", "admit_host_hit", "load_done",
-                           "load_fail"))
+                           "load_fail", "admit_adopt"))
 
 
 # How often a walk takes each action when it can (default 8): ends and failures seldom, so
@@ -654,6 +654,25 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[Step]]] = {
         ok("prefill", 0, 1), ok("decode", 2, 1, (1, 1)), ok("admit_miss", 1, 1, 2),
         ok("prefill", 1, 1), ok("prefill", 1, 1), no("requeue_fits", "preempt", 0),
         ok("preempt", 1), ok("finish", 0, False)]),
+    # with preemption a lane takes a cache entry over (no block to copy it into): not the
+    # entry of a later block, not one a copy still reads; then it grows into the next entry
+    "adopt": (paged(B=2, K=3, PREEMPT=True), [
+        *prefill_to_cache(), no("src_first_block", "admit_adopt", 1, 5, 0, 4),
+        no("n_within_entry", "admit_adopt", 1, 5, 1, 6),
+        ok("admit_hit", 0, 6, 1, 2, 2), no("src_unpinned", "admit_adopt", 1, 5, 1, 4),
+        ok("copy_done", 0), no("lane_idle", "admit_adopt", 0, 5, 1, 4),
+        ok("admit_adopt", 1, 5, 1, 2), ok("prefill", 1, 1),
+        no("chunk_within_block", "prefill", 1, 1), ok("grow", 1, 0), ok("prefill", 1, 1),
+        ok("prefill", 1, 3), ok("finish", 1, True)]),
+    # a host hit into a block that was a later one (its start changes), and a hybrid export
+    # kept as cache entries (they take the lane's snapshots, the lane has none after)
+    "host hit into a later block": (paged(HOST=True, H=2), [
+        *to_host(), ok("admit_host_hit", 1, 1, 0, 0, 4), ok("load_done", 1)]),
+    "pd hybrid export kept": (paged(HYBRID=True), [
+        *prefill_to_cache(snap=True), ok("submit", 1, P7), ok("admit_import", 1, 1, 1),
+        ok("import_grow", 1, 0), ok("import_done", 1, P7, 4), ok("finish", 1, False),
+        ok("submit", 2, P7[:3]), ok("admit_miss", 1, 2, 2), ok("prefill", 1, 1),
+        ok("snapshot", 1), ok("prefill", 1, 1), ok("export", 1), ok("export_done", 2, True)]),
     # a hybrid lane with snapshots preempted (its snapshots are dropped)
     "preempt hybrid": (paged(B=2, K=3, HYBRID=True, PREEMPT=True), [
         ok("submit", 0, P7), ok("submit", 1, P7), ok("admit_miss", 0, 0, 0),
@@ -850,6 +869,12 @@ SURVIVING_UPDATES: dict[tuple[str, str], str] = {
                                     "(snapshots_need_hybrid), as snap_upto is everywhere",
     ("grow_host_hit", "snap_taken"): "sets lane_snap_taken(l): 0 without hybrid, as "
                                      "snap_taken is everywhere",
+    ("admit_adopt", "start"): "sets 0, which src_first_block says it is",
+    ("admit_adopt", "junk"): "sets start(src) != 0, false by src_first_block, as a cache "
+                             "entry's junk is (cached_content_untouched)",
+    ("admit_adopt", "lane_snap"): "sets min(n, snap_upto(src)): 0 without hybrid (not_hybrid, "
+                                  "snapshots_need_hybrid), as an idle lane's is",
+    ("admit_adopt", "lane_snap_taken"): "the same, from snap_taken(src): 0 without hybrid",
 }
 # Dropped guard conjuncts no recorded call tells from the spec, and why: each is implied by the
 # others in every reachable state (or no call can be made where it fails), so no call whose
@@ -862,6 +887,7 @@ SURVIVING_GUARDS: dict[tuple[str, str], str] = {
     ("admit_hit", "n_within_block"): _KEY_IN_BLOCK,
     ("grow_hit", "n_within_block"): _KEY_IN_BLOCK,
     ("admit_host_hit", "n_within_block"): _KEY_IN_BLOCK,
+    ("admit_adopt", "n_within_block"): _KEY_IN_BLOCK,
     ("grow_host_hit", "n_within_block"): _KEY_IN_BLOCK,
     ("grow_hit", "table_not_full"): _TABLE_ROOM,
     ("grow_host_hit", "table_not_full"): _TABLE_ROOM,

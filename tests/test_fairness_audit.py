@@ -4,14 +4,15 @@ and again, recompute after preemption at the sequence's end, abort of a preempte
 Directed cases beside tests/test_sched_audit.py's (which covers the lane and decode starvation
 fixes and the random preemption storms); they found nothing in the adapter or the policy.
 
-One finding needs the spec, so it is an expected failure here: with preemption, a waiting
-request whose prefix hit's source is the only reusable block waits until a running request ends
+One finding needed the spec (`admit_adopt`, tested here): with preemption, a waiting request
+whose prefix hit's source was the only reusable block waited until a running request ended
 (admit_hit needs a second block; admit_miss refuses while a hit exists: `no_cache_hit`).
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -134,24 +135,91 @@ def test_abort_of_a_preempted_request_frees_it_and_the_rest_stay_exact() -> None
     at_rest(b)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the spec: admit_miss refuses while a hit exists "
-                   "(no_cache_hit), and admit_hit needs a block besides the hit's source")
-def test_a_hit_whose_source_is_the_only_free_block_does_not_wait_for_a_whole_request() -> None:
-    """With preemption (one lane's table and a block), one lane decodes a long answer and the
-    only other reusable block is a cache entry the waiting request's prompt hits. The policy
-    may neither copy it (no second block) nor admit a miss into it (the spec's `no_cache_hit`),
-    so the head of the queue, and everything behind it, waits until the decoding request ends
-    (100 steps here) while that block sits idle."""
+def _hit_beside_a_decoding_lane(kv_blocks: int) -> tuple[AtomBatcher, list[int], int]:
+    """One lane decodes a long answer; a finished request's block is a cache entry; then a
+    request whose prompt shares that entry's first 70 tokens arrives (a 64-token hit)."""
     rng = random.Random(7)
-    b = batcher(2, 3, 128, scratch="reserved", prefix_cache=True)
+    b = batcher(2, kv_blocks, 128, scratch="reserved", prefix_cache=True)
     p = _toks(rng, 100)
-    b.submit(p, 1)
+    first = b.submit(p, 1)
     drive(b)
-    b.submit([1, 2, 3], 100)
+    long = b.submit([1, 2, 3], 100)
     b.step()
     w = b.submit(p[:70] + [5, 6], 3)
-    steps = 0
-    while b.phase(w) == core.PHASE_WAITING:
-        b.step()
-        steps += 1
-    assert steps <= 2, f"the hit's request waited {steps} steps with its source block idle"
+    return b, [first, long, w], w
+
+
+def test_a_hit_whose_source_is_the_only_reusable_block_takes_it_over() -> None:
+    """With preemption (one lane's table and a block), the only reusable block is the cache
+    entry the waiting request's prompt hits: a copy needs a second block and a miss must not
+    skip the hit (`no_cache_hit`), so it used to wait for the decoding request to end (100
+    steps) with that block idle. The lane takes the entry over (`admit_adopt`): admitted at
+    once, its 64 cached tokens reused in place, every answer token-exact."""
+    b, rids, w = _hit_beside_a_decoding_lane(3)
+    s = b.state
+    (src,) = [x for x in range(s.consts.K) if s.owner[x] == core.OWNER_CACHE]
+    hits = b.stats.prefix_hit_tokens
+    b.step()
+    s = b.state
+    assert b.phase(w) != core.PHASE_WAITING, "the hit's request waits with its source idle"
+    lane = s.req_lane.get(w)
+    assert s.tail[lane] == src and s.owner[src] == core.OWNER_LANE
+    assert b.stats.prefix_hit_tokens - hits == 64
+    assert b.stats.prefill_tokens < 100 + 3 + 72  # its first chunk was not computed again
+    drive(b)
+    assert all(exact(b, r) for r in rids)
+    at_rest(b)
+
+
+def test_a_hit_with_a_block_to_spare_copies_and_keeps_the_entry() -> None:
+    """The same arrival with one block more: the hit is copied into the free block and the
+    entry stays cached for the next request (taking it over is only for when nothing else is
+    left)."""
+    b, rids, w = _hit_beside_a_decoding_lane(4)
+    s = b.state
+    (src,) = [x for x in range(s.consts.K) if s.owner[x] == core.OWNER_CACHE]
+    b.step()
+    s = b.state
+    assert s.owner[src] == core.OWNER_CACHE and s.tail[s.req_lane.get(w)] != src
+    drive(b)
+    assert all(exact(b, r) for r in rids)
+    at_rest(b)
+
+
+@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
+def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch: str) -> None:
+    """Bursts of prompts sharing their first chunks, at the preemption minimum with the prefix
+    cache, over several seeds: every answer is the oracle's, each request ends, nothing leaks;
+    with a reserved scratch block, entries are taken over when they are the last reusable
+    block (counted from the policy's choices). (With dynamic scratch a request is admitted
+    beside running ones only with a padding block to spare, so a hit always has a second
+    block to copy into.)"""
+    taken: list[str] = []
+    for seed in range(6):
+        rng = random.Random(seed)
+        lanes, t = 2, 2
+        b = batcher(lanes, min_kv_blocks(lanes, True, scratch, t, preemption=True), S // t,
+                    scratch=scratch, prefix_cache=True)
+
+        def admission(*a: object, choose: Any = b.policy.admission, **k: object) -> object:
+            c = choose(*a, **k)
+            if c is not None:
+                taken.append(c.action)
+            return c
+
+        b.policy.admission = admission  # type: ignore[method-assign]
+        stems = [_toks(rng, C * rng.randint(1, 2)) for _ in range(2)]
+        rids = []
+        for step in range(2000):
+            if step < 60 and step % 4 == 0:
+                p = rng.choice(stems) + _toks(rng, rng.randint(1, 40))
+                rids.append(b.submit(p, rng.randint(1, 30)))
+            if step >= 60 and not b.busy():
+                break
+            b.step()
+            b.check_invariants()
+        assert not b.busy(), (seed, "not done")
+        assert all(exact(b, r) for r in rids), seed
+        at_rest(b)
+    # (the situation happened: the property is exercised)
+    assert ("admit_adopt" in taken) == (scratch == "reserved")

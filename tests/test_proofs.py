@@ -253,10 +253,16 @@ def test_arithmetic_invariant_mutant_needs_the_arithmetic_proof():
 GUARDS = [(a.name, g) for a in MODEL.actions for g, _ in a.guards]
 UPDATES = [(a.name, fn) for a in MODEL.actions for fn in sorted({u.fn.name for u in a.updates})]
 
-# Guards whose removal no proof catches, each with the reason. Empty: every guard is needed by
+# Guards whose removal no proof catches, each with the reason. Every other guard is needed by
 # a safety proof, except `admit_miss.no_cache_hit`, which is a policy (a prefix hit must be
 # taken) whose only observable effect is capacity - caught by the capacity tier below.
-EQUIVALENT_GUARDS: dict[tuple[str, str], str] = {}
+EQUIVALENT_GUARDS: dict[tuple[str, str], str] = {
+    # (shared with admit_hit, where the copy's invariant reads the entry's key up to the
+    # lane's length): for real sequences prefix_matches with token_left_to_compute implies it
+    # (take(key, n) has n tokens only if key has); the model leaves take uninterpreted, and a
+    # lane that takes the entry over reads only its KV (holds), never its key again
+    ("admit_adopt", "n_within_entry"): "implied for real sequences; the key is not read after",
+}
 
 # Updates whose removal no proof catches.
 UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
@@ -293,6 +299,16 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
     # Hybrid prefix cache. The junk write is the tripwire for mutants of snapshot's guards (it
     # catches them); with the guards in place the snapshot it marks is sound.
     ("snapshot", "lane_snap_junk"): "ghost: with snapshot's guards, the new snapshot is sound",
+    # admit_adopt shares `occupy` with the other admissions; it is not for hybrid models
+    # (not_hybrid), so their sliding-state ghost is never read after it, and its entry starts
+    # a sequence already (src_first_block), so the start it writes is the one it had.
+    ("admit_adopt", "lane_snap"): "ghost: admit_adopt is not for hybrid models (not_hybrid)",
+    ("admit_adopt", "local_holds"): "ghost: admit_adopt is not for hybrid models (not_hybrid)",
+    ("admit_adopt", "local_junk"): "ghost: admit_adopt is not for hybrid models (not_hybrid)",
+    ("admit_adopt", "start"): "equivalent: src_first_block says the entry starts at 0",
+    # the tripwire for mutants of src_first_block (which it catches): with the guard the entry
+    # starts at 0 and, cached, is not junk, so the write leaves junk as it was
+    ("admit_adopt", "junk"): "ghost: with src_first_block the block is not junk already",
     # Not equivalent, but outside what the model states: the update is the whole action, and
     # an abort that does nothing is safe (no block is misused); the batcher tests catch it
     # (an aborted request must end).

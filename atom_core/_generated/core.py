@@ -293,7 +293,7 @@ def _bad_index(action: str, param: str, value: Any, sort: str, size: int) -> Ind
 
 # --------------------------------------------------------------------------- effects
 class Admit(NamedTuple):
-    """Effect `admit` (emitted by admit_miss, admit_hit, admit_host_hit)."""
+    """Effect `admit` (emitted by admit_miss, admit_hit, admit_adopt, admit_host_hit)."""
 
     lane: int
     request: int
@@ -1578,6 +1578,395 @@ def ready_admit_hit(
             return False
         for l2 in range(s.consts.B):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
+def admit_adopt_guard(s: State, l: int, r: int, src: int, n: int) -> str | None:
+    """The first failing guard conjunct of `admit_adopt`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return "preemption_on"
+    # not_hybrid
+    if s.consts.HYBRID:
+        return "not_hybrid"
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
+        return "request_waiting"
+    # src_cached
+    if s.owner[src] != OWNER_CACHE:
+        return "src_cached"
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return "n_whole_chunks"
+    if n % C != 0:
+        return "n_whole_chunks"
+    key = s.key
+    # n_within_entry
+    if n > slen(key[src]):
+        return "n_within_entry"
+    _m0 = s.prompt.get(r, _D_prompt)
+    # token_left_to_compute
+    if n >= slen(_m0):
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], n) != take(_m0, n):
+        return "prefix_matches"
+    # src_first_block
+    if s.start[src] != 0:
+        return "src_first_block"
+    # n_within_block
+    if n > s.consts.S:
+        return "n_within_block"
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return "src_unpinned"
+    return None
+
+
+def admit_adopt(s: State, l: int, r: int, src: int, n: int) -> Step:
+    """With preemption, admit r into idle lane l by taking cache entry src over: its first n
+    tokens are already the prompt's KV, so nothing is copied, and the prefill overwrites the
+    rest. For when src is the only reusable block (fewer blocks than the prefix rule): a copy
+    would need a second one, and a miss must not skip the hit (`no_cache_hit`), so without it
+    the request waits for a running one to end. The entry is gone afterwards (the policy copies
+    instead whenever it can). Not for a hybrid model: its hit restores the sliding state as part
+    of the copy (`copy_done`).
+    """
+    # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
+    #   owner, owner_lane, lane_snap; ghost: local_holds, local_junk, lane_snap_junk,
+    #   lane_snap_taken, holds, junk
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return Step(s, (), "preemption_on")
+    # not_hybrid
+    if s.consts.HYBRID:
+        return Step(s, (), "not_hybrid")
+    busy = s.busy
+    # lane_idle
+    if busy[l]:
+        return Step(s, (), "lane_idle")
+    phase = s.phase
+    # request_waiting
+    if phase.get(r, _D_phase) != PHASE_WAITING:
+        return Step(s, (), "request_waiting")
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return Step(s, (), "src_cached")
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return Step(s, (), "n_whole_chunks")
+    if n % C != 0:
+        return Step(s, (), "n_whole_chunks")
+    key = s.key
+    # n_within_entry
+    if n > slen(key[src]):
+        return Step(s, (), "n_within_entry")
+    _m1 = s.prompt.get(r, _D_prompt)
+    _m0 = slen(_m1)
+    # token_left_to_compute
+    if n >= _m0:
+        return Step(s, (), "token_left_to_compute")
+    # prefix_matches
+    if take(key[src], n) != take(_m1, n):
+        return Step(s, (), "prefix_matches")
+    start = s.start
+    _m2 = start[src] == 0
+    # src_first_block
+    if not _m2:
+        return Step(s, (), "src_first_block")
+    # n_within_block
+    if n > s.consts.S:
+        return Step(s, (), "n_within_block")
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return Step(s, (), "src_unpinned")
+    new_busy = list(busy)
+    new_busy[l] = True
+    new_busy = tuple(new_busy)
+    new_lane_req = list(s.lane_req)
+    new_lane_req[l] = r
+    new_lane_req = tuple(new_lane_req)
+    new_tail = list(s.tail)
+    new_tail[l] = src
+    new_tail = tuple(new_tail)
+    new_nblocks = list(s.nblocks)
+    new_nblocks[l] = 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[src] = 0
+    new_start = tuple(new_start)
+    new_length = list(s.length)
+    new_length[l] = n
+    new_length = tuple(new_length)
+    new_lane_seq = list(s.lane_seq)
+    new_lane_seq[l] = _m1
+    new_lane_seq = tuple(new_lane_seq)
+    new_lane_plen = list(s.lane_plen)
+    new_lane_plen[l] = _m0
+    new_lane_plen = tuple(new_lane_plen)
+    new_phase = phase.set(r, PHASE_PREFILL)
+    new_req_lane = s.req_lane.set(r, l)
+    new_owner = list(owner)
+    new_owner[src] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[src] = l
+    new_owner_lane = tuple(new_owner_lane)
+    new_lane_snap = list(s.lane_snap)
+    snap_upto = s.snap_upto
+    new_lane_snap[l] = (n if n <= snap_upto[src] else snap_upto[src])
+    new_lane_snap = tuple(new_lane_snap)
+    effects = (Admit(l, r, src),)
+    if s.ghost:
+        new_local_holds = list(s.local_holds)
+        new_local_holds[l] = take(_m1, 0)
+        new_local_holds = tuple(new_local_holds)
+        new_local_junk = list(s.local_junk)
+        new_local_junk[l] = False
+        new_local_junk = tuple(new_local_junk)
+        new_lane_snap_junk = list(s.lane_snap_junk)
+        new_lane_snap_junk[l] = s.snap_junk[src]
+        new_lane_snap_junk = tuple(new_lane_snap_junk)
+        new_lane_snap_taken = list(s.lane_snap_taken)
+        snap_taken = s.snap_taken
+        new_lane_snap_taken[l] = (n if n <= snap_taken[src] else snap_taken[src])
+        new_lane_snap_taken = tuple(new_lane_snap_taken)
+        holds = s.holds
+        new_holds = list(holds)
+        new_holds[src] = take(holds[src], n)
+        new_holds = tuple(new_holds)
+        new_junk = list(s.junk)
+        new_junk[src] = not _m2
+        new_junk = tuple(new_junk)
+    else:
+        new_local_holds = new_local_junk = new_lane_snap_junk = new_lane_snap_taken = None
+        new_holds = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        key,
+        s.head,
+        new_holds,
+        new_junk,
+        new_local_holds,
+        new_local_junk,
+        new_lane_snap,
+        snap_upto,
+        new_lane_snap_junk,
+        s.snap_junk,
+        new_lane_snap_taken,
+        s.snap_taken,
+        new_busy,
+        new_lane_req,
+        new_tail,
+        new_nblocks,
+        new_start,
+        new_length,
+        new_lane_seq,
+        new_lane_plen,
+        copying,
+        copy_src,
+        copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_start,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        new_phase,
+        new_req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def admit_adopt_plan(s: State, l: int, r: int, src: int, n: int) -> tuple[Any, ...] | str:
+    """The effects `admit_adopt` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return "preemption_on"
+    # not_hybrid
+    if s.consts.HYBRID:
+        return "not_hybrid"
+    # lane_idle
+    if s.busy[l]:
+        return "lane_idle"
+    # request_waiting
+    if s.phase.get(r, _D_phase) != PHASE_WAITING:
+        return "request_waiting"
+    # src_cached
+    if s.owner[src] != OWNER_CACHE:
+        return "src_cached"
+    C = s.consts.C
+    # n_whole_chunks
+    if n < C:
+        return "n_whole_chunks"
+    if n % C != 0:
+        return "n_whole_chunks"
+    key = s.key
+    # n_within_entry
+    if n > slen(key[src]):
+        return "n_within_entry"
+    _m0 = s.prompt.get(r, _D_prompt)
+    # token_left_to_compute
+    if n >= slen(_m0):
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], n) != take(_m0, n):
+        return "prefix_matches"
+    # src_first_block
+    if s.start[src] != 0:
+        return "src_first_block"
+    # n_within_block
+    if n > s.consts.S:
+        return "n_within_block"
+    copying = s.copying
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return "src_unpinned"
+    return (Admit(l, r, src),)
+
+
+def enabled_admit_adopt(
+    s: State,
+    *,
+    l: int | None = None,
+    r: int | None = None,
+    src: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether `admit_adopt`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if r is None:
+        raise TypeError("enabled_admit_adopt: r (Req) cannot be enumerated; bind it")
+    if n is None:
+        raise TypeError("enabled_admit_adopt: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None:
+        return admit_adopt_guard(s, l, r, src, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _src_all = range(s.consts.K) if src is None else (src,)
+    return any(admit_adopt_guard(s, l, r, src, n) is None for l in _l_all for src in _src_all)
+
+
+def ready_admit_adopt(
+    s: State,
+    *,
+    l: int | None = None,
+    r: int | None = None,
+    src: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `admit_adopt` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
+    # preemption_on
+    if not s.consts.PREEMPT:
+        return False
+    # not_hybrid
+    if s.consts.HYBRID:
+        return False
+    if l is not None:
+        # lane_idle
+        if s.busy[l]:
+            return False
+    if r is not None:
+        # request_waiting
+        if s.phase.get(r, _D_phase) != PHASE_WAITING:
+            return False
+    if src is not None:
+        # src_cached
+        if s.owner[src] != OWNER_CACHE:
+            return False
+    if n is not None:
+        C = s.consts.C
+        # n_whole_chunks
+        if n < C:
+            return False
+        if n % C != 0:
+            return False
+    if src is not None and n is not None:
+        key = s.key
+        # n_within_entry
+        if n > slen(key[src]):
+            return False
+    if r is not None and n is not None:
+        _m0 = s.prompt.get(r, _D_prompt)
+        # token_left_to_compute
+        if n >= slen(_m0):
+            return False
+    if r is not None and src is not None and n is not None:
+        key = s.key
+        _m0 = s.prompt.get(r, _D_prompt)
+        # prefix_matches
+        if take(key[src], n) != take(_m0, n):
+            return False
+    if src is not None:
+        # src_first_block
+        if s.start[src] != 0:
+            return False
+    if n is not None:
+        # n_within_block
+        if n > s.consts.S:
+            return False
+    if src is not None:
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # src_unpinned
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
                 return False
     return True
 
@@ -7164,6 +7553,12 @@ ACTIONS = {
         ("l", "r", "src", "dst", "n"),
         ("Lane", "Req", "Block", "Block", "Int"),
     ),
+    "admit_adopt": (
+        admit_adopt,
+        admit_adopt_guard,
+        ("l", "r", "src", "n"),
+        ("Lane", "Req", "Block", "Int"),
+    ),
     "copy_done": (copy_done, copy_done_guard, ("l",), ("Lane",)),
     "snapshot": (snapshot, snapshot_guard, ("l",), ("Lane",)),
     "prefill": (prefill, prefill_guard, ("l", "tok"), ("Lane", "Int")),
@@ -7231,6 +7626,20 @@ GUARD_READS = {
         "n_within_block": ("n",),
         "dst_not_src": ("src", "dst"),
         "dst_reusable": ("dst",),
+    },
+    "admit_adopt": {
+        "preemption_on": (),
+        "not_hybrid": (),
+        "lane_idle": ("l",),
+        "request_waiting": ("r",),
+        "src_cached": ("src",),
+        "n_whole_chunks": ("n",),
+        "n_within_entry": ("src", "n"),
+        "token_left_to_compute": ("r", "n"),
+        "prefix_matches": ("r", "src", "n"),
+        "src_first_block": ("src",),
+        "n_within_block": ("n",),
+        "src_unpinned": ("src",),
     },
     "copy_done": {"copy_in_flight": ("l",)},
     "snapshot": {"hybrid_prefix_cache": (), "lane_computing": ("l",), "next_boundary": ("l",)},
@@ -8174,6 +8583,7 @@ def progress_violations(s: State) -> list[str]:
             for src in range(K)
             for dst in range(K)
         )
+        or any(admit_adopt_guard(s, l, r, src, C) is None for src in range(K))
         for l in range(B)
         for r in req_ids
     ):

@@ -45,7 +45,7 @@ class _BatcherCollector(Collector):
             blocks.add_metric([name.lower()], tally.get(name.lower(), 0))
         yield blocks
         for name, help_, value in (
-                ("atom_prefix_hit_tokens", "prompt tokens copied from the prefix cache",
+                ("atom_prefix_hit_tokens", "prompt tokens reused from the prefix cache",
                  st.prefix_hit_tokens),
                 ("atom_host_hit_tokens", "prompt tokens loaded from the host tier",
                  st.host_hit_tokens),

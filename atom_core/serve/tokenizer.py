@@ -53,12 +53,19 @@ def plain_chat(messages: list[dict[str, str]]) -> str:
 
 
 def generation_end_ids(model_dir: Path) -> list[int]:
-    """The end ids a model directory's generation_config.json names (`eos_token_id`: one id or
-    a list); [] without the file or the field."""
+    """The end ids generate() stops at for a model directory: its generation_config.json's
+    `eos_token_id` (one id or a list); without that file, config.json's (its text config's,
+    for a multimodal model), as transformers derives a generation config from the model
+    config; [] without either."""
     try:
         cfg = json.loads((model_dir / "generation_config.json").read_text())
     except FileNotFoundError:
-        return []
+        try:
+            cfg = json.loads((model_dir / "config.json").read_text())
+        except FileNotFoundError:
+            return []
+        if isinstance(cfg, dict) and cfg.get("eos_token_id") is None:
+            cfg = cfg.get("text_config")
     return id_list(cfg.get("eos_token_id") if isinstance(cfg, dict) else None)
 
 

@@ -29,6 +29,9 @@ LATER_LOAD_FAILED = "load into a later block failed (recomputes only that block)
 # ... and the hybrid tier with paged tables: a hit past the first block (`grow_hit`) landed and
 # restored the sliding state at the lane's new length from the entry's snapshot there.
 HYBRID_LATER_HIT = "hybrid hit past the first block"
+# ... and preemption with the prefix cache: a hit whose source was the only reusable block taken
+# over by the lane (`admit_adopt`) instead of waiting for a running request to end.
+HIT_SOURCE_ADOPTED = "hit's source, the only reusable block, taken over"
 # ... and the policy's next hit chosen where an entry's key goes on further than its snapshots.
 SNAPSHOT_CAP = "policy's hit past the first block capped by the entry's snapshots"
 # ... and PD with paged tables: an import into a table of several blocks (grown by import_grow
@@ -266,7 +269,11 @@ class Life:
             if len(p) <= 0:
                 return "prompt_not_empty"
             return "prompt_fits" if len(p) >= c.T * c.S else None
-        if name in ("admit_miss", "admit_hit", "admit_host_hit", "admit_import"):
+        if name == "admit_adopt" and not c.PREEMPT:
+            return "preemption_on"
+        if name == "admit_adopt" and c.HYBRID:
+            return "not_hybrid"
+        if name in ("admit_miss", "admit_hit", "admit_adopt", "admit_host_hit", "admit_import"):
             l, r = args[:2]
             if self.lane[l] is not None:
                 return "lane_idle"
@@ -283,7 +290,7 @@ class Life:
                 # wait for each other forever. One importing table grows at a time.
                 return _first(("one_import_table_growing", lambda: not self.import_table_grows()),
                               ("dst_reusable", lambda: self.reusable(args[2])))
-            src, dst, n = args[2:]
+            src, dst, n = args[2:] if name != "admit_adopt" else (args[2], args[2], args[3])
             whole = ("n_whole_chunks", lambda: n >= c.C and n % c.C == 0)
             left = ("token_left_to_compute", lambda: n < len(p))
             reuse = ("dst_reusable", lambda: self.reusable(dst))
@@ -299,12 +306,14 @@ class Life:
                               ("slot_first_block", lambda: self.slot_start[src] == 0),
                               one_block, reuse)
             key, snap = self.entries.get(src, ((), 0))
-            return _first(("src_cached", lambda: src in self.entries), whole,
-                          ("n_within_entry", lambda: n <= len(key)), left,
-                          ("prefix_matches", lambda: key[:n] == p[:n]),
-                          ("hybrid_snapshot_at_n", lambda: not c.HYBRID or n <= snap),
-                          ("src_first_block", lambda: self.start[src] == 0), one_block,
-                          ("dst_not_src", lambda: dst != src), reuse)
+            entry = (("src_cached", lambda: src in self.entries), whole,
+                     ("n_within_entry", lambda: n <= len(key)), left,
+                     ("prefix_matches", lambda: key[:n] == p[:n]))
+            first = (("src_first_block", lambda: self.start[src] == 0), one_block)
+            if name == "admit_adopt":  # the lane takes the entry itself: no copy reads it
+                return _first(*entry, *first, ("src_unpinned", lambda: not self.pinned(src)))
+            return _first(*entry, ("hybrid_snapshot_at_n", lambda: not c.HYBRID or n <= snap),
+                          *first, ("dst_not_src", lambda: dst != src), reuse)
         if name == "copy_done":
             return None if self.copy_src[args[0]] is not None else "copy_in_flight"
         if name in ("load_done", "load_fail"):
@@ -497,10 +506,17 @@ class Life:
             r, p = args
             self.status[r], self.prompt[r] = "waiting", tuple(p)
             assert kinds == []
-        elif name in ("admit_miss", "admit_hit", "admit_host_hit", "admit_import"):
+        elif name in ("admit_miss", "admit_hit", "admit_adopt", "admit_host_hit",
+                      "admit_import"):
             l, r = args[:2]
             hit = name in ("admit_hit", "admit_host_hit")
-            dst, n = (args[3], args[4]) if hit else (args[2], 0)
+            dst, n = ((args[3], args[4]) if hit else (args[2], args[3])
+                      if name == "admit_adopt" else (args[2], 0))
+            if name == "admit_adopt":
+                assert c.C <= n < len(self.prompt[r]) and n % c.C == 0, args
+                assert dst in self.entries and self.entries[dst][0][:n] == self.prompt[r][:n]
+                if not any(self.reusable(b) for b in range(c.K) if b != dst):
+                    Stats.events[HIT_SOURCE_ADOPTED] += 1
             if hit:
                 assert c.C <= n < len(self.prompt[r]) and n % c.C == 0, args
             assert self.lane[l] is None and self.status[r] == "waiting"

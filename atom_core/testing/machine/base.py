@@ -108,7 +108,7 @@ class MirrorDivergence(AssertionError):
 PD_RULES = {"admit_import", "pd_flow", "late_pd_event"}
 # The rules that preempt with drawn parameters or storm (make_machine(preempt=False) drops
 # them: a machine without them draws its steps as before they existed).
-PREEMPT_MACHINE_RULES = {"preempt", "storm"}
+PREEMPT_MACHINE_RULES = {"preempt", "storm", "adopt"}
 
 
 def to_committed(e: Any) -> Any:
@@ -308,8 +308,9 @@ class MachineBase(RuleBasedStateMachine):
             return False
         # Refinement: the policy picks only what the spec allows.
         self.refine(choice.action, choice.args)
-        dst = choice.args["dst"]
-        if (data is not None and self.c.HOST and self.s.owner[dst] == self.core.OWNER_CACHE
+        dst = choice.args.get("dst")  # (admit_adopt has none: the lane takes its source)
+        if (data is not None and self.c.HOST and dst is not None
+                and self.s.owner[dst] == self.core.OWNER_CACHE
                 and num(data, 0, 3, "spill the victim (>0)")
                 and self.spill_by_policy(data, dst)):
             return self.admit_by_policy(r, data)
@@ -317,6 +318,8 @@ class MachineBase(RuleBasedStateMachine):
         assert self.apply(choice.action, *(choice.args[k] for k in names)).rejected is None
         if choice.action == "admit_host_hit":
             Stats.events["policy host hit"] += 1
+        if choice.action == "admit_adopt":
+            Stats.events["policy adopts a hit's source"] += 1
         return True
 
     def spill_by_policy(self, data: Any, b: int) -> bool:
@@ -885,7 +888,10 @@ class MachineBase(RuleBasedStateMachine):
             r, (src, n) = pick(data, hits, "request, hit")
             n = pick(data, (n, n - 1, n + 1, c.C, n + c.C), "n")
             l = self.lanes(data, lambda l: not self.s.busy[l])
-            self.apply("admit_hit", l, r, src, self.block(data, "dst", src), n)
+            if coin(data, "take the entry over"):  # (admit_adopt: preemption only)
+                self.apply("admit_adopt", l, r, src, n)
+            else:
+                self.apply("admit_hit", l, r, src, self.block(data, "dst", src), n)
             return
         l = self.lanes(data, lambda l: not self.s.busy[l])
         r = pick(data, w, "request") if w and coin(data, "waiting") else self.any_request(data)
