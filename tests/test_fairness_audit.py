@@ -186,20 +186,22 @@ def test_a_hit_with_a_block_to_spare_copies_and_keeps_the_entry() -> None:
     at_rest(b)
 
 
-@pytest.mark.parametrize("scratch", ["reserved", "dynamic"])
-def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch: str) -> None:
+@pytest.mark.parametrize("scratch,host", [("reserved", 0), ("dynamic", 0), ("reserved", 2)],
+                         ids=["reserved", "dynamic", "reserved-host"])
+def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch: str,
+                                                                         host: int) -> None:
     """Bursts of prompts sharing their first chunks, at the preemption minimum with the prefix
     cache, over several seeds: every answer is the oracle's, each request ends, nothing leaks;
     with a reserved scratch block, entries are taken over when they are the last reusable
-    block (counted from the policy's choices). (With dynamic scratch a request is admitted
-    beside running ones only with a padding block to spare, so a hit always has a second
-    block to copy into.)"""
+    block (counted from the policy's choices), a host tier beside them too (hits loaded from
+    it). (With dynamic scratch a request is admitted beside running ones only with a padding
+    block to spare, so a hit always has a second block to copy into.)"""
     taken: list[str] = []
     for seed in range(6):
         rng = random.Random(seed)
         lanes, t = 2, 2
         b = batcher(lanes, min_kv_blocks(lanes, True, scratch, t, preemption=True), S // t,
-                    scratch=scratch, prefix_cache=True)
+                    scratch=scratch, prefix_cache=True, host_cache_blocks=host)
 
         def admission(*a: object, choose: Any = b.policy.admission, **k: object) -> object:
             c = choose(*a, **k)
