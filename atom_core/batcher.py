@@ -975,8 +975,8 @@ class AtomBatcher:
         """Every lane whose tail block is full gets its next block before the next runtime call
         (decode is one call over every row, so all of them at once), the oldest lane first, as
         the policy chooses (`Policy.grow`): a plain block, a cached continuation copied
-        (`grow_hit`) or loaded from the host tier (`grow_host_hit`), or a victim preempted to
-        free one."""
+        (`grow_hit`), loaded from the host tier (`grow_host_hit`) or taken over when its
+        entry is the last block (`grow_adopt`), or a victim preempted to free one."""
         while lanes := self.policy.growth(self._m):
             lane = lanes[0]
             choice = self.policy.grow(self._m, lane)
@@ -989,11 +989,14 @@ class AtomBatcher:
             if choice.action == "preempt":
                 self._preempt_lane(choice.args["l"], events)
                 continue
-            dst = choice.args["dst"]
-            if self.config.host_cache_blocks and self._is_cache_entry(dst) and self._spill(dst):
+            dst = choice.args.get("dst")  # (none for grow_adopt: it takes its source over)
+            if (self.config.host_cache_blocks and dst is not None and self._is_cache_entry(dst)
+                    and self._spill(dst)):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.stats.table_grows += 1
             self._dispatch(self._apply(choice.action, **choice.args), events)
+            if choice.action == "grow_adopt":  # a hit with nothing to copy: the entry's block
+                self.stats.prefix_hit_tokens += choice.args["n"]
 
     def _preempt(self, events: list[Event]) -> bool:
         """Free a lane's blocks for a lane that waits for one (`Policy.victim`); its request

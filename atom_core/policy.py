@@ -355,8 +355,9 @@ class Policy:
         """How lane (one of `growth`'s) gets its next block: an importing lane the reusable
         block (`import_grow`); a prefilling lane a block besides its cached continuation's
         source, loaded from the host tier when that hit is longer (`grow_host_hit`), else
-        copied (`grow_hit`), else a plain block (`grow`: also when the hit's source is the
-        only block left). With no block: None while a transfer or a store is in flight (a
+        copied (`grow_hit`); the source itself when it is the only block left (`grow_adopt`;
+        a hybrid lane grows into it as a plain block); else a plain block (`grow`). With no
+        block: None while a transfer or a store is in flight (a
         block frees when it ends: wait, as admission does), else the victim to preempt
         (`preempt`), else None (no victim: K below the capacity rule, or preemption off)."""
         if _core(s).importing(s, lane):
@@ -366,6 +367,9 @@ class Policy:
         hit = self.next_hit(s, lane)
         dst = self.reusable(s, exclude=None if hit is None else hit[0])
         if dst is None and hit is not None:  # the hit's source is the only block left
+            adopt = {"l": lane, "src": hit[0], "n": hit[1]}
+            if _core(s).grow_adopt_guard(s, **adopt) is None:
+                return Choice("grow_adopt", adopt)
             hit, dst = None, self.reusable(s)
         if dst is None:
             return self._no_block(s)

@@ -648,6 +648,30 @@ def grow_hit(l: Lane, src: Block, dst: Block, n: INT):
 
 
 @m.action
+def grow_adopt(l: Lane, src: Block, n: INT):
+    """A hit past the first block when its entry is the only reusable block: lane l's tail is
+    full in the middle of its prompt, and the cache entry src, at the same position of a
+    sequence with the same prefix, holds n more of its tokens; src itself becomes the lane's
+    next block (its slots are at the lane's own positions: nothing is copied), and the entry
+    is gone. Without it the lane would grow into src as a plain block and compute those n
+    tokens again (the policy copies instead whenever a second block is free). Not for a
+    hybrid model: its hit restores the sliding state with the copy (`copy_done`)."""
+    live_when(PREFIX & (T > 1) & ~HYBRID)
+    require("not_hybrid", ~HYBRID)
+    at_block_boundary_mid_prompt(l)
+    require("src_cached", owner(src) == Owner.CACHE)
+    require("src_at_the_boundary", start(src) == length(l))
+    continues_prompt(l, key(src), n)
+    require("src_unpinned", ~pinned(src))
+    extend(l, src)
+    assign(length(l), length(l) + n)
+    # the lane's tokens up to length + n are the entry's (`prefix_matches`), whose KV it holds
+    assign(holds(src), take(holds(src), length(l) + n))
+    # Ghost: slot j of src holds token start(src) + j, the lane's own only at its boundary
+    assign(junk(src), start(src) != length(l))
+
+
+@m.action
 def preempt(l: Lane):
     """Lane l's request goes back to the waiting queue to make room: some lane waits for a block
     (to grow, or a decode call for its padding target) and none is reusable. Its blocks are

@@ -88,7 +88,7 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     actions = set(committed.ACTIONS)
     cannot = set() if prefix else {"admit_hit", "copy_done", "grow_hit"}
     # (a hybrid hit restores the sliding state in its copy: a lane never takes one over)
-    cannot |= {"admit_adopt"} if not prefix or tier == "hybrid" else set()
+    cannot |= {"admit_adopt", "grow_adopt"} if not prefix or tier == "hybrid" else set()
     cannot |= set() if tier == "hybrid" else {"snapshot"}
     cannot |= set() if tier == "host" else set(HOST_ACTIONS)
     for run in runs:

@@ -355,7 +355,7 @@ WALK_STEPS = 45
 # first block and host hits need a finished request's entries still cached (or stored) when a
 # request with the same prompt is admitted. The directed scenarios take them.
 DIRECTED_ONLY = frozenset(("grow_hit", "grow_host_hit", "admit_host_hit", "load_done",
-                           "load_fail", "admit_adopt"))
+                           "load_fail", "admit_adopt", "grow_adopt"))
 
 
 # How often a walk takes each action when it can (default 8): ends and failures seldom, so
@@ -664,6 +664,16 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[Step]]] = {
         ok("admit_adopt", 1, 5, 1, 2), ok("prefill", 1, 1),
         no("chunk_within_block", "prefill", 1, 1), ok("grow", 1, 0), ok("prefill", 1, 1),
         ok("prefill", 1, 3), ok("finish", 1, True)]),
+    # a hit past the first block whose entry the lane takes over: not one at another position
+    # (nor one another lane's copy still reads)
+    "grow adopt": (paged(), [
+        *prefill_to_cache(), *warm(2, 3), ok("submit", 1, P7), ok("admit_hit", 1, 1, 1, 2, 4),
+        no("no_copy_in_flight", "grow_adopt", 1, 0, 2), ok("copy_done", 1),
+        no("src_at_the_boundary", "grow_adopt", 1, 1, 2),
+        ok("admit_hit", 0, 5, 1, 3, 4), ok("copy_done", 0), ok("grow_hit", 0, 0, 1, 2),
+        no("src_unpinned", "grow_adopt", 1, 0, 2), ok("copy_done", 0),
+        no("token_left_to_compute", "grow_adopt", 1, 0, 4), ok("grow_adopt", 1, 0, 2),
+        ok("prefill", 1, 6), ok("prefill", 0, 6), ok("finish", 1, True)]),
     # a host hit into a block that was a later one (its start changes), and a hybrid export
     # kept as cache entries (they take the lane's snapshots, the lane has none after)
     "host hit into a later block": (paged(HOST=True, H=2), [
@@ -875,6 +885,13 @@ SURVIVING_UPDATES: dict[tuple[str, str], str] = {
     ("admit_adopt", "lane_snap"): "sets min(n, snap_upto(src)): 0 without hybrid (not_hybrid, "
                                   "snapshots_need_hybrid), as an idle lane's is",
     ("admit_adopt", "lane_snap_taken"): "the same, from snap_taken(src): 0 without hybrid",
+    ("grow_adopt", "start"): "sets length(l), which src_at_the_boundary says it is",
+    ("grow_adopt", "junk"): "sets start(src) != length(l), false by src_at_the_boundary, as a "
+                            "cache entry's junk is (cached_content_untouched)",
+    ("grow_adopt", "snap_upto"): "sets lane_snap(l), which is 0 without hybrid (not_hybrid, "
+                                 "snapshots_need_hybrid), as snap_upto is everywhere",
+    ("grow_adopt", "snap_taken"): "sets lane_snap_taken(l): 0 without hybrid, as snap_taken "
+                                  "is everywhere",
 }
 # Dropped guard conjuncts no recorded call tells from the spec, and why: each is implied by the
 # others in every reachable state (or no call can be made where it fails), so no call whose
@@ -888,6 +905,8 @@ SURVIVING_GUARDS: dict[tuple[str, str], str] = {
     ("grow_hit", "n_within_block"): _KEY_IN_BLOCK,
     ("admit_host_hit", "n_within_block"): _KEY_IN_BLOCK,
     ("admit_adopt", "n_within_block"): _KEY_IN_BLOCK,
+    ("grow_adopt", "n_within_block"): _KEY_IN_BLOCK,
+    ("grow_adopt", "table_not_full"): _TABLE_ROOM,
     ("grow_host_hit", "n_within_block"): _KEY_IN_BLOCK,
     ("grow_hit", "table_not_full"): _TABLE_ROOM,
     ("grow_host_hit", "table_not_full"): _TABLE_ROOM,

@@ -225,3 +225,41 @@ def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch:
         at_rest(b)
     # (the situation happened: the property is exercised)
     assert ("admit_adopt" in taken) == (scratch == "reserved")
+
+
+@pytest.mark.parametrize("scratch,extra", [("dynamic", 0), ("reserved", 1)])
+def test_hits_past_the_first_block_take_their_last_block_over_and_stay_exact(
+        scratch: str, extra: int) -> None:
+    """Conversations that go on past a first block (blocks of 64 tokens, stems of one to three
+    of them), at or just above the preemption minimum: when the next block's cached
+    continuation is the only reusable block, the lane takes it over (`grow_adopt`: counted
+    from the policy's choices) instead of computing its tokens again; every answer is still
+    the oracle's, each request ends, nothing leaks."""
+    taken: list[str] = []
+    for seed in range(6):
+        rng = random.Random(seed)
+        lanes, t = 2, 4
+        b = batcher(lanes, min_kv_blocks(lanes, True, scratch, t, preemption=True) + extra,
+                    S // t, scratch=scratch, prefix_cache=True)
+
+        def grow(*a: object, choose: Any = b.policy.grow, **k: object) -> object:
+            c = choose(*a, **k)
+            if c is not None:
+                taken.append(c.action)
+            return c
+
+        b.policy.grow = grow  # type: ignore[method-assign]
+        stems = [_toks(rng, 64 * rng.randint(1, 3)) for _ in range(2)]
+        rids = []
+        for step in range(3000):
+            if step < 60 and step % 4 == 0:
+                p = rng.choice(stems) + _toks(rng, rng.randint(1, 40))
+                rids.append(b.submit(p, rng.randint(1, 30)))
+            if step >= 60 and not b.busy():
+                break
+            b.step()
+            b.check_invariants()
+        assert not b.busy(), (seed, "not done")
+        assert all(exact(b, r) for r in rids), seed
+        at_rest(b)
+    assert "grow_adopt" in taken and "grow_hit" in taken  # (both happened)

@@ -262,6 +262,7 @@ EQUIVALENT_GUARDS: dict[tuple[str, str], str] = {
     # (take(key, n) has n tokens only if key has); the model leaves take uninterpreted, and a
     # lane that takes the entry over reads only its KV (holds), never its key again
     ("admit_adopt", "n_within_entry"): "implied for real sequences; the key is not read after",
+    ("grow_adopt", "n_within_entry"): "implied for real sequences; the key is not read after",
 }
 
 # Updates whose removal no proof catches.
@@ -309,6 +310,12 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
     # the tripwire for mutants of src_first_block (which it catches): with the guard the entry
     # starts at 0 and, cached, is not junk, so the write leaves junk as it was
     ("admit_adopt", "junk"): "ghost: with src_first_block the block is not junk already",
+    # grow_adopt: the same for src_at_the_boundary (the entry's start is the lane's length,
+    # which `extend` writes); the full tail's snapshot hand-over is a hybrid model's only
+    ("grow_adopt", "junk"): "ghost: with src_at_the_boundary the block is not junk already",
+    ("grow_adopt", "start"): "equivalent: src_at_the_boundary says it starts at the length",
+    ("grow_adopt", "snap_upto"): "unobservable: grow_adopt is not for hybrid models, and a "
+                                 "plain model's snap_upto is 0 (snapshots_need_hybrid)",
     # Not equivalent, but outside what the model states: the update is the whole action, and
     # an abort that does nothing is safe (no block is misused); the batcher tests catch it
     # (an aborted request must end).

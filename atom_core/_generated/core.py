@@ -326,7 +326,7 @@ class Prefill(NamedTuple):
 
 
 class Grow(NamedTuple):
-    """Effect `grow` (emitted by grow, grow_hit, grow_host_hit, import_grow)."""
+    """Effect `grow` (emitted by grow, grow_hit, grow_adopt, grow_host_hit, import_grow)."""
 
     lane: int
     block: int
@@ -3169,6 +3169,405 @@ def ready_grow_hit(
             return False
         for l2 in range(s.consts.B):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
+                return False
+    return True
+
+
+def grow_adopt_guard(s: State, l: int, src: int, n: int) -> str | None:
+    """The first failing guard conjunct of `grow_adopt`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return "not_hybrid"
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[s.tail[l]] + S:
+        return "tail_full"
+    # table_not_full
+    if s.nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    # src_cached
+    if s.owner[src] != OWNER_CACHE:
+        return "src_cached"
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return "src_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return "src_unpinned"
+    return None
+
+
+def grow_adopt(s: State, l: int, src: int, n: int) -> Step:
+    """A hit past the first block when its entry is the only reusable block: lane l's tail is
+    full in the middle of its prompt, and the cache entry src, at the same position of a
+    sequence with the same prefix, holds n more of its tokens; src itself becomes the lane's
+    next block (its slots are at the lane's own positions: nothing is copied), and the entry
+    is gone. Without it the lane would grow into src as a plain block and compute those n
+    tokens again (the policy copies instead whenever a second block is free). Not for a
+    hybrid model: its hit restores the sliding state with the copy (`copy_done`).
+    """
+    # modifies: key, head, snap_upto, tail, nblocks, start, owner, owner_lane, length; ghost:
+    #   snap_junk, snap_taken, holds, junk
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return Step(s, (), "not_hybrid")
+    # lane_prefilling
+    if not s.busy[l]:
+        return Step(s, (), "lane_prefilling")
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+        return Step(s, (), "lane_prefilling")
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return Step(s, (), "no_copy_in_flight")
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[tail[l]] + S:
+        return Step(s, (), "tail_full")
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return Step(s, (), "table_not_full")
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return Step(s, (), "src_cached")
+    _m0 = start[src] == length[l]
+    # src_at_the_boundary
+    if not _m0:
+        return Step(s, (), "src_at_the_boundary")
+    C = s.consts.C
+    # n_whole_chunks
+    if n <= 0:
+        return Step(s, (), "n_whole_chunks")
+    if n % C != 0:
+        return Step(s, (), "n_whole_chunks")
+    # n_within_block
+    if n > S:
+        return Step(s, (), "n_within_block")
+    _m1 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m1 > slen(key[src]):
+        return Step(s, (), "n_within_entry")
+    # token_left_to_compute
+    if _m1 >= s.lane_plen[l]:
+        return Step(s, (), "token_left_to_compute")
+    lane_seq = s.lane_seq
+    # prefix_matches
+    if take(key[src], _m1) != take(lane_seq[l], _m1):
+        return Step(s, (), "prefix_matches")
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return Step(s, (), "src_unpinned")
+    new_key = list(key)
+    _m2 = take(lane_seq[l], length[l])
+    new_key[tail[l]] = _m2
+    new_key = tuple(new_key)
+    new_head = list(s.head)
+    new_head[tail[l]] = take(_m2, C)
+    new_head = tuple(new_head)
+    new_snap_upto = list(s.snap_upto)
+    new_snap_upto[tail[l]] = s.lane_snap[l]
+    new_snap_upto = tuple(new_snap_upto)
+    new_tail = list(tail)
+    new_tail[l] = src
+    new_tail = tuple(new_tail)
+    new_nblocks = list(nblocks)
+    new_nblocks[l] = nblocks[l] + 1
+    new_nblocks = tuple(new_nblocks)
+    new_start = list(start)
+    new_start[src] = length[l]
+    new_start = tuple(new_start)
+    new_owner = list(owner)
+    new_owner[src] = OWNER_LANE
+    new_owner = tuple(new_owner)
+    new_owner_lane = list(s.owner_lane)
+    new_owner_lane[src] = l
+    new_owner_lane = tuple(new_owner_lane)
+    new_length = list(length)
+    new_length[l] = _m1
+    new_length = tuple(new_length)
+    effects = (Grow(l, src, nblocks[l]),)
+    if s.ghost:
+        new_snap_junk = list(s.snap_junk)
+        new_snap_junk[tail[l]] = s.lane_snap_junk[l]
+        new_snap_junk = tuple(new_snap_junk)
+        new_snap_taken = list(s.snap_taken)
+        new_snap_taken[tail[l]] = s.lane_snap_taken[l]
+        new_snap_taken = tuple(new_snap_taken)
+        holds = s.holds
+        new_holds = list(holds)
+        new_holds[src] = take(holds[src], _m1)
+        new_holds = tuple(new_holds)
+        new_junk = list(s.junk)
+        new_junk[src] = not _m0
+        new_junk = tuple(new_junk)
+    else:
+        new_snap_junk = new_snap_taken = new_holds = new_junk = None
+    new = State(
+        s.consts,
+        s.ghost,
+        new_owner,
+        new_owner_lane,
+        new_key,
+        new_head,
+        new_holds,
+        new_junk,
+        s.local_holds,
+        s.local_junk,
+        s.lane_snap,
+        new_snap_upto,
+        s.lane_snap_junk,
+        new_snap_junk,
+        s.lane_snap_taken,
+        new_snap_taken,
+        s.busy,
+        s.lane_req,
+        new_tail,
+        new_nblocks,
+        new_start,
+        new_length,
+        lane_seq,
+        s.lane_plen,
+        copying,
+        copy_src,
+        copy_host,
+        s.copy_slot,
+        s.transfer,
+        s.transfer_req,
+        s.xfer_live,
+        s.xfer_block,
+        s.xfer_on,
+        s.xfer_of,
+        s.slot_state,
+        s.slot_key,
+        s.slot_head,
+        s.slot_start,
+        s.slot_block,
+        s.spill_slot,
+        s.load_lane,
+        s.slot_holds,
+        s.slot_junk,
+        s.phase,
+        s.req_lane,
+        s.prompt,
+    )
+    return Step(new, effects, None)
+
+
+def grow_adopt_plan(s: State, l: int, src: int, n: int) -> tuple[Any, ...] | str:
+    """The effects `grow_adopt` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return "not_hybrid"
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[s.tail[l]] + S:
+        return "tail_full"
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    # src_cached
+    if s.owner[src] != OWNER_CACHE:
+        return "src_cached"
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return "src_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in range(s.consts.B):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return "src_unpinned"
+    return (Grow(l, src, nblocks[l]),)
+
+
+def enabled_grow_adopt(
+    s: State, *, l: int | None = None, src: int | None = None, n: int | None = None,
+) -> bool:
+    """Whether `grow_adopt`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if n is None:
+        raise TypeError("enabled_grow_adopt: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None:
+        return grow_adopt_guard(s, l, src, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _src_all = range(s.consts.K) if src is None else (src,)
+    return any(grow_adopt_guard(s, l, src, n) is None for l in _l_all for src in _src_all)
+
+
+def ready_grow_adopt(
+    s: State, *, l: int | None = None, src: int | None = None, n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `grow_adopt` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return False
+    if l is not None:
+        # lane_prefilling
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+            return False
+    if l is not None:
+        copying = s.copying
+        # no_copy_in_flight
+        if copying[l]:
+            return False
+    if l is not None:
+        length = s.length
+        start = s.start
+        S = s.consts.S
+        # tail_full
+        if length[l] != start[s.tail[l]] + S:
+            return False
+    if l is not None:
+        # table_not_full
+        if s.nblocks[l] >= s.consts.T:
+            return False
+    if src is not None:
+        # src_cached
+        if s.owner[src] != OWNER_CACHE:
+            return False
+    if l is not None and src is not None:
+        start = s.start
+        length = s.length
+        # src_at_the_boundary
+        if start[src] != length[l]:
+            return False
+    if n is not None:
+        # n_whole_chunks
+        if n <= 0:
+            return False
+        if n % s.consts.C != 0:
+            return False
+    if n is not None:
+        S = s.consts.S
+        # n_within_block
+        if n > S:
+            return False
+    if l is not None and src is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        key = s.key
+        # n_within_entry
+        if _m0 > slen(key[src]):
+            return False
+    if l is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        # token_left_to_compute
+        if _m0 >= s.lane_plen[l]:
+            return False
+    if l is not None and src is not None and n is not None:
+        key = s.key
+        length = s.length
+        _m0 = length[l] + n
+        # prefix_matches
+        if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+            return False
+    if src is not None:
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # src_unpinned
+        for l2 in range(s.consts.B):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
                 return False
     return True
 
@@ -7569,6 +7968,7 @@ ACTIONS = {
         ("l", "src", "dst", "n"),
         ("Lane", "Block", "Block", "Int"),
     ),
+    "grow_adopt": (grow_adopt, grow_adopt_guard, ("l", "src", "n"), ("Lane", "Block", "Int")),
     "preempt": (preempt, preempt_guard, ("l",), ("Lane",)),
     "decode": (decode, decode_guard, ("pad", "lpad", "tok"), ("Block", "Lane", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
@@ -7669,6 +8069,21 @@ GUARD_READS = {
         "hybrid_snapshot_at_n": ("l", "src", "n"),
         "dst_not_src": ("src", "dst"),
         "dst_reusable": ("dst",),
+    },
+    "grow_adopt": {
+        "not_hybrid": (),
+        "lane_prefilling": ("l",),
+        "no_copy_in_flight": ("l",),
+        "tail_full": ("l",),
+        "table_not_full": ("l",),
+        "src_cached": ("src",),
+        "src_at_the_boundary": ("l", "src"),
+        "n_whole_chunks": ("n",),
+        "n_within_block": ("n",),
+        "n_within_entry": ("l", "src", "n"),
+        "token_left_to_compute": ("l", "n"),
+        "prefix_matches": ("l", "src", "n"),
+        "src_unpinned": ("src",),
     },
     "preempt": {
         "preemption_on": (),

@@ -2138,6 +2138,357 @@ def ready_grow_hit(
     return True
 
 
+def grow_adopt_guard(s: MState, l: int, src: int, n: int) -> str | None:
+    """The first failing guard conjunct of `grow_adopt`, or None."""
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return "not_hybrid"
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[s.tail[l]] + S:
+        return "tail_full"
+    # table_not_full
+    if s.nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    # src_cached
+    if s.owner[src] != OWNER_CACHE:
+        return "src_cached"
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return "src_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in s._ix0.get(src, ()):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return "src_unpinned"
+    return None
+
+
+def grow_adopt(s: MState, l: int, src: int, n: int) -> Step:
+    """A hit past the first block when its entry is the only reusable block: lane l's tail is
+    full in the middle of its prompt, and the cache entry src, at the same position of a
+    sequence with the same prefix, holds n more of its tokens; src itself becomes the lane's
+    next block (its slots are at the lane's own positions: nothing is copied), and the entry
+    is gone. Without it the lane would grow into src as a plain block and compute those n
+    tokens again (the policy copies instead whenever a second block is free). Not for a
+    hybrid model: its hit restores the sliding state with the copy (`copy_done`).
+    """
+    # modifies: key, head, snap_upto, tail, nblocks, start, owner, owner_lane, length; ghost:
+    #   snap_junk, snap_taken, holds, junk
+    if not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return Step(s, (), "not_hybrid")
+    # lane_prefilling
+    if not s.busy[l]:
+        return Step(s, (), "lane_prefilling")
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+        return Step(s, (), "lane_prefilling")
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return Step(s, (), "no_copy_in_flight")
+    length = s.length
+    tail = s.tail
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[tail[l]] + S:
+        return Step(s, (), "tail_full")
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return Step(s, (), "table_not_full")
+    owner = s.owner
+    # src_cached
+    if owner[src] != OWNER_CACHE:
+        return Step(s, (), "src_cached")
+    _m0 = start[src] == length[l]
+    # src_at_the_boundary
+    if not _m0:
+        return Step(s, (), "src_at_the_boundary")
+    C = s.consts.C
+    # n_whole_chunks
+    if n <= 0:
+        return Step(s, (), "n_whole_chunks")
+    if n % C != 0:
+        return Step(s, (), "n_whole_chunks")
+    # n_within_block
+    if n > S:
+        return Step(s, (), "n_within_block")
+    _m1 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m1 > slen(key[src]):
+        return Step(s, (), "n_within_entry")
+    # token_left_to_compute
+    if _m1 >= s.lane_plen[l]:
+        return Step(s, (), "token_left_to_compute")
+    lane_seq = s.lane_seq
+    # prefix_matches
+    if take(key[src], _m1) != take(lane_seq[l], _m1):
+        return Step(s, (), "prefix_matches")
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in s._ix0.get(src, ()):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return Step(s, (), "src_unpinned")
+    new_key_i00 = tail[l]
+    _m2 = take(lane_seq[l], length[l])
+    new_key_v0 = _m2
+    new_head_i00 = tail[l]
+    new_head_v0 = take(_m2, C)
+    new_snap_upto_i00 = tail[l]
+    new_snap_upto_v0 = s.lane_snap[l]
+    new_nblocks_v0 = nblocks[l] + 1
+    new_start_v0 = length[l]
+    new_length_v0 = _m1
+    effects = (_new(Grow, (l, src, nblocks[l])),)
+    if s.ghost:
+        new_snap_junk_i00 = tail[l]
+        new_snap_junk_v0 = s.lane_snap_junk[l]
+        new_snap_taken_i00 = tail[l]
+        new_snap_taken_v0 = s.lane_snap_taken[l]
+        holds = s.holds
+        new_holds_v0 = take(holds[src], _m1)
+        new_junk_v0 = not _m0
+    if s.ghost:
+        s.snap_junk[new_snap_junk_i00] = new_snap_junk_v0
+        s.snap_taken[new_snap_taken_i00] = new_snap_taken_v0
+        holds = s.holds
+        holds[src] = new_holds_v0
+        s.junk[src] = new_junk_v0
+    key[new_key_i00] = new_key_v0
+    _ixk = _sig(s.head[new_head_i00])
+    s.head[new_head_i00] = new_head_v0
+    if (_ixn := _sig(s.head[new_head_i00])) != _ixk:
+        _refile(s._ix1, _ixk, _ixn, new_head_i00)
+    s.snap_upto[new_snap_upto_i00] = new_snap_upto_v0
+    tail[l] = src
+    nblocks[l] = new_nblocks_v0
+    start[src] = new_start_v0
+    if s.owner[src] == OWNER_LANE:
+        s._ix2[s.owner_lane[src]].discard(src)
+    owner[src] = OWNER_LANE
+    if s.owner[src] == OWNER_LANE:
+        s._ix2.setdefault(s.owner_lane[src], set()).add(src)
+    if s.owner[src] == OWNER_LANE:
+        s._ix2[s.owner_lane[src]].discard(src)
+    s.owner_lane[src] = l
+    if s.owner[src] == OWNER_LANE:
+        s._ix2.setdefault(s.owner_lane[src], set()).add(src)
+    length[l] = new_length_v0
+    return _new(Step, (s, effects, None))
+
+
+def grow_adopt_plan(s: MState, l: int, src: int, n: int) -> tuple[Any, ...] | str:
+    """The effects `grow_adopt` would have, or the first failing guard's name.
+
+    A parameter no effect reads (a token the planned call will sample) may
+    be None.
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return "not_hybrid"
+    # lane_prefilling
+    if not s.busy[l]:
+        return "lane_prefilling"
+    if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+        return "lane_prefilling"
+    copying = s.copying
+    # no_copy_in_flight
+    if copying[l]:
+        return "no_copy_in_flight"
+    length = s.length
+    start = s.start
+    S = s.consts.S
+    # tail_full
+    if length[l] != start[s.tail[l]] + S:
+        return "tail_full"
+    nblocks = s.nblocks
+    # table_not_full
+    if nblocks[l] >= s.consts.T:
+        return "table_not_full"
+    # src_cached
+    if s.owner[src] != OWNER_CACHE:
+        return "src_cached"
+    # src_at_the_boundary
+    if start[src] != length[l]:
+        return "src_at_the_boundary"
+    # n_whole_chunks
+    if n <= 0:
+        return "n_whole_chunks"
+    if n % s.consts.C != 0:
+        return "n_whole_chunks"
+    # n_within_block
+    if n > S:
+        return "n_within_block"
+    _m0 = length[l] + n
+    key = s.key
+    # n_within_entry
+    if _m0 > slen(key[src]):
+        return "n_within_entry"
+    # token_left_to_compute
+    if _m0 >= s.lane_plen[l]:
+        return "token_left_to_compute"
+    # prefix_matches
+    if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+        return "prefix_matches"
+    copy_host = s.copy_host
+    copy_src = s.copy_src
+    # src_unpinned
+    for l2 in s._ix0.get(src, ()):
+        if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+            return "src_unpinned"
+    return (Grow(l, src, nblocks[l]),)
+
+
+def enabled_grow_adopt(
+    s: MState, *, l: int | None = None, src: int | None = None, n: int | None = None,
+) -> bool:
+    """Whether `grow_adopt`'s guard holds for the given parameters and some value of the
+    others (None = unbound; an unbound parameter of a sort that cannot be enumerated
+    is an error when the guard reads it).
+    """
+    if n is None:
+        raise TypeError("enabled_grow_adopt: n (Int) cannot be enumerated; bind it")
+    if l is not None and src is not None:
+        return grow_adopt_guard(s, l, src, n) is None
+    _l_all = range(s.consts.B) if l is None else (l,)
+    _src_all = range(s.consts.K) if src is None else (src,)
+    return any(grow_adopt_guard(s, l, src, n) is None for l in _l_all for src in _src_all)
+
+
+def ready_grow_adopt(
+    s: MState, *, l: int | None = None, src: int | None = None, n: int | None = None,
+) -> bool:
+    """Whether every guard conjunct of `grow_adopt` that reads only the given parameters
+    holds (a conjunct reading an unbound parameter is skipped, whatever its position).
+    """
+    if l is not None and not 0 <= l < s.consts.B:
+        raise _bad_index("grow_adopt", "l", l, "Lane", s.consts.B)
+    if src is not None and not 0 <= src < s.consts.K:
+        raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
+    # not_hybrid
+    if s.consts.HYBRID:
+        return False
+    if l is not None:
+        # lane_prefilling
+        if not s.busy[l]:
+            return False
+        if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
+            return False
+    if l is not None:
+        copying = s.copying
+        # no_copy_in_flight
+        if copying[l]:
+            return False
+    if l is not None:
+        length = s.length
+        start = s.start
+        S = s.consts.S
+        # tail_full
+        if length[l] != start[s.tail[l]] + S:
+            return False
+    if l is not None:
+        # table_not_full
+        if s.nblocks[l] >= s.consts.T:
+            return False
+    if src is not None:
+        # src_cached
+        if s.owner[src] != OWNER_CACHE:
+            return False
+    if l is not None and src is not None:
+        start = s.start
+        length = s.length
+        # src_at_the_boundary
+        if start[src] != length[l]:
+            return False
+    if n is not None:
+        # n_whole_chunks
+        if n <= 0:
+            return False
+        if n % s.consts.C != 0:
+            return False
+    if n is not None:
+        S = s.consts.S
+        # n_within_block
+        if n > S:
+            return False
+    if l is not None and src is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        key = s.key
+        # n_within_entry
+        if _m0 > slen(key[src]):
+            return False
+    if l is not None and n is not None:
+        length = s.length
+        _m0 = length[l] + n
+        # token_left_to_compute
+        if _m0 >= s.lane_plen[l]:
+            return False
+    if l is not None and src is not None and n is not None:
+        key = s.key
+        length = s.length
+        _m0 = length[l] + n
+        # prefix_matches
+        if take(key[src], _m0) != take(s.lane_seq[l], _m0):
+            return False
+    if src is not None:
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
+        # src_unpinned
+        for l2 in s._ix0.get(src, ()):
+            if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
+                return False
+    return True
+
+
 def preempt(s: MState, l: int) -> Step:
     """Lane l's request goes back to the waiting queue to make room: some lane waits for a block
     (to grow, or a decode call for its padding target) and none is reusable. Its blocks are
@@ -4477,6 +4828,7 @@ ACTIONS = {
         ("l", "src", "dst", "n"),
         ("Lane", "Block", "Block", "Int"),
     ),
+    "grow_adopt": (grow_adopt, grow_adopt_guard, ("l", "src", "n"), ("Lane", "Block", "Int")),
     "preempt": (preempt, preempt_guard, ("l",), ("Lane",)),
     "decode": (decode, decode_guard, ("pad", "lpad", "tok"), ("Block", "Lane", "(Lane) -> Int")),
     "finish": (finish, finish_guard, ("l", "keep"), ("Lane", "Bool")),
@@ -4577,6 +4929,21 @@ GUARD_READS = {
         "hybrid_snapshot_at_n": ("l", "src", "n"),
         "dst_not_src": ("src", "dst"),
         "dst_reusable": ("dst",),
+    },
+    "grow_adopt": {
+        "not_hybrid": (),
+        "lane_prefilling": ("l",),
+        "no_copy_in_flight": ("l",),
+        "tail_full": ("l",),
+        "table_not_full": ("l",),
+        "src_cached": ("src",),
+        "src_at_the_boundary": ("l", "src"),
+        "n_whole_chunks": ("n",),
+        "n_within_block": ("n",),
+        "n_within_entry": ("l", "src", "n"),
+        "token_left_to_compute": ("l", "n"),
+        "prefix_matches": ("l", "src", "n"),
+        "src_unpinned": ("src",),
     },
     "preempt": {
         "preemption_on": (),

@@ -29,8 +29,9 @@ LATER_LOAD_FAILED = "load into a later block failed (recomputes only that block)
 # ... and the hybrid tier with paged tables: a hit past the first block (`grow_hit`) landed and
 # restored the sliding state at the lane's new length from the entry's snapshot there.
 HYBRID_LATER_HIT = "hybrid hit past the first block"
-# ... and preemption with the prefix cache: a hit whose source was the only reusable block taken
-# over by the lane (`admit_adopt`) instead of waiting for a running request to end.
+# ... and a hit whose source was the only reusable block taken over by the lane: with preemption
+# at admission (`admit_adopt`, instead of waiting for a running request to end), and past the
+# first block (`grow_adopt`, instead of computing its tokens again).
 HIT_SOURCE_ADOPTED = "hit's source, the only reusable block, taken over"
 # ... and the policy's next hit chosen where an entry's key goes on further than its snapshots.
 SNAPSHOT_CAP = "policy's hit past the first block capped by the entry's snapshots"
@@ -259,6 +260,27 @@ class Life:
         return min(busy, key=self.admitted.__getitem__) if busy else None
 
     # prediction ----------------------------------------------------------------------
+    def _grow_hit_guards(self, l: int, src: int, n: int) -> tuple[tuple[str, Any], ...]:
+        """The guards a hit past the first block from cache entry src starts with
+        (`grow_hit`, `grow_adopt`)."""
+        c = self.c
+        key = self.entries.get(src, ((), 0))[0]
+        end = self.length[l] + n
+        return (("lane_prefilling", lambda: self.prefilling(l)),
+                ("no_copy_in_flight", lambda: not self.copying[l]),
+                ("tail_full", lambda: self.tail_full(l)),
+                ("table_not_full", lambda: len(self.tables[l]) < c.T),
+                ("src_cached", lambda: src in self.entries),
+                # the entry holds the tokens at the next block's own positions
+                ("src_at_the_boundary", lambda: self.start[src] == self.length[l]),
+                ("n_whole_chunks", lambda: n > 0 and n % c.C == 0),
+                ("n_within_block", lambda: n <= c.S),
+                ("n_within_entry", lambda: end <= len(key)),
+                ("token_left_to_compute", lambda: end < len(self.prompt[self.lane[l]])),
+                # the whole prefix, not only the copied tokens: the KV of a token depends on
+                # every token before it
+                ("prefix_matches", lambda: key[:end] == self.seq[l][:end]))
+
     def predict(self, name: str, args: tuple[Any, ...]) -> str | None:
         """The guard the core must report, or None (it must apply the step)."""
         c = self.c
@@ -338,25 +360,16 @@ class Life:
                           ("tail_full", lambda: self.tail_full(l)),
                           ("table_not_full", lambda: len(self.tables[l]) < c.T),
                           ("dst_reusable", lambda: self.reusable(dst)))
-        if name == "grow_hit":
-            l, src, dst, n = args
+        if name == "grow_adopt" and c.HYBRID:
+            return "not_hybrid"
+        if name in ("grow_hit", "grow_adopt"):
+            l, src, dst, n = args if name == "grow_hit" else (args[0], args[1], args[1], args[2])
             key, snap = self.entries.get(src, ((), 0))
             end = self.length[l] + n
-            return _first(("lane_prefilling", lambda: self.prefilling(l)),
-                          ("no_copy_in_flight", lambda: not self.copying[l]),
-                          ("tail_full", lambda: self.tail_full(l)),
-                          ("table_not_full", lambda: len(self.tables[l]) < c.T),
-                          ("src_cached", lambda: src in self.entries),
-                          # the entry holds the tokens at the next block's own positions
-                          ("src_at_the_boundary", lambda: self.start[src] == self.length[l]),
-                          ("n_whole_chunks", lambda: n > 0 and n % c.C == 0),
-                          ("n_within_block", lambda: n <= c.S),
-                          ("n_within_entry", lambda: end <= len(key)),
-                          ("token_left_to_compute",
-                           lambda: end < len(self.prompt[self.lane[l]])),
-                          # the whole prefix, not only the copied tokens: the KV of a token
-                          # depends on every token before it
-                          ("prefix_matches", lambda: key[:end] == self.seq[l][:end]),
+            if name == "grow_adopt":  # the lane takes the entry itself: no copy may read it
+                return _first(*self._grow_hit_guards(l, src, n),
+                              ("src_unpinned", lambda: not self.pinned(src)))
+            return _first(*self._grow_hit_guards(l, src, n),
                           # hybrid: copy_done restores the sliding state at the hit's end
                           ("hybrid_snapshot_at_n", lambda: not c.HYBRID or end <= snap),
                           ("dst_not_src", lambda: dst != src),
@@ -613,6 +626,17 @@ class Life:
             self._extend(l, dst)
             self.length[l] += n
             self.copy_src[l], self.snap[l] = src, snap
+        elif name == "grow_adopt":
+            # like grow_hit, with the entry itself as the lane's next block: nothing copied
+            l, src, n = args
+            assert self.prefilling(l) and self.needs_block(l), (args, self.tables[l])
+            assert src in self.entries and self.start[src] == self.length[l], (args, self.start)
+            assert self.reusable(src) and not c.HYBRID, (args, self.owner)
+            assert kinds == ["Grow"] and effects[0] == (l, src, len(self.tables[l])), effects
+            if not any(self.reusable(b) for b in range(c.K) if b != src):
+                Stats.events[HIT_SOURCE_ADOPTED] += 1
+            self._extend(l, src)
+            self.length[l] += n
         elif name == "grow_host_hit":
             # like grow_hit, its next n tokens loaded from host slot h (the slot is read: it
             # stays a host entry, loading until load_done or load_fail)

@@ -579,9 +579,10 @@ class MachineBase(RuleBasedStateMachine):
         adapter's way: without data, or most draws) or stays in flight. Refinement: the
         hit passes the guard, and it is the longest the spec accepts (`longest_hits`: a
         hit is worth a block of prefill compute; hybrid: no further than the entry's
-        snapshots, where `Policy.next_hit` caps it). False if the lane is to take a plain
-        block: no hit, or no block but the hit's source (the adapter then grows into
-        whatever `reusable` picks, evicting the source)."""
+        snapshots, where `Policy.next_hit` caps it). When the hit's source is the only
+        block, the lane takes it over (`grow_adopt`), as the adapter does. False if the lane
+        is to take a plain block: no hit, or a hybrid lane with no block but the hit's
+        source (the adapter then grows into whatever `reusable` picks, evicting it)."""
         hit = self.policy.next_hit(self.s, l)
         longest = self.longest_hits(l)
         if (hit is None) != (not longest) or hit is not None and hit not in longest:
@@ -595,6 +596,11 @@ class MachineBase(RuleBasedStateMachine):
             return False
         src, n = hit
         dst = self.policy.reusable(self.s, exclude=src)
+        if dst is None and self.core.grow_adopt_guard(self.s, l, src, n) is None:
+            self.refine("grow_adopt", {"l": l, "src": src, "n": n})
+            assert self.apply("grow_adopt", l, src, n).rejected is None
+            Stats.events["policy grows into its hit's source"] += 1
+            return True
         if dst is None:
             Stats.events["hit given up: no block but its source"] += 1
             return False
@@ -615,12 +621,15 @@ class MachineBase(RuleBasedStateMachine):
         the first of a run, which fails: so that coverage does not hang on the draws),
         fails (the lane recomputes that block only) or stays in flight (`busy_copy`).
         Refinement: the host hit passes the guard, and it is the longest the spec accepts
-        (`longest_host_hits`). False if the lane is to take the device hit or a plain block
-        (or there is no block: the caller finds none either)."""
+        (`longest_host_hits`). False if the lane is to take the device hit (copied, or taken
+        over when its source is the only block) or a plain block (or there is no block: the
+        caller finds none either)."""
         hit = self.policy.next_hit(self.s, l)
         while True:
             dst = self.policy.reusable(self.s, exclude=None if hit is None else hit[0])
             if dst is None and hit is not None:  # the hit's source is the only block left
+                if self.core.grow_adopt_guard(self.s, l, *hit) is None:
+                    return False  # the lane takes it over (`grow_hit_by_policy`)
                 hit = None
                 continue
             if (dst is None or self.s.owner[dst] != self.core.OWNER_CACHE

@@ -246,18 +246,44 @@ class PagedRules:
         return True
 
     def drawn_hit_past_first_block(self, data: Any, lane: int | None = None) -> None:
-        """A drawn grow_hit (`drawn_grow_hit`), or with the host tier often a drawn
-        grow_host_hit (`drawn_grow_host_hit`), for `lane` if given."""
-        if self.c.HOST and coin(data, "from the host"):
+        """A drawn grow_hit (`drawn_grow_hit`), with the host tier often a drawn
+        grow_host_hit (`drawn_grow_host_hit`), and sometimes a drawn grow_adopt
+        (`drawn_grow_adopt`), for `lane` if given."""
+        if num(data, 0, 3, "take an entry over (0)") == 0:
+            self.drawn_grow_adopt(data, lane)
+        elif self.c.HOST and coin(data, "from the host"):
             self.drawn_grow_host_hit(data, lane)
         else:
             self.drawn_grow_hit(data, lane)
 
+    def drawn_grow_adopt(self, data: Any, lane: int | None = None) -> None:
+        """grow_adopt with drawn parameters, as `drawn_grow_hit` draws them: a call aimed
+        at one guard (or none: the lane takes the entry over), each guard that can refuse
+        the lane now as likely as any other."""
+        l, _ = self.lane_to_grow(data, lane, self.policy.next_hit)
+        calls = self.grow_adopt_calls(l)
+        guard = pick(data, sorted(calls, key=lambda g: g or ""), "guard (None: accepted)")
+        args = pick(data, calls[guard], "src, n")
+        assert self.apply("grow_adopt", *args).rejected == guard, (args, guard)
+
+    def grow_adopt_calls(self, l: int) -> dict[str | None, list[tuple[int, int, int]]]:
+        """grow_adopt calls for lane l over every source and n (whole chunks up to past the
+        block, 0, and 1), by the guard the lifecycle model says refuses them (None: the
+        lane may take the entry over)."""
+        life, c = self.life, self.c
+        calls: dict[str | None, list[tuple[int, int, int]]] = {}
+        for src in range(c.K):
+            for n in sorted({0, 1, *range(c.C, c.S + c.C + 1, c.C)}):
+                calls.setdefault(life.predict("grow_adopt", (l, src, n)), []).append(
+                    (l, src, n))
+        return calls
+
     def hit_calls(self, l: int) -> list[tuple[str, dict[str | None, list[Any]]]]:
         """(action, its calls by guard) for lane l's hits past the first block: grow_hit's
-        (`grow_hit_calls`), with the host tier grow_host_hit's too."""
+        (`grow_hit_calls`) and grow_adopt's (`grow_adopt_calls`), with the host tier
+        grow_host_hit's too."""
         out: list[tuple[str, dict[str | None, list[Any]]]] = [
-            ("grow_hit", self.grow_hit_calls(l))]
+            ("grow_hit", self.grow_hit_calls(l)), ("grow_adopt", self.grow_adopt_calls(l))]
         if self.c.HOST:
             out.append(("grow_host_hit", self.grow_host_hit_calls(l)))
         return out
