@@ -186,33 +186,31 @@ def test_a_hit_with_a_block_to_spare_copies_and_keeps_the_entry() -> None:
     at_rest(b)
 
 
-@pytest.mark.parametrize("scratch,host", [("reserved", 0), ("dynamic", 0), ("reserved", 2)],
-                         ids=["reserved", "dynamic", "reserved-host"])
-def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch: str,
-                                                                         host: int) -> None:
-    """Bursts of prompts sharing their first chunks, at the preemption minimum with the prefix
-    cache, over several seeds: every answer is the oracle's, each request ends, nothing leaks;
-    with a reserved scratch block, entries are taken over when they are the last reusable
-    block (counted from the policy's choices), a host tier beside them too (hits loaded from
-    it). (With dynamic scratch a request is admitted beside running ones only with a padding
-    block to spare, so a hit always has a second block to copy into.)"""
+def _shared_prefix_runs(scratch: str, host: int, t: int, extra: int, stem: int, steps: int,
+                        watch: str) -> list[str]:
+    """Six seeds of bursts of prompts that go on from two stems (one to `stem` whole chunks of
+    64 tokens), 2 lanes with T = t at the preemption minimum plus `extra` blocks: every run
+    ends within `steps` steps, every answer is the oracle's, nothing leaks. The actions the
+    policy's `watch` choices (admission or grow) took, in order."""
     taken: list[str] = []
     for seed in range(6):
         rng = random.Random(seed)
-        lanes, t = 2, 2
-        b = batcher(lanes, min_kv_blocks(lanes, True, scratch, t, preemption=True), S // t,
-                    scratch=scratch, prefix_cache=True, host_cache_blocks=host)
+        lanes = 2
+        b = batcher(lanes, min_kv_blocks(lanes, True, scratch, t, preemption=True) + extra,
+                    S // t, scratch=scratch, prefix_cache=True, host_cache_blocks=host)
 
-        def admission(*a: object, choose: Any = b.policy.admission, **k: object) -> object:
+        original = getattr(b.policy, watch)
+
+        def chosen(*a: object, choose: Any = original, **k: object) -> object:
             c = choose(*a, **k)
             if c is not None:
                 taken.append(c.action)
             return c
 
-        b.policy.admission = admission  # type: ignore[method-assign]
-        stems = [_toks(rng, C * rng.randint(1, 2)) for _ in range(2)]
+        setattr(b.policy, watch, chosen)
+        stems = [_toks(rng, C * rng.randint(1, stem)) for _ in range(2)]
         rids = []
-        for step in range(2000):
+        for step in range(steps):
             if step < 60 and step % 4 == 0:
                 p = rng.choice(stems) + _toks(rng, rng.randint(1, 40))
                 rids.append(b.submit(p, rng.randint(1, 30)))
@@ -223,6 +221,20 @@ def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch:
         assert not b.busy(), (seed, "not done")
         assert all(exact(b, r) for r in rids), seed
         at_rest(b)
+    return taken
+
+
+@pytest.mark.parametrize("scratch,host", [("reserved", 0), ("dynamic", 0), ("reserved", 2)],
+                         ids=["reserved", "dynamic", "reserved-host"])
+def test_shared_prefixes_at_the_preemption_minimum_adopt_and_stay_exact(scratch: str,
+                                                                         host: int) -> None:
+    """Bursts of prompts sharing their first chunks, at the preemption minimum with the prefix
+    cache, over several seeds: every answer is the oracle's, each request ends, nothing leaks;
+    with a reserved scratch block, entries are taken over when they are the last reusable
+    block (counted from the policy's choices), a host tier beside them too (hits loaded from
+    it). (With dynamic scratch a request is admitted beside running ones only with a padding
+    block to spare, so a hit always has a second block to copy into.)"""
+    taken = _shared_prefix_runs(scratch, host, 2, 0, 2, 2000, "admission")
     # (the situation happened: the property is exercised)
     assert ("admit_adopt" in taken) == (scratch == "reserved")
 
@@ -235,31 +247,5 @@ def test_hits_past_the_first_block_take_their_last_block_over_and_stay_exact(
     continuation is the only reusable block, the lane takes it over (`grow_adopt`: counted
     from the policy's choices) instead of computing its tokens again; every answer is still
     the oracle's, each request ends, nothing leaks."""
-    taken: list[str] = []
-    for seed in range(6):
-        rng = random.Random(seed)
-        lanes, t = 2, 4
-        b = batcher(lanes, min_kv_blocks(lanes, True, scratch, t, preemption=True) + extra,
-                    S // t, scratch=scratch, prefix_cache=True)
-
-        def grow(*a: object, choose: Any = b.policy.grow, **k: object) -> object:
-            c = choose(*a, **k)
-            if c is not None:
-                taken.append(c.action)
-            return c
-
-        b.policy.grow = grow  # type: ignore[method-assign]
-        stems = [_toks(rng, 64 * rng.randint(1, 3)) for _ in range(2)]
-        rids = []
-        for step in range(3000):
-            if step < 60 and step % 4 == 0:
-                p = rng.choice(stems) + _toks(rng, rng.randint(1, 40))
-                rids.append(b.submit(p, rng.randint(1, 30)))
-            if step >= 60 and not b.busy():
-                break
-            b.step()
-            b.check_invariants()
-        assert not b.busy(), (seed, "not done")
-        assert all(exact(b, r) for r in rids), seed
-        at_rest(b)
+    taken = _shared_prefix_runs(scratch, 0, 4, extra, 3, 3000, "grow")
     assert "grow_adopt" in taken and "grow_hit" in taken  # (both happened)
