@@ -158,8 +158,7 @@ class Config:
                               + (f" (here {here})" if here else ""))
         if self.prefix_cache and not prefix_can_hit(self.max_seq_len, self.prefill_chunk):
             raise ConfigError(dead_prefix_cache_message(self))
-        if self.kv_blocks == 1 and (self.lanes > 1 or self.prefix_cache
-                                    or self.scratch == "reserved"):
+        if self.kv_blocks == 1 and (self.lanes > 1 or self.scratch == "reserved"):
             raise ConfigError(single_block_message(self))
         need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch,
                              self.blocks_per_table, self.preemption)
@@ -241,8 +240,8 @@ def prefix_can_hit(max_seq_len: int, prefill_chunk: int) -> bool:
 def dead_prefix_cache_message(cfg: Config) -> str:
     longest = cfg.max_seq_len - 1
     chunk = (cfg.max_seq_len - 2) // 64 * 64  # prefill chunks are multiples of 64
-    fixes = ["turn the prefix cache off (prefix_cache=False: it only costs KV blocks here"
-             + (" and the host tier's slots" if cfg.host_cache_blocks else "") + ")",
+    fixes = ["turn the prefix cache off (prefix_cache=False: it does nothing here"
+             + (" but take the host tier's slots" if cfg.host_cache_blocks else "") + ")",
              f"use max_seq_len >= {cfg.prefill_chunk + 2}"]
     if chunk >= 64:
         fixes.append(f"use prefill_chunk <= {chunk}")
@@ -259,16 +258,13 @@ def single_block_message(cfg: Config) -> str:
     if cfg.lanes > 1:
         why.append(f"lanes={cfg.lanes}: a second lane never gets a block, and while lane 0 "
                    "decodes the idle row's padding has no block to write into")
-    if cfg.prefix_cache:
-        why.append("prefix_cache=True: a finished request cached in block 0 forces a later "
-                   "prompt with the same prefix to copy from it into a second block there is not")
     if cfg.scratch == "reserved":
         why.append("scratch='reserved': the only block would be the scratch block")
     need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table,
                          cfg.preemption)
-    return ("rule 'single-block': kv_blocks=1 serves exactly one lane, with the prefix cache off "
-            "and dynamic scratch (block 0 is that lane's block; a single-block PD decode worker "
-            "is lanes=1). Here " + "; ".join(why) + " (`atom-core verify` shows the stuck runs). "
+    return ("rule 'single-block': kv_blocks=1 serves exactly one lane, with dynamic scratch "
+            "(block 0 is that lane's block; a single-block PD decode worker is lanes=1). Here "
+            + "; ".join(why) + " (`atom-core verify` shows the stuck runs). "
             "In general: " + capacity_message(cfg, need))
 
 
@@ -281,11 +277,6 @@ def capacity_message(cfg: Config, need: int) -> str:
         if alt <= cfg.kv_blocks:
             fixes.append("use scratch='dynamic' (padding rows write into a free block), "
                          f"which needs {alt}")
-    if cfg.prefix_cache:
-        alt = min_kv_blocks(cfg.lanes, False, cfg.scratch, cfg.blocks_per_table,
-                            cfg.preemption)
-        if alt <= cfg.kv_blocks:
-            fixes.append(f"turn the prefix cache off, which needs {alt}")
     if cfg.lanes > 1:
         fit = max((n for n in range(1, cfg.lanes) if min_kv_blocks(
             n, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, cfg.preemption)

@@ -315,11 +315,16 @@ class Policy:
             dst = self.reusable(s, exclude=src)
             if dst is not None:
                 return Choice("admit_hit", {"l": lane, "r": r, "src": src, "dst": dst, "n": n})
-            # the hit's source is the only reusable block: with preemption (fewer blocks than
-            # the prefix rule) take the entry over rather than wait for a running request
+            # the hit's source is the only reusable block: take the entry over rather than
+            # wait for a running request (which, with every other lane idle, never comes)
             adopt = {"l": lane, "r": r, "src": src, "n": n}
             if _core(s).admit_adopt_guard(s, **adopt) is None:
                 return Choice("admit_adopt", adopt)
+            # a hybrid model's lane cannot take it over (the sliding state is restored with a
+            # copy): it evicts the entry and computes the prefix again
+            miss = {"l": lane, "r": r, "dst": src}
+            if _core(s).admit_miss_guard(s, **miss) is None:
+                return Choice("admit_miss", miss)
             return None
         dst = self.reusable(s)
         if dst is None:

@@ -280,8 +280,9 @@ SINGLE_BLOCK = (
     # the seeds' "no simultaneous idle decoding lane": the idle row's padding has nowhere to go
     SingleBlockCase("second-lane-blocks-decode", 2, False, "decode",
                     "running_request_advances", True),
-    SingleBlockCase("prefix-cache-blocks-local-admission", 1, True, "any", "idle_lane_admits",
-                    True),
+    # (the seeds' incident at one block: a request finished into block 0 and a later prompt of
+    # the same prefix; the lane takes the entry over, `admit_adopt`)
+    SingleBlockCase("prefix-cache-one-lane-safe", 1, True, "any", None, False),
 )
 
 

@@ -269,6 +269,16 @@ def hit_ok(r, b):
             & implies(HYBRID, snap_upto(b) >= C))
 
 
+def hybrid_evicts_its_hit(dst, b):
+    """A hybrid model's miss may take the entry b of its own prefix hit as a plain block (and
+    compute the prefix again) when b is the only block it could take: the hit's copy needs a
+    second block, and a hybrid lane cannot take the entry over (`admit_adopt`), since restoring
+    its sliding state is part of the copy."""
+    # (`o == b`, not `o == dst`: the same under `b == dst`, and the generated code then
+    # evaluates the quantifier only for a hybrid model's hit at dst, not on every miss)
+    return HYBRID & (b == dst) & forall(Block, lambda o: implies(reusable(o), o == b))
+
+
 @m.definition
 def computing(l: Lane):
     """Lane l computes on the device (prefill or decode) with no copy in flight."""
@@ -444,7 +454,8 @@ def admit_miss(l: Lane, r: Req, dst: Block):
     require("lane_idle", ~busy(l))
     require("request_waiting", phase(r) == Phase.WAITING)
     require("dst_reusable", reusable(dst))
-    require("no_cache_hit", implies(PREFIX, forall(Block, lambda b: ~hit_ok(r, b))))
+    require("no_cache_hit", implies(PREFIX, forall(Block, lambda b: ~(
+        hit_ok(r, b) & ~hybrid_evicts_its_hit(dst, b)))))
     occupy(l, r, dst, 0)
     assign(holds(dst), take(prompt(r), 0))
     assign(junk(dst), False)
@@ -490,15 +501,16 @@ def admit_hit(l: Lane, r: Req, src: Block, dst: Block, n: INT):
 
 @m.action
 def admit_adopt(l: Lane, r: Req, src: Block, n: INT):
-    """With preemption, admit r into idle lane l by taking cache entry src over: its first n
-    tokens are already the prompt's KV, so nothing is copied, and the prefill overwrites the
-    rest. For when src is the only reusable block (fewer blocks than the prefix rule): a copy
-    would need a second one, and a miss must not skip the hit (`no_cache_hit`), so without it
-    the request waits for a running one to end. The entry is gone afterwards (the policy copies
-    instead whenever it can). Not for a hybrid model: its hit restores the sliding state as part
-    of the copy (`copy_done`)."""
-    live_when(PREFIX & PREEMPT & ~HYBRID)
-    require("preemption_on", PREEMPT)
+    """Admit r into idle lane l by taking cache entry src over: its first n tokens are already
+    the prompt's KV, so nothing is copied, and the prefill overwrites the rest. For when src is
+    the only reusable block: a copy would need a second one, and a miss must not skip the hit
+    (`no_cache_hit`), so without it the request would wait for a running one to end, forever
+    when every other lane is idle (the seeds' stuck state: one lane, two blocks, the same prompt
+    twice). With it the prefix cache costs no block beyond what the lanes need. The entry is
+    gone afterwards (the policy copies instead whenever it can). Not for a hybrid model: its hit
+    restores the sliding state as part of the copy (`copy_done`); its miss evicts the entry
+    instead (`hybrid_evicts_its_hit`)."""
+    live_when(PREFIX & ~HYBRID)
     require("not_hybrid", ~HYBRID)
     hits_entry(l, r, src, n)
     into_first_block(src, n)

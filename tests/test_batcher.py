@@ -177,11 +177,12 @@ def test_token_exact_matrix(lanes, prefix, scratch):
 @pytest.mark.parametrize("prefix,scratch", [(True, "reserved"), (True, "dynamic"),
                                             (False, "reserved"), (False, "dynamic")])
 def test_seeds_case_same_prompt_twice_one_lane_minimum_k(prefix, scratch):
-    """The seeds' incident: B = 1, the same prompt twice. At the minimum legal K (3 with prefix
-    cache and reserved scratch) the second request is admitted (a mandatory prefix hit) and both
-    equal the oracle."""
+    """The seeds' incident: B = 1, the same prompt twice. At the minimum legal K (2 with prefix
+    cache and reserved scratch, where the seeds' scheduler was stuck) the second request is
+    admitted (a mandatory prefix hit: its lane takes the cache entry over, nothing copied) and
+    both equal the oracle."""
     b = make(1, prefix, scratch)
-    assert b.config.kv_blocks == 1 + {(True, "reserved"): 2, (True, "dynamic"): 1,
+    assert b.config.kv_blocks == 1 + {(True, "reserved"): 1, (True, "dynamic"): 0,
                                       (False, "reserved"): 1, (False, "dynamic"): 0}[
         (prefix, scratch)]
     p = POOL[1]
@@ -192,6 +193,14 @@ def test_seeds_case_same_prompt_twice_one_lane_minimum_k(prefix, scratch):
     # the second is a hit of both whole chunks of the 170-token prompt, iff the cache is on
     assert b.stats.prefix_hit_tokens == (128 if prefix else 0)
     assert b.stats.prefill_tokens == 2 * len(p) - b.stats.prefix_hit_tokens
+    assert b.runtime.calls["copy"] == 0  # (taken over: the only block is the entry)
+    blocks_at_rest(b)
+    # with a block to spare the hit is copied and the entry kept
+    b = make(1, prefix, scratch, extra=1)
+    r1, r2 = b.submit(p, MAX_NEW), b.submit(p, MAX_NEW)
+    drive(b)
+    assert_exact(b)
+    assert b.stats.prefix_hit_tokens == (128 if prefix else 0)
     assert b.runtime.calls["copy"] == (1 if prefix else 0)
     blocks_at_rest(b)
 
@@ -383,7 +392,7 @@ def test_stats_add_up():
 # --------------------------------------------------------------------------- trace
 def traced_run() -> tuple[AtomBatcher, str]:
     buf = io.StringIO()
-    b = make(2, True, "dynamic", trace=buf)
+    b = make(2, True, "dynamic", extra=1, trace=buf)  # (a spare block: hits copy)
     rng = random.Random(11)
     for p in POOL:
         b.submit(p, rng.randint(1, 4))

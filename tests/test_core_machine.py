@@ -93,13 +93,13 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     cannot |= set() if tier == "host" else set(HOST_ACTIONS)
     for run in runs:
         off = cannot | (set() if run.pd else set(PD_ACTIONS))
-        off |= set() if run.preempt else {"preempt", "admit_adopt"}
+        off |= set() if run.preempt else {"preempt"}
         assert not off & set(run.applied), (run.pd, run.preempt, off & set(run.applied))
     applied = {a for run in runs for a in run.applied}
     rejected = {k for run in runs for k, v in run.rejected.items() if v}
     events = {k for run in runs for k, v in run.events.items() if v}
     expected = actions - cannot - (set() if any(run.pd for run in runs) else set(PD_ACTIONS))
-    expected -= set() if any(run.preempt for run in runs) else {"preempt", "admit_adopt"}
+    expected -= set() if any(run.preempt for run in runs) else {"preempt"}
     assert expected <= applied, expected - applied
     assert ("decode", "no_block_overflow") in rejected
     # Each tier's actions are refused where they do not belong, and at wrong times.
@@ -375,6 +375,11 @@ MUTANTS: dict[str, Mutant] = {
     "finish-key": Mutant(
         lambda: MODEL.without_update("finish", "key"),
         (True, "dynamic"), "cache_key_is_content", None),
+    # A miss beside a prefix hit: safe (the prefix is computed again), so no proof observes
+    # it; the lifecycle model, which predicts every guard, does.
+    "admit_miss-no_cache_hit": Mutant(
+        lambda: MODEL.without_guard("admit_miss", "no_cache_hit"),
+        (True, "dynamic"), "lifecycle:no_cache_hit", HIT_RULES),
     "admit_miss-dst_reusable": Mutant(
         lambda: MODEL.without_guard("admit_miss", "dst_reusable"),
         (False, "dynamic"), "no_block_in_two_tables",
@@ -463,6 +468,11 @@ MUTANTS: dict[str, Mutant] = {
     # hit_ok without its hybrid clause: an entry without a snapshot at the first chunk blocks
     # a miss though no hit can use it, so a request may never be admitted (the policy's miss
     # is refused, or the lifecycle model's, or the state is stuck).
+    # A hybrid miss evicts its hit's entry while another block is free (the exception without
+    # its "only reusable block" condition): the hit's prefix is computed again for nothing.
+    "admit_miss-hybrid-evicts-beside-a-free-block": Mutant(
+        lambda: _hybrid_miss_evicts_any_hit(),
+        (True, "dynamic"), "lifecycle:no_cache_hit", HYBRID_FLOW | HIT_RULES, tier="hybrid"),
     "admit_miss-no_cache_hit-ignores-snapshots": Mutant(
         lambda: _miss_ignores_snapshots(),
         (True, "dynamic"),
@@ -806,6 +816,14 @@ def _miss_ignores_snapshots() -> Any:
             (spec.slen(spec.prompt(r)) > spec.C) & (spec.owner(b) == spec.Owner.CACHE)
             & (spec.head(b) == spec.take(spec.prompt(r), spec.C))
             & (spec.slen(spec.key(b)) >= spec.C)))))
+
+
+def _hybrid_miss_evicts_any_hit() -> Any:
+    """no_cache_hit whose hybrid exception lets a miss take its hit's entry whatever else is
+    reusable (hybrid_evicts_its_hit without its only-reusable-block clause)."""
+    r, dst = _param("admit_miss", "r"), _param("admit_miss", "dst")
+    return MODEL.with_guard("admit_miss", "no_cache_hit", lang.implies(spec.PREFIX, lang.forall(
+        spec.Block, lambda b: ~(spec.hit_ok(r, b) & ~(spec.HYBRID & (b == dst))))))
 
 
 def _cancel_frees() -> Any:

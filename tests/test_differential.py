@@ -683,6 +683,15 @@ SCENARIOS: dict[str, tuple[dict[str, Any], list[Step]]] = {
         ok("import_grow", 1, 0), ok("import_done", 1, P7, 4), ok("finish", 1, False),
         ok("submit", 2, P7[:3]), ok("admit_miss", 1, 2, 2), ok("prefill", 1, 1),
         ok("snapshot", 1), ok("prefill", 1, 1), ok("export", 1), ok("export_done", 2, True)]),
+    # a hybrid model's miss takes its hit's entry (it cannot take it over) only when that
+    # entry is the only reusable block: not beside a free block or another entry
+    "hybrid miss evicts its hit": (paged(HYBRID=True, K=3), [
+        *prefill_to_cache(snap=True), ok("submit", 9, (3, 3, 3, 3, 3)),
+        no("no_cache_hit", "admit_miss", 1, 5, 1), ok("admit_miss", 0, 9, 2),
+        no("no_cache_hit", "admit_miss", 1, 5, 1), no("not_hybrid", "admit_adopt", 1, 5, 1, 4),
+        ok("prefill", 0, 1), ok("prefill", 0, 1), ok("grow", 0, 0),
+        no("dst_not_src", "admit_hit", 1, 5, 1, 1, 4), ok("admit_miss", 1, 5, 1),
+        ok("prefill", 1, 1)]),
     # a hybrid lane with snapshots preempted (its snapshots are dropped)
     "preempt hybrid": (paged(B=2, K=3, HYBRID=True, PREEMPT=True), [
         ok("submit", 0, P7), ok("submit", 1, P7), ok("admit_miss", 0, 0, 0),

@@ -88,7 +88,10 @@ class FaultyRuntime:
         return self.inner.copy_kv_cache(src, dst, num_tokens)
 
 
-def make(lanes: int, scratch: str, extra: int = 0, trace=None, **faults):
+def make(lanes: int, scratch: str, extra: int = 1, trace=None, **faults):
+    """A batcher over a runtime failing the given calls; one block over the minimum by default,
+    so that hits copy (at the minimum a hit whose entry is the last reusable block takes it
+    over: nothing is copied)."""
     cfg = Config(lanes=lanes, kv_blocks=min_kv_blocks(lanes, True, scratch) + extra,
                  max_seq_len=S, prefill_chunk=C, prefix_cache=True, scratch=scratch)
     rt = FaultyRuntime(TorchReferenceRuntime.tiny(cfg), **faults)
@@ -209,7 +212,8 @@ def test_every_call_failing_once_in_turn_never_poisons_the_batcher():
     cfg_runs = 0
     for i in range(0, 18, 3):
         for kind in ("prefill", "decode", "copy"):
-            b, rt = make(2, "dynamic" if i % 2 else "reserved", **{kind: (i // 3,)})
+            b, rt = make(2, "dynamic" if i % 2 else "reserved", extra=i % 2,
+                         **{kind: (i // 3,)})
             for p in (SHARED[0], OTHER[0], SHARED[1], SHARED[2], OTHER[1]):
                 b.submit(p, 3)
             log: list[Event] = []

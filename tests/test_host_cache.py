@@ -138,7 +138,7 @@ def test_failed_load_recomputes_only_its_request() -> None:
 
 def test_a_loading_slot_is_never_evicted_or_overwritten() -> None:
     """The core refuses host_evict and spill into a slot a load is reading."""
-    cfg = config(1, host=1)
+    cfg = config(1, host=1, extra=1)  # (a second block for the host hit to load into)
     s = core.init(cfg.consts(), ghost=True)
     p = seq(range(1, 140))
 
@@ -306,7 +306,7 @@ def test_runtime_without_host_transfers_is_refused() -> None:
 def test_a_spill_does_not_delay_admission() -> None:
     """When the block an admission takes is a cache entry, the batcher stores the entry to the
     host and chooses again in the same step: the request does not wait a step for its lane."""
-    b = batcher(config(1, "dynamic"))
+    b = batcher(config(1, "dynamic", extra=1))
     rng = random.Random(7)
     for _ in range(2):  # two distinct cached prompts: every device block is a cache entry
         run_checked(b, [([rng.randrange(V) for _ in range(130)], 1)])

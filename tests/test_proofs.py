@@ -20,6 +20,7 @@ from atom_core.spec import codegen
 from atom_core.spec import lang as L
 from atom_core.spec import model as spec
 from atom_core.spec.model import MODEL
+from atom_core.testing.variants import seeds_semantics
 
 ACTIONS = [a.name for a in MODEL.actions]
 RELATIONAL = [i.name for i in MODEL.invariants if i.kind == "relational"]
@@ -254,9 +255,14 @@ GUARDS = [(a.name, g) for a in MODEL.actions for g, _ in a.guards]
 UPDATES = [(a.name, fn) for a in MODEL.actions for fn in sorted({u.fn.name for u in a.updates})]
 
 # Guards whose removal no proof catches, each with the reason. Every other guard is needed by
-# a safety proof, except `admit_miss.no_cache_hit`, which is a policy (a prefix hit must be
-# taken) whose only observable effect is capacity - caught by the capacity tier below.
+# a safety proof or the capacity tier.
 EQUIVALENT_GUARDS: dict[tuple[str, str], str] = {
+    # a policy (a prefix hit is taken): a miss beside a hit computes the prefix again, which is
+    # safe, and since a hit's entry can always be taken over (`admit_adopt`) or, for a hybrid
+    # model, evicted by the miss when it is the only reusable block, the guard costs no block
+    # either. The core state machine's lifecycle model catches its removal
+    # (tests/test_core_machine.py, admit_miss-no_cache_hit).
+    ("admit_miss", "no_cache_hit"): "policy: a hit is taken; safe and block-neutral without",
     # (shared with admit_hit, where the copy's invariant reads the entry's key up to the
     # lane's length): for real sequences prefix_matches with token_left_to_compute implies it
     # (take(key, n) has n tokens only if key has); the model leaves take uninterpreted, and a
@@ -410,12 +416,15 @@ def test_dropping_any_guard_is_caught(action, guard, quick_solver):
         assert found is not None, f"dropping {action}.{guard} is caught by no proof"
 
 
-def test_no_cache_hit_is_caught_only_by_capacity(quick_solver):
-    mut = MODEL.without_guard("admit_miss", "no_cache_hit")
+def test_hybrid_miss_that_may_not_evict_its_hit_is_caught_by_capacity(quick_solver):
+    """no_cache_hit without its hybrid exception (`hybrid_evicts_its_hit`): a hybrid model's
+    request whose hit's entry is the only reusable block waits for ever at the rule's
+    minimum: the capacity tier finds the hybrid rows stuck where the plain ones are not."""
+    mandatory = dict(seeds_semantics().get_action("admit_miss").guards)["no_cache_hit"]
+    mut = MODEL.with_guard("admit_miss", "no_cache_hit", mandatory)
     assert caught_relational(mut, "admit_miss") is None
-    assert caught_bounded(mut, "admit_miss") is None
     found = caught_capacity(mut)
-    assert found is not None and "prefix cache" in found[0]
+    assert found is not None and "hybrid" in found[0], found
 
 
 @pytest.mark.parametrize("action,fn", UPDATES, ids=[f"{a}.{f}" for a, f in UPDATES])
@@ -554,31 +563,36 @@ def test_a_padding_row_aimed_at_its_own_local_slot_is_refuted():
 
 
 def test_copy_into_the_source_is_unsafe():
-    """Dropping admit_hit's dst_not_src would let a 1-lane prefix cache run in lanes + 1 blocks
-    (copy the entry onto itself), but z3 refutes it: the copy source is no longer a pinned
-    cache entry while the copy is in flight."""
+    """Dropping admit_hit's dst_not_src would let the seeds' scheduler (no entry taken over) run
+    a 1-lane prefix cache in lanes + 1 blocks (copy the entry onto itself), but z3 refutes it:
+    the copy source is no longer a pinned cache entry while the copy is in flight. (Taking the
+    entry over, `admit_adopt`, is the safe way to the same block count.)"""
     mut = MODEL.without_guard("admit_hit", "dst_not_src")
     assert refutes(mut, "admit_hit", "copy_source_cached").status == "counterexample"
-    assert capacity.min_blocks(mut, PREFIX_RESERVED, 1, 4) == 2
+    seeds = seeds_semantics()
+    assert capacity.min_blocks(seeds, PREFIX_RESERVED, 1, 4) == 3
+    assert capacity.min_blocks(seeds.without_guard("admit_hit", "dst_not_src"),
+                               PREFIX_RESERVED, 1, 4) == 2
 
 
-def test_optional_hits_need_fewer_blocks():
-    """The seeds' rule (prefix cache, reserved scratch: lanes + 2) comes from the mandatory-hit
-    semantics: if admit_miss may ignore a hit (and evict the entry), the model stays safe and
-    the prefix cache costs no extra block: the no-cache rules apply."""
-    mut = MODEL.without_guard("admit_miss", "no_cache_hit")
-    assert refuted(mut, "admit_miss") == set()
+def test_taking_the_entry_over_saves_the_seeds_block():
+    """The seeds' rule (prefix cache, reserved scratch: lanes + 2) is what mandatory hits cost
+    when a hit's entry cannot be taken over: with one block fewer, the request whose hit's
+    entry is the only reusable block waits for ever (the seeds' incident). The model takes the
+    entry over (`admit_adopt`; a hybrid model's miss evicts it), so the prefix cache costs no
+    block: the no-cache rules apply, and the committed table says so."""
+    seeds = seeds_semantics()
+    # (safe: its guards only refuse more; the miss's is checked alone, as `only` needs)
+    mandatory = dict(seeds.get_action("admit_miss").guards)["no_cache_hit"]
+    assert refuted(MODEL.with_guard("admit_miss", "no_cache_hit", mandatory), "admit_miss") \
+        == set()
     for lanes in (1, 2):
-        assert capacity.min_blocks(MODEL, PREFIX_RESERVED, lanes, 6) == lanes + 2
-        assert capacity.min_blocks(mut, PREFIX_RESERVED, lanes, 6) == lanes + 1
-        assert capacity.min_blocks(MODEL, PREFIX_DYNAMIC, lanes, 6) == lanes + 1
-        assert capacity.min_blocks(mut, PREFIX_DYNAMIC, lanes, 6) == lanes
-    offsets = {(r.features.prefix_cache, r.features.scratch): r.offset
-               for r in capacity.table(mut, 2, 4, traces=False) if r.features.plain}
-    assert offsets == {(False, "reserved"): 1, (False, "dynamic"): 0,
-                       (True, "reserved"): 1, (True, "dynamic"): 0}
-    assert committed.OFFSETS[(True, "reserved")] == 2
-    assert committed.OFFSETS[(True, "dynamic")] == 1
+        assert capacity.min_blocks(seeds, PREFIX_RESERVED, lanes, 6) == lanes + 2
+        assert capacity.min_blocks(MODEL, PREFIX_RESERVED, lanes, 6) == lanes + 1
+        assert capacity.min_blocks(seeds, PREFIX_DYNAMIC, lanes, 6) == lanes + 1
+        assert capacity.min_blocks(MODEL, PREFIX_DYNAMIC, lanes, 6) == lanes
+    assert committed.OFFSETS == {(False, "reserved"): 1, (False, "dynamic"): 0,
+                                 (True, "reserved"): 1, (True, "dynamic"): 0}
 
 
 def test_capacity_table_of_the_model_is_the_committed_one():

@@ -15,8 +15,9 @@ from atom_core.replay import _args
 from atom_core.spec.model import MODEL
 
 TIGHT, _SINGLE = witness.committed()
-# A prefix-cache run with two requests, prefills and a finish: its prompts matter.
-ROW = ("prefix cache, reserved scratch", 1)
+# A prefix-cache run with two requests, prefills, decodes and a grow (paged tables): its
+# prompts matter (their lengths decide the prefill chunks and when a table fills).
+ROW = ("prefix cache, reserved scratch, T=2", 2)
 W = TIGHT[ROW]
 Raw = list[tuple[str, dict[str, Any]]]
 

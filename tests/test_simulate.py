@@ -275,8 +275,10 @@ def test_a_corrupted_token_is_caught_with_a_short_failing_prefix() -> None:
 
 
 def test_a_skipped_kv_copy_is_caught() -> None:
+    # (a block over the minimum: hits copy; at the minimum the last reusable entry is taken
+    # over, which copies nothing)
     rep = run(1, 60, wrap_runtime=lambda rt, side: SkipCopy(rt), mode="colocated",
-              prefix_cache=True, max_seq_len=128)
+              prefix_cache=True, max_seq_len=128, extra_blocks=1)
     assert not rep.ok and rep.token_mismatches > 0, simulate.render(rep)
 
 

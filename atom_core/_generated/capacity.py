@@ -20,15 +20,15 @@ SCRATCH_BLOCKS = {
 COPY_BLOCKS = {
     (False, 'reserved'): 0,
     (False, 'dynamic'): 0,
-    (True, 'reserved'): 1,
-    (True, 'dynamic'): 1,
+    (True, 'reserved'): 0,
+    (True, 'dynamic'): 0,
 }
 
 OFFSETS = {
     (False, 'reserved'): 1,
     (False, 'dynamic'): 0,
-    (True, 'reserved'): 2,
-    (True, 'dynamic'): 1,
+    (True, 'reserved'): 1,
+    (True, 'dynamic'): 0,
 }
 
 PREEMPT_BLOCKS = {
@@ -51,9 +51,9 @@ RULES = {
     (False, 'dynamic'): (
         'dynamic-scratch: kv_blocks >= lanes * T'),
     (True, 'reserved'): (
-        'prefix-cache-reserved-scratch: kv_blocks >= max(lanes * T, (lanes - 1) * T + 2) + 1'),
+        'prefix-cache-reserved-scratch: kv_blocks >= lanes * T + 1'),
     (True, 'dynamic'): (
-        'prefix-cache-dynamic-scratch: kv_blocks >= max(lanes * T, (lanes - 1) * T + 2)'),
+        'prefix-cache-dynamic-scratch: kv_blocks >= lanes * T'),
 }
 
 PREEMPT_RULES = {

@@ -855,15 +855,17 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     owner = s.owner
+    B = s.consts.B
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in range(B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
+    K = s.consts.K
     _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
     _m0 = slen(_m2) > C
@@ -875,7 +877,7 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in range(s.consts.K):
+        for b in range(K):
             if (
                 _m0
                 and owner[b] == OWNER_CACHE
@@ -883,6 +885,21 @@ def admit_miss_guard(s: State, l: int, r: int, dst: int) -> str | None:
                 and head[b] == _m1
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
+                and not (
+                    HYBRID
+                    and b == dst
+                    and all(
+                        not (
+                            (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                            and not any(
+                                copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                for l2 in range(B)
+                            )
+                        )
+                        or o == b
+                        for o in range(K)
+                    )
+                )
             ):
                 return "no_cache_hit"
     return None
@@ -906,15 +923,17 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     if phase.get(r, _D_phase) != PHASE_WAITING:
         return Step(s, (), "request_waiting")
     owner = s.owner
+    B = s.consts.B
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return Step(s, (), "dst_reusable")
-    for l2 in range(s.consts.B):
+    for l2 in range(B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return Step(s, (), "dst_reusable")
+    K = s.consts.K
     _m3 = s.prompt.get(r, _D_prompt)
     _m2 = slen(_m3)
     C = s.consts.C
@@ -927,7 +946,7 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in range(s.consts.K):
+        for b in range(K):
             if (
                 _m0
                 and owner[b] == OWNER_CACHE
@@ -935,6 +954,21 @@ def admit_miss(s: State, l: int, r: int, dst: int) -> Step:
                 and head[b] == _m1
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
+                and not (
+                    HYBRID
+                    and b == dst
+                    and all(
+                        not (
+                            (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                            and not any(
+                                copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                for l2 in range(B)
+                            )
+                        )
+                        or o == b
+                        for o in range(K)
+                    )
+                )
             ):
                 return Step(s, (), "no_cache_hit")
     new_busy = list(busy)
@@ -1061,15 +1095,17 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     if s.phase.get(r, _D_phase) != PHASE_WAITING:
         return "request_waiting"
     owner = s.owner
+    B = s.consts.B
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
         return "dst_reusable"
-    for l2 in range(s.consts.B):
+    for l2 in range(B):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
             return "dst_reusable"
+    K = s.consts.K
     _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
     _m0 = slen(_m2) > C
@@ -1081,7 +1117,7 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
     HYBRID = s.consts.HYBRID
     # no_cache_hit
     if s.consts.PREFIX:
-        for b in range(s.consts.K):
+        for b in range(K):
             if (
                 _m0
                 and owner[b] == OWNER_CACHE
@@ -1089,6 +1125,21 @@ def admit_miss_plan(s: State, l: int, r: int, dst: int) -> tuple[Any, ...] | str
                 and head[b] == _m1
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
+                and not (
+                    HYBRID
+                    and b == dst
+                    and all(
+                        not (
+                            (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                            and not any(
+                                copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                for l2 in range(B)
+                            )
+                        )
+                        or o == b
+                        for o in range(K)
+                    )
+                )
             ):
                 return "no_cache_hit"
     return (Admit(l, r, dst),)
@@ -1130,16 +1181,18 @@ def ready_admit_miss(
             return False
     if dst is not None:
         owner = s.owner
+        B = s.consts.B
         copying = s.copying
         copy_host = s.copy_host
         copy_src = s.copy_src
         # dst_reusable
         if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
             return False
-        for l2 in range(s.consts.B):
+        for l2 in range(B):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
-    if r is not None:
+    if r is not None and dst is not None:
+        K = s.consts.K
         _m2 = s.prompt.get(r, _D_prompt)
         C = s.consts.C
         _m0 = slen(_m2) > C
@@ -1150,9 +1203,13 @@ def ready_admit_miss(
         key = s.key
         snap_upto = s.snap_upto
         HYBRID = s.consts.HYBRID
+        B = s.consts.B
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
         # no_cache_hit
         if s.consts.PREFIX:
-            for b in range(s.consts.K):
+            for b in range(K):
                 if (
                     _m0
                     and owner[b] == OWNER_CACHE
@@ -1160,6 +1217,21 @@ def ready_admit_miss(
                     and head[b] == _m1
                     and slen(key[b]) >= C
                     and (not HYBRID or snap_upto[b] >= C)
+                    and not (
+                        HYBRID
+                        and b == dst
+                        and all(
+                            not (
+                                (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                                and not any(
+                                    copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                    for l2 in range(B)
+                                )
+                            )
+                            or o == b
+                            for o in range(K)
+                        )
+                    )
                 ):
                     return False
     return True
@@ -1588,9 +1660,6 @@ def admit_adopt_guard(s: State, l: int, r: int, src: int, n: int) -> str | None:
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return "preemption_on"
     # not_hybrid
     if s.consts.HYBRID:
         return "not_hybrid"
@@ -1637,13 +1706,15 @@ def admit_adopt_guard(s: State, l: int, r: int, src: int, n: int) -> str | None:
 
 
 def admit_adopt(s: State, l: int, r: int, src: int, n: int) -> Step:
-    """With preemption, admit r into idle lane l by taking cache entry src over: its first n
-    tokens are already the prompt's KV, so nothing is copied, and the prefill overwrites the
-    rest. For when src is the only reusable block (fewer blocks than the prefix rule): a copy
-    would need a second one, and a miss must not skip the hit (`no_cache_hit`), so without it
-    the request waits for a running one to end. The entry is gone afterwards (the policy copies
-    instead whenever it can). Not for a hybrid model: its hit restores the sliding state as part
-    of the copy (`copy_done`).
+    """Admit r into idle lane l by taking cache entry src over: its first n tokens are already
+    the prompt's KV, so nothing is copied, and the prefill overwrites the rest. For when src is
+    the only reusable block: a copy would need a second one, and a miss must not skip the hit
+    (`no_cache_hit`), so without it the request would wait for a running one to end, forever
+    when every other lane is idle (the seeds' stuck state: one lane, two blocks, the same prompt
+    twice). With it the prefix cache costs no block beyond what the lanes need. The entry is
+    gone afterwards (the policy copies instead whenever it can). Not for a hybrid model: its hit
+    restores the sliding state as part of the copy (`copy_done`); its miss evicts the entry
+    instead (`hybrid_evicts_its_hit`).
     """
     # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
     #   owner, owner_lane, lane_snap; ghost: local_holds, local_junk, lane_snap_junk,
@@ -1652,9 +1723,6 @@ def admit_adopt(s: State, l: int, r: int, src: int, n: int) -> Step:
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return Step(s, (), "preemption_on")
     # not_hybrid
     if s.consts.HYBRID:
         return Step(s, (), "not_hybrid")
@@ -1825,9 +1893,6 @@ def admit_adopt_plan(s: State, l: int, r: int, src: int, n: int) -> tuple[Any, .
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if src is not None and not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return "preemption_on"
     # not_hybrid
     if s.consts.HYBRID:
         return "not_hybrid"
@@ -1911,9 +1976,6 @@ def ready_admit_adopt(
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if src is not None and not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return False
     # not_hybrid
     if s.consts.HYBRID:
         return False
@@ -8011,7 +8073,7 @@ GUARD_READS = {
         "lane_idle": ("l",),
         "request_waiting": ("r",),
         "dst_reusable": ("dst",),
-        "no_cache_hit": ("r",),
+        "no_cache_hit": ("r", "dst"),
     },
     "admit_hit": {
         "lane_idle": ("l",),
@@ -8028,7 +8090,6 @@ GUARD_READS = {
         "dst_reusable": ("dst",),
     },
     "admit_adopt": {
-        "preemption_on": (),
         "not_hybrid": (),
         "lane_idle": ("l",),
         "request_waiting": ("r",),

@@ -503,6 +503,8 @@ def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
     key = s.key
     snap_upto = s.snap_upto
     HYBRID = s.consts.HYBRID
+    K = s.consts.K
+    B = s.consts.B
     # no_cache_hit
     if s.consts.PREFIX:
         for b in s._ix1.get(_sig(_m0), ()):
@@ -513,6 +515,21 @@ def admit_miss_guard(s: MState, l: int, r: int, dst: int) -> str | None:
                 and head[b] == _m0
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
+                and not (
+                    HYBRID
+                    and b == dst
+                    and all(
+                        not (
+                            (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                            and not any(
+                                copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                for l2 in range(B)
+                            )
+                        )
+                        or o == b
+                        for o in range(K)
+                    )
+                )
             ):
                 return "no_cache_hit"
     return None
@@ -555,6 +572,8 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     key = s.key
     snap_upto = s.snap_upto
     HYBRID = s.consts.HYBRID
+    K = s.consts.K
+    B = s.consts.B
     # no_cache_hit
     if s.consts.PREFIX:
         for b in s._ix1.get(_sig(_m0), ()):
@@ -565,6 +584,21 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
                 and head[b] == _m0
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
+                and not (
+                    HYBRID
+                    and b == dst
+                    and all(
+                        not (
+                            (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                            and not any(
+                                copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                for l2 in range(B)
+                            )
+                        )
+                        or o == b
+                        for o in range(K)
+                    )
+                )
             ):
                 return Step(s, (), "no_cache_hit")
     new_lane_seq_v0 = _m2
@@ -639,6 +673,8 @@ def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | st
     key = s.key
     snap_upto = s.snap_upto
     HYBRID = s.consts.HYBRID
+    K = s.consts.K
+    B = s.consts.B
     # no_cache_hit
     if s.consts.PREFIX:
         for b in s._ix1.get(_sig(_m0), ()):
@@ -649,6 +685,21 @@ def admit_miss_plan(s: MState, l: int, r: int, dst: int) -> tuple[Any, ...] | st
                 and head[b] == _m0
                 and slen(key[b]) >= C
                 and (not HYBRID or snap_upto[b] >= C)
+                and not (
+                    HYBRID
+                    and b == dst
+                    and all(
+                        not (
+                            (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                            and not any(
+                                copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                for l2 in range(B)
+                            )
+                        )
+                        or o == b
+                        for o in range(K)
+                    )
+                )
             ):
                 return "no_cache_hit"
     return (Admit(l, r, dst),)
@@ -699,7 +750,7 @@ def ready_admit_miss(
         for l2 in s._ix0.get(dst, ()):
             if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
                 return False
-    if r is not None:
+    if r is not None and dst is not None:
         _m2 = s.prompt.get(r, _D_prompt)
         C = s.consts.C
         _m0 = take(_m2, C)
@@ -710,6 +761,11 @@ def ready_admit_miss(
         key = s.key
         snap_upto = s.snap_upto
         HYBRID = s.consts.HYBRID
+        K = s.consts.K
+        B = s.consts.B
+        copying = s.copying
+        copy_host = s.copy_host
+        copy_src = s.copy_src
         # no_cache_hit
         if s.consts.PREFIX:
             for b in s._ix1.get(_sig(_m0), ()):
@@ -720,6 +776,21 @@ def ready_admit_miss(
                     and head[b] == _m0
                     and slen(key[b]) >= C
                     and (not HYBRID or snap_upto[b] >= C)
+                    and not (
+                        HYBRID
+                        and b == dst
+                        and all(
+                            not (
+                                (owner[o] == OWNER_FREE or owner[o] == OWNER_CACHE)
+                                and not any(
+                                    copying[l2] and not copy_host[l2] and copy_src[l2] == o
+                                    for l2 in range(B)
+                                )
+                            )
+                            or o == b
+                            for o in range(K)
+                        )
+                    )
                 ):
                     return False
     return True
@@ -1077,9 +1148,6 @@ def admit_adopt_guard(s: MState, l: int, r: int, src: int, n: int) -> str | None
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return "preemption_on"
     # not_hybrid
     if s.consts.HYBRID:
         return "not_hybrid"
@@ -1126,13 +1194,15 @@ def admit_adopt_guard(s: MState, l: int, r: int, src: int, n: int) -> str | None
 
 
 def admit_adopt(s: MState, l: int, r: int, src: int, n: int) -> Step:
-    """With preemption, admit r into idle lane l by taking cache entry src over: its first n
-    tokens are already the prompt's KV, so nothing is copied, and the prefill overwrites the
-    rest. For when src is the only reusable block (fewer blocks than the prefix rule): a copy
-    would need a second one, and a miss must not skip the hit (`no_cache_hit`), so without it
-    the request waits for a running one to end. The entry is gone afterwards (the policy copies
-    instead whenever it can). Not for a hybrid model: its hit restores the sliding state as part
-    of the copy (`copy_done`).
+    """Admit r into idle lane l by taking cache entry src over: its first n tokens are already
+    the prompt's KV, so nothing is copied, and the prefill overwrites the rest. For when src is
+    the only reusable block: a copy would need a second one, and a miss must not skip the hit
+    (`no_cache_hit`), so without it the request would wait for a running one to end, forever
+    when every other lane is idle (the seeds' stuck state: one lane, two blocks, the same prompt
+    twice). With it the prefix cache costs no block beyond what the lanes need. The entry is
+    gone afterwards (the policy copies instead whenever it can). Not for a hybrid model: its hit
+    restores the sliding state as part of the copy (`copy_done`); its miss evicts the entry
+    instead (`hybrid_evicts_its_hit`).
     """
     # modifies: busy, lane_req, tail, nblocks, start, length, lane_seq, lane_plen, phase, req_lane,
     #   owner, owner_lane, lane_snap; ghost: local_holds, local_junk, lane_snap_junk,
@@ -1141,9 +1211,6 @@ def admit_adopt(s: MState, l: int, r: int, src: int, n: int) -> Step:
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return Step(s, (), "preemption_on")
     # not_hybrid
     if s.consts.HYBRID:
         return Step(s, (), "not_hybrid")
@@ -1247,9 +1314,6 @@ def admit_adopt_plan(s: MState, l: int, r: int, src: int, n: int) -> tuple[Any, 
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if src is not None and not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return "preemption_on"
     # not_hybrid
     if s.consts.HYBRID:
         return "not_hybrid"
@@ -1333,9 +1397,6 @@ def ready_admit_adopt(
         raise _bad_index("admit_adopt", "l", l, "Lane", s.consts.B)
     if src is not None and not 0 <= src < s.consts.K:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
-    # preemption_on
-    if not s.consts.PREEMPT:
-        return False
     # not_hybrid
     if s.consts.HYBRID:
         return False
@@ -4871,7 +4932,7 @@ GUARD_READS = {
         "lane_idle": ("l",),
         "request_waiting": ("r",),
         "dst_reusable": ("dst",),
-        "no_cache_hit": ("r",),
+        "no_cache_hit": ("r", "dst"),
     },
     "admit_hit": {
         "lane_idle": ("l",),
@@ -4888,7 +4949,6 @@ GUARD_READS = {
         "dst_reusable": ("dst",),
     },
     "admit_adopt": {
-        "preemption_on": (),
         "not_hybrid": (),
         "lane_idle": ("l",),
         "request_waiting": ("r",),

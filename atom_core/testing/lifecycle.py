@@ -29,10 +29,12 @@ LATER_LOAD_FAILED = "load into a later block failed (recomputes only that block)
 # ... and the hybrid tier with paged tables: a hit past the first block (`grow_hit`) landed and
 # restored the sliding state at the lane's new length from the entry's snapshot there.
 HYBRID_LATER_HIT = "hybrid hit past the first block"
-# ... and a hit whose source was the only reusable block taken over by the lane: with preemption
-# at admission (`admit_adopt`, instead of waiting for a running request to end), and past the
-# first block (`grow_adopt`, instead of computing its tokens again).
+# ... and a hit whose source was the only reusable block taken over by the lane: at admission
+# (`admit_adopt`, instead of waiting for a running request to end), and past the first block
+# (`grow_adopt`, instead of computing its tokens again).
 HIT_SOURCE_ADOPTED = "hit's source, the only reusable block, taken over"
+# ... and a hybrid model's miss that evicted its own hit's entry, the only reusable block.
+HYBRID_HIT_EVICTED = "hybrid miss evicted its own hit's entry, the only reusable block"
 # ... and the policy's next hit chosen where an entry's key goes on further than its snapshots.
 SNAPSHOT_CAP = "policy's hit past the first block capped by the entry's snapshots"
 # ... and PD with paged tables: an import into a table of several blocks (grown by import_grow
@@ -207,6 +209,12 @@ class Life:
     def reusable(self, b: int) -> bool:
         return self.owner[b] in ("FREE", "CACHE") and not self.pinned(b)
 
+    def evicts_its_hit(self, dst: int, b: int) -> bool:
+        """A hybrid model's miss may take its hit's entry b when b is the only block it could
+        take (the hit's copy would need a second one, and a hybrid lane cannot take b over)."""
+        return (self.c.HYBRID and b == dst
+                and all(o == b or not self.reusable(o) for o in range(self.c.K)))
+
     def hit_ok(self, p: tuple[int, ...], b: int) -> bool:
         """Entry b shares p's first chunk (and, hybrid, has a snapshot there): a miss is
         refused."""
@@ -291,8 +299,6 @@ class Life:
             if len(p) <= 0:
                 return "prompt_not_empty"
             return "prompt_fits" if len(p) >= c.T * c.S else None
-        if name == "admit_adopt" and not c.PREEMPT:
-            return "preemption_on"
         if name == "admit_adopt" and c.HYBRID:
             return "not_hybrid"
         if name in ("admit_miss", "admit_hit", "admit_adopt", "admit_host_hit", "admit_import"):
@@ -305,7 +311,8 @@ class Life:
             if name == "admit_miss":
                 return _first(("dst_reusable", lambda: self.reusable(args[2])),
                               ("no_cache_hit", lambda: not c.PREFIX or not any(
-                                  self.hit_ok(p, b) for b in self.entries)))
+                                  self.hit_ok(p, b) and not self.evicts_its_hit(args[2], b)
+                                  for b in self.entries)))
             if name == "admit_import":
                 # An importing lane computes nothing, so it is never preempted: with
                 # preemption's smaller pool two of them, each holding part of a table, could
@@ -534,7 +541,10 @@ class Life:
                 assert c.C <= n < len(self.prompt[r]) and n % c.C == 0, args
             assert self.lane[l] is None and self.status[r] == "waiting"
             assert self.reusable(dst) and dst not in self.draining, (name, args, self.owner)
-            if name == "admit_miss" and c.HYBRID and self.shares_first_chunk(self.prompt[r]):
+            if name == "admit_miss" and c.PREFIX and self.hit_ok(self.prompt[r], dst):
+                assert self.evicts_its_hit(dst, dst), (args, self.owner)
+                Stats.events[HYBRID_HIT_EVICTED] += 1
+            elif name == "admit_miss" and c.HYBRID and self.shares_first_chunk(self.prompt[r]):
                 # an entry shares the first chunk but has no snapshot there: not a hit
                 Stats.events["miss beside an entry without a snapshot"] += 1
             if name == "admit_miss" and self.shares_first_chunk(self.prompt[r], first=False):

@@ -112,7 +112,7 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
     rules and checks). pd: take the PD actions too (colocated serving never does): the PD
     rules (PD_RULES), and PD steps among `advance`'s moves. The tiers' rules (`hybrid_flow`,
     `host_flow`) only run in configurations with that tier. preempt: take the preemption rules
-    (PREEMPT_MACHINE_RULES: drawn preemptions; `storm` and `adopt` with PREEMPT only);
+    (PREEMPT_MACHINE_RULES: drawn preemptions; `storm` with PREEMPT only);
     whatever it is, the policy's preemptions are taken in configurations with PREEMPT.
     capacity: the rule at or above which progress is checked (a mutant's table: give
     `config` the same).

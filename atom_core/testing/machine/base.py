@@ -108,7 +108,7 @@ class MirrorDivergence(AssertionError):
 PD_RULES = {"admit_import", "pd_flow", "late_pd_event"}
 # The rules that preempt with drawn parameters or storm (make_machine(preempt=False) drops
 # them: a machine without them draws its steps as before they existed).
-PREEMPT_MACHINE_RULES = {"preempt", "storm", "adopt"}
+PREEMPT_MACHINE_RULES = {"preempt", "storm"}
 
 
 def to_committed(e: Any) -> Any:
@@ -897,7 +897,7 @@ class MachineBase(RuleBasedStateMachine):
             r, (src, n) = pick(data, hits, "request, hit")
             n = pick(data, (n, n - 1, n + 1, c.C, n + c.C), "n")
             l = self.lanes(data, lambda l: not self.s.busy[l])
-            if coin(data, "take the entry over"):  # (admit_adopt: preemption only)
+            if coin(data, "take the entry over"):  # (admit_adopt: not for hybrid models)
                 self.apply("admit_adopt", l, r, src, n)
             else:
                 self.apply("admit_hit", l, r, src, self.block(data, "dst", src), n)
@@ -911,6 +911,32 @@ class MachineBase(RuleBasedStateMachine):
             self.apply("admit_hit", l, r, src, dst, n)
         else:
             self.apply("admit_miss", l, r, self.block(data, "dst"))
+
+    @precondition(lambda self: self.c.PREFIX and not self.c.HYBRID)
+    @rule(data=st.data())
+    def adopt(self, data: Any) -> None:
+        """A waiting request with a prefix hit takes its entry over (`admit_adopt`) with the
+        policy's (entry, n) or a nearby n, into a drawn lane: applied, or refused by the guard
+        the lifecycle model names (a busy lane, an entry a copy still reads, n past the entry
+        or the block)."""
+        c, life = self.c, self.life
+        hits = [(r, h) for r in self.waiting()
+                if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
+        firsts = [b for b, (key, _) in life.entries.items()
+                  if life.start[b] == 0 and len(key) >= c.C]
+        if not hits and firsts and None in life.lane:
+            # a new request that hits an entry: its first chunk and one token of its own
+            key = life.entries[pick(data, sorted(firsts), "entry")][0]
+            assert self.apply("submit", self.next_id, seq((*key[:c.C], ALPHABET[0]))
+                              ).rejected is None
+            self.next_id += 1
+            hits = [(r, h) for r in self.waiting()[-1:]
+                    if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
+        if not hits:
+            return
+        r, (src, n) = pick(data, hits, "request, hit")
+        n = pick(data, (n, n - c.C, n + c.C, c.S + c.C), "n")
+        self.apply("admit_adopt", self.lanes(data, lambda l: not self.s.busy[l]), r, src, n)
 
     @rule(data=st.data())
     def copy_done(self, data: Any) -> None:

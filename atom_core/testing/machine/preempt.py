@@ -73,32 +73,6 @@ class PreemptRules:
             if not self.schedule_step(data):
                 return
 
-    @precondition(lambda self: self.c.PREEMPT and self.c.PREFIX and not self.c.HYBRID)
-    @rule(data=st.data())
-    def adopt(self, data: Any) -> None:
-        """A waiting request with a prefix hit takes its entry over (`admit_adopt`) with the
-        policy's (entry, n) or a nearby n, into a drawn lane: applied, or refused by the guard
-        the lifecycle model names (a busy lane, an entry a copy still reads, n past the entry
-        or the block)."""
-        c, life = self.c, self.life
-        hits = [(r, h) for r in self.waiting()
-                if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
-        firsts = [b for b, (key, _) in life.entries.items()
-                  if life.start[b] == 0 and len(key) >= c.C]
-        if not hits and firsts and None in life.lane:
-            # a new request that hits an entry: its first chunk and one token of its own
-            key = life.entries[pick(data, sorted(firsts), "entry")][0]
-            assert self.apply("submit", self.next_id, seq((*key[:c.C], ALPHABET[0]))
-                              ).rejected is None
-            self.next_id += 1
-            hits = [(r, h) for r in self.waiting()[-1:]
-                    if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
-        if not hits:
-            return
-        r, (src, n) = pick(data, hits, "request, hit")
-        n = pick(data, (n, n - c.C, n + c.C, c.S + c.C), "n")
-        self.apply("admit_adopt", self.lanes(data, lambda l: not self.s.busy[l]), r, src, n)
-
     def schedule_step(self, data: Any = None) -> bool:
         """One scheduler step with preemption, as the adapter takes it: copies, loads and
         stores land; with PD, a drain ends, then a transfer (an import whose table covers
