@@ -26,6 +26,7 @@ from atom_core.spec.model import HOST_ACTIONS, MODEL, PD_ACTIONS
 from atom_core.testing.lifecycle import (
     DRAINS_END_TOGETHER,
     FEATURES,
+    HYBRID_HIT_EVICTED,
     HYBRID_LATER_HIT,
     IMPORT_BLOCK_PREEMPTED,
     IMPORT_DRAINS,
@@ -170,8 +171,13 @@ def check_coverage(tier: str, prefix: bool, *runs: Tally) -> None:
     if tier != "host":  # a slot index, there being no slot (`foreign_tier_calls`)
         assert NO_SLOT in events
     if tier == "hybrid":
-        # a miss is not blocked by an entry that shares its first chunk but has no snapshot
+        # a miss is not blocked by an entry that shares its first chunk but has no snapshot;
+        # and at the capacity rule one took its hit's entry, the only reusable block (with
+        # preemption and dynamic scratch a request is admitted beside others only with a
+        # padding block to spare, so there a hit always has a second block)
         assert "miss beside an entry without a snapshot" in events
+        if not all(run.preempt for run in runs):
+            assert HYBRID_HIT_EVICTED in events
     if tier == "host":
         # the batcher's flow (spill the victim, hit the host copy), a slot is never evicted
         # while a store writes it or a load reads it, a copy's source is never spilled, and a
