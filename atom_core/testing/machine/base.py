@@ -893,12 +893,17 @@ class MachineBase(RuleBasedStateMachine):
         hits = [(r, h) for r in w if c.PREFIX
                 and (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
         if hits and num(data, 0, 3, "near a hit (>0)"):
-            # The policy's (src, n) for a hit, with any lane and dst and a nearby n.
+            # The policy's (src, n) for a hit, with any lane and dst and a nearby n; or a miss
+            # beside it (refused by no_cache_hit but where a hybrid model's miss may take the
+            # hit's entry, the only reusable block).
             r, (src, n) = pick(data, hits, "request, hit")
             n = pick(data, (n, n - 1, n + 1, c.C, n + c.C), "n")
             l = self.lanes(data, lambda l: not self.s.busy[l])
-            if coin(data, "take the entry over"):  # (admit_adopt: not for hybrid models)
+            how = pick(data, ("copy", "take the entry over", "miss"), "how")
+            if how == "take the entry over":  # (admit_adopt: not for hybrid models)
                 self.apply("admit_adopt", l, r, src, n)
+            elif how == "miss":
+                self.apply("admit_miss", l, r, self.block(data, "dst", src))
             else:
                 self.apply("admit_hit", l, r, src, self.block(data, "dst", src), n)
             return
