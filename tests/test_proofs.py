@@ -20,7 +20,7 @@ from atom_core.spec import codegen
 from atom_core.spec import lang as L
 from atom_core.spec import model as spec
 from atom_core.spec.model import MODEL
-from atom_core.testing.variants import seeds_semantics
+from atom_core.testing.variants import mandatory_hits, seeds_semantics
 
 ACTIONS = [a.name for a in MODEL.actions]
 RELATIONAL = [i.name for i in MODEL.invariants if i.kind == "relational"]
@@ -420,8 +420,7 @@ def test_hybrid_miss_that_may_not_evict_its_hit_is_caught_by_capacity(quick_solv
     """no_cache_hit without its hybrid exception (`hybrid_evicts_its_hit`): a hybrid model's
     request whose hit's entry is the only reusable block waits for ever at the rule's
     minimum: the capacity tier finds the hybrid rows stuck where the plain ones are not."""
-    mandatory = dict(seeds_semantics().get_action("admit_miss").guards)["no_cache_hit"]
-    mut = MODEL.with_guard("admit_miss", "no_cache_hit", mandatory)
+    mut = MODEL.with_guard("admit_miss", "no_cache_hit", mandatory_hits())
     assert caught_relational(mut, "admit_miss") is None
     found = caught_capacity(mut)
     assert found is not None and "hybrid" in found[0], found
@@ -583,9 +582,8 @@ def test_taking_the_entry_over_saves_the_seeds_block():
     block: the no-cache rules apply, and the committed table says so."""
     seeds = seeds_semantics()
     # (safe: its guards only refuse more; the miss's is checked alone, as `only` needs)
-    mandatory = dict(seeds.get_action("admit_miss").guards)["no_cache_hit"]
-    assert refuted(MODEL.with_guard("admit_miss", "no_cache_hit", mandatory), "admit_miss") \
-        == set()
+    assert refuted(MODEL.with_guard("admit_miss", "no_cache_hit", mandatory_hits()),
+                   "admit_miss") == set()
     for lanes in (1, 2):
         assert capacity.min_blocks(seeds, PREFIX_RESERVED, lanes, 6) == lanes + 2
         assert capacity.min_blocks(MODEL, PREFIX_RESERVED, lanes, 6) == lanes + 1

@@ -369,13 +369,14 @@ class Life:
                           ("dst_reusable", lambda: self.reusable(dst)))
         if name == "grow_adopt" and c.HYBRID:
             return "not_hybrid"
-        if name in ("grow_hit", "grow_adopt"):
-            l, src, dst, n = args if name == "grow_hit" else (args[0], args[1], args[1], args[2])
-            key, snap = self.entries.get(src, ((), 0))
+        if name == "grow_adopt":  # the lane takes the entry itself: no copy may read it
+            l, src, n = args
+            return _first(*self._grow_hit_guards(l, src, n),
+                          ("src_unpinned", lambda: not self.pinned(src)))
+        if name == "grow_hit":
+            l, src, dst, n = args
+            snap = self.entries.get(src, ((), 0))[1]
             end = self.length[l] + n
-            if name == "grow_adopt":  # the lane takes the entry itself: no copy may read it
-                return _first(*self._grow_hit_guards(l, src, n),
-                              ("src_unpinned", lambda: not self.pinned(src)))
             return _first(*self._grow_hit_guards(l, src, n),
                           # hybrid: copy_done restores the sliding state at the hit's end
                           ("hybrid_snapshot_at_n", lambda: not c.HYBRID or end <= snap),

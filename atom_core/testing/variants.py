@@ -13,7 +13,13 @@ def seeds_semantics(model: L.Model | None = None) -> L.Model:
     prefix cache it needs one block more than the model (lanes + 2 with a reserved scratch
     block)."""
     m = model or spec.MODEL
-    (r,) = [p for p in m.get_action("admit_miss").params if p.name == "r"]
     return (m.with_guard("admit_adopt", "not_hybrid", L.FALSE)
-            .with_guard("admit_miss", "no_cache_hit", L.implies(spec.PREFIX, L.forall(
-                spec.Block, lambda b: ~spec.hit_ok(r, b)))))
+            .with_guard("admit_miss", "no_cache_hit", mandatory_hits(m)))
+
+
+def mandatory_hits(model: L.Model | None = None) -> L.Expr:
+    """The seeds' `no_cache_hit` for admit_miss: no miss while any hit exists (the model's
+    without its hybrid exception, `hybrid_evicts_its_hit`)."""
+    m = model or spec.MODEL
+    (r,) = [p for p in m.get_action("admit_miss").params if p.name == "r"]
+    return L.implies(spec.PREFIX, L.forall(spec.Block, lambda b: ~spec.hit_ok(r, b)))

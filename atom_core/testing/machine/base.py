@@ -890,8 +890,7 @@ class MachineBase(RuleBasedStateMachine):
             l = self.lanes(data, lambda l: not self.s.busy[l])
             self.apply("admit_hit", l, r, src, self.block(data, "dst", src), n)
             return
-        hits = [(r, h) for r in w if c.PREFIX
-                and (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
+        hits = self.hits_of(w) if c.PREFIX else []
         if hits and num(data, 0, 3, "near a hit (>0)"):
             # The policy's (src, n) for a hit, with any lane and dst and a nearby n; or a miss
             # beside it (refused by no_cache_hit but where a hybrid model's miss may take the
@@ -917,6 +916,10 @@ class MachineBase(RuleBasedStateMachine):
         else:
             self.apply("admit_miss", l, r, self.block(data, "dst"))
 
+    def hits_of(self, rs: list[int]) -> list[tuple[int, tuple[int, int]]]:
+        """(request, the policy's (entry, n)) for each of `rs` with a prefix hit."""
+        return [(r, h) for r in rs if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
+
     @precondition(lambda self: self.c.PREFIX and not self.c.HYBRID)
     @rule(data=st.data())
     def adopt(self, data: Any) -> None:
@@ -925,8 +928,7 @@ class MachineBase(RuleBasedStateMachine):
         the lifecycle model names (a busy lane, an entry a copy still reads, n past the entry
         or the block)."""
         c, life = self.c, self.life
-        hits = [(r, h) for r in self.waiting()
-                if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
+        hits = self.hits_of(self.waiting())
         firsts = [b for b, (key, _) in life.entries.items()
                   if life.start[b] == 0 and len(key) >= c.C]
         if not hits and firsts and None in life.lane:
@@ -935,8 +937,7 @@ class MachineBase(RuleBasedStateMachine):
             assert self.apply("submit", self.next_id, seq((*key[:c.C], ALPHABET[0]))
                               ).rejected is None
             self.next_id += 1
-            hits = [(r, h) for r in self.waiting()[-1:]
-                    if (h := self.policy.best_hit(self.s, self.s.prompt.get(r)))]
+            hits = self.hits_of(self.waiting()[-1:])
         if not hits:
             return
         r, (src, n) = pick(data, hits, "request, hit")
