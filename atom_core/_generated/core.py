@@ -2344,7 +2344,7 @@ def ready_snapshot(s: StateView, *, l: int | None = None) -> bool:
     return True
 
 
-def prefill_guard(s: StateView, l: int, tok: int) -> str | None:
+def prefill_guard(s: StateView, l: int, tok: Any) -> str | None:
     """The first failing guard conjunct of `prefill`, or None."""
     if not 0 <= l < s.consts.B:
         raise _bad_index("prefill", "l", l, "Lane", s.consts.B)
@@ -3959,7 +3959,7 @@ def ready_preempt(s: StateView, *, l: int | None = None) -> bool:
     return True
 
 
-def decode_guard(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> str | None:
+def decode_guard(s: State, pad: int, lpad: int, tok: Any) -> str | None:
     """The first failing guard conjunct of `decode`, or None."""
     if not 0 <= pad < s.consts.K:
         raise _bad_index("decode", "pad", pad, "Block", s.consts.K)

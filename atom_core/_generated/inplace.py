@@ -227,6 +227,58 @@ class MState:
 
     __slots__ = (*_FIELDS, *INDEXES)
 
+    consts: Consts
+    ghost: bool
+    owner: list[int]
+    owner_lane: list[int]
+    key: list[TokSeq]
+    head: list[TokSeq]
+    holds: Any
+    junk: Any
+    local_holds: Any
+    local_junk: Any
+    lane_snap: list[int]
+    snap_upto: list[int]
+    lane_snap_junk: Any
+    snap_junk: Any
+    lane_snap_taken: Any
+    snap_taken: Any
+    busy: list[bool]
+    lane_req: list[Any]
+    tail: list[int]
+    nblocks: list[int]
+    start: list[int]
+    length: list[int]
+    lane_seq: list[Any]
+    lane_plen: list[int]
+    copying: list[bool]
+    copy_src: list[int]
+    copy_host: list[bool]
+    copy_slot: list[int]
+    transfer: list[bool]
+    transfer_req: list[Any]
+    xfer_live: Any
+    xfer_block: Any
+    xfer_on: Any
+    xfer_of: Any
+    slot_state: list[int]
+    slot_key: list[TokSeq]
+    slot_head: list[TokSeq]
+    slot_start: list[int]
+    slot_block: list[int]
+    spill_slot: list[int]
+    load_lane: list[int]
+    slot_holds: Any
+    slot_junk: Any
+    phase: dict[int, int]
+    req_lane: Any
+    prompt: dict[int, TokSeq]
+    _ix0: dict[Any, set[int]]
+    _ix1: dict[Any, set[int]]
+    _ix2: dict[Any, set[int]]
+    _ix3: dict[Any, set[int]]
+    _ix4: dict[Any, set[int]]
+
     def __init__(self, *fields: Any) -> None:
         for k, v in zip(_FIELDS, fields, strict=True):
             setattr(self, k, v)
@@ -273,11 +325,11 @@ def _refile(ix: dict[Any, set[int]], old: Any, new: Any, x: int) -> None:
     xs.discard(x)
     if not xs:
         del ix[old]
-    xs = ix.get(new)
-    if xs is None:
+    ys = ix.get(new)
+    if ys is None:
         ix[new] = {x}
     else:
-        xs.add(x)
+        ys.add(x)
 
 
 def _index(m: MState) -> MState:
@@ -457,13 +509,13 @@ def submit(s: MState, r: int, p: TokSeq) -> Step:
     phase = s.phase
     # request_is_new
     if phase.get(r, _D_phase) != PHASE_NONE:
-        return Step(s, (), "request_is_new")
+        return _new(Step, (s, (), "request_is_new"))
     # prompt_not_empty
     if slen(p) <= 0:
-        return Step(s, (), "prompt_not_empty")
+        return _new(Step, (s, (), "prompt_not_empty"))
     # prompt_fits
     if slen(p) >= s.consts.T * s.consts.S:
-        return Step(s, (), "prompt_fits")
+        return _new(Step, (s, (), "prompt_fits"))
     phase[r] = PHASE_WAITING
     if p == _D_prompt:
         s.prompt.pop(r, None)
@@ -547,21 +599,21 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
     busy = s.busy
     # lane_idle
     if busy[l]:
-        return Step(s, (), "lane_idle")
+        return _new(Step, (s, (), "lane_idle"))
     phase = s.phase
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
-        return Step(s, (), "request_waiting")
+        return _new(Step, (s, (), "request_waiting"))
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     _m2 = s.prompt.get(r, _D_prompt)
     C = s.consts.C
     _m0 = take(_m2, C)
@@ -600,7 +652,7 @@ def admit_miss(s: MState, l: int, r: int, dst: int) -> Step:
                     )
                 )
             ):
-                return Step(s, (), "no_cache_hit")
+                return _new(Step, (s, (), "no_cache_hit"))
     new_lane_seq_v0 = _m2
     new_lane_plen_v0 = _m3
     effects = (_new(Admit, (l, r, dst)),)
@@ -869,57 +921,57 @@ def admit_hit(s: MState, l: int, r: int, src: int, dst: int, n: int) -> Step:
     busy = s.busy
     # lane_idle
     if busy[l]:
-        return Step(s, (), "lane_idle")
+        return _new(Step, (s, (), "lane_idle"))
     phase = s.phase
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
-        return Step(s, (), "request_waiting")
+        return _new(Step, (s, (), "request_waiting"))
     owner = s.owner
     # src_cached
     if owner[src] != OWNER_CACHE:
-        return Step(s, (), "src_cached")
+        return _new(Step, (s, (), "src_cached"))
     C = s.consts.C
     # n_whole_chunks
     if n < C:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     if n % C != 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     key = s.key
     # n_within_entry
     if n > slen(key[src]):
-        return Step(s, (), "n_within_entry")
+        return _new(Step, (s, (), "n_within_entry"))
     _m1 = s.prompt.get(r, _D_prompt)
     _m0 = slen(_m1)
     # token_left_to_compute
     if n >= _m0:
-        return Step(s, (), "token_left_to_compute")
+        return _new(Step, (s, (), "token_left_to_compute"))
     # prefix_matches
     if take(key[src], n) != take(_m1, n):
-        return Step(s, (), "prefix_matches")
+        return _new(Step, (s, (), "prefix_matches"))
     snap_upto = s.snap_upto
     _m2 = n <= snap_upto[src]
     # hybrid_snapshot_at_n
     if s.consts.HYBRID and not _m2:
-        return Step(s, (), "hybrid_snapshot_at_n")
+        return _new(Step, (s, (), "hybrid_snapshot_at_n"))
     start = s.start
     # src_first_block
     if start[src] != 0:
-        return Step(s, (), "src_first_block")
+        return _new(Step, (s, (), "src_first_block"))
     # n_within_block
     if n > s.consts.S:
-        return Step(s, (), "n_within_block")
+        return _new(Step, (s, (), "n_within_block"))
     # dst_not_src
     if dst == src:
-        return Step(s, (), "dst_not_src")
+        return _new(Step, (s, (), "dst_not_src"))
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     new_lane_seq_v0 = _m1
     new_lane_plen_v0 = _m0
     new_lane_snap_v0 = (n if _m2 else snap_upto[src])
@@ -1213,52 +1265,52 @@ def admit_adopt(s: MState, l: int, r: int, src: int, n: int) -> Step:
         raise _bad_index("admit_adopt", "src", src, "Block", s.consts.K)
     # not_hybrid
     if s.consts.HYBRID:
-        return Step(s, (), "not_hybrid")
+        return _new(Step, (s, (), "not_hybrid"))
     busy = s.busy
     # lane_idle
     if busy[l]:
-        return Step(s, (), "lane_idle")
+        return _new(Step, (s, (), "lane_idle"))
     phase = s.phase
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
-        return Step(s, (), "request_waiting")
+        return _new(Step, (s, (), "request_waiting"))
     owner = s.owner
     # src_cached
     if owner[src] != OWNER_CACHE:
-        return Step(s, (), "src_cached")
+        return _new(Step, (s, (), "src_cached"))
     C = s.consts.C
     # n_whole_chunks
     if n < C:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     if n % C != 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     key = s.key
     # n_within_entry
     if n > slen(key[src]):
-        return Step(s, (), "n_within_entry")
+        return _new(Step, (s, (), "n_within_entry"))
     _m1 = s.prompt.get(r, _D_prompt)
     _m0 = slen(_m1)
     # token_left_to_compute
     if n >= _m0:
-        return Step(s, (), "token_left_to_compute")
+        return _new(Step, (s, (), "token_left_to_compute"))
     # prefix_matches
     if take(key[src], n) != take(_m1, n):
-        return Step(s, (), "prefix_matches")
+        return _new(Step, (s, (), "prefix_matches"))
     start = s.start
     _m2 = start[src] == 0
     # src_first_block
     if not _m2:
-        return Step(s, (), "src_first_block")
+        return _new(Step, (s, (), "src_first_block"))
     # n_within_block
     if n > s.consts.S:
-        return Step(s, (), "n_within_block")
+        return _new(Step, (s, (), "n_within_block"))
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # src_unpinned
     for l2 in s._ix0.get(src, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
-            return Step(s, (), "src_unpinned")
+            return _new(Step, (s, (), "src_unpinned"))
     new_lane_seq_v0 = _m1
     new_lane_plen_v0 = _m0
     snap_upto = s.snap_upto
@@ -1464,9 +1516,9 @@ def copy_done(s: MState, l: int) -> Step:
     copying = s.copying
     # copy_in_flight
     if not copying[l]:
-        return Step(s, (), "copy_in_flight")
+        return _new(Step, (s, (), "copy_in_flight"))
     if s.copy_host[l]:
-        return Step(s, (), "copy_in_flight")
+        return _new(Step, (s, (), "copy_in_flight"))
     if s.ghost:
         tail = s.tail
         new_holds_i00 = tail[l]
@@ -1498,22 +1550,22 @@ def snapshot(s: MState, l: int) -> Step:
         raise _bad_index("snapshot", "l", l, "Lane", s.consts.B)
     # hybrid_prefix_cache
     if not s.consts.HYBRID:
-        return Step(s, (), "hybrid_prefix_cache")
+        return _new(Step, (s, (), "hybrid_prefix_cache"))
     if not s.consts.PREFIX:
-        return Step(s, (), "hybrid_prefix_cache")
+        return _new(Step, (s, (), "hybrid_prefix_cache"))
     busy = s.busy
     _m0 = s.phase.get(s.lane_req[l], _D_phase)
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
-        return Step(s, (), "lane_computing")
+        return _new(Step, (s, (), "lane_computing"))
     if s.copying[l]:
-        return Step(s, (), "lane_computing")
+        return _new(Step, (s, (), "lane_computing"))
     length = s.length
     lane_snap = s.lane_snap
     _m1 = length[l] == lane_snap[l] + s.consts.C
     # next_boundary
     if not _m1:
-        return Step(s, (), "next_boundary")
+        return _new(Step, (s, (), "next_boundary"))
     new_lane_snap_v0 = length[l]
     effects = (_new(Snapshot, (l, length[l])),)
     if s.ghost:
@@ -1548,12 +1600,12 @@ def prefill(s: MState, l: int, tok: int) -> Step:
     phase = s.phase
     # lane_prefilling
     if not s.busy[l]:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     if phase.get(lane_req[l], _D_phase) != PHASE_PREFILL:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     # no_copy_in_flight
     if s.copying[l]:
-        return Step(s, (), "no_copy_in_flight")
+        return _new(Step, (s, (), "no_copy_in_flight"))
     length = s.length
     _m1 = length[l] + s.consts.C
     lane_plen = s.lane_plen
@@ -1561,7 +1613,7 @@ def prefill(s: MState, l: int, tok: int) -> Step:
     tail = s.tail
     # chunk_within_block
     if _m0 > s.start[tail[l]] + s.consts.S:
-        return Step(s, (), "chunk_within_block")
+        return _new(Step, (s, (), "chunk_within_block"))
     new_length_v0 = _m0
     lane_seq = s.lane_seq
     _m3 = _m0 == lane_plen[l]
@@ -1632,28 +1684,28 @@ def grow(s: MState, l: int, dst: int) -> Step:
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
-        return Step(s, (), "lane_computing")
+        return _new(Step, (s, (), "lane_computing"))
     if copying[l]:
-        return Step(s, (), "lane_computing")
+        return _new(Step, (s, (), "lane_computing"))
     length = s.length
     tail = s.tail
     start = s.start
     # tail_full
     if length[l] != start[tail[l]] + s.consts.S:
-        return Step(s, (), "tail_full")
+        return _new(Step, (s, (), "tail_full"))
     nblocks = s.nblocks
     # table_not_full
     if nblocks[l] >= s.consts.T:
-        return Step(s, (), "table_not_full")
+        return _new(Step, (s, (), "table_not_full"))
     owner = s.owner
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     new_key_i00 = tail[l]
     _m1 = take(s.lane_seq[l], length[l])
     new_key_v0 = _m1
@@ -1873,68 +1925,68 @@ def grow_hit(s: MState, l: int, src: int, dst: int, n: int) -> Step:
         raise _bad_index("grow_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     copying = s.copying
     # no_copy_in_flight
     if copying[l]:
-        return Step(s, (), "no_copy_in_flight")
+        return _new(Step, (s, (), "no_copy_in_flight"))
     length = s.length
     tail = s.tail
     start = s.start
     S = s.consts.S
     # tail_full
     if length[l] != start[tail[l]] + S:
-        return Step(s, (), "tail_full")
+        return _new(Step, (s, (), "tail_full"))
     nblocks = s.nblocks
     # table_not_full
     if nblocks[l] >= s.consts.T:
-        return Step(s, (), "table_not_full")
+        return _new(Step, (s, (), "table_not_full"))
     owner = s.owner
     # src_cached
     if owner[src] != OWNER_CACHE:
-        return Step(s, (), "src_cached")
+        return _new(Step, (s, (), "src_cached"))
     # src_at_the_boundary
     if start[src] != length[l]:
-        return Step(s, (), "src_at_the_boundary")
+        return _new(Step, (s, (), "src_at_the_boundary"))
     C = s.consts.C
     # n_whole_chunks
     if n <= 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     if n % C != 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     # n_within_block
     if n > S:
-        return Step(s, (), "n_within_block")
+        return _new(Step, (s, (), "n_within_block"))
     _m0 = length[l] + n
     key = s.key
     # n_within_entry
     if _m0 > slen(key[src]):
-        return Step(s, (), "n_within_entry")
+        return _new(Step, (s, (), "n_within_entry"))
     # token_left_to_compute
     if _m0 >= s.lane_plen[l]:
-        return Step(s, (), "token_left_to_compute")
+        return _new(Step, (s, (), "token_left_to_compute"))
     lane_seq = s.lane_seq
     # prefix_matches
     if take(key[src], _m0) != take(lane_seq[l], _m0):
-        return Step(s, (), "prefix_matches")
+        return _new(Step, (s, (), "prefix_matches"))
     snap_upto = s.snap_upto
     _m1 = _m0 <= snap_upto[src]
     # hybrid_snapshot_at_n
     if s.consts.HYBRID and not _m1:
-        return Step(s, (), "hybrid_snapshot_at_n")
+        return _new(Step, (s, (), "hybrid_snapshot_at_n"))
     # dst_not_src
     if dst == src:
-        return Step(s, (), "dst_not_src")
+        return _new(Step, (s, (), "dst_not_src"))
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     new_key_i00 = tail[l]
     _m2 = take(lane_seq[l], length[l])
     new_key_v0 = _m2
@@ -2277,62 +2329,62 @@ def grow_adopt(s: MState, l: int, src: int, n: int) -> Step:
         raise _bad_index("grow_adopt", "src", src, "Block", s.consts.K)
     # not_hybrid
     if s.consts.HYBRID:
-        return Step(s, (), "not_hybrid")
+        return _new(Step, (s, (), "not_hybrid"))
     # lane_prefilling
     if not s.busy[l]:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     copying = s.copying
     # no_copy_in_flight
     if copying[l]:
-        return Step(s, (), "no_copy_in_flight")
+        return _new(Step, (s, (), "no_copy_in_flight"))
     length = s.length
     tail = s.tail
     start = s.start
     S = s.consts.S
     # tail_full
     if length[l] != start[tail[l]] + S:
-        return Step(s, (), "tail_full")
+        return _new(Step, (s, (), "tail_full"))
     nblocks = s.nblocks
     # table_not_full
     if nblocks[l] >= s.consts.T:
-        return Step(s, (), "table_not_full")
+        return _new(Step, (s, (), "table_not_full"))
     owner = s.owner
     # src_cached
     if owner[src] != OWNER_CACHE:
-        return Step(s, (), "src_cached")
+        return _new(Step, (s, (), "src_cached"))
     _m0 = start[src] == length[l]
     # src_at_the_boundary
     if not _m0:
-        return Step(s, (), "src_at_the_boundary")
+        return _new(Step, (s, (), "src_at_the_boundary"))
     C = s.consts.C
     # n_whole_chunks
     if n <= 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     if n % C != 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     # n_within_block
     if n > S:
-        return Step(s, (), "n_within_block")
+        return _new(Step, (s, (), "n_within_block"))
     _m1 = length[l] + n
     key = s.key
     # n_within_entry
     if _m1 > slen(key[src]):
-        return Step(s, (), "n_within_entry")
+        return _new(Step, (s, (), "n_within_entry"))
     # token_left_to_compute
     if _m1 >= s.lane_plen[l]:
-        return Step(s, (), "token_left_to_compute")
+        return _new(Step, (s, (), "token_left_to_compute"))
     lane_seq = s.lane_seq
     # prefix_matches
     if take(key[src], _m1) != take(lane_seq[l], _m1):
-        return Step(s, (), "prefix_matches")
+        return _new(Step, (s, (), "prefix_matches"))
     copy_host = s.copy_host
     copy_src = s.copy_src
     # src_unpinned
     for l2 in s._ix0.get(src, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == src:
-            return Step(s, (), "src_unpinned")
+            return _new(Step, (s, (), "src_unpinned"))
     new_key_i00 = tail[l]
     _m2 = take(lane_seq[l], length[l])
     new_key_v0 = _m2
@@ -2562,7 +2614,7 @@ def preempt(s: MState, l: int) -> Step:
         raise _bad_index("preempt", "l", l, "Lane", s.consts.B)
     # preemption_on
     if not s.consts.PREEMPT:
-        return Step(s, (), "preemption_on")
+        return _new(Step, (s, (), "preemption_on"))
     busy = s.busy
     lane_req = s.lane_req
     phase = s.phase
@@ -2570,9 +2622,9 @@ def preempt(s: MState, l: int) -> Step:
     copying = s.copying
     # lane_computing
     if not ((busy[l] and _m0 == PHASE_PREFILL) or (busy[l] and _m0 == PHASE_DECODE)):
-        return Step(s, (), "lane_computing")
+        return _new(Step, (s, (), "lane_computing"))
     if copying[l]:
-        return Step(s, (), "lane_computing")
+        return _new(Step, (s, (), "lane_computing"))
     B = s.consts.B
     _m1 = tuple([phase.get(lane_req[n], _D_phase) for n in range(B)])
     _m2 = tuple([busy[n] and _m1[n] == PHASE_DECODE for n in range(B)])
@@ -2597,7 +2649,7 @@ def preempt(s: MState, l: int) -> Step:
         )
         or (not s.consts.RESERVED and not all(_m2) and any(_m2))
     ):
-        return Step(s, (), "a_lane_waits_for_a_block")
+        return _new(Step, (s, (), "a_lane_waits_for_a_block"))
     K = s.consts.K
     owner = s.owner
     copy_host = s.copy_host
@@ -2608,11 +2660,11 @@ def preempt(s: MState, l: int) -> Step:
             (owner[b] == OWNER_FREE or owner[b] == OWNER_CACHE)
             and not any(copying[l2] and not copy_host[l2] and copy_src[l2] == b for l2 in range(B))
         ):
-            return Step(s, (), "no_block_reusable")
+            return _new(Step, (s, (), "no_block_reusable"))
     lane_seq = s.lane_seq
     # requeue_fits
     if slen(lane_seq[l]) > T * S:
-        return Step(s, (), "requeue_fits")
+        return _new(Step, (s, (), "requeue_fits"))
     new_phase_k0 = lane_req[l]
     new_prompt_k0 = lane_req[l]
     new_prompt_v0 = lane_seq[l]
@@ -2631,7 +2683,7 @@ def preempt(s: MState, l: int) -> Step:
     return _new(Step, (s, effects, None))
 
 
-def decode_guard(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> str | None:
+def decode_guard(s: MState, pad: int, lpad: int, tok: Any) -> str | None:
     """The first failing guard conjunct of `decode`, or None."""
     if not 0 <= pad < s.consts.K:
         raise _bad_index("decode", "pad", pad, "Block", s.consts.K)
@@ -2696,7 +2748,7 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     # no_block_overflow
     for l in range(B):
         if _m0[l] and length[l] >= start[tail[l]] + S:
-            return Step(s, (), "no_block_overflow")
+            return _new(Step, (s, (), "no_block_overflow"))
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
@@ -2708,24 +2760,24 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     if _m1:
         if RESERVED:
             if owner[pad] != OWNER_SCRATCH:
-                return Step(s, (), "scratch_target_ok")
+                return _new(Step, (s, (), "scratch_target_ok"))
         else:
             if not (owner[pad] == OWNER_FREE or owner[pad] == OWNER_CACHE):
-                return Step(s, (), "scratch_target_ok")
+                return _new(Step, (s, (), "scratch_target_ok"))
             for l in s._ix0.get(pad, ()):
                 if copying[l] and not copy_host[l] and copy_src[l] == pad:
-                    return Step(s, (), "scratch_target_ok")
+                    return _new(Step, (s, (), "scratch_target_ok"))
     HYBRID = s.consts.HYBRID
     # local_pad_ok
     if HYBRID and _m1 and busy[lpad]:
-        return Step(s, (), "local_pad_ok")
+        return _new(Step, (s, (), "local_pad_ok"))
     _m3 = tuple([(tail[l] if _m0[l] else pad) for l in range(B)])
     _m4 = tuple([(l if _m0[l] else lpad) for l in range(B)])
     effects = (
         _new(Decode, (_m3, tuple([(length[l] if _m0[l] else 0) for l in range(B)]), _m0, _m4)),
     )
     if s.ghost:
-        new_holds = []
+        new_holds: list[Any] = []
         K = s.consts.K
         owner_lane = s.owner_lane
         lane_seq = s.lane_seq
@@ -2740,14 +2792,14 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
                     push(lane_seq[owner_lane[b]], tok[owner_lane[b]]),
                     length[owner_lane[b]] + 1,
                 )))
-        new_junk = []
+        new_junk: list[Any] = []
         for b in range(K):
             if any(
                 _m3[l] == b and not (_m0[l] and owner[b] == OWNER_LANE and owner_lane[b] == l)
                 for l in range(B)
             ):
                 new_junk.append((b, True))
-        new_local_holds = []
+        new_local_holds: list[Any] = []
         for l in range(B):
             if _m0[l]:
                 new_local_holds.append((l, take(push(lane_seq[l], tok[l]), length[l] + 1)))
@@ -2917,12 +2969,12 @@ def finish(s: MState, l: int, keep: bool) -> Step:
     phase = s.phase
     # lane_decoding
     if not busy[l]:
-        return Step(s, (), "lane_decoding")
+        return _new(Step, (s, (), "lane_decoding"))
     if phase.get(lane_req[l], _D_phase) != PHASE_DECODE:
-        return Step(s, (), "lane_decoding")
+        return _new(Step, (s, (), "lane_decoding"))
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
-        return Step(s, (), "keep_needs_prefix_cache")
+        return _new(Step, (s, (), "keep_needs_prefix_cache"))
     new_phase_k0 = lane_req[l]
     tail = s.tail
     new_key_i00 = tail[l]
@@ -2966,7 +3018,7 @@ def abort_waiting(s: MState, r: int) -> Step:
     phase = s.phase
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
-        return Step(s, (), "request_waiting")
+        return _new(Step, (s, (), "request_waiting"))
     phase[r] = PHASE_ABORTED
     return _new(Step, (s, (), None))
 
@@ -2979,9 +3031,9 @@ def abort_running(s: MState, l: int) -> Step:
     busy = s.busy
     # lane_busy
     if not busy[l]:
-        return Step(s, (), "lane_busy")
+        return _new(Step, (s, (), "lane_busy"))
     new_phase_k0 = s.lane_req[l]
-    new_slot_state = []
+    new_slot_state: list[Any] = []
     copying = s.copying
     _m0 = copying[l] and s.copy_host[l]
     copy_slot = s.copy_slot
@@ -3012,9 +3064,9 @@ def fail(s: MState, l: int) -> Step:
     busy = s.busy
     # lane_busy
     if not busy[l]:
-        return Step(s, (), "lane_busy")
+        return _new(Step, (s, (), "lane_busy"))
     new_phase_k0 = s.lane_req[l]
-    new_slot_state = []
+    new_slot_state: list[Any] = []
     copying = s.copying
     _m0 = copying[l] and s.copy_host[l]
     copy_slot = s.copy_slot
@@ -3072,14 +3124,14 @@ def discard(s: MState, b: int) -> Step:
     _m0 = owner[b] == OWNER_CACHE
     # not_a_lane_block
     if not (owner[b] == OWNER_FREE or _m0 or owner[b] == OWNER_SCRATCH):
-        return Step(s, (), "not_a_lane_block")
+        return _new(Step, (s, (), "not_a_lane_block"))
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # not_pinned
     for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
-            return Step(s, (), "not_pinned")
+            return _new(Step, (s, (), "not_pinned"))
     new_owner_v0 = (OWNER_FREE if _m0 else owner[b])
     if s.ghost:
         s.junk[b] = True
@@ -3158,22 +3210,22 @@ def spill(s: MState, b: int, h: int) -> Step:
         raise _bad_index("spill", "h", h, "Slot", s.consts.H)
     # host_cache_on
     if not s.consts.HOST:
-        return Step(s, (), "host_cache_on")
+        return _new(Step, (s, (), "host_cache_on"))
     owner = s.owner
     # entry_cached
     if owner[b] != OWNER_CACHE:
-        return Step(s, (), "entry_cached")
+        return _new(Step, (s, (), "entry_cached"))
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # entry_unpinned
     for l in s._ix0.get(b, ()):
         if copying[l] and not copy_host[l] and copy_src[l] == b:
-            return Step(s, (), "entry_unpinned")
+            return _new(Step, (s, (), "entry_unpinned"))
     slot_state = s.slot_state
     # slot_empty
     if slot_state[h] != SLOTSTATE_EMPTY:
-        return Step(s, (), "slot_empty")
+        return _new(Step, (s, (), "slot_empty"))
     new_slot_key_v0 = s.key[b]
     new_slot_head_v0 = s.head[b]
     new_slot_start_v0 = s.start[b]
@@ -3274,7 +3326,7 @@ def store_done(s: MState, h: int) -> Step:
     slot_state = s.slot_state
     # slot_storing
     if slot_state[h] != SLOTSTATE_STORING:
-        return Step(s, (), "slot_storing")
+        return _new(Step, (s, (), "slot_storing"))
     slot_block = s.slot_block
     new_owner_i00 = slot_block[h]
     if s.ghost:
@@ -3300,7 +3352,7 @@ def store_fail(s: MState, h: int) -> Step:
     slot_state = s.slot_state
     # slot_storing
     if slot_state[h] != SLOTSTATE_STORING:
-        return Step(s, (), "slot_storing")
+        return _new(Step, (s, (), "slot_storing"))
     new_owner_i00 = s.slot_block[h]
     slot_state[h] = SLOTSTATE_EMPTY
     if s.owner[new_owner_i00] == OWNER_LANE:
@@ -3319,7 +3371,7 @@ def host_evict(s: MState, h: int) -> Step:
     slot_state = s.slot_state
     # slot_stored
     if slot_state[h] != SLOTSTATE_STORED:
-        return Step(s, (), "slot_stored")
+        return _new(Step, (s, (), "slot_stored"))
     slot_state[h] = SLOTSTATE_EMPTY
     return _new(Step, (s, (), None))
 
@@ -3391,49 +3443,49 @@ def admit_host_hit(s: MState, l: int, r: int, h: int, dst: int, n: int) -> Step:
     busy = s.busy
     # lane_idle
     if busy[l]:
-        return Step(s, (), "lane_idle")
+        return _new(Step, (s, (), "lane_idle"))
     phase = s.phase
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
-        return Step(s, (), "request_waiting")
+        return _new(Step, (s, (), "request_waiting"))
     slot_state = s.slot_state
     # slot_stored
     if slot_state[h] != SLOTSTATE_STORED:
-        return Step(s, (), "slot_stored")
+        return _new(Step, (s, (), "slot_stored"))
     C = s.consts.C
     # n_whole_chunks
     if n < C:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     if n % C != 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     slot_key = s.slot_key
     # n_within_entry
     if n > slen(slot_key[h]):
-        return Step(s, (), "n_within_entry")
+        return _new(Step, (s, (), "n_within_entry"))
     _m1 = s.prompt.get(r, _D_prompt)
     _m0 = slen(_m1)
     # token_left_to_compute
     if n >= _m0:
-        return Step(s, (), "token_left_to_compute")
+        return _new(Step, (s, (), "token_left_to_compute"))
     # prefix_matches
     if take(slot_key[h], n) != take(_m1, n):
-        return Step(s, (), "prefix_matches")
+        return _new(Step, (s, (), "prefix_matches"))
     # slot_first_block
     if s.slot_start[h] != 0:
-        return Step(s, (), "slot_first_block")
+        return _new(Step, (s, (), "slot_first_block"))
     # n_within_block
     if n > s.consts.S:
-        return Step(s, (), "n_within_block")
+        return _new(Step, (s, (), "n_within_block"))
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     new_lane_seq_v0 = _m1
     new_lane_plen_v0 = _m0
     effects = (_new(Admit, (l, r, dst)), _new(Load, (l, h, dst, n)))
@@ -3715,61 +3767,61 @@ def grow_host_hit(s: MState, l: int, h: int, dst: int, n: int) -> Step:
         raise _bad_index("grow_host_hit", "dst", dst, "Block", s.consts.K)
     # lane_prefilling
     if not s.busy[l]:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     if s.phase.get(s.lane_req[l], _D_phase) != PHASE_PREFILL:
-        return Step(s, (), "lane_prefilling")
+        return _new(Step, (s, (), "lane_prefilling"))
     copying = s.copying
     # no_copy_in_flight
     if copying[l]:
-        return Step(s, (), "no_copy_in_flight")
+        return _new(Step, (s, (), "no_copy_in_flight"))
     length = s.length
     tail = s.tail
     start = s.start
     S = s.consts.S
     # tail_full
     if length[l] != start[tail[l]] + S:
-        return Step(s, (), "tail_full")
+        return _new(Step, (s, (), "tail_full"))
     nblocks = s.nblocks
     # table_not_full
     if nblocks[l] >= s.consts.T:
-        return Step(s, (), "table_not_full")
+        return _new(Step, (s, (), "table_not_full"))
     slot_state = s.slot_state
     # slot_stored
     if slot_state[h] != SLOTSTATE_STORED:
-        return Step(s, (), "slot_stored")
+        return _new(Step, (s, (), "slot_stored"))
     # slot_at_the_boundary
     if s.slot_start[h] != length[l]:
-        return Step(s, (), "slot_at_the_boundary")
+        return _new(Step, (s, (), "slot_at_the_boundary"))
     C = s.consts.C
     # n_whole_chunks
     if n <= 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     if n % C != 0:
-        return Step(s, (), "n_whole_chunks")
+        return _new(Step, (s, (), "n_whole_chunks"))
     # n_within_block
     if n > S:
-        return Step(s, (), "n_within_block")
+        return _new(Step, (s, (), "n_within_block"))
     _m0 = length[l] + n
     slot_key = s.slot_key
     # n_within_entry
     if _m0 > slen(slot_key[h]):
-        return Step(s, (), "n_within_entry")
+        return _new(Step, (s, (), "n_within_entry"))
     # token_left_to_compute
     if _m0 >= s.lane_plen[l]:
-        return Step(s, (), "token_left_to_compute")
+        return _new(Step, (s, (), "token_left_to_compute"))
     lane_seq = s.lane_seq
     # prefix_matches
     if take(slot_key[h], _m0) != take(lane_seq[l], _m0):
-        return Step(s, (), "prefix_matches")
+        return _new(Step, (s, (), "prefix_matches"))
     owner = s.owner
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     new_key_i00 = tail[l]
     _m1 = take(lane_seq[l], length[l])
     new_key_v0 = _m1
@@ -4012,9 +4064,9 @@ def load_done(s: MState, l: int) -> Step:
     copying = s.copying
     # load_in_flight
     if not copying[l]:
-        return Step(s, (), "load_in_flight")
+        return _new(Step, (s, (), "load_in_flight"))
     if not s.copy_host[l]:
-        return Step(s, (), "load_in_flight")
+        return _new(Step, (s, (), "load_in_flight"))
     copy_slot = s.copy_slot
     new_slot_state_i00 = copy_slot[l]
     if s.ghost:
@@ -4042,9 +4094,9 @@ def load_fail(s: MState, l: int) -> Step:
     copying = s.copying
     # load_in_flight
     if not copying[l]:
-        return Step(s, (), "load_in_flight")
+        return _new(Step, (s, (), "load_in_flight"))
     if not s.copy_host[l]:
-        return Step(s, (), "load_in_flight")
+        return _new(Step, (s, (), "load_in_flight"))
     tail = s.tail
     start = s.start
     new_length_v0 = start[tail[l]]
@@ -4119,11 +4171,11 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
     busy = s.busy
     # lane_idle
     if busy[l]:
-        return Step(s, (), "lane_idle")
+        return _new(Step, (s, (), "lane_idle"))
     phase = s.phase
     # request_waiting
     if phase.get(r, _D_phase) != PHASE_WAITING:
-        return Step(s, (), "request_waiting")
+        return _new(Step, (s, (), "request_waiting"))
     lane_req = s.lane_req
     lane_plen = s.lane_plen
     tail = s.tail
@@ -4137,17 +4189,17 @@ def admit_import(s: MState, l: int, r: int, dst: int) -> Step:
                 and phase.get(lane_req[n], _D_phase) == PHASE_IMPORTING
                 and lane_plen[n] > start[tail[n]] + S
             ):
-                return Step(s, (), "one_import_table_growing")
+                return _new(Step, (s, (), "one_import_table_growing"))
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     _m0 = s.prompt.get(r, _D_prompt)
     new_lane_seq_v0 = _m0
     new_lane_plen_v0 = slen(_m0)
@@ -4348,29 +4400,29 @@ def import_grow(s: MState, l: int, dst: int) -> Step:
     lane_req = s.lane_req
     # lane_importing
     if not s.busy[l]:
-        return Step(s, (), "lane_importing")
+        return _new(Step, (s, (), "lane_importing"))
     if s.phase.get(lane_req[l], _D_phase) != PHASE_IMPORTING:
-        return Step(s, (), "lane_importing")
+        return _new(Step, (s, (), "lane_importing"))
     tail = s.tail
     start = s.start
     _m0 = start[tail[l]] + s.consts.S
     # table_short_of_prompt
     if _m0 >= s.lane_plen[l]:
-        return Step(s, (), "table_short_of_prompt")
+        return _new(Step, (s, (), "table_short_of_prompt"))
     nblocks = s.nblocks
     # table_not_full
     if nblocks[l] >= s.consts.T:
-        return Step(s, (), "table_not_full")
+        return _new(Step, (s, (), "table_not_full"))
     owner = s.owner
     copying = s.copying
     copy_host = s.copy_host
     copy_src = s.copy_src
     # dst_reusable
     if not (owner[dst] == OWNER_FREE or owner[dst] == OWNER_CACHE):
-        return Step(s, (), "dst_reusable")
+        return _new(Step, (s, (), "dst_reusable"))
     for l2 in s._ix0.get(dst, ()):
         if copying[l2] and not copy_host[l2] and copy_src[l2] == dst:
-            return Step(s, (), "dst_reusable")
+            return _new(Step, (s, (), "dst_reusable"))
     new_nblocks_v0 = nblocks[l] + 1
     new_start_v0 = _m0
     new_transfer_req_v0 = lane_req[l]
@@ -4498,7 +4550,7 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     phase = s.phase
     # request_importing
     if phase.get(r, _D_phase) != PHASE_IMPORTING:
-        return Step(s, (), "request_importing")
+        return _new(Step, (s, (), "request_importing"))
     _m1 = s.req_lane.get(r)
     _m0 = s.lane_plen[_m1]
     tail = s.tail
@@ -4506,13 +4558,13 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     S = s.consts.S
     # table_covers_prompt
     if _m0 > start[tail[_m1]] + S:
-        return Step(s, (), "table_covers_prompt")
+        return _new(Step, (s, (), "table_covers_prompt"))
     lane_seq = s.lane_seq
     _m2 = push(lane_seq[_m1], tok)
     # covers_prompt
     if p != take(_m2, _m0):
-        return Step(s, (), "covers_prompt")
-    new_key = []
+        return _new(Step, (s, (), "covers_prompt"))
+    new_key: list[Any] = []
     K = s.consts.K
     owner = s.owner
     owner_lane = s.owner_lane
@@ -4520,7 +4572,7 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
             new_key.append((c, take(p, start[c] + S)))
-    new_head = []
+    new_head: list[Any] = []
     C = s.consts.C
     for c in tuple(s._ix2.get(_m1, ())):
         if _m3[c] and c != tail[_m1]:
@@ -4531,17 +4583,17 @@ def import_done(s: MState, r: int, p: TokSeq, tok: int) -> Step:
     new_lane_seq_v0 = _m2
     effects = (_new(Imported, (_m1, r, tail[_m1])),)
     if s.ghost:
-        new_holds = []
+        new_holds: list[Any] = []
         for c in range(K):
             if _m3[c] and c != tail[_m1]:
                 new_holds.append((c, take(p, start[c] + S)))
             elif c == tail[_m1]:
                 new_holds.append((c, p))
-        new_snap_junk = []
+        new_snap_junk: list[Any] = []
         for c in tuple(s._ix2.get(_m1, ())):
             if _m3[c] and c != tail[_m1]:
                 new_snap_junk.append((c, False))
-        new_snap_taken = []
+        new_snap_taken: list[Any] = []
         for c in tuple(s._ix2.get(_m1, ())):
             if _m3[c] and c != tail[_m1]:
                 new_snap_taken.append((c, 0))
@@ -4589,11 +4641,11 @@ def export(s: MState, l: int) -> Step:
     length = s.length
     # lane_prefilled
     if not s.busy[l]:
-        return Step(s, (), "lane_prefilled")
+        return _new(Step, (s, (), "lane_prefilled"))
     if phase.get(lane_req[l], _D_phase) != PHASE_DECODE:
-        return Step(s, (), "lane_prefilled")
+        return _new(Step, (s, (), "lane_prefilled"))
     if length[l] != s.lane_plen[l]:
-        return Step(s, (), "lane_prefilled")
+        return _new(Step, (s, (), "lane_prefilled"))
     new_phase_k0 = lane_req[l]
     tail = s.tail
     effects = (_new(Outbound, (l, lane_req[l], tail[l], length[l])),)
@@ -4640,11 +4692,11 @@ def export_done(s: MState, r: int, keep: bool) -> Step:
     phase = s.phase
     # request_exporting
     if phase.get(r, _D_phase) != PHASE_EXPORTING:
-        return Step(s, (), "request_exporting")
+        return _new(Step, (s, (), "request_exporting"))
     # keep_needs_prefix_cache
     if keep and not s.consts.PREFIX:
-        return Step(s, (), "keep_needs_prefix_cache")
-    new_transfer = []
+        return _new(Step, (s, (), "keep_needs_prefix_cache"))
+    new_transfer: list[Any] = []
     K = s.consts.K
     _m0 = s.req_lane.get(r)
     owner = s.owner
@@ -4723,13 +4775,13 @@ def forget(s: MState, r: int) -> Step:
     _m0 = phase.get(r, _D_phase)
     # request_ended
     if not (_m0 == PHASE_FINISHED or _m0 == PHASE_ABORTED or _m0 == PHASE_FAILED):
-        return Step(s, (), "request_ended")
+        return _new(Step, (s, (), "request_ended"))
     transfer_req = s.transfer_req
     owner = s.owner
     # no_transfer_of_request
     for b in s._ix3.get(r, ()):
         if owner[b] == OWNER_DRAINING and transfer_req[b] == r:
-            return Step(s, (), "no_transfer_of_request")
+            return _new(Step, (s, (), "no_transfer_of_request"))
     new_prompt_v0 = empty()
     phase.pop(r, None)
     if new_prompt_v0 == _D_prompt:
@@ -4777,8 +4829,8 @@ def transfer_fail(s: MState, r: int) -> Step:
     _m0 = phase.get(r, _D_phase)
     # request_transferring
     if not (_m0 == PHASE_IMPORTING or _m0 == PHASE_EXPORTING):
-        return Step(s, (), "request_transferring")
-    new_transfer = []
+        return _new(Step, (s, (), "request_transferring"))
+    new_transfer: list[Any] = []
     K = s.consts.K
     _m1 = s.req_lane.get(r)
     owner = s.owner
@@ -4791,7 +4843,7 @@ def transfer_fail(s: MState, r: int) -> Step:
     new_lane_snap_i00 = _m1
     effects = (_new(Release, (_m1, s.tail[_m1])),)
     if s.ghost:
-        new_junk = []
+        new_junk: list[Any] = []
         for b in range(K):
             if _m2[b]:
                 new_junk.append((b, True))
@@ -4827,18 +4879,18 @@ def transfer_end(s: MState, r: int, b: int) -> Step:
     owner = s.owner
     # block_draining
     if owner[b] != OWNER_DRAINING:
-        return Step(s, (), "block_draining")
+        return _new(Step, (s, (), "block_draining"))
     transfer_req = s.transfer_req
     # transfer_of_request
     if transfer_req[b] != r:
-        return Step(s, (), "transfer_of_request")
-    new_transfer = []
+        return _new(Step, (s, (), "transfer_of_request"))
+    new_transfer: list[Any] = []
     K = s.consts.K
     for c in range(K):
         if c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r):
             new_transfer.append((c, False))
     if s.ghost:
-        new_junk = []
+        new_junk: list[Any] = []
         for c in range(K):
             if c == b or (owner[c] == OWNER_DRAINING and transfer_req[c] == r):
                 new_junk.append((c, True))

@@ -362,6 +362,27 @@ class InplaceGenerator(Generator):
         text = re.sub(r"\n{4,}", "\n\n\n", text)
         return text.rstrip("\n") + "\n"
 
+    def reject(self, guard: str) -> str:
+        # (the Step itself, as an accepted action builds it: MState is not core.State)
+        return f'return _new(Step, (s, (), "{guard}"))'
+
+    def mstate_type(self, f: lang.StateFn) -> str:
+        """The annotation of MState field `f`: lists (of lists) and dicts of core.State's
+        element types; Any for an element that may be unset (None)."""
+        if f.ghost:
+            return "Any"
+        lay = self.layout(f)
+        ret = self.py_type(f.ret)
+        if f.init is None and f.ret.kind in ("value", "ident"):
+            ret = "Any"  # (None where unset: only the guards know when it is read set)
+        if lay == "scalar":
+            return ret
+        if lay == "map":  # (a read of one without a default may be None)
+            return f"dict[{self.py_type(f.args[0])}, {ret}]" if f.name in self.defaults else "Any"
+        for _ in f.args:
+            ret = f"list[{ret}]"
+        return ret
+
     def _mstate(self) -> str:
         m = self.model
         lines = [self._rule("state")]
@@ -388,6 +409,14 @@ class InplaceGenerator(Generator):
         lines.append('    """One mutable state: the fields of core.State, functions as lists (of '
                      'lists) and\n    dicts. Ghost fields are None when `ghost` is False."""\n\n')
         lines.append("    __slots__ = (*_FIELDS, *INDEXES)\n\n")
+        # Declared types: what a compiler of typed Python (mypyc) needs to read a field without
+        # a dictionary lookup; ghost fields stay Any (None when ghost is off).
+        lines.append("    consts: Consts\n    ghost: bool\n")
+        for f in m.state:
+            lines.append(f"    {f.name}: {self.mstate_type(f)}\n")
+        for i in range(len(self.indexes)):
+            lines.append(f"    _ix{i}: dict[Any, set[int]]\n")
+        lines.append("\n")
         lines.append("    def __init__(self, *fields: Any) -> None:\n"
                      "        for k, v in zip(_FIELDS, fields, strict=True):\n"
                      "            setattr(self, k, v)\n")
@@ -424,11 +453,11 @@ class InplaceGenerator(Generator):
             "    xs.discard(x)\n"
             "    if not xs:\n"
             "        del ix[old]\n"
-            "    xs = ix.get(new)\n"
-            "    if xs is None:\n"
+            "    ys = ix.get(new)\n"
+            "    if ys is None:\n"
             "        ix[new] = {x}\n"
             "    else:\n"
-            "        xs.add(x)\n\n\n"
+            "        ys.add(x)\n\n\n"
             "def _index(m: MState) -> MState:\n"
             '    """`m` with its indexes (re)built from its fields."""\n')
         for i, key in enumerate(self.indexes):
@@ -595,7 +624,7 @@ class InplaceGenerator(Generator):
             if self._direct_ok(f, vs, whole.value, updated):
                 direct.append(lambda: self._chain_loop(b, f, vs, chain, None))
             else:
-                b.stmt(f"{new} = []")
+                b.stmt(f"{new}: list[Any] = []")
                 self._chain_loop(b, f, vs, chain, new)
                 writes.append(lambda: self._apply_changes(b, f, vs, new))
         temps = []

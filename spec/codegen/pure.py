@@ -591,8 +591,12 @@ class Generator:
 
     # -- actions -------------------------------------------------------------------------
     def _signature(self, name: str, a: Any) -> str:
-        return ", ".join([f"s: {self.state_type(name)}"]
-                         + [f"{p.name}: {self.py_type(p.sort)}" for p in a.params])
+        # A guard's parameter that no conjunct reads may be None (`enabled_*` passes an unbound
+        # one through): Any, so that a compiled core does not check its type.
+        read = {p.name for p in a.params} if name != f"{a.name}_guard" else \
+            {p.name for _, e in a.guards for p in a.params if reads_param(e, p)}
+        return ", ".join([f"s: {self.state_type(name)}"] + [
+            f"{p.name}: {self.py_type(p.sort) if p.name in read else 'Any'}" for p in a.params])
 
     @staticmethod
     def _range_checks(a: Any, none_ok: bool = False) -> str:
@@ -961,8 +965,12 @@ class Generator:
         main += [(v, ()) for eff in a.effects for v in eff.args.values()]
         b.select_memos(main, roots(ghost))
         for name, g in a.guards:
-            self._guard_stmt(b, name, g, f'return Step(s, (), "{name}")')
+            self._guard_stmt(b, name, g, self.reject(name))
         return b, per_fn, fns, plain, ghost
+
+    def reject(self, guard: str) -> str:
+        """The statement by which an action refuses, naming the conjunct that failed."""
+        return f'return Step(s, (), "{guard}")'
 
     def _action_body(self, a: Any, counts: dict[tuple[Any, ...], int] | None) -> Body:
         b, per_fn, fns, plain, ghost = self._action_head(a, counts)
