@@ -4,6 +4,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
+NATIVE_BUILT := atom_core/_native/built_from.json
 # Override on the command line, e.g. `make test HYPOTHESIS_PROFILE=deep`.
 HYPOTHESIS_PROFILE := ci
 # pytest-xdist worker processes for `make test` (`auto`: one per CPU; 0 runs in-process).
@@ -11,9 +12,9 @@ TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
-.PHONY: install generate generate-core check-generated verify test lint bench bench-peer demo pd-demo simulate simulate-deep mutants mutants-source
+.PHONY: install native generate generate-core check-generated verify test lint bench bench-peer demo pd-demo simulate simulate-deep mutants mutants-source
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE_BUILT)
 
 # optimum-rbln, for the RBLN conformance test (tests/test_rbln_conformance.py) only: its graph
 # signatures and config serializer are pure Python, but its dependencies include the private
@@ -26,6 +27,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-input -e '.[dev]'
 	$(PIP) install --no-input --no-deps $(OPTIMUM_RBLN)
 	touch $(STAMP)
+
+# The compiled core (atom_core/native.py: the generated in-place core and seq.py built with
+# mypyc, about 3 minutes), rebuilt whenever either source changes; without it (no C compiler)
+# everything runs on the Python core, which `python atom_core/native.py status` reports.
+native: $(NATIVE_BUILT)
+
+$(NATIVE_BUILT): $(STAMP) atom_core/seq.py atom_core/_generated/inplace.py atom_core/native.py
+	$(PY) atom_core/native.py build || \
+		echo "warning: the compiled core was not built; atom-core runs its Python core"
 
 # The core from the spec, then the capacity table from the proofs (Config validates with it) and
 # the stuck runs that certify each row tight (`verify` replays them). The one way to refresh both.

@@ -6,7 +6,11 @@ The core, policy and config need only attrs; `AtomBatcher` (the adapter) also ne
 
 from typing import Any
 
-from atom_core.config import Config, ConfigError
+from atom_core import native
+
+native.install()  # (before anything imports the core: the compiled one when it is current)
+
+from atom_core.config import Config, ConfigError  # noqa: E402
 
 __all__ = ["AtomBatcher", "Config", "ConfigError", "Event", "Result"]
 

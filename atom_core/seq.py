@@ -32,6 +32,15 @@ __all__ = ["TokSeq", "prefix_eq", "push", "range_eq", "seq", "slen", "take"]
 _HEAD = 6  # tokens shown by repr
 
 
+def _probe() -> None:
+    pass
+
+
+# True when this module runs compiled (atom_core.native builds it with mypyc): a compiled
+# function is a builtin, not a Python function.
+COMPILED: bool = type(_probe).__name__ != "function"
+
+
 class TokSeq:
     """An immutable, persistent, append-only view of a token sequence (`buf[:n]`).
 
@@ -50,8 +59,12 @@ class TokSeq:
     def __init__(self, buf: array[int], n: int) -> None:
         if not 0 <= n <= len(buf):
             raise ValueError(f"view length {n} outside 0..{len(buf)}")
-        _set_buf(self, buf)
-        _set_n(self, n)
+        if COMPILED:  # (a compiled class's own writes do not go through __setattr__)
+            self.buf = buf
+            self.n = n
+        else:
+            _set_buf(self, buf)
+            _set_n(self, n)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"TokSeq is immutable (cannot set {name!r})")
@@ -124,14 +137,19 @@ class TokSeq:
         return (seq, (self.tokens(),))
 
 
-# Slot descriptors write the fields past the read-only __setattr__.
-_set_buf = TokSeq.buf.__set__  # type: ignore[attr-defined]
-_set_n = TokSeq.n.__set__  # type: ignore[attr-defined]
-_set_hash = TokSeq._hash.__set__  # type: ignore[attr-defined]
-_new = object.__new__
+# Slot descriptors write the fields past the read-only __setattr__ (interpreted: a view made
+# by `object.__new__` and two descriptor writes costs half of a call of the constructor).
+# Compiled (atom_core.native), the constructor is the cheaper one.
+_slots: Any = vars(TokSeq)  # (the descriptors, by name: typed code may not read them off the class)
+_set_buf: Any = _slots["buf"].__set__
+_set_n: Any = _slots["n"].__set__
+_set_hash: Any = _slots["_hash"].__set__
+_new: Any = object.__new__
 
 
-def _view(buf: array[int], n: int, _new: Any = object.__new__) -> TokSeq:
+def _view(buf: array[int], n: int) -> TokSeq:
+    if COMPILED:
+        return TokSeq(buf, n)
     s = _new(TokSeq)
     _set_buf(s, buf)
     _set_n(s, n)
@@ -162,6 +180,8 @@ def take(s: TokSeq, n: int) -> TokSeq:
     """
     if n >= s.n:
         return s
+    if COMPILED:
+        return TokSeq(s.buf, n if n > 0 else 0)
     v = _new(TokSeq)  # (_view inlined: take runs on every hot path)
     _set_buf(v, s.buf)
     _set_n(v, n if n > 0 else 0)
@@ -177,6 +197,8 @@ def push(s: TokSeq, tok: int) -> TokSeq:
     else:
         buf = buf[:n]  # s is a branch point: copy its prefix
         buf.append(tok)
+    if COMPILED:
+        return TokSeq(buf, n + 1)
     v = _new(TokSeq)  # (_view inlined: decode pushes one token per lane per step)
     _set_buf(v, buf)
     _set_n(v, n + 1)

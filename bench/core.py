@@ -23,7 +23,9 @@ precedes the timed ones. Repeating a call from one pre-state keeps the CPU cache
   decode steps (each from the state the previous one returned) from a freshly built pre-state.
 * finish: `finish(keep=True)` of one lane of the 32-lane decoding state.
 
-The rows time the in-place core (`atom_core/_generated/inplace.py`), the one the batcher runs,
+The rows time the in-place core (`atom_core/_generated/inplace.py`), the one the batcher runs
+(compiled by mypyc when `make install` built it, see atom_core/native.py; `ATOM_CORE_PURE=1`
+times its Python module; the report says which ran),
 each call checked once against the pure core (`core.py`); the `pure_` rows time the same calls
 on the pure core, and `batcher/pure` is the ratio of the medians. An in-place call changes its
 state, so each call is timed alone (`perf_counter_ns` before and after it, as vLLM's driver in
@@ -54,6 +56,7 @@ from itertools import repeat
 from time import perf_counter_ns
 from typing import Any
 
+from atom_core import native
 from atom_core._generated import core as g
 from atom_core._generated import inplace as ip
 from atom_core.config import Config
@@ -465,6 +468,9 @@ def run(calls: int, rounds: int) -> dict[str, Any]:
                           "for this kind of machine, not measured here",
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # the in-place core the rows ran: "compiled" (mypyc, atom_core/native.py) or "python"
+        # (ATOM_CORE_PURE=1, or not built); the pure_ rows are always the Python pure core
+        "inplace_core": native.running(),
         "measurements": rows,
     }
 
@@ -492,7 +498,7 @@ def print_table(report: dict[str, Any]) -> None:
              f"C={c['prefill_chunk']} S={c['max_seq_len']}, prefix cache, {c['scratch']} "
              f"scratch; median of {report['rounds']} rounds x {report['calls_per_round']} calls "
              f"(decode: {report['decode_calls_per_round']} chained steps), Python "
-             f"{report['python']}")
+             f"{report['python']}, {report['inplace_core']} in-place core")
     note = ("us = microseconds per call: median over rounds, IQR = Q1-Q3 of the rounds, min = "
             "fastest round. Ratios use the median; targets apply to production (ghost off).\n"
             "vLLM v1 KVCacheManager column: the issue's reference numbers for this kind of "

@@ -2459,7 +2459,7 @@ def prefill(s: State, l: int, tok: int) -> Step:
     return Step(new, effects, None)
 
 
-def prefill_plan(s: StateView, l: int, tok: int) -> tuple[Any, ...] | str:
+def prefill_plan(s: StateView, l: int, tok: Any) -> tuple[Any, ...] | str:
     """The effects `prefill` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may
@@ -4147,7 +4147,7 @@ def decode(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     return Step(new, effects, None)
 
 
-def decode_plan(s: State, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | str:
+def decode_plan(s: State, pad: int, lpad: int, tok: Any) -> tuple[Any, ...] | str:
     """The effects `decode` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may

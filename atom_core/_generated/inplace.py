@@ -12,7 +12,7 @@ maintained indexes (or call one that does).
 (proofs, tests); tests/test_inplace.py checks the two agree step by step.
 """
 
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -21,28 +21,9 @@ from atom_core._generated.core import AXIOM_CONSTS as AXIOM_CONSTS
 from atom_core._generated.core import AXIOM_DOCS as AXIOM_DOCS
 from atom_core._generated.core import AXIOMS as AXIOMS
 from atom_core._generated.core import (
-    OWNER_CACHE,
-    OWNER_DRAINING,
-    OWNER_FREE,
-    OWNER_LANE,
     OWNER_NAMES,
-    OWNER_SCRATCH,
-    OWNER_SPILLING,
-    PHASE_ABORTED,
-    PHASE_DECODE,
-    PHASE_EXPORTING,
-    PHASE_FAILED,
-    PHASE_FINISHED,
-    PHASE_IMPORTING,
     PHASE_NAMES,
-    PHASE_NONE,
-    PHASE_PREFILL,
-    PHASE_WAITING,
-    SLOTSTATE_EMPTY,
-    SLOTSTATE_LOADING,
     SLOTSTATE_NAMES,
-    SLOTSTATE_STORED,
-    SLOTSTATE_STORING,
     Admit,
     Consts,
     Copy,
@@ -61,9 +42,6 @@ from atom_core._generated.core import (
     Step,
     Store,
     _bad_index,
-    _D_phase,
-    _D_prompt,
-    _D_xfer_live,
 )
 from atom_core._generated.core import abort_running_guard as abort_running_guard
 from atom_core._generated.core import abort_running_plan as abort_running_plan
@@ -149,6 +127,31 @@ from atom_core._generated.core import transfer_fail_guard as transfer_fail_guard
 from atom_core._generated.core import transfer_fail_plan as transfer_fail_plan
 from atom_core.pmap import PMap
 from atom_core.seq import TokSeq, empty, push, slen, take
+
+# The enum members and the map defaults, as core.py's (Final: see InplaceGenerator._module).
+OWNER_FREE: Final = 0
+OWNER_SCRATCH: Final = 1
+OWNER_LANE: Final = 2
+OWNER_CACHE: Final = 3
+OWNER_DRAINING: Final = 4
+OWNER_SPILLING: Final = 5
+SLOTSTATE_EMPTY: Final = 0
+SLOTSTATE_STORING: Final = 1
+SLOTSTATE_STORED: Final = 2
+SLOTSTATE_LOADING: Final = 3
+PHASE_NONE: Final = 0
+PHASE_WAITING: Final = 1
+PHASE_PREFILL: Final = 2
+PHASE_DECODE: Final = 3
+PHASE_IMPORTING: Final = 4
+PHASE_EXPORTING: Final = 5
+PHASE_FINISHED: Final = 6
+PHASE_ABORTED: Final = 7
+PHASE_FAILED: Final = 8
+_D_phase: Final = _core._D_phase
+_D_prompt: Final = _core._D_prompt
+_D_xfer_live: Final = _core._D_xfer_live
+
 
 # --------------------------------------------------------------------------- state
 # name -> default, per ident-keyed function (absent keys read it; the _D_ constants are
@@ -309,7 +312,7 @@ def _sig(v: Any) -> Any:
 
 # An accepted action builds its effects and its Step as `_new(Cls, (fields))`: the
 # NamedTuple itself, without the Python-level __new__ call a constructor costs.
-_new = tuple.__new__
+_new: Final = tuple.__new__
 
 
 def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:
@@ -2833,7 +2836,7 @@ def decode(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> Step:
     return _new(Step, (s, effects, None))
 
 
-def decode_plan(s: MState, pad: int, lpad: int, tok: tuple[int, ...]) -> tuple[Any, ...] | str:
+def decode_plan(s: MState, pad: int, lpad: int, tok: Any) -> tuple[Any, ...] | str:
     """The effects `decode` would have, or the first failing guard's name.
 
     A parameter no effect reads (a token the planned call will sample) may

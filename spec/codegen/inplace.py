@@ -17,7 +17,6 @@ from atom_core.spec.codegen.printer import (
     Group,
     IfBreak,
     Nest,
-    bracket,
     call_doc,
     dict_doc,
     join,
@@ -67,6 +66,11 @@ class InplaceGenerator(Generator):
     the pure core's, the state parameter's annotation apart, and that reads no name this module
     defines itself is not emitted but imported from `core_module` (the set `shared`, decided in
     `_shared_body`); the others loop over a maintained index or call a function that does.
+
+    The module is typed so that mypyc compiles it as it is (atom_core/native.py): MState
+    declares its fields (`mstate_type`), a refusal builds its Step as an acceptance does
+    (`reject`), and the enum members and map defaults are Final names of its own; it must
+    type-check clean (a wrong declared type is a run-time TypeError in compiled code).
     """
 
     def __init__(self, model: Model, core_module: str = INPLACE_CORE) -> None:
@@ -312,10 +316,20 @@ class InplaceGenerator(Generator):
         m = self.model
         core_names = {"Consts", "State", "Step", "EFFECTS", "INDEX_SORTS", "ENUMS",
                       "STATE_FIELDS", "GHOST_FIELDS", "_bad_index", *self.defaults.values()}
+        # The enum members and the map defaults are this module's own Final names (the values
+        # core.py gives them): a compiled core reads a Final as a C constant, an imported name
+        # from the module's dict on every use.
+        finals = []
         for s in m.sorts:
             if s.kind == "enum":
-                core_names |= {self.enum_const(s, v) for v in s.values}
+                for i, v in enumerate(s.values):
+                    if self.enum_const(s, v) in used:
+                        finals.append(f"{self.enum_const(s, v)}: Final = {i}\n")
                 core_names.add(f"{s.name.upper()}_NAMES")
+        for d in sorted(self.defaults.values()):
+            if d in used:
+                finals.append(f"{d}: Final = _core.{d}\n")
+        core_names -= set(self.defaults.values())
         core_names |= {cls for cls, _, _ in self.effects.values()}
         names = sorted(core_names & used, key=_isort_key)
         seq_names = sorted(({o.name for o in m.ops} | {"TokSeq"}) & used, key=_isort_key)
@@ -331,8 +345,9 @@ class InplaceGenerator(Generator):
                "reference\n(proofs, tests); tests/test_inplace.py checks the two agree step by "
                'step.\n"""\n')
         out = [HEADER, "# ruff: noqa: E741\n", doc, "\n"]
-        if "Any" in used:
-            out.append("from typing import Any\n\n")
+        typing_names = ["Any", "Final"] if "Any" in used else ["Final"]
+        if typing_names:
+            out.append(f"from typing import {', '.join(typing_names)}\n\n")
         if "attrs" in used:
             out.append("import attrs\n\n")
         out.append(f"import {self.core_module} as _core\n")
@@ -342,7 +357,8 @@ class InplaceGenerator(Generator):
         if names:
             imports.append((_isort_key(names[0]), render(
                 [f"from {self.core_module} import ",
-                 bracket("(", join(names, [",", SPACE]) + [IfBreak(",", "")], ")")]) + "\n"))
+                 Group([IfBreak("(", ""), Nest(4, [SOFT, *join(names, [",", SPACE])]),
+                        IfBreak(",", ""), SOFT, IfBreak(")", "")])]) + "\n"))
         # re-exported (`x as x`): the read-only functions shared with core.py, and the axioms
         axioms = {"AXIOMS", "AXIOM_DOCS", "AXIOM_CONSTS", "check_axioms"} \
             if "AXIOMS" in self.imported_checkers else set()
@@ -357,6 +373,11 @@ class InplaceGenerator(Generator):
         if seq_names:
             out.append(f"from {SEQ_MODULE} import {', '.join(seq_names)}\n")
         out.append("\n")  # isort: one blank line after imports
+        if finals:
+            out.append("# The enum members and the map defaults, as core.py's (Final: see "
+                       "InplaceGenerator._module).\n")
+            out.extend(finals)
+            out.append("\n\n")
         out.append(body)
         text = "".join(out)
         text = re.sub(r"\n{4,}", "\n\n\n", text)
@@ -441,7 +462,7 @@ class InplaceGenerator(Generator):
             "    return (n, v.buf[0], v.buf[n - 1]) if n else 0\n\n\n"
             "# An accepted action builds its effects and its Step as `_new(Cls, (fields))`: the\n"
             "# NamedTuple itself, without the Python-level __new__ call a constructor costs.\n"
-            "_new = tuple.__new__\n\n\n"
+            "_new: Final = tuple.__new__\n\n\n"
             "def _unindex(ix: dict[Any, set[int]], v: Any, x: int) -> None:\n"
             "    xs = ix[v]\n"
             "    xs.discard(x)\n"

@@ -591,10 +591,15 @@ class Generator:
 
     # -- actions -------------------------------------------------------------------------
     def _signature(self, name: str, a: Any) -> str:
-        # A guard's parameter that no conjunct reads may be None (`enabled_*` passes an unbound
-        # one through): Any, so that a compiled core does not check its type.
-        read = {p.name for p in a.params} if name != f"{a.name}_guard" else \
-            {p.name for _, e in a.guards for p in a.params if reads_param(e, p)}
+        # A guard's (or plan's) parameter that it never reads may be None (`enabled_*` and the
+        # batcher pass an unbound one): Any, so that a compiled core does not check its type.
+        if name == f"{a.name}_guard":
+            read = {p.name for _, e in a.guards for p in a.params if reads_param(e, p)}
+        elif name == f"{a.name}_plan":  # (the same for a plan: its guards and its effects)
+            exprs = [e for _, e in a.guards] + [v for eff in a.effects for v in eff.args.values()]
+            read = {p.name for e in exprs for p in a.params if reads_param(e, p)}
+        else:
+            read = {p.name for p in a.params}
         return ", ".join([f"s: {self.state_type(name)}"] + [
             f"{p.name}: {self.py_type(p.sort) if p.name in read else 'Any'}" for p in a.params])
 
