@@ -303,11 +303,14 @@ def _by_value(h: list[Any], sig: Any) -> dict[Any, set[int]]:
 
 
 def _sig(v: Any) -> Any:
-    """A sequence's index key: equal sequences have equal keys."""
+    """A sequence's index key: equal sequences have equal keys. Its last token: the
+    sequences filed are first chunks, of one length and often one first token (BOS),
+    and one int is cheaper to build and hash than any combination; sequences that share
+    a key share a bucket, which only narrows a scan."""
     if v is None:
         return None
-    n = v.n
-    return (n, v.buf[0], v.buf[n - 1]) if n else 0
+    n: int = v.n
+    return v.buf[n - 1] if n else 0
 
 
 # An accepted action builds its effects and its Step as `_new(Cls, (fields))`: the
