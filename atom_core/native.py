@@ -21,7 +21,6 @@ sources stay the reference and the fallback.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.abc
 import importlib.util
@@ -29,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import warnings
 from importlib.machinery import EXTENSION_SUFFIXES, ModuleSpec
 from pathlib import Path
@@ -62,6 +60,7 @@ def build() -> list[Path]:
 
     Raises RuntimeError with mypyc's output when it fails (the record is then empty, so the
     Python core runs and `make` does not retry until a source changes)."""
+    import tempfile  # (build only: `import atom_core` imports this module)
     for old in NATIVE.glob("*.so"):
         old.unlink()
     DIGESTS.write_text("{}\n")
@@ -167,6 +166,8 @@ def python_module(module: str) -> ModuleType:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     parser = argparse.ArgumentParser(prog="python atom_core/native.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["build", "status"],
