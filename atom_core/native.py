@@ -138,7 +138,7 @@ class NativeFinder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Put a NativeFinder first on sys.meta_path (atom_core/__init__.py does, on import)."""
-    if not any(type(f).__name__ == "NativeFinder" for f in sys.meta_path):
+    if not any(isinstance(f, NativeFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, NativeFinder())
 
 

@@ -345,9 +345,8 @@ class InplaceGenerator(Generator):
                "reference\n(proofs, tests); tests/test_inplace.py checks the two agree step by "
                'step.\n"""\n')
         out = [HEADER, "# ruff: noqa: E741\n", doc, "\n"]
-        typing_names = ["Any", "Final"] if "Any" in used else ["Final"]
-        if typing_names:
-            out.append(f"from typing import {', '.join(typing_names)}\n\n")
+        # (Final always: `_new` is one)
+        out.append(f"from typing import {'Any, ' if 'Any' in used else ''}Final\n\n")
         if "attrs" in used:
             out.append("import attrs\n\n")
         out.append(f"import {self.core_module} as _core\n")
@@ -394,7 +393,7 @@ class InplaceGenerator(Generator):
             return "Any"
         lay = self.layout(f)
         ret = self.py_type(f.ret)
-        if f.init is None and f.ret.kind in ("value", "ident"):
+        if self.may_be_unset(f):
             ret = "Any"  # (None where unset: only the guards know when it is read set)
         if lay == "scalar":
             return ret

@@ -327,17 +327,18 @@ class Generator:
             out = f"({out},) * {body.size(a)}"
         return out
 
+    @staticmethod
+    def may_be_unset(f: StateFn) -> bool:
+        """Whether a value of `f` may be None: a sequence or ident function with no init."""
+        return f.init is None and f.ret.kind in ("value", "ident")
+
     def field_type(self, f: StateFn) -> str:
         lay = self.layout(f)
         ret = self.py_type(f.ret)
         if lay == "map":
             t = "PMap"
-        elif lay == "scalar":
-            t = ret if f.init is not None or f.ret.kind not in ("value", "ident") else \
-                f"{ret} | None"
         else:
-            t = ret if f.init is not None or f.ret.kind not in ("value", "ident") else \
-                f"{ret} | None"
+            t = f"{ret} | None" if self.may_be_unset(f) else ret
             for _ in f.args:
                 t = f"tuple[{t}, ...]"
         return f"{t} | None" if f.ghost else t
