@@ -2,13 +2,16 @@
 
 Every path but /health needs `Authorization: Bearer <api key>` unless the server was started
 without a key on purpose (`--insecure-no-auth`), and a request body is at most
-`max_body_bytes`: both are checked before the body is read (`_Guard`). Errors use the OpenAI
-error shape `{"error": {"message", "type", "param", "code"}}`.
+`max_body_bytes`: both are checked before the body is read (`_Guard`). A JSON body is parsed
+by `protocol.parse_body` (`_TotalRoute`), which takes any bytes. Every error, FastAPI's and
+Starlette's own (404, 405, validation) too, uses the OpenAI error shape `{"error": {"message",
+"type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.message
 import hmac
 import json
 import logging
@@ -23,7 +26,9 @@ import attrs
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.batcher import Event
 from atom_core.serve.engine import FINAL, Engine, EngineStopped, Handle
@@ -31,8 +36,10 @@ from atom_core.serve.metrics import Metrics
 from atom_core.serve.protocol import (
     GENERIC_UNSUPPORTED,
     UNSUPPORTED,
+    BodyError,
     ChatRequest,
     CompletionRequest,
+    parse_body,
 )
 from atom_core.serve.sampling import SamplingParams, sampler_for
 from atom_core.serve.tokenizer import ChatTemplateError, IncrementalText, Tokenizer
@@ -62,10 +69,22 @@ class ApiError(Exception):
             status, message, param, type_, code
 
 
+class _ErrorResponse(JSONResponse):
+    """An error's JSON, whatever its text holds: a message quoting a client's text with a lone
+    surrogate in it (which UTF-8 cannot encode) goes out escaped, not as a 500 of its own."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, param: str | None = None,
-           type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
-                                   "code": code}}, status_code=status)
+           type_: str = "invalid_request_error", code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return _ErrorResponse({"error": {"message": message, "type": type_, "param": param,
+                                     "code": code}}, status_code=status, headers=headers)
 
 
 class _Unexpected:
@@ -116,10 +135,49 @@ _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", boo
 
 
 def _is_json(content_type: str) -> bool:
-    """Whether FastAPI parses a body of this Content-Type as JSON (none: it does not)."""
-    kind = content_type.partition(";")[0].strip().lower()
-    return kind == "application/json" or \
-        (kind.startswith("application/") and kind.endswith("+json"))
+    """Whether FastAPI parses a body of this Content-Type as JSON (none: it does not), decided
+    as FastAPI decides it, so `_TotalRoute` parses first exactly the bodies FastAPI would."""
+    if not content_type:
+        return False
+    header = email.message.Message()
+    header["content-type"] = content_type
+    subtype = header.get_content_subtype()
+    return header.get_content_maintype() == "application" and \
+        (subtype == "json" or subtype.endswith("+json"))
+
+
+class _TotalRequest(Request):
+    """A request whose JSON is `parse_body`'s: FastAPI's own parse (json.loads) takes a lone
+    surrogate, NaN and 1e999 as values, and answers invalid UTF-8, deep nesting or a
+    5000-digit integer with a bare 400 that says nothing of where."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_total"):
+            try:
+                self._total = parse_body(await self.body())
+            except BodyError as exc:
+                raise ApiError(400, exc.message, exc.param, code="invalid_body") from None
+        return self._total
+
+
+class _TotalRoute(APIRoute):
+    """A route whose body is parsed by `_TotalRequest`, before FastAPI reads it: its errors are
+    the route's to answer (inside FastAPI's read, any error but a JSONDecodeError becomes that
+    bare 400)."""
+
+    def get_route_handler(self) -> Any:
+        handler = super().get_route_handler()
+        if self.body_field is None:  # (a GET: a body it is sent means nothing to it)
+            return handler
+
+        async def total(request: Request) -> Response:
+            request = _TotalRequest(request.scope, request.receive)
+            # (an empty body is FastAPI's to report: "the request body is empty")
+            if _is_json(request.headers.get("content-type", "")) and await request.body():
+                await request.json()
+            return await handler(request)
+
+        return total
 
 
 class _BodyTooLarge(Exception):
@@ -401,6 +459,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             await asyncio.to_thread(engine.stop)
 
     app = _App(title="atom-core", lifespan=lifespan)
+    app.router.route_class = _TotalRoute  # (before the routes are added)
     # (the last added runs first: a bug in the guard is still a 500 in the API's shape)
     app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(_Unexpected)
@@ -413,14 +472,32 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             metrics.outcomes.labels("invalid").inc()
         return _error(exc.status, exc.message, exc.param, exc.type, exc.code)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's and FastAPI's own errors (an unknown path, a method a path does not
+        take, ...), in the API's shape: `{"detail": ...}` is no error an OpenAI client reads."""
+        if isinstance(exc.__cause__, ApiError):  # (our parse, wrapped by FastAPI's body read)
+            return await _api_error(req, exc.__cause__)
+        where = f"{req.method} {req.url.path[:200]}"
+        if exc.status_code == 404:
+            message = f"no such path: {where}; this server serves " + ", ".join(
+                f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute)
+                for m in sorted(r.methods - {"HEAD"}) if r.path.startswith("/v1/"))
+        elif exc.status_code == 405:
+            # (Starlette's 405 names the methods the path takes in its Allow header)
+            allowed = dict(exc.headers or {}).get("Allow", "another method")
+            message = f"{req.url.path[:200]} does not take {req.method}: send {allowed}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return _error(exc.status_code, message,
+                      type_="server_error" if exc.status_code >= 500 else
+                      "invalid_request_error", headers=dict(exc.headers or {}) or None)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.outcomes.labels("invalid").inc()
+        # (a body that is not JSON never gets here: `_TotalRequest` answers it)
         first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":  # (its location is a character position)
-            return _error(400, f"the request body is not valid JSON: "
-                               f"{first.get('ctx', {}).get('error', 'decode error')} at "
-                               f"character {first['loc'][-1]}; send a JSON object")
         loc = _location(first)
         kind = req.headers.get("content-type", "")
         if not loc and first.get("type") == "missing":
@@ -480,7 +557,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     # ------------------------------------------------------------------ validation
     def _check_common(body: Any) -> None:
         if body.model != settings.model_name:
-            raise ApiError(404, f"model '{body.model}' does not exist; this server serves "
+            raise ApiError(404, f"model '{body.model[:200]}' does not exist; this server serves "
                                 f"'{settings.model_name}' (GET /v1/models)", "model",
                            code="model_not_found")
         if body.n != 1:
