@@ -175,6 +175,17 @@ def _integer(value: Any) -> int | None:
         return None
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in `t` (an integer tensor holds none). The one test of KV before it is
+    written anywhere it is read: once in a block nothing downstream tells bad KV from good
+    (attention softmaxes over it and every later token of the lane is plausible garbage, and a
+    prefix-cache entry hands it to the next request sharing the prefix). `import_kv` and the
+    PD payload's validation (`atom_core.pd.payload`) both ask it."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 class InvariantViolation(AssertionError):
     def __init__(self, names: list[str]) -> None:
         super().__init__(f"core state violates invariants: {', '.join(names)}")
@@ -397,9 +408,12 @@ class AtomBatcher:
         """The transfer for `request_id` delivered KV for `prompt_ids` and the first generated
         token. `host_kv` is `[layers, 2, kv_heads, n, head_dim]` in the runtime's host layout
         with n >= the prompt's length (`runtime.new_host_buffer()` when it fits one block);
-        positions from the prompt's length on are not read. Accepted only if it covers the
-        request's whole prompt and the request's table is in place (after its "import" event);
-        otherwise the request fails. Events for requests without a transfer change nothing.
+        positions from the prompt's length on are not read (except that a buffer of exactly
+        one block, into a one-block table, is written as it is, so they must be finite there).
+        Accepted only if it covers the request's whole prompt, the request's table is in place
+        (after its "import" event) and every value written is finite (`all_finite`); otherwise
+        the request fails, and nothing is written or cached. Events for requests without a
+        transfer change nothing.
 
         Hybrid models: `local_kv` is the prompt's sliding window (a local host buffer,
         `runtime.new_local_host_buffer()` layout), written into the request's lane's local slot;
@@ -453,11 +467,16 @@ class AtomBatcher:
             bad_kv = self._import_mismatch(host_kv, local_kv, len(ids))
         except Exception as exc:  # noqa: BLE001 - the runtime could not say its layout
             bad_kv = f"the runtime's host buffer layout is unavailable ({exc!r})"
+        lane = self._m.req_lane.get(request_id)
+        if bad_kv is None:
+            try:
+                bad_kv = self._non_finite(host_kv, local_kv, len(ids), self._tables[lane])
+            except Exception as exc:  # noqa: BLE001 - values that cannot be read (a meta tensor)
+                bad_kv = f"host_kv or local_kv values cannot be read ({exc!r})"
         if bad_kv is not None:
             field = "local_kv" if bad_kv.startswith("local_kv") else "host_kv"
             self._transfer_failed(request_id, f"import rejected ({field}): {bad_kv}", events)
             return events
-        lane = self._m.req_lane.get(request_id)
         try:
             self._write_blocks(host_kv, len(ids), self._tables[lane])
         except Exception as exc:  # noqa: BLE001 - this request's import failed, nothing else
@@ -595,11 +614,29 @@ class AtomBatcher:
                         f"{local_ref[1]}: no silent casting")
         return None
 
+    def _non_finite(self, host_kv: torch.Tensor, local_kv: torch.Tensor | None, n: int,
+                    table: list[int]) -> str | None:
+        """Why the KV import_kv would write is not all finite, naming the field; None if it
+        is. Only what reaches the device is read: the prompt's positions of `host_kv`, or all
+        of it when it goes as given (`_as_given`), and the whole local slot."""
+        written = host_kv if self._as_given(host_kv, table) else host_kv[:, :, :, :n]
+        for name, t in (("host_kv", written), ("local_kv", local_kv)):
+            if t is not None and not all_finite(t):
+                return (f"{name} holds non-finite values (NaN or inf): its producer diverged or "
+                        "the buffer is damaged, and decode would attend to it; nothing was "
+                        "written")
+        return None
+
+    def _as_given(self, host_kv: torch.Tensor, table: list[int]) -> bool:
+        """`_write_blocks` writes `host_kv` into the lane's one block as it is (past the
+        prompt too), not position by position."""
+        return len(table) == 1 and host_kv.shape[3] == self.config.block_size
+
     def _write_blocks(self, host_kv: Any, n: int, table: list[int]) -> None:
         """Positions [0, n) of `host_kv` into `table`'s blocks, zeros past n: a block then holds
         nothing of an earlier request, and its content is a function of the payload alone."""
         size = self.config.block_size
-        if len(table) == 1 and host_kv.shape[3] == size:  # one whole block: as given
+        if self._as_given(host_kv, table):  # one whole block: as given
             self.runtime.update_kv_cache(host_kv, table[0])
             return
         buf = self.runtime.new_host_buffer()

@@ -3,7 +3,8 @@
 process generation), the router chooses them no more and the other decode nodes move what
 they asked of them at once, without a deadline of their own; once no decode node reports it
 (it answered, it restarted, or its reporter is gone) it is chosen again. Every request ends
-once, exactly, and nothing is left behind; a malformed or hostile report changes nothing."""
+once, exactly, and nothing is left behind; nothing is taken from a malformed or hostile
+report, and its node is taken for faulty."""
 
 from __future__ import annotations
 
@@ -264,25 +265,27 @@ HOSTILE: list[Any] = [
 
 
 @pytest.mark.parametrize("bad", HOSTILE, ids=lambda v: repr(v)[:30])
-def test_a_malformed_report_changes_nothing_and_crashes_nothing(bad: Any) -> None:
-    """A decode node's report whose list of unresponsive workers is not one: the frontend
-    drops the whole report (its load is not taken either: nothing is taken from a report
-    that is not one) and keeps serving; the decode node's next report counts. A ready list
-    sent to a decode node with such a list is taken as naming none."""
+def test_a_malformed_report_is_not_taken_and_its_node_is_faulty(bad: Any) -> None:
+    """A ready list sent to a decode node with a list of unresponsive workers that is not one
+    is taken as naming none. A decode node's report with such a list: the frontend takes
+    nothing from it (its load neither: nothing is taken from a report that is not one),
+    takes that node for faulty (`Frontend.faulty`: lost, told to stop) and keeps serving
+    with the others."""
     c, _clock, policy = _cluster()
     fe = c.frontend
-    before = fe.router.loads["decode"][1]
-    sent = Load(True, 7, 1, 1).as_json()
-    c.decodes[1].control.send({"kind": "load", "load": sent, "stats": {}, "unresponsive": bad})
-    fe.step()
-    assert fe.router.loads["decode"][1] == before and _avoided(c) == frozenset()
     fe.controls[("decode", 1)].send({"kind": "prefill_ready", "ranks": [0, 1],
                                      "gens": [c.prefills[0].gen, c.prefills[1].gen],
                                      "unresponsive": bad})
     c.decodes[1].step()
     assert c.decodes[1].links.avoided == {} and c.decodes[1].links.live() == [0, 1]
-    cids = _submit(c, policy, decode=1, n=2)
+    sent = Load(True, 7, 1, 1).as_json()
+    c.decodes[1].control.send({"kind": "load", "load": sent, "stats": {}, "unresponsive": bad})
+    fe.step()
+    assert ("decode", 1) in fe.faulty and 1 in fe.router.lost["decode"]
+    assert 1 not in fe.router.loads["decode"] and _avoided(c) == frozenset()
+    cids = _submit(c, policy, decode=1, n=2)  # (decode node 1 is gone: decode node 0)
     c.run_until_done(rounds=3000)
+    assert {fe.results[x].decode for x in cids} == {0}
     assert_exact(c, cids)
     assert_at_rest(c)
 

@@ -38,7 +38,11 @@ for its own deadline), until no decode node reports it: it answered the one that
 says nothing about the new one), or that decode node was lost. A
 decode worker that is lost: the frontend fails its unfinished requests with an error naming it,
 and nothing else changes. A worker that starts late or restarts is used once it reports ready
-(`Frontend.add`, `PrefillLinks.add`).
+(`Frontend.add`, `PrefillLinks.add`). A worker whose control message is not a report
+(`parse_report` checks every field of every kind before anything is taken: a token that is
+no id of the vocabulary, an unknown kind, a missing field...) is taken for faulty: one log
+line says which and why, it is lost as above, told to stop and its control link closed
+(`Frontend.faulty`); the frontend goes on serving the others.
 
 `LocalCluster` runs all of it in one thread over `InProcessTransport` pairs (tests, bench);
 `atom-core pd-cluster` (atom_core/pd/cluster_run.py) runs one process per worker over gloo.
@@ -47,6 +51,9 @@ and nothing else changes. A worker that starts late or restarts is used once it 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import reprlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -61,7 +68,10 @@ from atom_core.pd.router import Load, Policy, Router, load_of
 from atom_core.pd.transport import PEER_LOST, InProcessTransport, Transport
 from atom_core.pd.workers import DecodeWorker, PrefillWorker, quantile
 
-__all__ = ["ClusterResult", "DecodeNode", "Frontend", "LocalCluster", "PrefillNode"]
+__all__ = ["ClusterResult", "DecodeNode", "EventRow", "EventsReport", "Frontend", "LoadReport",
+           "LocalCluster", "LostReport", "PrefillNode", "ReportError", "parse_report"]
+
+log = logging.getLogger(__name__)
 
 # The largest control message a link takes (a request carries its prompt, a step's events one
 # token per lane): far above either, far below anything that could exhaust memory.
@@ -96,6 +106,160 @@ def rank_gens(obj: Any) -> dict[int, int | None]:
             and (e[1] is None or is_int(e[1])) for e in obj):
         raise ValueError(f"a list of [rank, generation] pairs, got {obj!r}"[:200])
     return {e[0]: e[1] for e in obj}
+
+
+# --------------------------------------------------------------------------- reports
+class ReportError(ValueError):
+    """A worker's control message is not a report the frontend takes from it (the message
+    says which field was wrong and how): nothing of it is taken, and the frontend takes that
+    worker for faulty (`Frontend`)."""
+
+
+# What a decode node reports of a request: a token, its end, or a preemption (it resumes where
+# it stopped: nothing to do here).
+EVENT_KINDS = frozenset(("token", "finished", "error", "preempted"))
+# The most rows one events report holds: a decode worker's step yields a token per lane and
+# an end per request it ends, far fewer; a longer list is malformed.
+MAX_EVENTS = 1 << 16
+# The most counters a load report's stats hold, and the longest name of one (ours: about 20
+# names of about 25 characters).
+MAX_STATS = 256
+MAX_STAT_NAME = 128
+# Token ids when the vocabulary is not known: what `Frontend.submit` takes in a prompt.
+TOKEN_LIMIT = 2 ** 31
+
+
+@attrs.frozen
+class LoadReport:
+    """`{"kind": "load", "load", "stats", "gen"?, "unresponsive"?}`: `hung` is a decode
+    node's prefill workers taken for hung (rank -> generation; none when it names none), None
+    for a prefill node (its message has no such field)."""
+
+    load: Load
+    stats: dict[str, Any]
+    gen: int | None
+    hung: dict[int, int | None] | None
+
+
+@attrs.frozen
+class EventRow:
+    """One row `[cid, kind, token, error]` of an events report: `token` is set exactly for
+    a "token" row, `error` exactly for an "error" row."""
+
+    cid: int
+    kind: str
+    token: int | None
+    error: str | None
+
+
+@attrs.frozen
+class EventsReport:
+    """`{"kind": "events", "events": [[cid, kind, token, error], ...]}` (decode nodes only)."""
+
+    events: tuple[EventRow, ...]
+
+
+@attrs.frozen
+class LostReport:
+    """The control link's own report that the worker is gone (`PEER_LOST`)."""
+
+    why: str
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+
+
+def _shown(v: Any) -> str:
+    """`v` for a message: bounded in length and depth whatever the peer sent, on one line."""
+    try:
+        return _repr.repr(v)
+    except Exception:  # noqa: BLE001 - (an int past str's digit limit)
+        return f"<{type(v).__name__}>"
+
+
+def parse_report(role: str, header: Any, *, vocab_size: int | None = None,
+                 issued: int = 2 ** 63) -> LoadReport | EventsReport | LostReport:
+    """A `role` worker's control message as the record of its kind; ReportError naming the
+    first bad field otherwise (never anything else, whatever the message holds: it comes
+    from the wire). Every field the frontend reads is checked here, before anything is taken
+    from the message, so a report is taken whole or not at all. `vocab_size`: the workers'
+    vocabulary, which a token must be in (None: unknown, any id below 2**31); `issued`: the
+    request ids issued so far (an event's id must be one of them). Fields the frontend does not
+    read are ignored (a newer node may send more)."""
+    if not isinstance(header, dict):
+        raise ReportError(f"a report is an object, got {_shown(header)}")
+    kind = header.get("kind")
+    if kind == PEER_LOST:
+        why = header.get("error")
+        return LostReport(why if isinstance(why, str) else "its link was lost")
+    if kind == "load":
+        return _parse_load(role, header)
+    if kind == "events" and role == "decode":
+        return EventsReport(_parse_events(header.get("events"), vocab_size, issued))
+    raise ReportError(f"a {role} worker sends no report of kind {_shown(kind)}")
+
+
+def _parse_load(role: str, h: dict[str, Any]) -> LoadReport:
+    try:
+        load = Load.from_json(h.get("load"))
+        hung = rank_gens(h.get("unresponsive", [])) if role == "decode" else None
+    except ValueError as exc:
+        raise ReportError(f"load report: {exc}") from None
+    gen = h.get("gen")
+    if gen is not None and not (is_int(gen) and 0 <= gen < 2 ** 63):
+        raise ReportError(f"load report: gen is {_shown(gen)}, not a generation (an integer)")
+    stats = h.get("stats")
+    if not isinstance(stats, dict) or len(stats) > MAX_STATS:
+        raise ReportError(f"load report: stats is {_shown(stats)}, not an object of at most "
+                          f"{MAX_STATS} counters")
+    for name, v in stats.items():
+        if not (isinstance(name, str) and len(name) <= MAX_STAT_NAME and _stat_value(v)):
+            raise ReportError(f"load report: stat {_shown(name)} is {_shown(v)}, not a count, "
+                              "a finite measure or a list of ranks")
+    return LoadReport(load, dict(stats), gen, hung)
+
+
+def _stat_value(v: Any) -> bool:
+    """A counter, a finite measure, or a list of ranks (`unresponsive_prefill_ranks`)."""
+    if is_int(v):
+        return 0 <= v < 2 ** 63
+    if isinstance(v, float):
+        return math.isfinite(v)  # (Infinity would reach the CLI's JSON output as is)
+    return isinstance(v, list) and len(v) <= MAX_UNRESPONSIVE and all(
+        is_int(r) and 0 <= r < 2 ** 31 for r in v)
+
+
+def _parse_events(rows: Any, vocab_size: int | None, issued: int) -> tuple[EventRow, ...]:
+    if not isinstance(rows, list) or len(rows) > MAX_EVENTS:
+        raise ReportError(f"events report: events is {_shown(rows)}, not a list of at most "
+                          f"{MAX_EVENTS} rows")
+    limit = TOKEN_LIMIT if vocab_size is None else vocab_size
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != 4:
+            raise ReportError(f"events report: row {i} is {_shown(row)}, not [request id, "
+                              "kind, token, error]")
+        cid, kind, token, error = row
+        if not (is_int(cid) and 0 <= cid < issued):
+            raise ReportError(f"events report: row {i} names request {_shown(cid)}, which was "
+                              "never issued")
+        if not (isinstance(kind, str) and kind in EVENT_KINDS):
+            raise ReportError(f"events report: row {i} is of kind {_shown(kind)}, not one of "
+                              f"{sorted(EVENT_KINDS)}")
+        if kind == "token":
+            if not (is_int(token) and 0 <= token < limit):
+                raise ReportError(f"events report: row {i} (request {cid}) has token "
+                                  f"{_shown(token)}, not a token id in 0..{limit - 1}")
+        elif token is not None:
+            raise ReportError(f"events report: row {i} (request {cid}, {kind}) carries token "
+                              f"{_shown(token)}; only a token row does")
+        if kind == "error" and not isinstance(error, str) or kind != "error" and \
+                error is not None:
+            raise ReportError(f"events report: row {i} (request {cid}, {kind}) has error "
+                              f"{_shown(error)}; an error row carries a message, no other does")
+        out.append(EventRow(cid, kind, token, error))
+    return tuple(out)
 
 
 # Counters alone (no change of load) are reported at most this often: a decode worker's change
@@ -394,7 +558,7 @@ class Frontend:
 
     def __init__(self, router: Router, clock: Callable[[], float] = time.perf_counter, *,
                  keep_ended: int = 10_000, max_request_bytes: int = CONTROL_BYTES,
-                 max_open: int = 100_000) -> None:
+                 max_open: int = 100_000, vocab_size: int | None = None) -> None:
         """`keep_ended`: how many ended requests `results` still holds (older ones are
         forgotten, so a long-running frontend's memory does not grow with what it served).
         `max_request_bytes`: the largest request message (JSON) a decode worker's control
@@ -402,14 +566,18 @@ class Frontend:
         refused at submit. `max_open`: the most requests open at once; more are refused at
         submit (each open one holds its prompt and tokens here and a place in a decode worker's
         queue: without a bound, clients submitting faster than the cluster serves would grow
-        both until memory runs out)."""
+        both until memory runs out). `vocab_size`: the workers' vocabulary, which every token a
+        decode worker reports must be in (None: not known, any id below 2**31)."""
         if max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {max_open}")
         self.router, self.clock = router, clock
         self.max_open = max_open
         self.keep_ended = keep_ended
         self.max_request_bytes = max_request_bytes
+        self.vocab_size = vocab_size
         self.controls: dict[tuple[str, int], Transport] = {}
+        # (role, rank) -> why: the workers taken for faulty (a malformed report, `_faulty`)
+        self.faulty: dict[tuple[str, int], str] = {}
         self.results: dict[int, ClusterResult] = {}
         self.worker_stats: dict[tuple[str, int], dict[str, Any]] = {}
         # the router's time per request, the latest ones
@@ -542,40 +710,57 @@ class Frontend:
                 progress = True
                 try:
                     self._on_message(role, rank, header)
-                except (TypeError, ValueError, KeyError, IndexError):
-                    pass  # a malformed report: dropped, the worker's next one counts
+                except ReportError as exc:
+                    self._faulty(role, rank, link, str(exc))
+                    break  # (its link is closed: nothing more of it is read)
         self._tell_ready()
         return progress
 
-    def _on_message(self, role: str, rank: int, h: dict[str, Any]) -> None:
-        kind = h.get("kind")
-        if kind == PEER_LOST:
-            self._lost(role, rank, str(h.get("error")))
-        elif kind == "load":
-            load = Load.from_json(h["load"])
-            # (checked before anything is taken from the report: a malformed one changes nothing)
-            hung = rank_gens(h.get("unresponsive", [])) if role == "decode" else None
-            gen = h.get("gen")
-            self.gens[(role, rank)] = gen if is_int(gen) else None
-            self.router.report(role, rank, load)
-            if hung is not None and rank not in self.router.lost[role]:
-                self.unresponsive[rank] = hung  # (a lost worker's late report says nothing)
-            if isinstance(h.get("stats"), dict):
-                self.worker_stats[(role, rank)] = h["stats"]
-        elif kind == "events" and role == "decode":
+    def _on_message(self, role: str, rank: int, h: Any) -> None:
+        """Take one control message of worker (role, rank); ReportError, and nothing is taken,
+        if it is not a report (`parse_report`)."""
+        report = parse_report(role, h, vocab_size=self.vocab_size, issued=self._next)
+        if isinstance(report, LostReport):
+            self._lost(role, rank, report.why)
+        elif isinstance(report, LoadReport):
+            self.gens[(role, rank)] = report.gen
+            self.router.report(role, rank, report.load)
+            if report.hung is not None and rank not in self.router.lost[role]:
+                self.unresponsive[rank] = report.hung  # (a lost worker's late report: nothing)
+            self.worker_stats[(role, rank)] = report.stats
+        else:
             now = self.clock()
-            for cid, ev, token, error in h["events"]:
-                r = self.results.get(cid)
+            for row in report.events:
+                r = self.results.get(row.cid)
                 if r is None or r.ended or r.decode != rank:
                     self.late_events += 1
                     continue
-                if ev == "token":
-                    r.tokens.append(int(token))
+                if row.kind == "token":
+                    r.tokens.append(row.token)  # type: ignore[arg-type]
                     if r.t_first is None:
                         r.t_first = now
-                elif ev in ("finished", "error"):
-                    r.error = None if ev == "finished" else str(error)
-                    self._end(cid, now)
+                elif row.kind in ("finished", "error"):
+                    r.error = row.error
+                    self._end(row.cid, now)
+
+    def _faulty(self, role: str, rank: int, link: Transport, why: str) -> None:
+        """Worker (role, rank) sent a control message that is not a report (a bug, or a
+        compromised worker holding the key): nothing it says can be trusted any more. It is
+        lost as a dead worker is (a decode worker's open requests fail; a prefill worker's are
+        asked again elsewhere by their decode workers once it stops), told to stop, and its
+        control link closed, so nothing more of it is read; a new process of that rank comes
+        back through `add`. The frontend goes on serving the others."""
+        log.warning("frontend: %s worker %d sent a malformed report, taken for faulty and "
+                    "stopped: %s", role, rank, why)
+        self.faulty[(role, rank)] = why
+        if self.controls.get((role, rank)) is link:
+            del self.controls[(role, rank)]
+        self.gens.pop((role, rank), None)
+        if role == "decode":
+            self._told_ready.pop(rank, None)
+        try_send(link, {"kind": "shutdown"})
+        link.close()
+        self._lost(role, rank, f"taken for faulty: {why}")
 
     def _lost(self, role: str, rank: int, why: str) -> None:
         self.router.mark_lost(role, rank)
@@ -696,10 +881,13 @@ class LocalCluster:
         self._gen += 1
         key, insecure = self.key, self.key is None
         fe_end, control = _pair(key)
+        rt = self.runtime_for(self.pcfg if role == "prefill" else self.cfg)
+        if self.frontend.vocab_size is None:  # (every worker runs the same model)
+            self.frontend.vocab_size = getattr(rt, "vocab_size", None)
         if role == "prefill":
             links = DecodeLinks(secure=key is not None)
-            worker = PrefillWorker(self.pcfg, self.runtime_for(self.pcfg), links, key=key,
-                                   insecure=insecure, **self.prefill_options)
+            worker = PrefillWorker(self.pcfg, rt, links, key=key, insecure=insecure,
+                                   **self.prefill_options)
             for d, dn in self.decodes.items():
                 if not dn.done:
                     de, pe = _pair(key)
@@ -710,8 +898,8 @@ class LocalCluster:
             self.prefills[rank].ready = ready
         else:
             links_p = PrefillLinks(secure=key is not None)
-            dworker = DecodeWorker(self.cfg, self.runtime_for(self.cfg), links_p, key=key,
-                                   insecure=insecure, prefetch=self.prefetch,
+            dworker = DecodeWorker(self.cfg, rt, links_p, key=key, insecure=insecure,
+                                   prefetch=self.prefetch,
                                    wire_prefix=f"d{rank}g{self._gen}.", **self.decode_options)
             for p, pn in self.prefills.items():
                 if not pn.done:
@@ -742,6 +930,11 @@ class LocalCluster:
         for node in [*self.decodes.values(), *self.prefills.values()]:
             if not node.done:
                 node.step()
+                if node.done:
+                    # it stopped (told to, or its frontend link lost): its links end, as a
+                    # worker process's do when it exits (cluster_run.run_worker), and its
+                    # peers move what they had with it
+                    node.close()
         self.frontend.step()
 
     def run_until_done(self, rounds: int = 20_000,

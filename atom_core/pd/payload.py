@@ -80,6 +80,8 @@ from typing import Any
 import attrs
 import torch
 
+from atom_core.batcher import all_finite
+
 __all__ = [
     "FrameLimits",
     "KVPayload",
@@ -492,9 +494,9 @@ def _validate(payload: KVPayload, rid: str, expected: tuple[int, ...], fingerpri
                                     "both workers with the same cache dtype")
     _validate_local(payload.local_kv, rid, local_layout, dtype)
     for name, t in (("kv", payload.kv), ("local_kv", payload.local_kv)):
-        # NaN or inf in a cache poisons every later token of the lane (softmax over NaN), and
-        # a valid checksum says only that it was sent that way
-        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        # a valid checksum says only that it was sent that way (import_kv asks the same again:
+        # it is the API a caller without a payload uses)
+        if t is not None and not all_finite(t):
             raise PayloadError(name, f"the {name} of request {rid!r} holds non-finite values "
                                      "(NaN or inf): the prefill worker's model diverged or its "
                                      "cache is damaged; it is discarded")
