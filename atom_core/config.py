@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Mapping
+import reprlib
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,111 @@ INT16_IDS = 2**15
 INT32_POSITIONS = 2**31
 
 
+@attrs.frozen
+class Term:
+    """How one interface names a Config field: its `name` there, in its `style`'s syntax."""
+    name: str
+    # field: the Python API (kv_blocks=16); flag: the command line (--kv-blocks 16, --preemption,
+    # --no-prefix-cache); key: an artifact's rbln_config.json (kvcache_num_blocks=16)
+    style: str = "field"
+
+    def give(self, value: Any) -> str:
+        """What to write to set the field to `value`."""
+        if self.style == "flag":
+            if isinstance(value, bool):
+                return self.name if value else "--no-" + self.name.removeprefix("--")
+            return f"{self.name} {value}"
+        if self.style == "key":
+            return f"{self.name}=" + (json.dumps(value) if isinstance(value, (bool, str))
+                                      else _short(value))
+        return f"{self.name}={_short(value)}"
+
+    def bound(self, op: str, n: int) -> str:
+        """`op` (">=" or "<=") `n`, as this interface would say it."""
+        if self.style == "flag":
+            return f"{self.name} {n} or {'more' if op == '>=' else 'less'}"
+        return f"{self.name} {op} {n}"
+
+    def option(self) -> str:
+        """The name to give a value to (`kv_blocks=`, `--kv-blocks`, `kvcache_num_blocks`)."""
+        return f"{self.name}=" if self.style == "field" else self.name
+
+
+@attrs.frozen
+class Vocabulary:
+    """The words a message about a Config uses for its fields: each message is written once,
+    over a Vocabulary, and says what to change in the terms of the interface the user set it
+    through (Config field names from the Python API, flags on the command line, rbln_config
+    keys for an artifact), and where a value the user did not give came from."""
+    terms: Mapping[str, Term] = attrs.field(factory=dict)
+    # field -> where its value came from when the user did not give it here (a default, a key
+    # of a file), said beside the value
+    origins: Mapping[str, str] = attrs.field(factory=dict)
+
+    def term(self, field: str) -> Term:
+        return self.terms.get(field) or Term(field)
+
+    def name(self, field: str) -> str:
+        return self.term(field).name
+
+    def option(self, field: str) -> str:
+        return self.term(field).option()
+
+    def give(self, field: str, value: Any) -> str:
+        return self.term(field).give(value)
+
+    def at_least(self, field: str, n: int) -> str:
+        return self.term(field).bound(">=", n)
+
+    def at_most(self, field: str, n: int) -> str:
+        return self.term(field).bound("<=", n)
+
+    def now(self, field: str, value: Any) -> str:
+        """The field's value as it stands, with where it came from if the user did not give
+        it (`block_size=64 (the built-in tiny model's default; --block-size sets it)`)."""
+        origin = self.origins.get(field)
+        if origin is None:
+            return self.give(field, value)
+        term = self.term(field)
+        sets = f"; {term.name} sets it" if term.style == "flag" else ""
+        return f"{field}={_short(value)} ({origin}{sets})"
+
+
+# The Python API's words: Config's own field names.
+PYTHON = Vocabulary()
+
+
+def flag_vocabulary(fields: Iterable[str], origins: Mapping[str, str] | None = None,
+                    keys: Mapping[str, str] | None = None) -> Vocabulary:
+    """The command line's words: `--field-name` for each of `fields` (the Config fields the
+    command has a flag for), an rbln_config key for a field set by a file with no flag here
+    (`keys`, field -> key), field names for the rest."""
+    terms = {f: Term(k, "key") for f, k in (keys or {}).items()}
+    terms.update({f: Term("--" + f.replace("_", "-"), "flag") for f in fields})
+    return Vocabulary(terms, dict(origins or {}))
+
+
 class ConfigError(ValueError):
-    """A configuration the proofs do not cover; the message says what to change."""
+    """A configuration the proofs do not cover; the message says what to change. Raised with
+    a function of a `Vocabulary`, it says so in any interface's words (`in_terms`); str() gives
+    the Python API's."""
+
+    def __init__(self, message: str | Callable[[Vocabulary], str]) -> None:
+        self._say: Callable[[Vocabulary], str] = \
+            message if callable(message) else (lambda _v: message)
+        super().__init__(self._say(PYTHON))
+
+    def in_terms(self, vocab: Vocabulary) -> str:
+        """The message in `vocab`'s words."""
+        return self._say(vocab)
+
+    def reworded(self, vocab: Vocabulary) -> ConfigError:
+        """This error as `vocab` says it (for a caller that only reads str())."""
+        return ConfigError(self.in_terms(vocab))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (the message function may not pickle: a process pool gets the words)
+        return ConfigError, (str(self),)
 
 
 # The Config fields behind each spec constant (what `Config.consts` reads to set it): a failed
@@ -68,9 +173,26 @@ def _not_int_hint(value: Any) -> str:
 def _positive(name: str):
     def check(_inst: Any, _attr: Any, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}"
-                              + _not_int_hint(value))
+            raise ConfigError(lambda v: f"{v.name(name)} must be a positive integer, got "
+                              f"{_short(value)}" + _not_int_hint(value))
     return check
+
+
+def _not_bool(name: str, value: Any) -> ConfigError:
+    return ConfigError(lambda v: f"{v.name(name)} must be True or False, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut short: a message quotes what it refuses, and a value read from a file
+    may be a list of a million items or a thousand-digit number."""
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<an integer of {value.bit_length()} bits>"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
 
 
 @attrs.frozen(kw_only=True)
@@ -105,65 +227,83 @@ class Config:
     def __attrs_post_init__(self) -> None:
         for flag in ("prefix_cache", "preemption"):
             if not isinstance(getattr(self, flag), bool):
-                raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+                raise _not_bool(flag, getattr(self, flag))
         if self.scratch_block is not None and (
                 isinstance(self.scratch_block, bool) or not isinstance(self.scratch_block, int)):
-            raise ConfigError(f"scratch_block must be a block id (int) or None, got "
-                              f"{self.scratch_block!r}" + _not_int_hint(self.scratch_block))
+            raise ConfigError(lambda v: f"{v.name('scratch_block')} must be a block id (int) or "
+                              f"None, got {_short(self.scratch_block)}"
+                              + _not_int_hint(self.scratch_block))
         if self.sliding_window is not None and (
                 isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
                 or self.sliding_window <= 0):
-            raise ConfigError(f"sliding_window must be a positive integer (the window of the "
-                              f"model's sliding layers) or None, got {self.sliding_window!r}"
-                              + _not_int_hint(self.sliding_window))
+            raise ConfigError(lambda v: f"{v.name('sliding_window')} must be a positive integer "
+                              f"(the window of the model's sliding layers) or None, got "
+                              f"{_short(self.sliding_window)}" + _not_int_hint(self.sliding_window))
         if (isinstance(self.host_cache_blocks, bool) or not isinstance(self.host_cache_blocks, int)
                 or self.host_cache_blocks < 0):
-            raise ConfigError(f"host_cache_blocks must be an integer >= 0 (0: no host tier), "
-                              f"got {self.host_cache_blocks!r}"
+            raise ConfigError(lambda v: f"{v.name('host_cache_blocks')} must be an integer >= 0 "
+                              f"(0: no host tier), got {_short(self.host_cache_blocks)}"
                               + _not_int_hint(self.host_cache_blocks))
-        too_big = [f"{name}={value} (at most {limit})" for name, value, limit in (
+        too_big = [(name, value, limit) for name, value, limit in (
             ("kv_blocks", self.kv_blocks, INT16_IDS), ("lanes", self.lanes, INT16_IDS),
             ("host_cache_blocks", self.host_cache_blocks, INT16_IDS),
             ("prefill_chunk", self.prefill_chunk, INT16_IDS),
             ("max_seq_len", self.max_seq_len, INT32_POSITIONS)) if value > limit]
         if too_big:
-            raise ConfigError(
+            raise ConfigError(lambda v: (
                 "rule 'int16-ids': the runtime addresses blocks, host slots and lanes (local "
                 "block tables) with int16 ids, a position within a chunk with an int16 and a "
-                f"position with an int32; too large: {', '.join(too_big)}; use fewer, larger "
-                "blocks or a smaller artifact")
+                "position with an int32; too large: "
+                + ", ".join(f"{v.now(n, x)} (at most {lim})" for n, x, lim in too_big)
+                + "; use fewer, larger blocks or a smaller artifact"))
         if self.scratch not in SCRATCH_MODES:
-            raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {self.scratch!r}")
+            raise ConfigError(lambda v: f"{v.name('scratch')} must be one of {SCRATCH_MODES}, "
+                              f"got {_short(self.scratch)}")
         if self.prefill_chunk % 64:
-            raise ConfigError(
-                f"prefill_chunk={self.prefill_chunk} is not a multiple of 64, which RBLN prefill "
-                "graphs require; compile with a chunk of 64, 128, ...")
+            raise ConfigError(self._chunk_message)
         if self.max_seq_len % self.block_size:
-            raise ConfigError(
-                f"max_seq_len={self.max_seq_len} is not a multiple of block_size="
-                f"{self.block_size}: a lane's block table holds max_seq_len / block_size whole "
-                "blocks; compile with a block size that divides max_seq_len")
+            raise ConfigError(self._divide_message)
         if self.scratch_block is not None and not (
                 self.scratch == "reserved" and 0 <= self.scratch_block < self.kv_blocks):
-            raise ConfigError(
-                f"scratch_block={self.scratch_block} needs scratch='reserved' and a block id in "
-                f"0..{self.kv_blocks - 1}")
+            raise ConfigError(lambda v: (
+                f"{v.now('scratch_block', self.scratch_block)} needs "
+                f"{v.give('scratch', 'reserved')} and a block id in 0..{self.kv_blocks - 1}"))
         failed = g.check_axioms(self.consts())
         if failed:
             # the axioms' docs state the rule; the values here say which settings broke it
             given = axiom_fields(failed)
-            here = ", ".join(f"{f}={getattr(self, f)!r}" for f in given)
-            raise ConfigError(f"configuration violates the spec's axioms {failed}: "
-                              + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed)
-                              + (f" (here {here})" if here else ""))
+
+            def axioms(v: Vocabulary) -> str:
+                here = ", ".join(v.now(f, getattr(self, f)) for f in given)
+                return (f"configuration violates the spec's axioms {failed}: "
+                        + "; ".join(g.AXIOM_DOCS.get(a, a) for a in failed)
+                        + (f" (here {here})" if here else ""))
+            raise ConfigError(axioms)
         if self.prefix_cache and not prefix_can_hit(self.max_seq_len, self.prefill_chunk):
-            raise ConfigError(dead_prefix_cache_message(self))
+            raise ConfigError(lambda v: dead_prefix_cache_message(self, v))
         if self.kv_blocks == 1 and (self.lanes > 1 or self.scratch == "reserved"):
-            raise ConfigError(single_block_message(self))
+            raise ConfigError(lambda v: single_block_message(self, v))
         need = min_kv_blocks(self.lanes, self.prefix_cache, self.scratch,
                              self.blocks_per_table, self.preemption)
         if self.kv_blocks < need:
-            raise ConfigError(capacity_message(self, need))
+            raise ConfigError(lambda v: capacity_message(self, need, v))
+
+    def _chunk_message(self, v: Vocabulary) -> str:
+        lower = self.prefill_chunk // 64 * 64
+        fits = [n for n in (lower, lower + 64) if n > 0]
+        return (f"{v.now('prefill_chunk', self.prefill_chunk)} is not a multiple of 64, which "
+                "RBLN prefill graphs require; use "
+                + " or ".join(v.give("prefill_chunk", n) for n in fits))
+
+    def _divide_message(self, v: Vocabulary) -> str:
+        seq, block = self.max_seq_len, self.block_size
+        lower = seq // block * block
+        fits = [n for n in (lower, lower + block) if n > 0]
+        return (f"{v.now('max_seq_len', seq)} is not a multiple of "
+                f"{v.now('block_size', block)}: a lane's block table holds max_seq_len / "
+                f"block_size whole blocks; use a {v.name('block_size')} that divides {seq}, or "
+                + " or ".join(v.give("max_seq_len", n) for n in fits)
+                + f" (multiples of {block})")
 
     @classmethod
     def from_rbln(cls, rbln_config: Any, **overrides: Any) -> Config:
@@ -237,60 +377,64 @@ def prefix_can_hit(max_seq_len: int, prefill_chunk: int) -> bool:
     return prefill_chunk <= max_seq_len - 2
 
 
-def dead_prefix_cache_message(cfg: Config) -> str:
+def dead_prefix_cache_message(cfg: Config, v: Vocabulary = PYTHON) -> str:
     longest = cfg.max_seq_len - 1
     chunk = (cfg.max_seq_len - 2) // 64 * 64  # prefill chunks are multiples of 64
-    fixes = ["turn the prefix cache off (prefix_cache=False: it does nothing here"
+    fixes = [f"turn the prefix cache off ({v.give('prefix_cache', False)}: it does nothing here"
              + (" but take the host tier's slots" if cfg.host_cache_blocks else "") + ")",
-             f"use max_seq_len >= {cfg.prefill_chunk + 2}"]
+             f"use {v.at_least('max_seq_len', cfg.prefill_chunk + 2)}"]
     if chunk >= 64:
-        fixes.append(f"use prefill_chunk <= {chunk}")
-    return (f"prefix_cache=True can never hit with prefill_chunk={cfg.prefill_chunk} and "
-            f"max_seq_len={cfg.max_seq_len}: a hit reuses whole chunks and must leave at least "
-            f"one prompt token to compute, but a prompt holds at most max_seq_len - 1 = "
-            f"{longest} tokens, fewer than the {cfg.prefill_chunk + 1} a one-chunk hit needs. "
+        fixes.append(f"use {v.at_most('prefill_chunk', chunk)}")
+    return (f"{v.give('prefix_cache', True)} can never hit with "
+            f"{v.now('prefill_chunk', cfg.prefill_chunk)} and "
+            f"{v.now('max_seq_len', cfg.max_seq_len)}: a hit reuses whole chunks and must leave "
+            f"at least one prompt token to compute, but a prompt holds at most max_seq_len - 1 "
+            f"= {longest} tokens, fewer than the {cfg.prefill_chunk + 1} a one-chunk hit needs. "
             "Fix: "
             + "; or ".join(fixes) + ".")
 
 
-def single_block_message(cfg: Config) -> str:
+def single_block_message(cfg: Config, v: Vocabulary = PYTHON) -> str:
     why = []
     if cfg.lanes > 1:
-        why.append(f"lanes={cfg.lanes}: a second lane never gets a block, and while lane 0 "
-                   "decodes the idle row's padding has no block to write into")
+        why.append(f"{v.now('lanes', cfg.lanes)}: a second lane never gets a block, and while "
+                   "lane 0 decodes the idle row's padding has no block to write into")
     if cfg.scratch == "reserved":
-        why.append("scratch='reserved': the only block would be the scratch block")
+        why.append(f"{v.now('scratch', 'reserved')}: the only block would be the scratch block")
     need = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table,
                          cfg.preemption)
-    return ("rule 'single-block': kv_blocks=1 serves exactly one lane, with dynamic scratch "
-            "(block 0 is that lane's block; a single-block PD decode worker is lanes=1). Here "
+    return (f"rule 'single-block': {v.give('kv_blocks', 1)} serves exactly one lane, with "
+            f"dynamic scratch (block 0 is that lane's block; a single-block PD decode worker is "
+            f"{v.give('lanes', 1)}). Here "
             + "; ".join(why) + " (`atom-core verify` shows the stuck runs). "
-            "In general: " + capacity_message(cfg, need))
+            "In general: " + capacity_message(cfg, need, v))
 
 
-def capacity_message(cfg: Config, need: int) -> str:
+def capacity_message(cfg: Config, need: int, v: Vocabulary = PYTHON) -> str:
     missing = need - cfg.kv_blocks
-    fixes = [f"compile the artifact with kv_blocks >= {need}"]
+    # (Python's and an artifact's words name what to compile; flags are given as they are)
+    verb = "give" if v.term("kv_blocks").style == "flag" else "compile the artifact with"
+    fixes = [f"{verb} {v.at_least('kv_blocks', need)}"]
     if cfg.scratch == "reserved":
         alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, "dynamic", cfg.blocks_per_table,
                             cfg.preemption)
         if alt <= cfg.kv_blocks:
-            fixes.append("use scratch='dynamic' (padding rows write into a free block), "
-                         f"which needs {alt}")
+            fixes.append(f"use {v.give('scratch', 'dynamic')} (padding rows write into a free "
+                         f"block), which needs {alt}")
     if cfg.lanes > 1:
         fit = max((n for n in range(1, cfg.lanes) if min_kv_blocks(
             n, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, cfg.preemption)
             <= cfg.kv_blocks), default=0)
         if fit >= 1:
-            fixes.append(f"serve with lanes <= {fit}")
+            fixes.append(f"serve with {v.at_most('lanes', fit)}")
     rule = rule_for(cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, cfg.preemption)
     if not cfg.preemption and cfg.blocks_per_table > 1:
         alt = min_kv_blocks(cfg.lanes, cfg.prefix_cache, cfg.scratch, cfg.blocks_per_table, True)
         if alt <= cfg.kv_blocks:
-            fixes.append("turn preemption on (a lane waiting for a block preempts the most "
-                         f"recently admitted one), which needs {alt}")
-    return (f"kv_blocks={cfg.kv_blocks} is too few for lanes={cfg.lanes} with "
-            f"{features(cfg.prefix_cache, cfg.scratch)}: rule '{rule}' "
+            fixes.append(f"turn preemption on ({v.give('preemption', True)}: a lane waiting for "
+                         f"a block preempts the most recently admitted one), which needs {alt}")
+    return (f"{v.now('kv_blocks', cfg.kv_blocks)} is too few for {v.now('lanes', cfg.lanes)} "
+            f"with {features(cfg.prefix_cache, cfg.scratch)}: rule '{rule}' "
             f"needs {need}, {missing} block{'s' if missing > 1 else ''} missing "
             f"(`atom-core check-config` shows the stuck run). Fix: " + "; or ".join(fixes) + ".")
 
@@ -309,31 +453,48 @@ RBLN_ALIASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# The largest rbln_config.json read: optimum-rbln writes a few kilobytes; past this it is not
+# one (and a device or an endless pipe would be read forever).
+MAX_RBLN_BYTES = 16 * 2**20
+
+
+@attrs.frozen
+class RblnSettings:
+    """An artifact's settings, read and checked once (`read_rbln`): a path may be readable only
+    once (a pipe, `--rbln-config <(ssh host cat rbln_config.json)`), and two reads of a file
+    being rewritten could disagree."""
+    data: Mapping[str, Any]  # the raw settings (a multimodal artifact's: its language model's)
+    where: str  # where they came from, named in every message
+    fields: Mapping[str, Any]  # the Config fields they give, by field name
+    keys: Mapping[str, str]  # field -> the key that gave it
+
+    def origins(self, given: Iterable[str] = ()) -> dict[str, str]:
+        """field -> where its value came from, for the fields the file gives and `given` not."""
+        return {f: f"{k} in {self.where}" for f, k in self.keys.items() if f not in given}
+
+
+def read_rbln(rbln_config: Any) -> RblnSettings:
+    """The one way atom-core reads optimum-rbln / vllm-rbln settings (a dict, a compiled
+    artifact's directory or its rbln_config.json): every way the file or a key read from it
+    can be wrong is a ConfigError naming the file, the key and what to give."""
+    if isinstance(rbln_config, RblnSettings):
+        return rbln_config
+    data, where = _load_rbln(rbln_config)
+    fields, keys = _fields_of(data, where)
+    return RblnSettings(data=data, where=where, fields=fields, keys=keys)
+
+
 def _load_rbln(rbln_config: Any) -> tuple[dict[str, Any], str]:
     """The settings dict and where it came from (for messages)."""
     if isinstance(rbln_config, dict):
         data, where = rbln_config, "rbln_config"
     elif not isinstance(rbln_config, (str, os.PathLike)):
         raise ConfigError(f"rbln_config must be a dict of settings, a compiled artifact's "
-                          f"directory or its rbln_config.json, got {rbln_config!r}")
+                          f"directory or its rbln_config.json, got {_short(rbln_config)}")
     else:
         path = Path(rbln_config)
-        if path.is_dir():
-            path = path / "rbln_config.json"
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path} does not exist: give a compiled artifact's directory or "
-                              "its rbln_config.json") from None
-        except OSError as exc:  # a directory named rbln_config.json, no read permission, ...
-            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; give a readable "
-                              "rbln_config.json (or the compiled artifact's directory)") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path} is not a UTF-8 text file ({exc.reason} at byte "
-                              f"{exc.start}): give the artifact's rbln_config.json") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        where = str(path)
+        data = _parse(path / "rbln_config.json" if path.is_dir() else path)
+        where = str(path / "rbln_config.json" if path.is_dir() else path)
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must hold a JSON object, got {type(data).__name__}")
     if "max_seq_len" not in data and "max_model_len" not in data:
@@ -343,6 +504,37 @@ def _load_rbln(rbln_config: Any) -> tuple[dict[str, Any], str]:
         if len(nested) == 1:
             data = nested[0]
     return data, where
+
+
+def _parse(path: Path) -> Any:
+    """The JSON value of the file at `path`, read once."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RBLN_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: give a compiled artifact's directory or "
+                          "its rbln_config.json") from None
+    except OSError as exc:  # a directory named rbln_config.json, no read permission, ...
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; give a readable "
+                          "rbln_config.json (or the compiled artifact's directory)") from None
+    if len(raw) > MAX_RBLN_BYTES:
+        raise ConfigError(f"{path} is larger than {MAX_RBLN_BYTES // 2**20} MiB, which no "
+                          "rbln_config.json is: give the artifact's rbln_config.json")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a UTF-8 text file ({exc.reason} at byte "
+                          f"{exc.start}): give the artifact's rbln_config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests its JSON too deeply to read (an rbln_config.json is "
+                          "a flat object of settings): give the artifact's "
+                          "rbln_config.json") from None
+    except ValueError:  # a number past Python's digit limit for int()
+        raise ConfigError(f"{path} holds a number of more than {sys.get_int_max_str_digits()} "
+                          "digits, which no setting is: give the artifact's "
+                          "rbln_config.json") from None
 
 
 # The other keys the files hold that atom-core reads, by the Config field they set.
@@ -372,62 +564,84 @@ def _misspelt_key(data: Mapping[str, Any], fields: Mapping[str, Any], where: str
 def rbln_settings(rbln_config: Any) -> dict[str, Any]:
     """The raw settings of a dict, a compiled artifact's directory or its rbln_config.json
     (a multimodal artifact's language model's), e.g. for `rbln_compile_errors`."""
-    return dict(_load_rbln(rbln_config)[0])
+    return dict(read_rbln(rbln_config).data)
 
 
 def rbln_fields(rbln_config: Any) -> dict[str, Any]:
     """The Config fields that optimum-rbln / vllm-rbln settings give (a dict, a compiled
-    artifact's directory or its rbln_config.json), by Config field name; nothing is validated
-    beyond the names (the CLI's check-config reports an unsafe artifact instead of raising)."""
-    return _fields_of(*_load_rbln(rbln_config))
+    artifact's directory or its rbln_config.json), by Config field name; each is checked for
+    its type, nothing else (the CLI's check-config reports an unsafe artifact instead of
+    raising)."""
+    return dict(read_rbln(rbln_config).fields)
 
 
 def rbln_artifact(rbln_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(`rbln_fields`, `rbln_settings`) of one read of the file: a path may be readable only
-    once (a pipe, `--rbln-config <(ssh host cat rbln_config.json)`), and two reads of a file
-    being rewritten could disagree."""
-    data, where = _load_rbln(rbln_config)
-    return _fields_of(data, where), dict(data)
+    """(`rbln_fields`, `rbln_settings`) of one read of the file (see `RblnSettings`)."""
+    read = read_rbln(rbln_config)
+    return dict(read.fields), dict(read.data)
 
 
-def _fields_of(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """`rbln_fields` of settings already read from `where` (named in every message)."""
+def _fields_of(data: Mapping[str, Any],
+               where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The Config fields settings already read from `where` (named in every message) give,
+    and the key that gave each."""
     fields: dict[str, Any] = {}
+    keys: dict[str, str] = {}
     for field, aliases in RBLN_ALIASES:
         given = [(a, data[a]) for a in aliases if data.get(a) is not None]
-        if len({repr(v) for _, v in given}) > 1:
+        for alias, value in given:
+            _check_rbln_type(where, alias, field, value)
+        if len({(type(v), v) for _, v in given}) > 1:
             (a, va), (b, vb) = given[0], given[1]
             raise ConfigError(f"{where}: {a}={va!r} and {b}={vb!r} conflict (both set "
                               f"{field}); keep one of them")
         if given:
-            alias, value = given[0]
-            _check_rbln_type(where, alias, field, value)
-            fields[field] = value
+            fields[field], keys[field] = given[0][1], given[0][0]
+    for key in RBLN_TEXT_KEYS:
+        value = data.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{where}: {key}={_short(value)} must be a string (or null); "
+                              "write it as optimum-rbln does")
+    part = data.get("kvcache_partition_len")
+    if part is not None and (isinstance(part, bool) or not isinstance(part, int) or part <= 0):
+        raise ConfigError(f"{where}: kvcache_partition_len={_short(part)} must be a positive "
+                          "integer (flash attention's partition, the paged block size) or null; "
+                          "write it as a JSON integer")
     cache_impl = data.get("cache_impl")
     if cache_impl == "static":  # every layer global: a window elsewhere in the file is not ours
         fields.pop("sliding_window", None)
+        keys.pop("sliding_window", None)
     elif cache_impl == "sliding_window":
         raise ConfigError(f"{where}: cache_impl='sliding_window' (every layer sliding, no global "
                           "block tables) is not supported; atom-core serves 'static' and "
                           "'hybrid' artifacts")
+    elif cache_impl not in (None, "hybrid"):
+        raise ConfigError(f"{where}: cache_impl={_short(cache_impl)} is not one optimum-rbln "
+                          "writes; give 'static' (every layer global) or 'hybrid' (sliding "
+                          "and global layers)")
     sizes = data.get("decoder_batch_sizes")
     if sizes is not None and (not isinstance(sizes, list) or not sizes or not all(
             isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)):
-        raise ConfigError(f"{where}: decoder_batch_sizes={sizes!r} must be a non-empty list of "
-                          "positive integers (the decode graphs' batch sizes); recompile, or "
-                          "remove it to use batch_size")
+        raise ConfigError(f"{where}: decoder_batch_sizes={_short(sizes)} must be a non-empty "
+                          "list of positive integers (the decode graphs' batch sizes); "
+                          "recompile, or remove it to use batch_size")
     if sizes and "lanes" in fields and max(sizes) != fields["lanes"]:
-        raise ConfigError(f"{where}: decoder_batch_sizes={sizes} must have its largest equal to "
-                          f"the batch size {fields['lanes']} (the lanes the scheduler fills); "
-                          f"recompile, or set batch_size={max(sizes)}")
+        raise ConfigError(f"{where}: decoder_batch_sizes={_short(sizes)} must have its largest "
+                          f"equal to the batch size {fields['lanes']} (the lanes the scheduler "
+                          f"fills); recompile, or set batch_size={max(sizes)}")
     if sizes and "lanes" not in fields:
-        fields["lanes"] = max(sizes)
+        fields["lanes"], keys["lanes"] = max(sizes), "decoder_batch_sizes"
     _misspelt_key(data, fields, where)
-    return fields
+    return fields, keys
 
 
 # Config fields that are booleans in rbln_config.json; every other aliased field is an integer.
 RBLN_BOOLS = ("prefix_cache",)
+# ... of which 0 means something (optimum-rbln's "estimate the block count when compiling",
+# `estimate_message`); every other one is positive.
+RBLN_ZERO = ("kv_blocks",)
+# Other settings atom-core reads (`rbln_compile_errors`, `cache_impl` above): text when given.
+RBLN_TEXT_KEYS = ("attn_impl", "npu", "cache_impl")
 
 
 def _check_rbln_type(where: str, alias: str, field: str, value: Any) -> None:
@@ -435,24 +649,55 @@ def _check_rbln_type(where: str, alias: str, field: str, value: Any) -> None:
     CLI does arithmetic on these before Config sees them)."""
     if field in RBLN_BOOLS:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {alias}={value!r} must be true or false (it sets "
-                              f"{field}); write it as a JSON boolean")
-    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{where}: {alias}={value!r} must be a non-negative integer (it sets "
-                          f"{field}); write it as a JSON integer" + _not_int_hint(value))
+            raise ConfigError(f"{where}: {alias}={_short(value)} must be true or false (it "
+                              f"sets {field}); write it as a JSON boolean")
+        return
+    least = 0 if field in RBLN_ZERO else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a non-negative integer" if least == 0 else "a positive integer"
+        raise ConfigError(f"{where}: {alias}={_short(value)} must be {kind} (it sets {field}); "
+                          "write it as a JSON integer" + _not_int_hint(value))
 
 
-def estimate_message(where: Any) -> str:
+def estimate_message(where: Any, v: Vocabulary = PYTHON) -> str:
     """kvcache_num_blocks=0: optimum-rbln's "estimate when compiling", not a block count."""
     return (f"{where}: kvcache_num_blocks=0 asks optimum-rbln to estimate the block count when "
             "compiling; read the settings of the compiled artifact (its rbln_config.json holds "
-            "the estimate), or give kv_blocks=")
+            f"the estimate), or give {v.option('kv_blocks')}")
+
+
+# The fields an artifact's settings must give (or the caller), and the keys that give them.
+RBLN_REQUIRED = {"lanes": "batch_size (or max_num_seqs)",
+                 "kv_blocks": "kvcache_num_blocks (or num_gpu_blocks_override)",
+                 "max_seq_len": "max_seq_len (or max_model_len)"}
+
+
+def artifact_fields(settings: RblnSettings, given: Mapping[str, Any], vocab: Vocabulary,
+                    need: Iterable[str] = tuple(RBLN_REQUIRED),
+                    blocks: bool = True) -> dict[str, Any]:
+    """The Config fields of an artifact's `settings` under the ones `given` (which win), as
+    every interface reads a file: kvcache_num_blocks=0 (optimum-rbln's estimate) is refused,
+    and so is a field of `need` that neither gives (max_seq_len too: Config's 4096 default
+    would invent the table size and the longest prompt of settings that never said them),
+    each saying what to give in `vocab`'s words. `blocks=False`: the caller does not take
+    the block count (`min-blocks` answers it), so an estimate is no error."""
+    fields = {**settings.fields, **given}
+    if not blocks:
+        fields.pop("kv_blocks", None)
+    elif fields.get("kv_blocks") == 0:
+        raise ConfigError(estimate_message(settings.where, vocab))
+    for field in need:
+        if field not in fields:
+            raise ConfigError(f"{settings.where} has no {RBLN_REQUIRED[field]}: give it in the "
+                              f"file or as {vocab.option(field)}")
+    return fields
 
 
 def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
     """A Config from optimum-rbln / vllm-rbln settings (see `rbln_fields`). `overrides` are
     Config field names and win over the file (e.g. `prefix_cache=True`, `preemption=True`).
-    Keys the scheduler does not use (the model's id, tensor_parallel_size, ...) are ignored."""
+    Keys the scheduler does not use (the model's id, tensor_parallel_size, ...) are ignored.
+    A message names a setting by the key the file gave it with, an override by its name."""
     known = [f.name for f in attrs.fields(Config)]
     for name in overrides:
         if name not in known:
@@ -460,19 +705,16 @@ def from_rbln(rbln_config: Any, **overrides: Any) -> Config:
             raise ConfigError(f"from_rbln: {name!r} is not a Config field"
                               + (f"; did you mean {close[0]!r}?" if close else "")
                               + f" (the fields: {', '.join(known)})")
-    fields = {**rbln_fields(rbln_config), **overrides}
-    where = rbln_config if not isinstance(rbln_config, dict) else "rbln_config"
-    if fields.get("kv_blocks") == 0:
-        # optimum-rbln's "estimate when compiling": a compiled artifact records the estimate
-        raise ConfigError(estimate_message(where))
-    # max_seq_len too: Config's 4096 default would invent the table size (T) and the longest
-    # prompt of settings that never said them (vllm-rbln flags without max_model_len)
-    for field, names in (("lanes", "batch_size (or max_num_seqs)"),
-                         ("kv_blocks", "kvcache_num_blocks (or num_gpu_blocks_override)"),
-                         ("max_seq_len", "max_seq_len (or max_model_len)")):
-        if field not in fields:
-            raise ConfigError(f"{where} has no {names}: give it in the file or as {field}=")
-    return Config(**fields)
+    settings = read_rbln(rbln_config)
+    if isinstance(rbln_config, (str, os.PathLike)):
+        settings = attrs.evolve(settings, where=str(rbln_config))
+    vocab = Vocabulary({f: Term("batch_size" if k == "decoder_batch_sizes" else k, "key")
+                        for f, k in settings.keys.items() if f not in overrides})
+    fields = artifact_fields(settings, overrides, vocab)
+    try:
+        return Config(**fields)
+    except ConfigError as exc:
+        raise exc.reworded(vocab) from None
 
 
 # ----------------------------------------------------------------- what optimum-rbln compiles
@@ -509,13 +751,14 @@ def rbln_min_kv_blocks(cfg: Config, settings: Mapping[str, Any] | None = None) -
 
 
 def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
-                        kv_blocks: int | None = None) -> list[str]:
+                        kv_blocks: int | None = None, v: Vocabulary = PYTHON) -> list[str]:
     """What optimum-rbln 0.12.0 refuses to compile (or compiles into other graphs) for `cfg`'s
     sizes, one message per setting, each naming the fix; [] when it compiles. `settings`: the
     artifact's other rbln_config settings (`attn_impl`, `kvcache_partition_len`, `npu`); without
     `attn_impl` the one `cfg` needs is assumed (eager for one block per sequence, flash attention
     with kvcache_partition_len = block_size for paged tables). `kv_blocks`: the artifact's block
-    count when it differs from `cfg`'s (check-config checks a Config of at least the minimum)."""
+    count when it differs from `cfg`'s (check-config checks a Config of at least the minimum).
+    `v`: the words for cfg's fields (the CLI's flags)."""
     settings = settings or {}
     npu = settings.get("npu")
     family = "REBEL" if isinstance(npu, str) and npu.startswith("RBLN-CR") else "ATOM"
@@ -532,52 +775,55 @@ def rbln_compile_errors(cfg: Config, settings: Mapping[str, Any] | None = None,
         if block != seq:
             errors.append(
                 f"attn_impl='eager' keeps one block per sequence (kvcache_block_size = "
-                f"max_seq_len), but block_size={block} and max_seq_len={seq}; compile paged "
-                f"tables with attn_impl='flash_attn' and kvcache_partition_len={block}, or use "
-                f"block_size={seq}")
+                f"max_seq_len), but {v.now('block_size', block)} and "
+                f"{v.now('max_seq_len', seq)}; compile paged tables with attn_impl='flash_attn' "
+                f"and kvcache_partition_len={block}, or use {v.give('block_size', seq)}")
         if seq > max_eager:
             errors.append(
-                f"max_seq_len={seq} exceeds optimum-rbln's {family} limit of {max_eager} for "
-                f"'eager' attention; use max_seq_len <= {max_eager}, or flash attention (paged "
-                f"tables: block_size = kvcache_partition_len in {min_part}..{max_part}, dividing "
-                "max_seq_len)")
+                f"{v.now('max_seq_len', seq)} exceeds optimum-rbln's {family} limit of "
+                f"{max_eager} for 'eager' attention; use {v.at_most('max_seq_len', max_eager)}, "
+                f"or flash attention (paged tables: {v.name('block_size')} = "
+                f"kvcache_partition_len in {min_part}..{max_part}, dividing max_seq_len)")
     else:
         part = block if part is None else part
         if part != block:
             errors.append(
                 f"attn_impl='flash_attn' needs kvcache_block_size equal to "
-                f"kvcache_partition_len={part}, got block_size={block}; use block_size={part}")
+                f"kvcache_partition_len={part}, got {v.now('block_size', block)}; use "
+                f"{v.give('block_size', part)}")
         if seq % part or seq // part < 2:
             errors.append(
-                f"attn_impl='flash_attn' needs max_seq_len={seq} to be a multiple of at least "
-                f"two partitions of kvcache_partition_len={part}; use a partition (and "
-                f"block_size) that divides max_seq_len at least twice, or eager attention "
-                f"(block_size = max_seq_len)")
+                f"attn_impl='flash_attn' needs {v.now('max_seq_len', seq)} to be a multiple of "
+                f"at least two partitions of kvcache_partition_len={part}; use a partition (and "
+                f"{v.name('block_size')}) that divides max_seq_len at least twice, or eager "
+                f"attention ({v.name('block_size')} = max_seq_len)")
         if not min_part <= part <= max_part:
             errors.append(
                 f"kvcache_partition_len={part} (the paged block_size) is outside optimum-rbln's "
-                f"{family} range {min_part}..{max_part} for 'flash_attn'; use a block size in "
-                f"that range, or eager attention (block_size = max_seq_len <= {max_eager})")
+                f"{family} range {min_part}..{max_part} for 'flash_attn'; use a "
+                f"{v.name('block_size')} in that range, or eager attention "
+                f"({v.name('block_size')} = max_seq_len <= {max_eager})")
         if seq < 2 * min_part:
             errors.append(
-                f"max_seq_len={seq} is below optimum-rbln's minimum {2 * min_part} for "
-                f"'flash_attn' (two partitions of at least {min_part}); use eager attention "
-                f"(block_size = max_seq_len) or a longer max_seq_len")
+                f"{v.now('max_seq_len', seq)} is below optimum-rbln's minimum {2 * min_part} "
+                f"for 'flash_attn' (two partitions of at least {min_part}); use eager attention "
+                f"({v.name('block_size')} = max_seq_len) or "
+                f"{v.at_least('max_seq_len', 2 * min_part)}")
     if cfg.sliding_window is not None and cfg.sliding_window > max_window - cfg.prefill_chunk:
         errors.append(
-            f"sliding_window={cfg.sliding_window} exceeds optimum-rbln's {family} limit of "
-            f"{max_window} - prefill_chunk ({cfg.prefill_chunk}) = "
+            f"{v.now('sliding_window', cfg.sliding_window)} exceeds optimum-rbln's {family} "
+            f"limit of {max_window} - prefill_chunk ({cfg.prefill_chunk}) = "
             f"{max_window - cfg.prefill_chunk}; a model with that window cannot be compiled "
-            "for this NPU with this chunk (use a smaller prefill_chunk)")
+            f"for this NPU with this chunk (use a smaller {v.name('prefill_chunk')})")
     t = seq // block
     need = _rbln_min_blocks(attn, t, b)
     rule = ("min(max(T, batch_size) + 1, T * batch_size)" if attn == "flash_attn"
             else "batch_size")
     if k < need:
         errors.append(
-            f"kv_blocks={k} is below optimum-rbln's minimum kvcache_num_blocks={need} for "
-            f"batch_size={b} with T = {t} block{'s' if t > 1 else ''} per sequence ({rule}); "
-            f"compile with kvcache_num_blocks >= {need}")
+            f"{v.now('kv_blocks', k)} is below optimum-rbln's minimum kvcache_num_blocks="
+            f"{need} for batch_size={b} with T = {t} block{'s' if t > 1 else ''} per sequence "
+            f"({rule}); compile with kvcache_num_blocks >= {need}")
     return errors
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import z3
 
+from atom_core.proofs import limits
 from atom_core.proofs.encode import Env, Universe
 from atom_core.spec import lang as L
 
@@ -84,7 +85,7 @@ class Unrolling:
 
 
 def shortest_stuck_trace(model: L.Model, u: Universe, max_depth: int = 30,
-                         timeout_ms: int = 60_000,
+                         rlimit: int = limits.BMC,
                          prefer: list[Any] | None = None,
                          hard: list[Any] | None = None) -> Trace | None:
     """The shortest run to a stuck state, or None if there is none within max_depth. `hard`
@@ -96,12 +97,12 @@ def shortest_stuck_trace(model: L.Model, u: Universe, max_depth: int = 30,
         if depth:
             un.extend()
         for name, bad in un.stuck():
-            s = z3.Solver()
-            s.set("timeout", timeout_ms)
+            s = limits.new_solver(rlimit)
             s.add(*un.facts, *u.seq_facts, *prefer_constraints(un, hard or []), bad)
             r = s.check()
             if r == z3.unknown:
-                raise RuntimeError(f"z3 gave up at depth {depth}: {s.reason_unknown()}")
+                raise RuntimeError(f"z3 gave up at depth {depth}: "
+                                   f"{limits.why_unknown(s, rlimit)}")
             if r == z3.sat:
                 model_ = s.model()
                 if prefer:  # a nicer trace of the same length, if there is one

@@ -21,7 +21,14 @@ from typing import Any
 import attrs
 
 from atom_core.proofs import bmc, search
-from atom_core.proofs.checks import CHUNK, SEQ_LEN, Check, bounded_universe, progress
+from atom_core.proofs.checks import (
+    CHUNK,
+    NONVACUITY,
+    SEQ_LEN,
+    Check,
+    bounded_universe,
+    progress,
+)
 from atom_core.proofs.witness import Witness, replay
 from atom_core.spec import lang as L
 
@@ -116,7 +123,8 @@ def progress_by_features(model: L.Model, lanes: int, blocks: int,
              for case, f in by_case.items()}
     out: dict[Features, list[Check]] = {f: [] for f in by_case.values()}
     for case, c in progress(model, u, cases):
-        out[by_case[case]].append(attrs.evolve(c, kind="capacity"))
+        out[by_case[case]].append(c if c.kind == NONVACUITY else
+                                  attrs.evolve(c, kind="capacity"))
     return out
 
 
@@ -174,8 +182,9 @@ def assemble(f: Features, results: dict[tuple[int, int], dict[Features, list[Che
                 if not ok:  # not monotone: report, never hide
                     checks.append(Check("monotone", "*", "capacity", "counterexample", 0.0,
                                         f"B={b},K={k},{f.name}"))
-            elif any(c.status == "unknown" for c in cs):
-                checks += [c for c in cs if c.status == "unknown"]
+            elif any(c.status == "unknown" or c.kind == NONVACUITY and c.status != "proved"
+                     for c in cs):  # (undecided, or proved over contradictory hypotheses)
+                checks += [c for c in cs if c.status == "unknown" or c.kind == NONVACUITY]
         minimum[b] = k_min
     offsets = {k - b * f.tables for b, k in minimum.items() if k is not None}
     offset = offsets.pop() if len(offsets) == 1 and None not in minimum.values() else None

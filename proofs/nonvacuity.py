@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 import z3
 
-from atom_core.proofs import capacity
+from atom_core.proofs import capacity, limits
 from atom_core.proofs.checks import CHUNK, SEQ_LEN, Check, bounded_universe
 from atom_core.proofs.encode import Env, Universe
 from atom_core.spec import lang as L
@@ -55,7 +55,7 @@ DEAD = "dead by configuration"
 # (lanes, blocks, requests, host slots): the first universe has a witness for nearly every
 # query; an unexpected unsat there is asked again in the second before it fails.
 SIZES = ((2, 4, 3, 2), (3, 7, 4, 2))
-TIMEOUT_MS = 10_000
+RLIMIT = limits.NONVACUITY  # resource units per query (proofs/limits.py)
 
 
 def flags(f: capacity.Features) -> dict[str, Any]:
@@ -94,12 +94,14 @@ class Space:
     """One finite universe: the axioms, laws and invariants translated once; guards and
     antecedents translated on first use."""
 
-    def __init__(self, model: L.Model, size: tuple[int, int, int, int]) -> None:
+    def __init__(self, model: L.Model, size: tuple[int, int, int, int],
+                 chunk: int = CHUNK, seq_len: int = SEQ_LEN) -> None:
         lanes, blocks, reqs, slots = size
         self.model = model
-        self.label = f"B={lanes}, K={blocks}, {reqs} requests, {slots} host slots"
+        self.label = f"B={lanes}, K={blocks}, {reqs} requests, {slots} host slots" + (
+            "" if (chunk, seq_len) == (CHUNK, SEQ_LEN) else f", C={chunk}, S={seq_len}")
         self.u: Universe = bounded_universe(model, lanes, blocks,
-                                            {"C": CHUNK, "S": SEQ_LEN, "SCRATCH": 0},
+                                            {"C": chunk, "S": seq_len, "SCRATCH": 0},
                                             requests=reqs, slots=slots)
         u = self.u
         self.st: Env = u.fresh_state("nv")
@@ -194,10 +196,9 @@ class Session:
     facts, asks, and pops. A query that comes back `unsat` is asked again on its own, each fact
     named, for the unsat core that says what clashes."""
 
-    def __init__(self, sp: Space, hyps: list[Query], timeout_ms: int = TIMEOUT_MS) -> None:
-        self.sp, self.hyps, self.timeout_ms = sp, hyps + sp.instances(hyps), timeout_ms
-        self.solver = z3.Solver()
-        self.solver.set("timeout", timeout_ms)
+    def __init__(self, sp: Space, hyps: list[Query], rlimit: int = RLIMIT) -> None:
+        self.sp, self.hyps, self.rlimit = sp, hyps + sp.instances(hyps), rlimit
+        self.solver = limits.new_solver(rlimit)
         self.solver.add(*[q.fact for q in self.hyps])
 
     def check(self, extra: list[Query], probes: tuple[list[Query], ...] = (),
@@ -209,7 +210,7 @@ class Session:
         s.push()
         s.add(*[q.fact for q in more])
         r = s.check()
-        reason = s.reason_unknown() if r == z3.unknown else ""
+        reason = limits.why_unknown(s, self.rlimit) if r == z3.unknown else ""
         held: tuple[int, ...] = ()
         if r == z3.sat and probes:
             m = s.model()
@@ -220,13 +221,12 @@ class Session:
             return Answer("sat", held=held)
         if r == z3.unknown:
             return Answer("unknown", reason=reason)
-        return unsat_core(self.hyps + more, self.timeout_ms) if core else Answer("unsat")
+        return unsat_core(self.hyps + more, self.rlimit) if core else Answer("unsat")
 
 
-def unsat_core(facts: list[Query], timeout_ms: int) -> Answer:
+def unsat_core(facts: list[Query], rlimit: int) -> Answer:
     """A minimal unsat core of `facts` (facts of one name count as one)."""
-    s = z3.Solver()
-    s.set("timeout", timeout_ms)
+    s = limits.new_solver(rlimit)
     s.set("core.minimize", True)
     lits: dict[str, Any] = {}
     first: dict[str, Query] = {}
@@ -236,7 +236,7 @@ def unsat_core(facts: list[Query], timeout_ms: int) -> Answer:
         s.add(z3.Implies(lit, q.fact))
     r = s.check(*lits.values())
     if r != z3.unsat:  # (the same facts were unsat a moment ago: z3 gave up)
-        return Answer("unknown", reason=f"no unsat core: {s.reason_unknown() or r}")
+        return Answer("unknown", reason=f"no unsat core: {limits.why_unknown(s, rlimit) or r}")
     core = {str(c) for c in s.unsat_core()}
     return Answer("unsat", tuple(first[n] for n, lit in lits.items() if str(lit) in core))
 
@@ -260,7 +260,13 @@ def items(model: L.Model) -> list[Item]:
     return out
 
 
-def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check]:
+def label(f: capacity.Features, chunk: int = CHUNK, seq_len: int = SEQ_LEN) -> str:
+    """A check's size: the combination, and the chunk and block size when not the default."""
+    return f.name + ("" if (chunk, seq_len) == (CHUNK, SEQ_LEN) else f",C={chunk},S={seq_len}")
+
+
+def check(model: L.Model, features: tuple[capacity.Features, ...], chunk: int = CHUNK,
+          seq_len: int = SEQ_LEN) -> list[Check]:
     """The non-vacuity checks for these combinations, each a `Check` of kind `nonvacuity`.
 
     Each guard and antecedent is asked where the spec says it can hold (its `live_when`) and
@@ -277,10 +283,11 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
 
     def space(i: int) -> Space:
         while len(spaces) <= i:
-            spaces.append(Space(model, SIZES[len(spaces)]))
+            spaces.append(Space(model, SIZES[len(spaces)], chunk, seq_len))
         return spaces[i]
 
     for f in features:
+        where_f = label(f, chunk, seq_len)
         t0 = time.perf_counter()
         sessions = [Session(space(0), space(0).base + space(0).feature(f) + space(0).invs)]
         live = {(it.check, it.name): space(0).holds(it.live_when, f) for it in todo}
@@ -299,12 +306,12 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
                 detail = f"witness {where}" if ans.status == "sat" else f"{ans.reason} ({where})"
                 break
             detail = f"unsat core ({where}): {ans.core_names()}"
-        out.append(Check(CONSISTENT, "*", KIND, status, time.perf_counter() - t0, f.name,
+        out.append(Check(CONSISTENT, "*", KIND, status, time.perf_counter() - t0, where_f,
                          detail))
         if status != "proved":  # every item is vacuous too; the consistency check says why
             why = "unsatisfiable" if status == "counterexample" else "undecided"
             for it in todo:
-                out.append(Check(it.check, it.name, KIND, status, 0.0, f.name,
+                out.append(Check(it.check, it.name, KIND, status, 0.0, where_f,
                                  f"not asked: the hypotheses alone are {why} ({CONSISTENT})"))
             continue
 
@@ -361,7 +368,7 @@ def check(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check
         for it in todo:
             status, detail = done[(it.check, it.name)]
             out.append(Check(it.check, it.name, KIND, status,
-                             spent.get((it.check, it.name), 0.0), f.name, detail))
+                             spent.get((it.check, it.name), 0.0), where_f, detail))
     return out
 
 

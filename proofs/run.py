@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import z3
 
-from atom_core.proofs import capacity, checks, nonvacuity, search, witness
+from atom_core.proofs import capacity, checks, encode, limits, nonvacuity, search, witness
 from atom_core.proofs.bmc import Trace
 from atom_core.proofs.checks import Check
 from atom_core.proofs.witness import Witness
@@ -52,8 +52,22 @@ class Report:
     stale: list[str] = attrs.field(factory=list)  # witnesses that did not replay
     found: dict[str, dict[Any, Witness]] = attrs.field(factory=dict)  # searched this run
 
+    def rlimits(self) -> dict[str, tuple[int, int, int]]:
+        """Per kind of check: (queries, the most z3 resource units one used, the budget of a
+        query of that kind), so the margin to the budget is visible."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for c in self.checks:
+            kind = limits.kind_of(c.kind, c.size)
+            if kind not in limits.BUDGETS or not c.rlimit:  # (a replay, a rule: no query)
+                continue
+            n, most, budget = out.get(kind, (0, 0, limits.BUDGETS[kind]))
+            out[kind] = (n + 1, max(most, c.rlimit), budget)
+        return out
+
     def as_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "seconds": round(self.seconds, 3), "jobs": self.jobs,
+                "rlimit_by_kind": {k: {"queries": n, "largest": used, "budget": budget}
+                                   for k, (n, used, budget) in self.rlimits().items()},
                 "cpu_seconds_by_kind": {k: round(v, 3) for k, v in self.cpu.items()},
                 "tasks_by_kind": dict(self.tasks),
                 "stale_witnesses": list(self.stale),
@@ -110,19 +124,33 @@ def t_relational(model: L.Model, part: str, action: str) -> list[Check]:
     return list(checks.relational(model, base=False, steps=(), transition=(action,)))
 
 
-def t_nonvacuity(model: L.Model, features: tuple[capacity.Features, ...]) -> list[Check]:
-    return nonvacuity.check(model, features)
+def t_nonvacuity(model: L.Model, features: tuple[capacity.Features, ...],
+                 chunk: int = checks.CHUNK, seq_len: int = checks.SEQ_LEN) -> list[Check]:
+    return nonvacuity.check(model, features, chunk, seq_len)
 
 
-# Non-vacuity tasks: each translates its universe once for the combinations it checks.
+# Non-vacuity tasks per chunk and block size: each translates its universe once for the
+# combinations it checks.
 NONVACUITY_TASKS = 2
 
 
+def nonvacuity_settings() -> list[tuple[int, int, tuple[capacity.Features, ...]]]:
+    """(chunk, block size, combinations) of every hypothesis set an obligation assumes: the
+    artifact's sizes (relational, arithmetic, bounded), the capacity table's (capacity.TABLE_*:
+    progress and arithmetic are proved there too), and the unaligned eager block's."""
+    eager = tuple(f for f in capacity.COMBINATIONS if f.tables == 1)
+    return [(checks.CHUNK, checks.SEQ_LEN, capacity.COMBINATIONS),
+            (capacity.TABLE_CHUNK, capacity.TABLE_SEQ_LEN, capacity.COMBINATIONS),
+            (checks.CHUNK, checks.UNALIGNED_SEQ_LEN, eager)]
+
+
 def _nonvacuity_tasks() -> list[Task]:
-    fs = capacity.COMBINATIONS
-    per = -(-len(fs) // NONVACUITY_TASKS)  # (in order, so the report lists them in order)
-    return [Task("nonvacuity", t_nonvacuity, (fs[i:i + per],), per)
-            for i in range(0, len(fs), per)]
+    out = []
+    for chunk, seq_len, fs in nonvacuity_settings():
+        per = -(-len(fs) // NONVACUITY_TASKS)  # (in order, so the report lists them in order)
+        out += [Task("nonvacuity", t_nonvacuity, (fs[i:i + per], chunk, seq_len), per)
+                for i in range(0, len(fs), per)]
+    return out
 
 
 def t_arithmetic(model: L.Model, seq_len: int = checks.SEQ_LEN,
@@ -139,7 +167,7 @@ def t_bounded(model: L.Model, lanes: int, blocks: int, seq_len: int | None = Non
     u = checks.bounded_universe(model, lanes, blocks, fixed)
     return list(checks.induction(model, bnd, u, model.invariants,
                                  size=checks.bounded_label(lanes, blocks, seq_len, chunk),
-                                 timeout_ms=checks.BOUNDED_TIMEOUT_MS))
+                                 rlimit=checks.BOUNDED_RLIMIT))
 
 
 def t_progress(model: L.Model, lanes: int, blocks: int, cutoff: int,
@@ -281,15 +309,16 @@ def expected_obligations(model: L.Model, task: Task) -> list[Key] | None:
         return induction([i.name for i in model.invariants if i.kind == "arithmetic"],
                          checks.arithmetic_label(chunk, seq_len))
     if task.kind == "bounded":
-        return induction([i.name for i in model.invariants if i.kind == "bounded"],
-                         checks.bounded_label(*_at(task)))
+        size = checks.bounded_label(*_at(task))
+        return ([(checks.INHABITED, "*", checks.NONVACUITY, size)]
+                + induction([i.name for i in model.invariants if i.kind == "bounded"], size))
     if task.kind == "nonvacuity":
-        (features,) = task.args
+        features, chunk, seq_len = task.args
         props = [p.name for p in model.progress if nonvacuity.antecedent(p) is not None]
-        return [k for f in features for k in
-                [(nonvacuity.CONSISTENT, "*", nonvacuity.KIND, f.name)]
-                + [(nonvacuity.GUARD, a, nonvacuity.KIND, f.name) for a in acts]
-                + [(nonvacuity.ANTECEDENT, p, nonvacuity.KIND, f.name) for p in props]]
+        return [k for f in features for at in [nonvacuity.label(f, chunk, seq_len)] for k in
+                [(nonvacuity.CONSISTENT, "*", nonvacuity.KIND, at)]
+                + [(nonvacuity.GUARD, a, nonvacuity.KIND, at) for a in acts]
+                + [(nonvacuity.ANTECEDENT, p, nonvacuity.KIND, at) for p in props]]
     return None
 
 
@@ -301,7 +330,7 @@ def incomplete_result(model: L.Model, task: Task, result: Any) -> list[str]:
         only = task.args[5] if len(task.args) > 5 else None
         want_f = [f for f in only or capacity.COMBINATIONS
                   if lanes <= f.max_lanes(cutoff) and (seq_len % chunk == 0 or f.tables == 1)]
-        props = sorted(p.name for p in model.progress)
+        props = sorted([checks.INHABITED] + [p.name for p in model.progress])
         where = f"B={lanes},K={blocks},C={chunk},S={seq_len}"
         out = [f"progress of {f.name} at {where}" for f in want_f if f not in result]
         out += [f"progress of {f.name} at {where}: {sorted(c.invariant for c in cs)}"
@@ -361,6 +390,7 @@ def _run(task: Task) -> tuple[Any, float, float]:
     has seen: a query that proves in 0.3 s in a fresh process can time out after unrelated
     queries in the same process (see tests/test_proofs.py), so each task starts afresh."""
     z3.z3._main_ctx = None
+    encode.reset_names()
     c0, w0 = time.process_time(), time.perf_counter()
     out = task.fn(_MODEL, *task.args)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
@@ -388,8 +418,13 @@ class Runner:
         if self.jobs > 1:
             ctx = multiprocessing.get_context("forkserver")
             # (z3 keeps native state that a plain fork would share with the parent)
-            ctx.set_forkserver_preload(["atom_core.proofs.run"])
-            self.pool = ProcessPoolExecutor(self.jobs, mp_context=ctx,
+            ctx.set_forkserver_preload(["atom_core.proofs.run", MODEL_REF.partition(":")[0]])
+            # One process per task, forked from the fork server, whose memory never changes:
+            # z3's search (and so the resource units a query uses, and its verdict under its
+            # budget) depends on where its allocations land, which in a reused worker depends
+            # on the tasks it ran before (measured: 5-10% apart for the same query), and in a
+            # fresh fork from one unchanging process does not (the same units every time).
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=ctx, max_tasks_per_child=1,
                                             initializer=_init_worker, initargs=(ref,))
         else:
             _init_worker(model)

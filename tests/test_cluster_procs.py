@@ -22,11 +22,22 @@ SHAPE = ["--lanes", "2", "--max-seq-len", "128", "--prefill-chunk", "64", "--pre
          "--requests", "14", "--max-new-tokens", "6", "--timeout", "40"]
 
 
+def load_factor() -> float:
+    """How much slower than an idle machine this one may run now (runnable processes per
+    core, at least 1): a backstop deadline is scaled by it, so a loaded machine (make test
+    beside other work) makes a test slower, never failed."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def run(*extra: str) -> dict[str, Any]:
     env = {**os.environ, PD_KEY_ENV: secrets.token_hex(32), "OMP_NUM_THREADS": "1"}
+    # the cluster's own deadlines (linking: --link-timeout's generous default) say what went
+    # wrong; this one only keeps a hung cluster from hanging the suite
     p = subprocess.run([sys.executable, "-m", "atom_core.cli", "pd-cluster", "--prefill", "2",
                         "--decode", "2", *SHAPE, "--json", *extra],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+                       cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=400 * load_factor())
+    assert "terminate called" not in p.stderr, p.stderr[-3000:]
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -55,7 +66,6 @@ def test_a_killed_decode_process_fails_its_own_requests_only() -> None:
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--prefill", "-1"], "needs --decode >= 1 and --prefill >= 0"),
     (["--backend", "nccl"], "use gloo"),
     (["--rank", "9"], "outside the cluster"),
     (["--rank", "1"], "--rank needs --port"),
@@ -81,7 +91,8 @@ def test_torchrun_starts_a_cluster() -> None:
     env = {**os.environ, PD_KEY_ENV: secrets.token_hex(32), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([str(torchrun), "--nproc-per-node", "3", "-m", "atom_core.cli",
                         "pd-cluster", "--prefill", "1", "--decode", "1", *SHAPE, "--json"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+                       cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=400 * load_factor())
     assert p.returncode == 0, p.stderr[-3000:]
     outs = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     front = next(o for o in outs if "exact" in o)

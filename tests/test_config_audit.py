@@ -101,10 +101,11 @@ def test_rbln_source_of_wrong_type_is_a_config_error() -> None:
 
 
 @pytest.mark.parametrize("key,value,why", [
-    ("batch_size", "2", r"batch_size='2' must be a non-negative integer \(it sets lanes\)"),
-    ("batch_size", 2.0, r"batch_size=2.0 must be a non-negative integer"),
+    ("batch_size", "2", r"batch_size='2' must be a positive integer \(it sets lanes\)"),
+    ("batch_size", 2.0, r"batch_size=2.0 must be a positive integer"),
+    # (0 blocks is optimum-rbln's "estimate when compiling": refused by `estimate_message`)
     ("kvcache_num_blocks", True, r"kvcache_num_blocks=True must be a non-negative integer"),
-    ("max_seq_len", -1, r"max_seq_len=-1 must be a non-negative integer"),
+    ("max_seq_len", -1, r"max_seq_len=-1 must be a positive integer"),
     ("enable_prefix_caching", "true", r"enable_prefix_caching='true' must be true or false"),
     ("decoder_batch_sizes", [1, "x"], r"decoder_batch_sizes=\[1, 'x'\] must be a non-empty list"),
     ("decoder_batch_sizes", "abc", r"decoder_batch_sizes='abc' must be a non-empty list"),

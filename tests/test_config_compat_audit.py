@@ -110,7 +110,7 @@ def test_a_window_optimum_rbln_cannot_compile_is_named() -> None:
 # --------------------------------------------------------------------------- what RBLN compiles
 @pytest.mark.parametrize("argv,setting", [
     # eager beyond ATOM's 32768
-    (["--lanes", "2", "--kv-blocks", "2", "--max-seq-len", "65536"], "max_seq_len=65536"),
+    (["--lanes", "2", "--kv-blocks", "2", "--max-seq-len", "65536"], "--max-seq-len 65536"),
     # paged tables are flash attention: partition (= block) 64 is below 1024
     (["--lanes", "2", "--kv-blocks", "8", "--max-seq-len", "256", "--block-size", "64",
       "--prefill-chunk", "64"], "kvcache_partition_len=64"),
@@ -149,7 +149,8 @@ def test_check_config_refuses_an_artifact_optimum_rbln_would_not_have_compiled(
     assert main(["check-config", "--rbln-config", str(path)]) == 0
     code, out = run_json(capsys, "check-config", "--rbln-config", str(path), "--block-size",
                          "1024", "--kv-blocks", "8")
-    assert code == 1 and "attn_impl='eager'" in out["error"] and "block_size=1024" in out["error"]
+    # (in the command line's words: the flag that set it)
+    assert code == 1 and "attn_impl='eager'" in out["error"] and "--block-size 1024" in out["error"]
 
 
 # --------------------------------------------------------------------------- misspelt keys

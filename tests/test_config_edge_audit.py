@@ -50,7 +50,7 @@ def test_check_config_refuses_a_prefix_cache_that_can_never_hit(capsys: Any) -> 
     code, out = run_json(capsys, "check-config", "--lanes", "2", "--kv-blocks", "4",
                          "--prefix-cache", "--max-seq-len", "128", "--prefill-chunk", "128")
     assert code == 1 and out["safe"] is False and "can never hit" in out["error"]
-    assert "use prefill_chunk <= 64" in out["error"]
+    assert "use --prefill-chunk 64 or less" in out["error"]  # (the flag, as given)
 
 
 def test_a_prefix_cache_one_token_past_the_bound_hits_exactly(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_min_blocks_rbln_raises_the_minimum_and_says_why(capsys: Any) -> None:
 
 
 @pytest.mark.parametrize("argv,setting", [
-    (["--lanes", "2", "--max-seq-len", "65536"], "max_seq_len=65536"),
+    (["--lanes", "2", "--max-seq-len", "65536"], "--max-seq-len 65536"),
     (["--lanes", "2", "--max-seq-len", "256", "--block-size", "64", "--prefill-chunk", "64"],
      "kvcache_partition_len=64"),
 ])

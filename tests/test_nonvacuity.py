@@ -53,8 +53,13 @@ def test_model_hypotheses_are_satisfiable(model_report):
     assert report.ok
     cs = report.checks
     assert {c.kind for c in cs} == {nonvacuity.KIND}
-    # every combination, action and antecedent was checked, each by name
-    names = {f.name for f in SOME}
+    # every combination, action and antecedent was checked, each by name, at every chunk and
+    # block size proofs are asked at (the unaligned block: eager combinations only)
+    names = {nonvacuity.label(f, c, s) for c, s in [(checks.CHUNK, checks.SEQ_LEN),
+                                                   (capacity.TABLE_CHUNK, capacity.TABLE_SEQ_LEN)]
+             for f in SOME}
+    names |= {nonvacuity.label(f, checks.CHUNK, checks.UNALIGNED_SEQ_LEN)
+              for f in SOME if f.tables == 1}
     assert {c.size for c in cs if c.invariant == nonvacuity.CONSISTENT} == names
     for a in MODEL.actions:
         assert {c.size for c in cs if c.invariant == nonvacuity.GUARD and c.action == a.name} \
@@ -108,7 +113,7 @@ def test_contradictory_law_fails_verify_naming_it(few_combinations):
     report = nonvacuity_report(planted)
     assert not report.ok
     bad = [c for c in failing(report) if c.invariant == nonvacuity.CONSISTENT]
-    assert {c.size for c in bad} == {f.name for f in SOME}
+    assert {f.name for f in SOME} <= {c.size for c in bad}  # (and at the other C and S)
     for c in bad:
         assert c.status == "counterexample"
         assert "law push_adds_two_tokens" in c.detail and "law push_adds_a_token" in c.detail
@@ -254,3 +259,89 @@ def test_live_when_reads_only_constants():
 def test_live_when_is_shown_as_written():
     assert L.show(MODEL.get_action("grow_host_hit").live_when) == "HOST & (1 < T)"
     assert L.show(MODEL.get_action("snapshot").live_when) == "HYBRID & PREFIX"
+
+
+# --------------------------------------------------------------------------- every size
+# Every hypothesis set an obligation assumes is checked where it is assumed: the capacity
+# table's chunk and block size (C = 2, S = 8), the unaligned eager block (S = 4000), each
+# bounded size, each progress case. A planted axiom that holds at the artifact's sizes only
+# (C = 128, S = 4096, where the non-vacuity universes used to be alone) makes every progress
+# obligation at C = 2 "proved"; these tests show each place fails `verify` naming it.
+
+def with_axiom(model: L.Model, name: str, expr: L.Expr) -> L.Model:
+    m = model.copy()
+    m.axioms = [*m.axioms, L.Named(name, L.lift(expr, L.BOOL), "axiom", "planted")]
+    return m
+
+
+NOT_THE_TABLE_CHUNK = with_axiom(MODEL, "planted_chunk_above_2", spec.C > 2)
+NOT_UNALIGNED = with_axiom(MODEL, "planted_block_not_4000", spec.S != 4000)
+
+
+def test_every_chunk_and_block_size_is_a_nonvacuity_setting():
+    """The settings cover every (C, S) the plan proves anything at."""
+    settings = {(c, s) for c, s, _fs in run.nonvacuity_settings()}
+    assert settings == {(checks.CHUNK, checks.SEQ_LEN),
+                        (capacity.TABLE_CHUNK, capacity.TABLE_SEQ_LEN),
+                        (checks.CHUNK, checks.UNALIGNED_SEQ_LEN)}
+    unaligned = next(fs for c, s, fs in run.nonvacuity_settings()
+                     if s == checks.UNALIGNED_SEQ_LEN)
+    assert unaligned and all(f.tables == 1 for f in unaligned)
+
+
+@pytest.mark.parametrize("planted, chunk, seq_len, axiom", [
+    (NOT_THE_TABLE_CHUNK, capacity.TABLE_CHUNK, capacity.TABLE_SEQ_LEN, "planted_chunk_above_2"),
+    (NOT_UNALIGNED, checks.CHUNK, checks.UNALIGNED_SEQ_LEN, "planted_block_not_4000"),
+], ids=["table-chunk", "unaligned-block"])
+def test_axiom_false_at_one_chunk_or_block_size_fails_nonvacuity_there(planted, chunk, seq_len,
+                                                                        axiom):
+    f = Features(False, "reserved")
+    assert all(c.status == "proved"
+               for c in nonvacuity.check(planted, (f,), checks.CHUNK, checks.SEQ_LEN))
+    bad = [c for c in nonvacuity.check(planted, (f,), chunk, seq_len) if c.status != "proved"]
+    consistent = [c for c in bad if c.invariant == nonvacuity.CONSISTENT]
+    assert [c.size for c in consistent] == [nonvacuity.label(f, chunk, seq_len)]
+    assert consistent[0].status == "counterexample"
+    assert f"axiom {axiom}" in consistent[0].detail
+
+
+def test_axiom_false_at_the_table_chunk_fails_every_progress_case_naming_it():
+    """The issue's plant: every progress obligation at C = 2 comes back proved, but each
+    case's inhabitation check fails, naming the axiom and the constant it clashes with."""
+    found = capacity.progress_by_features(NOT_THE_TABLE_CHUNK, 2, 2, 4, capacity.TABLE_SEQ_LEN,
+                                          capacity.TABLE_CHUNK)
+    assert found
+    for f, cs in found.items():
+        prog = [c for c in cs if c.kind == "capacity"]
+        assert prog and all(c.status == "proved" for c in prog), f.name  # vacuously
+        (inh,) = [c for c in cs if c.invariant == checks.INHABITED]
+        assert inh.status == "counterexample" and inh.kind == checks.NONVACUITY
+        assert "axiom planted_chunk_above_2" in inh.detail, inh.detail
+    # and the row built from them neither counts the size as safe nor hides why
+    f = Features(False, "reserved")
+    one = capacity.progress_by_features(NOT_THE_TABLE_CHUNK, 1, 1, 4, capacity.TABLE_SEQ_LEN,
+                                        capacity.TABLE_CHUNK, (f,))
+    row = capacity.assemble(f, {(1, 1): one}, 1, 1)
+    assert row.minimum == {1: None}
+    assert [c.status for c in row.checks if c.invariant == checks.INHABITED] == \
+        ["counterexample"]
+
+
+def test_model_is_inhabited_at_every_progress_case():
+    found = capacity.progress_by_features(MODEL, 2, 3, 4, capacity.TABLE_SEQ_LEN,
+                                          capacity.TABLE_CHUNK)
+    inh = [c for cs in found.values() for c in cs if c.invariant == checks.INHABITED]
+    assert len(inh) == len(found) and all(c.status == "proved" for c in inh)
+
+
+def test_axiom_false_at_one_bounded_size_fails_that_size_naming_it():
+    """A bounded size whose hypotheses clash (here K = 3 excluded by a planted axiom) is
+    caught at that size only, by the task `verify` runs for it."""
+    planted = with_axiom(MODEL, "planted_not_three_blocks", spec.K != 3)
+    cs = run.t_bounded(planted, 1, 3)
+    (inh,) = [c for c in cs if c.invariant == checks.INHABITED]
+    assert inh.status == "counterexample" and "axiom planted_not_three_blocks" in inh.detail
+    task = run.Task("bounded", run.t_bounded, (1, 3))
+    assert run.incomplete_result(planted, task, cs) == []
+    assert [c.status for c in run.t_bounded(planted, 1, 2)
+            if c.invariant == checks.INHABITED] == ["proved"]

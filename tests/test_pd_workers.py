@@ -619,7 +619,7 @@ def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
      "kv_blocks >= lanes + 1"),
     (["pd-prefill", "--prefill-chunk", "96"], "multiple of 64"),
     (["pd-prefill", "--max-seq-len", "32"], "prefill_chunk must not exceed block_size"),
-    (["pd-decode", "--block-size", "96"], "not a multiple of block_size"),
+    (["pd-decode", "--block-size", "96"], "not a multiple of --block-size 96"),
     (["pd-decode", "--max-seq-len", "768", "--block-size", "384", "--prefill-chunk", "256"],
      "must be a multiple of prefill_chunk"),
     (["pd-decode", "--key", "short"], "at least 16"),
@@ -635,15 +635,16 @@ def test_gloo_prefill_process_killed_mid_transfer(prefill_proc: Any) -> None:
     (["pd-decode", "--insecure", "--link-label", "pair-a"], "--link-label names a keyed link"),
     (["pd-prefill", "--key", KEY.decode(), "--link-label", "a\tb"],
      "--link-label must be printable"),
-    # values argparse's types let through, checked before connecting
-    (["pd-decode", "--insecure", "--timeout", "nan"], "--timeout must be finite positive"),
-    (["pd-decode", "--insecure", "--timeout", "inf"], "--timeout must be finite positive"),
-    (["pd-prefill", "--insecure", "--timeout", "0"], "--timeout must be finite positive"),
+    # values the options' types refuse (atom_core.options), before anything connects
+    (["pd-decode", "--insecure", "--timeout", "nan"], "argument --timeout: must be seconds > 0"),
+    (["pd-decode", "--insecure", "--timeout", "inf"], "argument --timeout: must be seconds > 0"),
+    (["pd-prefill", "--insecure", "--timeout", "0"], "argument --timeout: must be seconds > 0"),
     (["pd-decode", "--insecure", "--transfer-timeout", "-1"],
-     "--transfer-timeout must be finite positive"),
+     "argument --transfer-timeout: must be seconds > 0"),
     (["pd-decode", "--insecure", "--transfer-timeout", "inf"],
-     "--transfer-timeout must be finite positive"),
-    (["pd-decode", "--insecure", "--prefetch", "-1"], "--prefetch must be >= 0"),
+     "argument --transfer-timeout: must be seconds > 0"),
+    (["pd-decode", "--insecure", "--prefetch", "-1"],
+     "argument --prefetch: must be an integer in 0..32768"),
 ])
 def test_cli_argument_errors_exit_2(capsys: Any, monkeypatch: Any, argv: list[str],
                                     message: str) -> None:
@@ -651,7 +652,11 @@ def test_cli_argument_errors_exit_2(capsys: Any, monkeypatch: Any, argv: list[st
     nothing would answer, so a connection attempt would fail differently and later)."""
     monkeypatch.delenv("ATOM_CORE_PD_KEY", raising=False)
     extra = ["--port", str(_free_port())] + ([] if "--timeout" in argv else ["--timeout", "1"])
-    assert cli.main([*argv, *extra]) == 2
+    try:
+        code = cli.main([*argv, *extra])
+    except SystemExit as exc:  # an option's type refused it: a usage error, as argparse's
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err
     assert len(err.strip().splitlines()) == 1, err

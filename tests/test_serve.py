@@ -527,10 +527,10 @@ def test_cli_model_directory_builds_its_tokenizer_and_a_matching_runtime(tmp_pat
     cfg = engine.batcher.config
     assert (cfg.lanes, cfg.prefix_cache, cfg.kv_blocks) == \
         (2, False, min_kv_blocks(2, False, "dynamic", cfg.blocks_per_table))
-    with pytest.raises(ValueError, match="not a directory"):
+    with pytest.raises(ValueError, match="nope: no such directory"):
         build(build_parser().parse_args(["serve", "--model", str(tmp_path / "nope"),
                                          "--api-key", KEY]))
-    with pytest.raises(ValueError, match="unknown runtime"):
+    with pytest.raises(ValueError, match="--runtime cuda: unknown"):
         build(build_parser().parse_args(["serve", "--runtime", "cuda", "--api-key", KEY]))
 
 
@@ -583,5 +583,8 @@ def test_stream_interval_keeps_every_token_and_the_stop_string():
 def test_cli_refuses_a_stream_interval_below_one(capsys):
     from atom_core.cli import main
 
-    assert main(["serve", "--port", "0", "--api-key", KEY, "--stream-interval", "0"]) == 2
-    assert "--stream-interval 0: must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the option's type: a usage error, as argparse's
+        main(["serve", "--port", "0", "--api-key", KEY, "--stream-interval", "0"])
+    assert e.value.code == 2
+    assert "argument --stream-interval: must be an integer in 1..1000000, got '0'" \
+        in capsys.readouterr().err

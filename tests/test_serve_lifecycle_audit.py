@@ -49,14 +49,22 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = "never stop talking"  # its greedy reply has no end token: 230 tokens unless aborted
 
 
-def until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll `cond` until it is true (returned) or `timeout` passes (a failure)."""
+def until(cond: Callable[[], Any], timeout: float = 10.0, what: str = "",
+          progress: Callable[[], Any] | None = None) -> Any:
+    """Poll `cond` until it is true (returned) or `timeout` passes (a failure). `progress`: a
+    measure of the awaited work (tokens generated) that moves while it advances; the deadline
+    then counts from its last move, so a loaded machine, slow but advancing, never fails the
+    wait, while a stall still fails it after `timeout`."""
     deadline = time.monotonic() + timeout
+    last = None if progress is None else progress()
     while True:
         got = cond()
         if got:
             return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}"
+        if progress is not None and (now := progress()) != last:
+            last, deadline = now, time.monotonic() + timeout
+        assert time.monotonic() < deadline, f"timed out waiting for {what or cond}" + (
+            "" if progress is None else f" (no progress for {timeout:g}s, at {last})")
         time.sleep(0.02)
 
 
@@ -123,9 +131,12 @@ def test_a_client_that_stops_reading_holds_no_place_once_its_request_ended() -> 
         slow = open_stream(s.base, {"model": MODEL, "prompt": LONG, "max_tokens": 230,
                                     "temperature": 0, "stream": True}, rcvbuf=4096)
         try:
-            # the batcher finished it (its lane is free) while its client read nothing
+            # the batcher finished it (its lane is free) while its client read nothing: 230
+            # tokens of 10,000 characters each to escape and frame, which a loaded machine
+            # takes well over 10 s to get through, so the wait runs while tokens still come
             until(lambda: s.state()["stats"]["generated_tokens"] == 230 and not running(s),
-                  what="the slow stream's generation to end")
+                  what="the slow stream's generation to end",
+                  progress=lambda: s.state()["stats"]["generated_tokens"])
             assert s.state()["in_flight"] == 0
             # the server serves others: no 429, no stall
             c = s.client()

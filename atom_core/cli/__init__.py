@@ -7,7 +7,9 @@ subcommand, its arguments and the function that runs it); the commands live by g
     pd_demo   pd-demo (both workers on loopback, compared with colocated)
     pd_cluster pd-cluster (N prefill and M decode workers behind a router)
     serve     serve (the HTTP server's own options and body)
-    common    JSON and table output, z3 as an extra, argument types
+    common    JSON and table output, z3 as an extra
+
+and every command's options are parsed by `atom_core.options` (its parser and argument types).
 
 A new command is one function that fills its parser and one that runs it, in its group's
 module, and one row here."""
@@ -23,6 +25,7 @@ import attrs
 
 from atom_core.cli import demo, pd, pd_cluster, pd_demo, proofs, serve
 from atom_core.cli.common import emit
+from atom_core.options import OptionError, Parser
 
 # `atom-core --help`'s description.
 DESCRIPTION = "`atom-core`: prove the model, and check an artifact's configuration before " \
@@ -67,13 +70,33 @@ COMMANDS: tuple[Command, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="atom-core", description=DESCRIPTION)
+    # (Parser: no abbreviated flags, one-line errors; its subcommands' parsers are Parsers too)
+    ap = Parser(prog="atom-core", description=DESCRIPTION)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     for c in COMMANDS:
         p = sub.add_parser(c.name, help=c.help)
         c.arguments(p)
-        p.set_defaults(func=c.run)
+        p.set_defaults(func=c.run, parser=p)
     return ap
+
+
+def _options(parser: argparse.ArgumentParser, command: list[str]) -> list[str]:
+    """The flags the subcommand `command` (a list of its name, or empty) takes."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    chosen = sub.choices.get(command[0]) if command else None
+    return [s for a in chosen._actions for s in a.option_strings] if chosen else []
+
+
+def _version() -> str:
+    """The installed package's version (its metadata: what pip installed, not a constant to
+    keep in step)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atom-core")
+    except PackageNotFoundError:
+        return "(not installed: no package metadata)"
 
 
 # Exit code after Ctrl-C (128 + SIGINT, as a shell reports a process SIGINT ended).
@@ -86,9 +109,21 @@ _QUIET_TORCH_LOG = ("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the command's parser: its flags are the ones to suggest
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    except OptionError as exc:
+        # said on stderr already; with --json (a command that takes it), also the one JSON
+        # object on stdout
+        if "--json" in argv and "--json" in _options(parser, argv[:1]):
+            key = "safe" if argv[:1] == ["check-config"] else "ok"
+            emit({key: False, "error": exc.message})
+        raise
     if getattr(args, "argv", False) is None:  # pd-cluster starts its workers with it
-        args.argv = list(sys.argv[1:] if argv is None else argv)
+        args.argv = argv
     if args.command.startswith("pd-") and "torch" not in sys.modules:
         # (read once, when torch loads; the workers pd-demo and pd-cluster start inherit it)
         os.environ.setdefault(*_QUIET_TORCH_LOG)

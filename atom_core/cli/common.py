@@ -1,5 +1,5 @@
 """What every command group shares: JSON and table output (errors included), z3 as an extra,
-positive integers as an argument type."""
+a free port (the argument types are `atom_core.options`')."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import json
 import socket
 import sys
 from typing import Any
+
+from atom_core.options import positive
+
+__all__ = ["NEEDS_VERIFY", "emit", "fail", "free_port", "positive", "table", "z3_or_exit"]
 
 NEEDS_VERIFY = "this command needs z3: pip install 'atom-core[verify]'"
 
@@ -55,16 +59,6 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     for r in rows:
         t.add_row(*r)
     console.print(t)
-
-
-def positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
 
 
 def free_port(host: str) -> int:

@@ -6,15 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 
-from atom_core.cli.common import emit, fail, positive
+from atom_core import options as opt
+from atom_core.cli.common import emit, fail
 from atom_core.config import SCRATCH_MODES
+
+# simulate: ticks past this are a typo (the workload is drawn for every tick up front)
+MAX_STEPS = 1_000_000
 
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lanes", type=positive, default=4, help="default: 4")
-    p.add_argument("--requests", type=positive, default=24, help="default: 24")
-    p.add_argument("--max-new-tokens", type=positive, default=16, help="default: 16")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument("--lanes", type=opt.count, default=4, help="default: 4")
+    p.add_argument("--requests", type=opt.integer(1, opt.MAX_REQUESTS), default=24,
+                   help="default: 24")
+    p.add_argument("--max-new-tokens", type=opt.integer(1, opt.MAX_NEW_TOKENS), default=16,
+                   help="default: 16")
+    p.add_argument("--seed", type=opt.seed, default=0, help="seed of the workload (default: 0)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
@@ -53,10 +59,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def simulate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=opt.seed, default=0,
                    help="picks the configuration, the workload and the faults (deep mode: "
                         "the first seed; default: 0)")
-    p.add_argument("--steps", type=int, default=200,
+    p.add_argument("--steps", type=opt.integer(0, MAX_STEPS), default=200,
                    help="ticks with fault injection before the drain (default 200)")
     p.add_argument("--faults", default=None,
                    help="comma-separated fault kinds (prefill, decode, copy, fetch, update, "
@@ -73,7 +79,7 @@ def simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="fix the scratch discipline (default: the seed picks)")
     p.add_argument("--sliding-window", default=None, metavar="W|none",
                    help="fix the hybrid model's window, or none for a plain model")
-    p.add_argument("--lanes", type=positive, default=None)
+    p.add_argument("--lanes", type=opt.count, default=None)
     p.add_argument("--runtime", choices=("reference", "hf"), default=None,
                    help="hf: the same shapes as a transformers model (tiny-llama, or "
                         "tiny-gemma3 with the seed's window) on HFRuntime, every finished "
@@ -83,7 +89,7 @@ def simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="fix any configuration dimension (e.g. prefetch=2, "
                         "fallback_local=false, host_cache_blocks=2); repeatable")
     deep = p.add_mutually_exclusive_group()
-    deep.add_argument("--minutes", type=_minutes, default=None,
+    deep.add_argument("--minutes", type=opt.seconds(unit="minutes", scale=60), default=None,
                       help="deep mode: consecutive seeds from --seed until the time is up; "
                            "stops at the first failing seed")
     deep.add_argument("--seeds", type=_seed_range, default=None, metavar="A..B",
@@ -146,14 +152,6 @@ def _seed_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected A..B (e.g. 0..99), got {text!r}") from None
     if hi < lo:
         raise argparse.ArgumentTypeError(f"empty seed range {text!r}")
+    if lo < 0 or hi > opt.MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seeds must be in 0..{opt.MAX_SEED}, got {text!r}")
     return lo, hi
-
-
-def _minutes(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected minutes > 0, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v

@@ -13,8 +13,9 @@ from typing import Any, TypeVar
 
 import attrs
 
-from atom_core.cli.common import emit, fail, positive, table
-from atom_core.config import SCRATCH_MODES, min_kv_blocks
+from atom_core import options as opt
+from atom_core.cli.common import emit, fail, table
+from atom_core.config import SCRATCH_MODES, flag_vocabulary, min_kv_blocks
 
 PD_KEY_ENV = "ATOM_CORE_PD_KEY"
 
@@ -66,13 +67,25 @@ def _pd_config(args: argparse.Namespace, decode: bool) -> Any:
             # At the minimum every block can be held by a lane, importing ones included, so
             # padding rows have nowhere to write and decode stalls until the imports land.
             kv += 1
+    origins = {"kv_blocks": "the proved minimum" + (" plus one" if decode else "")} \
+        if args.kv_blocks is None else {}
+    if args.block_size is None:
+        origins["block_size"] = "the default: max_seq_len, one block per lane"
+    if window is not None:
+        origins["sliding_window"] = f"--model {args.model}'s"
     try:
         return Config(lanes=args.lanes, kv_blocks=kv, max_seq_len=args.max_seq_len,
                       block_size=block, prefill_chunk=args.prefill_chunk,
                       prefix_cache=args.prefix_cache, scratch=args.scratch,
                       sliding_window=window)
     except ConfigError as exc:
-        raise UsageError(f"invalid configuration: {exc}") from None
+        words = flag_vocabulary(PD_CONFIG_FLAGS, origins)
+        raise UsageError(f"invalid configuration: {exc.in_terms(words)}") from None
+
+
+# the Config fields the PD commands have a flag for
+PD_CONFIG_FLAGS = ("lanes", "kv_blocks", "max_seq_len", "block_size", "prefill_chunk",
+                   "prefix_cache", "scratch")
 
 
 def _pd_key(args: argparse.Namespace) -> bytes | None:
@@ -110,18 +123,8 @@ def _pd_key(args: argparse.Namespace) -> bytes | None:
 
 
 def _pd_options(args: argparse.Namespace, decode: bool) -> None:
-    """Option values argparse cannot check by type, before anything connects."""
-    import math
-
-    checks = [("--timeout", args.timeout)]
-    if decode:
-        checks.append(("--transfer-timeout", args.transfer_timeout))
-    for flag, v in checks:
-        if not math.isfinite(v) or v <= 0:
-            raise UsageError(f"{flag} must be finite positive seconds, got {v:g}")
-    if decode and args.prefetch is not None and args.prefetch < 0:
-        raise UsageError(f"--prefetch must be >= 0 (0: ask for KV only once a lane waits), got "
-                         f"{args.prefetch}")
+    """Option values argparse cannot check by type (the numbers' types refuse nan, inf and
+    what is out of range), before anything connects."""
     check_host(args.host, args.port)
     if args.runtime == "rbln":
         # the RBLN host buffer is a flat aligned byte buffer; the KV payload ships the
@@ -375,10 +378,10 @@ def pd_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback-local", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill here the requests not yet sent when the prefill worker is "
                         "lost (default: on)")
-    p.add_argument("--transfer-timeout", type=float, default=30.0,
+    p.add_argument("--transfer-timeout", type=opt.seconds(), default=30.0,
                    help="seconds before an unanswered KV transfer fails its request "
                         "(default: 30)")
-    p.add_argument("--prefetch", type=int, default=None,
+    p.add_argument("--prefetch", type=PREFETCH, default=None,
                    help="ask for the KV of up to this many waiting requests before they get "
                         "a lane (default: --lanes; 0: only once a lane waits for it)")
 
@@ -397,9 +400,10 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool,
                        help="the decode worker's address (default: 127.0.0.1, loopback only)")
         p.add_argument("--port", type=_port, default=29500,
                        help="the decode worker's rendezvous port (default: 29500)")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds to wait for the other worker" + ("s" if cluster else "")
-                        + " to connect (default: 60)")
+    p.add_argument("--timeout", type=opt.seconds(), default=60.0,
+                   help=("seconds each send and close waits for a peer (start-up: "
+                         "--link-timeout; default: 60)" if cluster else
+                         "seconds to wait for the other worker to connect (default: 60)"))
     p.add_argument("--key", default=None,
                    help=f"shared PD key: literal, env:NAME or file:PATH (default: ${PD_KEY_ENV} "
                         "if set); a literal is visible in the process list, prefer env: or file:")
@@ -411,18 +415,18 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool,
                    help="run without a key: the link is neither authenticated nor encrypted "
                         "(anyone who reaches the port, loopback included, can read and inject "
                         "KV); for tests on a machine you alone use")
-    p.add_argument("--lanes", type=positive, default=4, help="default: 4")
-    p.add_argument("--kv-blocks", type=positive, default=None,
+    p.add_argument("--lanes", type=opt.count, default=4, help="default: 4")
+    p.add_argument("--kv-blocks", type=opt.count, default=None,
                    help="default: the proved minimum" + (
                        " (plus one with dynamic scratch, so decode runs while imports are in "
                        "flight)" if decode else ""))
-    p.add_argument("--max-seq-len", type=positive, default=256, help="default: 256")
-    p.add_argument("--block-size", type=positive, default=None,
+    p.add_argument("--max-seq-len", type=opt.length, default=256, help="default: 256")
+    p.add_argument("--block-size", type=opt.length, default=None,
                    help="KV block size; max_seq_len / block_size blocks per lane's table "
                         "(default: max_seq_len, one block per lane); the two workers' may "
                         "differ (a payload is the prompt's positions)")
-    p.add_argument("--prefill-chunk", type=positive, default=64, help="default: 64")
-    p.add_argument("--prefix-cache", action="store_true")
+    p.add_argument("--prefill-chunk", type=opt.count, default=64, help="default: 64")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
                         "free block (default: dynamic)")
@@ -436,23 +440,20 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool,
     p.add_argument("--fingerprint", default=None,
                    help="rbln: the model's id for PD (e.g. a hash of the artifact); both "
                         "workers must give the same")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=opt.seed, default=0,
                    help="reference runtime and hf tiny models: the model's seed (default: 0)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 
-def _port(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}") from None
-    if not 0 < v < 65536:
-        raise argparse.ArgumentTypeError(f"must be a port in 1..65535, got {text}")
-    return v
+_port = opt.port()
+# --prefetch: KV transfers asked ahead, at most a block table's worth of ids
+PREFETCH = opt.integer(0, 2**15, zero="ask for KV only once a lane waits")
 
 
 def workload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=positive, default=24, help="default: 24")
-    p.add_argument("--max-new-tokens", type=positive, default=16, help="default: 16")
-    p.add_argument("--workload-seed", type=int, default=0,
+    p.add_argument("--requests", type=opt.integer(1, opt.MAX_REQUESTS), default=24,
+                   help="default: 24")
+    p.add_argument("--max-new-tokens", type=opt.integer(1, opt.MAX_NEW_TOKENS), default=16,
+                   help="default: 16")
+    p.add_argument("--workload-seed", type=opt.seed, default=0,
                    help="seed of the workload (default: 0)")

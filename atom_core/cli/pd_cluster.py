@@ -10,8 +10,10 @@ import sys
 import time
 from typing import Any
 
-from atom_core.cli.common import emit, fail, free_port, positive, table
+from atom_core import options as opt
+from atom_core.cli.common import emit, fail, free_port, table
 from atom_core.cli.pd import (
+    PREFETCH,
     UsageError,
     config_json,
     pd_common_arguments,
@@ -20,34 +22,45 @@ from atom_core.cli.pd import (
     workload_arguments,
 )
 
+# Each worker is a process (and a model): past this a typo.
+MAX_WORKERS = 256
+
 
 def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
     pd_common_arguments(p, decode=True, cluster=True)
     workload_arguments(p)
     p.set_defaults(argv=None)
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=positive, default=1, help="decode workers (default 1)")
+    p.add_argument("--prefill", type=opt.integer(0, MAX_WORKERS), default=1,
+                   help="prefill workers (default 1)")
+    p.add_argument("--decode", type=opt.integer(1, MAX_WORKERS), default=1,
+                   help="decode workers (default 1)")
     p.add_argument("--backend", default="gloo",
                    help="torch.distributed backend of the links (default gloo, the one that "
                         "carries host tensors point to point)")
-    p.add_argument("--rank", type=int, default=None,
+    p.add_argument("--rank", type=opt.integer(0, 2 * MAX_WORKERS), default=None,
                    help="run only this rank (0: the frontend and router, 1..N prefill, "
                         "N+1..N+M decode) instead of launching all; under torchrun the rank "
                         "comes from the environment")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="check every output against the oracle (default: on for reference "
                         "and hf)")
-    p.add_argument("--prefetch", type=int, default=None,
+    p.add_argument("--prefetch", type=PREFETCH, default=None,
                    help="each decode worker asks for the KV of up to this many waiting "
                         "requests early (default: --lanes)")
     p.add_argument("--restart", type=_kill_spec, action="append", default=[],
                    metavar="ROLE:I@N",
                    help="as --kill, then start the worker again (a new generation: it is "
                         "used once it reports ready); repeatable")
-    p.add_argument("--waves", type=positive, default=1,
+    p.add_argument("--waves", type=opt.integer(1, opt.MAX_REQUESTS), default=1,
                    help="submit the workload in this many waves, each once the previous one "
                         "ended and every worker is ready (default 1)")
-    p.add_argument("--transfer-timeout", type=float, default=30.0,
+    p.add_argument("--link-timeout", type=opt.seconds(), default=LINK_TIMEOUT,
+                   help="seconds start-up waits for the links: a worker for the store and its "
+                        "link with the frontend, each link for its peer's rendezvous and key "
+                        "handshake, the frontend for every worker to report ready (default: "
+                        f"{LINK_TIMEOUT:g}; a loaded machine starts the processes slowly; "
+                        "--timeout still bounds each send and close)")
+    p.add_argument("--transfer-timeout", type=opt.seconds(), default=30.0,
                    help="seconds a prefill worker has to answer each attempt of a KV "
                         "transfer; past them the request is asked of another prefill worker "
                         "or prefilled locally, and that worker is asked nothing until it "
@@ -58,11 +71,18 @@ def pd_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "requests ended; repeatable")
 
 
+# Start-up may take long on a loaded machine (5 processes importing torch, deriving the key and
+# linking on 2 busy cores took over 40 s): a generous default, since a wait that is too short
+# aborts the whole cluster while one too long only delays the error of a worker that never
+# comes.
+LINK_TIMEOUT = 300.0
+
+
 def _kill_spec(text: str) -> tuple[str, int, int]:
     role, _, rest = text.partition(":")
     index, _, after = rest.partition("@")
     try:
-        if role not in ("prefill", "decode"):
+        if role not in ("prefill", "decode") or int(index) < 0 or int(after) < 0:
             raise ValueError
         return role, int(index), int(after)
     except ValueError:
@@ -148,15 +168,45 @@ def cmd_pd_cluster(args: argparse.Namespace) -> int:
         return fail(args, str(exc), 2)
     if role != "frontend":
         from atom_core.pd.cluster_run import run_worker
+        from atom_core.pd.transport import TransportError
 
         prefetch = cfg.lanes if args.prefetch is None else args.prefetch
-        out = run_worker(layout, rank, host=host, port=port, timeout=args.timeout,  # type: ignore[arg-type]
-                         cfg=cfg, rt=rt, key=key, prefetch=prefetch,
-                         transfer_timeout=args.transfer_timeout)
+        try:
+            out = run_worker(layout, rank, host=host, port=port,  # type: ignore[arg-type]
+                             timeout=args.timeout, cfg=cfg, rt=rt, key=key, prefetch=prefetch,
+                             transfer_timeout=args.transfer_timeout,
+                             link_timeout=args.link_timeout)
+        except (TransportError, TimeoutError, OSError, RuntimeError) as exc:
+            # one line, not a traceback: the launcher and the operator read the reason
+            return _leave(args, fail(args, f"pd-cluster {role} worker (rank {rank}): "
+                                           f"{_one_line(exc)}", 1))
         if args.json:
             emit(out)
-        return 0
-    return _cluster_frontend(args, layout, host, port, cfg, rt, key, launch=rank is None)
+        return _leave(args, 0)
+    return _leave(args, _cluster_frontend(args, layout, host, port, cfg, rt, key,
+                                          launch=rank is None))
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's first line (torch's store errors append native stack traces)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _leave(args: argparse.Namespace, code: int) -> int:
+    """`code`, or, in a process of its own (the command line is this one's) that still has a
+    thread inside gloo or the store's C++ (a link build waiting on a peer, a transport whose
+    peer did not answer its close), the same exit code at once (`os._exit`, output flushed):
+    the interpreter's normal exit under such a thread ends in a C++ `terminate` (an abort, a
+    core), which would hide the one-line error."""
+    from atom_core.pd.cluster_run import threads_left
+
+    if args.argv != sys.argv[1:] or not threads_left():
+        return code  # (called in-process, a test: never end the caller's process)
+    # (threads still running once the links were closed and their builds given time)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: int | None,
@@ -186,7 +236,7 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
     fp = None
     try:
         fp = FrontendProcess(layout, host=host, port=port, timeout=args.timeout, cfg=cfg,
-                             rt=rt, key=key)
+                             rt=rt, key=key, link_timeout=args.link_timeout)
         killed: set[tuple[str, int]] = set()
 
         def started() -> None:
@@ -243,8 +293,8 @@ def _cluster_frontend(args: argparse.Namespace, layout: Any, host: str, port: in
         unexpected = [c for c in failed if ("decode", results[c].decode) not in killed]
         out["checked"], out["mismatches"] = bool(args.check), mismatches
         out["exact"] = (not mismatches and not unexpected) if args.check else None
-    except (TransportError, TimeoutError, OSError) as exc:
-        return fail(args, f"pd-cluster failed: {exc}", 1)
+    except (TransportError, TimeoutError, OSError, RuntimeError) as exc:
+        return fail(args, f"pd-cluster failed: {_one_line(exc)}", 1)
     finally:
         if fp is not None:
             fp.close()

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from atom_core.cli.common import emit, fail, free_port, positive, table
+from atom_core.cli.common import emit, fail, free_port, table
 from atom_core.cli.pd import (
     PD_KEY_ENV,
     UsageError,
@@ -21,10 +21,11 @@ from atom_core.cli.pd import (
     run_pd_decode,
     workload_arguments,
 )
+from atom_core.options import Parser, count
 
 
 def pd_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lanes", type=positive, default=4, help="default: 4")
+    p.add_argument("--lanes", type=count, default=4, help="default: 4")
     workload_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -81,7 +82,7 @@ def _pd_session(args: argparse.Namespace, prefetch: int) -> dict[str, Any]:
              "--timeout", "30"]
     child_argv = [sys.executable, "-m", "atom_core.cli", "pd-prefill", *shape,
                   "--prefix-cache", "--key", f"env:{PD_KEY_ENV}", "--json"]
-    decode_parser = argparse.ArgumentParser(prog="atom-core pd-decode")
+    decode_parser = Parser(prog="atom-core pd-decode")
     pd_decode_arguments(decode_parser)
     dec = decode_parser.parse_args([*shape, "--requests", str(args.requests),
                                     "--max-new-tokens", str(args.max_new_tokens),

@@ -14,19 +14,25 @@ from typing import Any
 import attrs
 
 from atom_core._generated import capacity
-from atom_core.cli.common import emit, fail, positive, table, z3_or_exit
+from atom_core.cli.common import emit, fail, table, z3_or_exit
 from atom_core.config import SCRATCH_MODES, Config, ConfigError, features, min_kv_blocks, rule_for
+from atom_core.options import count, integer, length, seconds, slots
+
+# Past these a typo, not a request: --deep's cutoffs (5 lanes, 10 blocks) already take hours,
+# and each job is a process.
+MAX_CUTOFF = 64
+MAX_JOBS = 1024
 
 
 def verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.add_argument("--max-lanes", type=positive, default=None,
+    p.add_argument("--max-lanes", type=integer(1, MAX_CUTOFF), default=None,
                    help="cutoff for bounded proofs (default 4; 5 with --deep)")
-    p.add_argument("--max-blocks", type=positive, default=None,
+    p.add_argument("--max-blocks", type=integer(1, MAX_CUTOFF), default=None,
                    help="cutoff for bounded proofs (default 8; 10 with --deep)")
     p.add_argument("--deep", action="store_true",
                    help="larger cutoffs (slow; CI runs the default)")
-    p.add_argument("-j", "--jobs", type=positive, default=os.cpu_count() or 1,
+    p.add_argument("-j", "--jobs", type=integer(1, MAX_JOBS), default=os.cpu_count() or 1,
                    help="worker processes (default: one per CPU); the output is the same "
                         "for any number")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
@@ -49,6 +55,41 @@ def task_progress(show: bool) -> Iterator[Callable[[str, int, int], None] | None
             bar.update(tid, completed=done, total=total, description=kind)
 
         yield on_task
+
+
+@contextlib.contextmanager
+def search_progress(show: bool) -> Iterator[Callable[[Any], None] | None]:
+    """A progress bar on stderr over check-config's search for a stuck run (none when `show`
+    is false), drawn from the search's first report on: a committed or lifted run, the usual
+    case, needs no search and draws none."""
+    if not show:
+        yield None
+        return
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # (rich comes with z3 in the verify extra; z3 alone needs no bar)
+        yield None
+        return
+    bar = Progress(TextColumn("stuck-run search"), BarColumn(bar_width=20),
+                   TextColumn("{task.completed:,}/{task.total:,} states, depth "
+                              "{task.fields[depth]}"),
+                   TimeElapsedColumn(), TextColumn("of {task.fields[seconds]:g} s"),
+                   console=Console(stderr=True), transient=True)
+    task: list[Any] = []
+
+    def on_progress(budget: Any) -> None:
+        if not task:
+            bar.start()
+            task.append(bar.add_task("", total=budget.max_states, depth=0,
+                                     seconds=budget.max_seconds))
+        bar.update(task[0], completed=budget.states, depth=budget.depth)
+
+    try:
+        yield on_progress
+    finally:
+        if task:
+            bar.stop()
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -110,6 +151,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     table(f"where the time went ({report.jobs} jobs)",
            ["kind", "tasks", "CPU seconds"],
            [[k, str(report.tasks.get(k, "")), f"{v:.1f}"] for k, v in report.cpu.items()])
+    table("z3 resource units (deterministic: the same on any machine; budgets in "
+          "proofs/limits.py)", ["kind", "queries", "largest", "budget", "share"],
+          [[k, str(n), f"{used:,}", f"{budget:,}", f"{used / budget:.1%}"]
+           for k, (n, used, budget) in report.rlimits().items()])
     if report.stale:
         print("stale witnesses (run `make generate`): " + "; ".join(report.stale))
     n_bad = sum(1 for c in report.checks if c.status != "proved")
@@ -142,7 +187,7 @@ def _artifact_config(args: argparse.Namespace, kv_blocks: int) -> Config | str:
                       preemption=args.preemption,
                       sliding_window=getattr(args, "sliding_window", None))
     except ConfigError as exc:
-        return str(exc)
+        return exc.in_terms(args.words)
 
 
 def _rbln_strict(args: argparse.Namespace) -> bool:
@@ -170,7 +215,8 @@ def _rbln_problems(args: argparse.Namespace, cfg: Config,
     are what other runtimes serve, so as notes they would only be noise."""
     from atom_core.config import RBLN_SERVES, rbln_binding_errors, rbln_compile_errors
 
-    compiled = rbln_compile_errors(cfg, _rbln_settings(args), kv_blocks=kv_blocks)
+    compiled = rbln_compile_errors(cfg, _rbln_settings(args), kv_blocks=kv_blocks,
+                                   v=args.words)
     served = rbln_binding_errors(cfg) if _rbln_strict(args) else []
     return [(COMPILES, e) for e in compiled] + [(RBLN_SERVES, e) for e in served]
 
@@ -222,6 +268,14 @@ def _tables(args: argparse.Namespace) -> int:
 # check-config searches for the stuck run at the artifact's size; with paged tables the search
 # grows with lanes * T, so above this it reports the rule without a run.
 TRACE_LANE_BLOCKS = 8
+# Its bounds (--search-states, --search-seconds). Every size up to TRACE_LANE_BLOCKS answers
+# well within them: a committed or lifted run needs no search, and the largest search keeps
+# about 1,500 states (2 lanes of 4 blocks, preemption). A search that runs into them has kept
+# at most about 170 MB (50,000 states of 4 lanes, breadth-first). Past MAX_SEARCH_STATES a
+# value is a typo (a state takes about 2.5 kB).
+SEARCH_STATES = 50_000
+SEARCH_SECONDS = 10.0
+MAX_SEARCH_STATES = 100_000_000
 
 
 # flag -> (Config field, default without --rbln-config)
@@ -229,30 +283,50 @@ _ARTIFACT_FLAGS = {"lanes": ("lanes", None), "kv_blocks": ("kv_blocks", None),
                    "max_seq_len": ("max_seq_len", 4096), "block_size": ("block_size", None),
                    "prefill_chunk": ("prefill_chunk", 128),
                    "prefix_cache": ("prefix_cache", False)}
+# where a default comes from, said beside it when a message names the value
+_DEFAULT_ORIGINS = {"max_seq_len": "check-config's and min-blocks' default",
+                    "block_size": "the default: max_seq_len, one block per lane",
+                    "prefill_chunk": "check-config's and min-blocks' default"}
+# the Config fields these commands have a flag for (min-blocks has no --kv-blocks)
+_CONFIG_FLAGS = ("lanes", "kv_blocks", "max_seq_len", "block_size", "prefill_chunk",
+                 "prefix_cache", "scratch", "host_cache_blocks", "preemption")
 
 
 def _artifact_args(args: argparse.Namespace) -> int | None:
     """Fill the artifact's settings from --rbln-config where no flag gave them, then the
-    defaults; 2 (a usage error, printed) when something required is missing."""
-    fields: dict[str, Any] = {}
-    if args.rbln_config is not None:
-        from atom_core.config import estimate_message, rbln_artifact
+    defaults, and the words its messages use (`args.words`: the flags, and where a value no
+    flag gave came from); 2 (a usage error, printed) when something required is missing."""
+    from atom_core.config import RblnSettings, artifact_fields, flag_vocabulary, read_rbln
 
+    flags = [f for f in _CONFIG_FLAGS if hasattr(args, f)]
+    given = {field: getattr(args, flag) for flag, (field, _) in _ARTIFACT_FLAGS.items()
+             if getattr(args, flag, None) is not None}
+    args.words = flag_vocabulary(flags)
+    fields: dict[str, Any] = {}
+    settings: RblnSettings | None = None
+    if args.rbln_config is not None:
         try:  # one read: the path may be a pipe (`--rbln-config <(...)`)
-            fields, args.rbln_settings = rbln_artifact(args.rbln_config)
+            settings = read_rbln(args.rbln_config)
+            # 0 blocks is not a block count (the flag's type refuses it): the search for a
+            # stuck run and the rule would run on a configuration no artifact has
+            fields = artifact_fields(settings, given, args.words, need=("max_seq_len",),
+                                     blocks="kv_blocks" in flags)
         except ConfigError as exc:
-            return _usage_error(args, f"INVALID: {exc}", str(exc))
-        if fields.get("kv_blocks") == 0 and getattr(args, "kv_blocks", 0) is None:
-            # 0 is not a block count (the flag's type refuses it): the search for a stuck run
-            # and the rule would run on a configuration no artifact has
-            msg = estimate_message(args.rbln_config)
+            msg = exc.in_terms(args.words)
             return _usage_error(args, f"INVALID: {msg}", msg)
+        args.rbln_settings = dict(settings.data)
+    origins = settings.origins(given) if settings is not None else {}
     # the model's window is no flag: it comes with the artifact (Config refuses, e.g., a
     # hybrid model with a host cache, and check-config must refuse the same artifact)
     args.sliding_window = fields.get("sliding_window")
     for flag, (field, default) in _ARTIFACT_FLAGS.items():
         if hasattr(args, flag) and getattr(args, flag) is None:
             setattr(args, flag, fields.get(field, default))
+            if field not in fields and field in _DEFAULT_ORIGINS:
+                origins[field] = _DEFAULT_ORIGINS[field]
+    keys = {"sliding_window": settings.keys["sliding_window"]} \
+        if settings is not None and "sliding_window" in settings.keys else {}
+    args.words = flag_vocabulary(flags, origins, keys)
     missing = [f"--{flag.replace('_', '-')}" for flag in ("lanes", "kv_blocks")
                if hasattr(args, flag) and getattr(args, flag) is None]
     if missing:
@@ -275,6 +349,14 @@ def _usage_error(args: argparse.Namespace, text: str, error: str) -> int:
 
 def check_config_arguments(p: argparse.ArgumentParser) -> None:
     _artifact_arguments(p, kv_blocks=True)
+    p.add_argument("--search-states", type=integer(1, MAX_SEARCH_STATES),
+                   default=SEARCH_STATES,
+                   help="below the minimum, the search for a stuck run to show keeps at most "
+                        f"this many states (they bound its memory; default {SEARCH_STATES}); "
+                        "past it the verdict is the rule's, without a run")
+    p.add_argument("--search-seconds", type=seconds(), default=SEARCH_SECONDS,
+                   help="the longest that search runs, in seconds (default "
+                        f"{SEARCH_SECONDS:g}); past it the verdict is the rule's, without a run")
     p.add_argument("--rbln", action="store_true",
                    help="refuse what optimum-rbln 0.12.0 would not compile for an ATOM NPU "
                         "(eager/flash-attention sizes, kvcache_num_blocks' minimum, sliding "
@@ -297,23 +379,25 @@ def _artifact_arguments(p: argparse.ArgumentParser, kv_blocks: bool) -> None:
                    help="a compiled artifact's rbln_config.json (or its directory): its "
                         "batch_size, kvcache_num_blocks, kvcache_block_size, max_seq_len, "
                         "prefill_chunk_size, ...; flags given here win over it")
-    p.add_argument("--lanes", type=positive, default=None,
+    p.add_argument("--lanes", type=count, default=None,
                    help="required unless --rbln-config gives batch_size")
     if kv_blocks:
-        p.add_argument("--kv-blocks", type=positive, default=None,
+        p.add_argument("--kv-blocks", type=count, default=None,
                        help="required unless --rbln-config gives kvcache_num_blocks")
-    p.add_argument("--prefix-cache", action="store_true", default=None)
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: --rbln-config's enable_prefix_caching, else off")
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
                         "free block (default: dynamic)")
-    p.add_argument("--max-seq-len", type=positive, default=None, help="default 4096")
-    p.add_argument("--block-size", type=positive, default=None,
+    p.add_argument("--max-seq-len", type=length, default=None,
+                   help="default: --rbln-config's max_seq_len, else 4096")
+    p.add_argument("--block-size", type=length, default=None,
                    help="KV block size; max_seq_len / block_size blocks per lane's table "
                         "(default: max_seq_len, the eager artifact: one block per lane)")
-    p.add_argument("--prefill-chunk", type=positive, default=None, help="default 128")
-    p.add_argument("--host-cache-blocks", type=int, default=0,
+    p.add_argument("--prefill-chunk", type=count, default=None, help="default 128")
+    p.add_argument("--host-cache-blocks", type=slots, default=0,
                    help="host cache slots below the prefix cache (default 0: none)")
-    p.add_argument("--preemption", action="store_true",
+    p.add_argument("--preemption", action=argparse.BooleanOptionalAction, default=False,
                    help="a lane waiting for a block preempts the most recently admitted one "
                         "(needs --block-size below --max-seq-len): one lane's whole table "
                         "and a block suffice")
@@ -346,18 +430,34 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                        f"(here {args.lanes * t}); the rule is proved and shown tight there")
     elif not out["safe"]:
         z3_or_exit()
-        from atom_core.proofs.search import stuck_run
+        from atom_core.proofs.search import Budget, SearchBound, check_config_run
         from atom_core.spec.model import MODEL
 
-        tr = stuck_run(MODEL, args.lanes, args.kv_blocks, args.prefix_cache,
-                       args.scratch == "reserved", host=args.host_cache_blocks > 0, tables=t,
-                       preempt=args.preemption)
-        if tr is None:  # the rule says unsafe, so this is a bug in the proofs: say so loudly
+        with search_progress(not args.json and sys.stderr.isatty()) as on_progress:
+            budget = Budget(args.search_states, args.search_seconds, on_progress)
+            try:
+                tr = check_config_run(MODEL, args.lanes, args.kv_blocks, args.prefix_cache,
+                                      args.scratch == "reserved",
+                                      host=args.host_cache_blocks > 0, tables=t,
+                                      preempt=args.preemption, budget=budget)
+            except SearchBound as exc:
+                tr = exc
+        if isinstance(tr, SearchBound):  # the verdict is the rule's all the same
+            out["violated"] = None
+            out["search"] = {"stopped_by": tr.bound, "states": tr.states,
+                             "seconds": round(tr.seconds, 1)}
+            flag = "--search-states" if tr.bound == "states" else "--search-seconds"
+            out["note"] = (f"no stuck run shown: the search for one was stopped by its "
+                           f"{tr.bound} bound after {tr.states:,} states and {tr.seconds:.1f} s, "
+                           f"before it was complete; {flag} raises the bound, and the verdict is "
+                           "the proved rule's")
+        elif tr is None:  # the rule says unsafe, so this is a bug in the proofs: say so loudly
             print("internal error: no stuck run found below the proved minimum", file=sys.stderr)
             return 3
-        out["trace"] = [s.as_json() for s in tr.steps]
-        out["violated"] = tr.violated
-        out["stuck_state"] = tr.final
+        else:
+            out["trace"] = [s.as_json() for s in tr.steps]
+            out["violated"] = tr.violated
+            out["stuck_state"] = tr.final
     if args.json:
         emit(out)
         return 0 if out["safe"] else 1

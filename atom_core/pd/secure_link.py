@@ -63,6 +63,7 @@ import math
 import os
 import re
 import struct
+import threading
 import time
 import warnings
 from collections import Counter
@@ -305,13 +306,17 @@ class SecureLink:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def establish(self, timeout: float) -> None:
-        """Run the handshake until it completes; LinkError if it fails or `timeout` passes.
+    def establish(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Run the handshake until it completes; LinkError if it fails, `timeout` passes or
+        `stop` is set (a caller shutting down must not leave a thread waiting on a peer).
         What arrives meanwhile after the handshake is kept for the next `poll`."""
         deadline = time.monotonic() + timeout
         while not self.established:
             if self.failed is not None:
                 raise LinkError(self.failed)
+            if stop is not None and stop.is_set():
+                self._fail("the key handshake was given up: this process is stopping")
+                raise LinkError(self.failed or "")
             if time.monotonic() > deadline:
                 self._fail(f"no key handshake within {timeout:g}s: the peer is not a PD worker "
                            "of this version")

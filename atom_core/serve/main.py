@@ -9,7 +9,9 @@ import signal
 import sys
 from typing import Any
 
+from atom_core import options as opt
 from atom_core.config import SCRATCH_MODES, ConfigError
+from atom_core.serve.runtimes import ServeOptions
 
 API_KEY_ENV = "ATOM_CORE_API_KEY"
 NEEDS_SERVE = "atom-core serve needs the serve extra: pip install 'atom-core[serve]'"
@@ -22,86 +24,106 @@ _FIELDS = {"lanes": "lanes", "kv_blocks": "kv_blocks", "max_seq_len": "max_seq_l
            "preemption": "preemption"}
 
 
+# uvicorn's log levels
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Past these a typo, not a setting (the queue and a stream's interval count requests and
+# tokens; a body is read into memory).
+MAX_QUEUE = 1_000_000
+MAX_STREAM_INTERVAL = 1_000_000
+MAX_BODY_BYTES = 2**40
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
                    help="'tiny' (the built-in seeded reference model, byte tokenizer) or a "
-                        "model directory (its tokenizer, loaded offline)")
+                        "model directory (its tokenizer, loaded offline); --runtime hf: "
+                        "tiny-llama, tiny-gemma3 or a local checkpoint directory")
     p.add_argument("--runtime", default="reference",
-                   help="reference (torch, default), rbln (--compiled PATH) or another "
-                        "registered runtime")
+                   help="reference (torch, default), rbln (--compiled PATH), hf (transformers) "
+                        "or another registered runtime")
     p.add_argument("--compiled", default=None, help="rbln: the compiled artifact's directory")
     p.add_argument("--rbln-config", default=None, metavar="PATH",
                    help="an rbln_config.json (or its directory): batch_size, "
                         "kvcache_num_blocks, kvcache_block_size, max_seq_len, "
                         "prefill_chunk_size, ...; the flags below win over it")
-    g = p.add_argument_group("artifact settings (Config fields)")
-    g.add_argument("--lanes", type=int, default=None, help="alias of batch_size")
-    g.add_argument("--kv-blocks", type=int, default=None,
+    g = p.add_argument_group("artifact settings (Config fields; default: --rbln-config's, "
+                             "else the tiny model's: 4 lanes, max_seq_len 256, block_size 64, "
+                             "prefill_chunk 64, prefix cache on)")
+    g.add_argument("--lanes", type=opt.count, default=None, help="alias of batch_size")
+    g.add_argument("--kv-blocks", type=opt.count, default=None,
                    help="default: the proved minimum for the other settings")
-    g.add_argument("--max-seq-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--prefill-chunk", type=int, default=None)
+    g.add_argument("--max-seq-len", type=opt.length, default=None)
+    g.add_argument("--block-size", type=opt.length, default=None)
+    g.add_argument("--prefill-chunk", type=opt.count, default=None)
     g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--scratch", choices=SCRATCH_MODES, default=None)
-    g.add_argument("--sliding-window", type=int, default=None)
-    g.add_argument("--host-cache-blocks", type=int, default=None)
+    g.add_argument("--sliding-window", type=opt.length, default=None)
+    g.add_argument("--host-cache-blocks", type=opt.slots, default=None)
     g.add_argument("--preemption", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--seed", type=int, default=0, help="reference runtime: the model's seed")
+    p.add_argument("--seed", type=opt.seed, default=0, help="reference runtime: the model's seed")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the --model value's last part)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=opt.port(zero="a free port, which uvicorn's log names"),
+                   default=8000)
     p.add_argument("--api-key", default=None,
                    help=f"the Bearer key clients must send (default: ${API_KEY_ENV}); "
                         "required unless --insecure-no-auth")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve without any authentication (anyone who reaches the port can "
                         "use the model)")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--max-queue", default=64,
+                   type=opt.integer(0, MAX_QUEUE, zero="only as many requests in flight as lanes"),
                    help="requests waiting beyond the lanes before new ones get 429")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=opt.seconds(zero="never"), default=600.0,
                    help="seconds before a request is ended, sending included: a stream its "
                         "client has not read 1 s past it is dropped (0: never)")
-    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+    p.add_argument("--stream-interval", type=opt.integer(1, MAX_STREAM_INTERVAL), default=1,
+                   metavar="N",
                    help="a stream sends its first token at once, then every N tokens (fewer, "
                         "larger writes: less server CPU per token, burstier tokens)")
-    p.add_argument("--max-body-bytes", type=int, default=32 * 2**20, metavar="N",
+    p.add_argument("--max-body-bytes", type=opt.integer(1, MAX_BODY_BYTES), default=32 * 2**20,
+                   metavar="N",
                    help="the largest request body the server reads (larger: 413, before it is "
                         "read)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=opt.seconds(zero="abort them at once"), default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
                         "they are aborted")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(app, engine, settings) from parsed arguments; ValueError/ConfigError on bad input."""
-    from atom_core.batcher import AtomBatcher
-    from atom_core.serve.app import ServerSettings, create_app
-    from atom_core.serve.engine import Engine
-    from atom_core.serve.runtimes import ServeOptions, build
+def check(args: argparse.Namespace) -> tuple[ServeOptions, str | None]:
+    """(the runtime's options, the API key): what the argument types could not check alone
+    (the key, --model, --compiled, the artifact's settings), checked without loading anything
+    heavy; ValueError / ConfigError naming the option and what to give. Kept on `args`: the
+    --rbln-config is read once (it may be a pipe)."""
+    from atom_core.serve import runtimes
 
+    if getattr(args, "checked", None) is not None:
+        return args.checked  # type: ignore[no-any-return]
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if key is None and not args.insecure_no_auth:
         raise ValueError(f"no API key: pass --api-key KEY or set ${API_KEY_ENV} (clients send "
                          "'Authorization: Bearer KEY'); --insecure-no-auth serves without one")
     if key is not None and args.insecure_no_auth:
         raise ValueError("--api-key and --insecure-no-auth contradict each other: pick one")
-    if args.stream_interval < 1:
-        raise ValueError(f"--stream-interval {args.stream_interval}: must be at least 1 (1 "
-                         "sends every token as it comes)")
-    if args.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1")
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue {args.max_queue}: must be at least 0 (0: only as many "
-                         "requests in flight as lanes)")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port {args.port}: must be in 0..65535 (0: a free port, which "
-                         "uvicorn's log names)")
     overrides = {field: getattr(args, flag) for flag, field in _FIELDS.items()
                  if getattr(args, flag) is not None}
-    opts = ServeOptions(model=args.model, runtime=args.runtime, compiled=args.compiled,
-                        rbln_config=args.rbln_config, overrides=overrides, seed=args.seed)
+    opts = runtimes.check(ServeOptions(
+        model=args.model, runtime=args.runtime, compiled=args.compiled,
+        rbln_config=args.rbln_config, overrides=overrides, seed=args.seed))
+    args.checked = (opts, key)
+    return opts, key
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(app, engine, settings) from parsed arguments; ValueError/ConfigError on bad input."""
+    opts, key = check(args)  # (before anything heavy is imported)
+    from atom_core.batcher import AtomBatcher
+    from atom_core.serve.app import ServerSettings, create_app
+    from atom_core.serve.engine import Engine
+    from atom_core.serve.runtimes import build
+
     cfg, rt, tok = build(opts)
     vocab = getattr(rt, "vocab_size", None)
     if isinstance(vocab, int):
@@ -122,17 +144,26 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # serve reads local directories only: the model hub is never asked (nor waited for); set
+    # before anything imports huggingface_hub, which reads it once
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:  # the options first: a busy port or a loading model would hide a mistake in them
+        check(args)
+    except (ValueError, ConfigError) as exc:
+        print(f"atom-core serve: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvicorn
     except ImportError:
         print(NEEDS_SERVE, file=sys.stderr)
         return 2
-    from atom_core.runtime.host_memory import keep_freed_memory
-
     busy = _cannot_listen(args.host, args.port)
-    if busy is not None:  # (before the model loads: that may take minutes)
+    if busy is not None:  # (before torch and the model load: that may take minutes)
         print(f"atom-core serve: {busy}", file=sys.stderr)
         return 2
+    # (atom_core.runtime imports torch)
+    from atom_core.runtime.host_memory import keep_freed_memory
+
     # before the model loads: a step's buffers then stay mapped between steps (see there)
     kept = keep_freed_memory()
     try:
@@ -175,7 +206,7 @@ def _cannot_listen(host: str, port: int) -> str | None:
     import socket
 
     if not 1 <= port <= 65535:
-        return None  # (0: the OS picks a free one; out of range: `build` says what to give)
+        return None  # (0: the OS picks a free one; the option's type refuses the rest)
     try:
         with socket.create_server((host, port)):
             return None

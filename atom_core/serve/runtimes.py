@@ -2,18 +2,28 @@
 one over Hugging Face transformers models) plugs in by name without touching the server.
 
 A factory takes the parsed `ServeOptions` and returns (Config, runtime, tokenizer); the server
-checks the runtime against the Config (`check_runtime`) when the batcher is built.
+checks the runtime against the Config (`check_runtime`) when the batcher is built. A runtime's
+`check` says, before anything loads, what is wrong with options it would refuse later.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from atom_core.config import Config, ConfigError, min_kv_blocks
+from atom_core.config import (
+    Config,
+    ConfigError,
+    RblnSettings,
+    artifact_fields,
+    flag_vocabulary,
+    min_kv_blocks,
+    read_rbln,
+)
 from atom_core.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY = "tiny"  # the built-in seeded reference model with the byte tokenizer
@@ -24,58 +34,154 @@ class ServeOptions:
     model: str  # "tiny" or a model directory (its tokenizer; its weights for runtimes that can)
     runtime: str = "reference"
     compiled: str | None = None  # rbln: the compiled artifact's directory
-    rbln_config: str | None = None
+    # a path, or the settings `check` read from it (read once: the path may be a pipe)
+    rbln_config: str | RblnSettings | None = None
     # Config fields given on the command line (they win over --rbln-config)
     overrides: dict[str, Any] = attrs.Factory(dict)
     seed: int = 0
 
 
 Factory = Callable[[ServeOptions], tuple[Config, Any, Tokenizer]]
+Check = Callable[[ServeOptions], ServeOptions]
 RUNTIMES: dict[str, Factory] = {}
+# Each runtime's checks of its options that need no model loaded (what --model and --compiled
+# must be, the artifact's settings): run before the port is checked and before anything heavy
+# (torch, transformers, the weights) is imported, so a mistake is said at once.
+CHECKS: dict[str, Check] = {}
 
 
-def register_runtime(name: str, factory: Factory) -> None:
+def register_runtime(name: str, factory: Factory, check: Check | None = None) -> None:
     RUNTIMES[name] = factory
+    if check is not None:
+        CHECKS[name] = check
+
+
+def check(opts: ServeOptions) -> ServeOptions:
+    """`opts`, checked as far as it can be without loading a model (`CHECKS`), its
+    --rbln-config read (once); ValueError / ConfigError naming the option and what to give."""
+    if opts.runtime not in RUNTIMES:
+        raise ValueError(f"--runtime {opts.runtime}: unknown; give one of {sorted(RUNTIMES)}")
+    if opts.rbln_config is not None:
+        opts = attrs.evolve(opts, rbln_config=read_rbln(opts.rbln_config))
+    return CHECKS[opts.runtime](opts) if opts.runtime in CHECKS else opts
 
 
 def build(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
-    if opts.runtime not in RUNTIMES:
-        raise ValueError(f"unknown runtime '{opts.runtime}': one of {sorted(RUNTIMES)}")
+    opts = check(opts)
     return RUNTIMES[opts.runtime](opts)
+
+
+# what a model directory's tokenizer is saved as (save_pretrained writes one of these)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+# what a checkpoint's weights are saved as
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+# HFRuntime's seeded tiny models (atom_core.runtime.hf.TINY_MODELS, named here without
+# importing torch)
+HF_TINY_MODELS = ("tiny-llama", "tiny-gemma3")
+
+
+class ModelError(ValueError):
+    """--model is not what the runtime can load; the message says what to give."""
+
+
+def check_model_dir(model: str, weights: bool = False) -> None:
+    """--model DIR: a directory with a tokenizer (and, with `weights`, config.json and
+    weights), said before anything loads (transformers' own messages come late and point to
+    the model hub, which serve never reaches)."""
+    path = Path(model)
+    what = ("a local checkpoint directory (config.json, its weights and its tokenizer, as "
+            "save_pretrained writes them)" if weights else
+            "a model directory with its tokenizer (tokenizer.json, ... as save_pretrained "
+            f"writes them), or '{TINY}' for the built-in tiny model")
+    if not path.exists():
+        raise ModelError(f"--model {model}: no such directory; give {what}")
+    if not path.is_dir():
+        raise ModelError(f"--model {model}: not a directory; give {what}")
+    missing = []
+    if weights and not (path / "config.json").is_file():
+        missing.append("config.json")
+    if weights and not any(next(path.glob(g), None) for g in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(f"tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise ModelError(f"--model {model}: the directory has no {', no '.join(missing)}; "
+                         f"give {what}")
 
 
 def tokenizer_for(model: str) -> Tokenizer:
     if model == TINY:
         return ByteTokenizer()
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"--model {model}: not a directory (give a model directory with a "
-                         f"tokenizer, or '{TINY}' for the built-in tiny model)")
-    return HFTokenizer(path)
+    check_model_dir(model)
+    try:
+        return HFTokenizer(model)
+    except ImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' or tokenizers' word for a broken one
+        raise ModelError(f"--model {model}: cannot load its tokenizer ({type(exc).__name__}: "
+                         f"{first_line(exc)}); give a model directory whose tokenizer "
+                         "save_pretrained wrote") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (transformers' run to a paragraph)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # the built-in tiny model's artifact when nothing else is said: small enough for a laptop CPU
 TINY_DEFAULTS = {"lanes": 4, "max_seq_len": 256, "block_size": 64, "prefill_chunk": 64,
                  "prefix_cache": True}
+# the serve command's flags for Config fields (every field but scratch_block has one)
+SERVE_FLAGS = ("lanes", "kv_blocks", "max_seq_len", "block_size", "prefill_chunk",
+               "prefix_cache", "scratch", "sliding_window", "host_cache_blocks", "preemption")
 
 
 def config_for(opts: ServeOptions, defaults: dict[str, Any] | None = None) -> Config:
     """--rbln-config (if any), then the command line's fields; kv_blocks defaults to the proved
-    minimum for the rest."""
-    from atom_core.config import rbln_fields
-
+    minimum for the rest. A refusal names the flags to give (and where a value no flag gave
+    came from: the file's key, the tiny model's default)."""
+    given = dict(opts.overrides)
+    settings = read_rbln(opts.rbln_config) if opts.rbln_config is not None else None
+    origins = {f: "the built-in tiny model's default" for f in defaults or {} if f not in given}
+    if settings is not None:
+        origins.update(settings.origins(given))
+    words = flag_vocabulary(SERVE_FLAGS, origins)
     fields = dict(defaults or {})
-    if opts.rbln_config is not None:
-        fields.update(rbln_fields(opts.rbln_config))
-    fields.update(opts.overrides)
-    if "lanes" not in fields:
-        raise ConfigError("give --lanes (or --rbln-config with batch_size)")
-    if "kv_blocks" not in fields:
-        seq = fields.get("max_seq_len", 4096)
-        fields["kv_blocks"] = min_kv_blocks(
-            fields["lanes"], fields.get("prefix_cache", False), fields.get("scratch", "dynamic"),
-            seq // fields.get("block_size", seq), fields.get("preemption", False))
-    return Config(**fields)
+    try:
+        if settings is not None:
+            # (a file says its max_seq_len: Config's 4096 default would invent it)
+            fields.update(artifact_fields(settings, given, words, need=("max_seq_len",)))
+        fields.update(given)
+        if "lanes" not in fields:
+            raise ConfigError(lambda v: f"give {v.name('lanes')}"
+                              + (f" ({settings.where} has no batch_size)" if settings else
+                                 " (or --rbln-config with batch_size)"))
+        if "kv_blocks" not in fields:
+            seq = fields.get("max_seq_len", 4096)
+            block = fields.get("block_size", seq)
+            whole = all(isinstance(n, int) and n > 0 for n in (seq, block)) and seq % block == 0
+            fields["kv_blocks"] = min_kv_blocks(
+                fields["lanes"], fields.get("prefix_cache", False),
+                fields.get("scratch", "dynamic"),
+                seq // block if whole else 1,  # (else Config says what to give)
+                fields.get("preemption", False))
+            words = flag_vocabulary(SERVE_FLAGS, {
+                **origins, "kv_blocks": "the proved minimum for the other settings"})
+        return Config(**fields)
+    except ConfigError as exc:
+        raise exc.reworded(words) from None
+
+
+def _check_reference(opts: ServeOptions) -> ServeOptions:
+    if opts.model in HF_TINY_MODELS:
+        raise ModelError(f"--model {opts.model} is --runtime hf's; the reference runtime takes "
+                         f"'{TINY}' (its built-in model) or a model directory with its tokenizer")
+    if opts.model != TINY:
+        check_model_dir(opts.model)
+    config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
+    return opts
 
 
 def _reference(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
@@ -89,27 +195,60 @@ def _reference(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     return cfg, TorchReferenceRuntime.tiny(cfg, seed=opts.seed, **model), tok
 
 
-def _rbln(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
+def _check_rbln(opts: ServeOptions) -> ServeOptions:
     if not opts.compiled:
         raise ValueError("--runtime rbln needs --compiled PATH (an optimum-rbln compiled "
                          "decoder directory; its rbln_config.json configures the server)")
+    if not Path(opts.compiled).is_dir():
+        raise ValueError(f"--compiled {opts.compiled}: not a directory; give an optimum-rbln "
+                         "compiled decoder directory (with its rbln_config.json)")
+    if opts.model != TINY:
+        check_model_dir(opts.model)
+    opts = attrs.evolve(opts, rbln_config=read_rbln(opts.rbln_config or opts.compiled))
+    config_for(opts)
+    return opts
+
+
+def _rbln(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
+    opts = _check_rbln(opts)
     from atom_core.runtime.rbln import RblnRuntime
 
-    cfg = config_for(attrs.evolve(opts, rbln_config=opts.rbln_config or opts.compiled))
-    return cfg, RblnRuntime.from_compiled(opts.compiled), tokenizer_for(opts.model)
+    assert opts.compiled is not None  # (_check_rbln refuses its absence)
+    return config_for(opts), RblnRuntime.from_compiled(opts.compiled), tokenizer_for(opts.model)
+
+
+def _check_hf(opts: ServeOptions) -> ServeOptions:
+    if opts.model not in HF_TINY_MODELS:
+        if opts.model == TINY:
+            raise ModelError(f"--model {TINY} is the reference runtime's built-in model; "
+                             f"--runtime hf takes {' or '.join(HF_TINY_MODELS)} (seeded random "
+                             "weights) or a local checkpoint directory (config.json, its "
+                             "weights and its tokenizer)")
+        check_model_dir(opts.model, weights=True)
+    config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
+    return opts
 
 
 def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     """--model DIR (a local checkpoint with its tokenizer) or tiny-llama / tiny-gemma3 (seeded
     random weights, the byte tokenizer); see atom_core.runtime.hf."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never the network
     try:
         from atom_core.runtime import hf
     except ImportError as exc:
         raise ValueError(f"--runtime hf needs transformers and torch: pip install "
                          f"'atom-core[hf]' ({exc})") from None
-    return hf.serve_factory(opts)
+    try:
+        return hf.serve_factory(opts)
+    except (ConfigError, ModelError, ImportError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers', safetensors', torch's: one line
+        raise ModelError(f"--model {opts.model}: cannot load the checkpoint "
+                         f"({type(exc).__name__}: {first_line(exc)}); give a local checkpoint "
+                         "directory (config.json, its weights and its tokenizer, as "
+                         "save_pretrained writes them)") from None
 
 
-register_runtime("reference", _reference)
-register_runtime("rbln", _rbln)
-register_runtime("hf", _hf)
+register_runtime("reference", _reference, _check_reference)
+register_runtime("rbln", _rbln, _check_rbln)
+register_runtime("hf", _hf, _check_hf)
