@@ -360,10 +360,10 @@ def rule_for(prefix_cache: bool, scratch: str, blocks_per_table: int = 1,
 def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str,
                   blocks_per_table: int = 1, preemption: bool = False) -> int:
     """The proved capacity rule (see atom_core/_generated/capacity.py): every lane can hold a
-    whole table of T blocks, plus the scratch block, plus, with T = 1, the prefix-cache hit's
-    source block (pinned while the copy runs; with T > 1 it fits in the admitted lane's table,
-    which holds one block at admission). With preemption: one lane's whole table, plus a
-    scratch or padding block."""
+    whole table of T blocks, plus the scratch block when it is reserved. The prefix cache costs
+    no block: a hit whose cache entry is the only reusable block is taken over by the lane
+    (`admit_adopt`, `grow_adopt`) instead of copied. With preemption: one lane's whole table,
+    plus a scratch or padding block."""
     if scratch not in SCRATCH_MODES:
         raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
     return capacity.min_kv_blocks(lanes, blocks_per_table, (prefix_cache, scratch), preemption)
