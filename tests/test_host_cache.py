@@ -189,7 +189,7 @@ def count_later_loads(b: AtomBatcher) -> dict[str, int]:
     """Counts the batcher's host hits past a table's first block (`grow_hit_host`) as they
     are applied, and the tokens they load."""
     seen = {"loads": 0, "tokens": 0}
-    apply = b._apply
+    apply = b.scheduler._apply  # (the scheduler applies every transition)
 
     def counting(action: str, **args: Any) -> Any:
         step = apply(action, **args)
@@ -197,7 +197,7 @@ def count_later_loads(b: AtomBatcher) -> dict[str, int]:
             seen["loads"] += 1
             seen["tokens"] += args["n"]
         return step
-    b._apply = counting  # type: ignore[method-assign]
+    b.scheduler._apply = counting  # type: ignore[method-assign]
     return seen
 
 
@@ -251,13 +251,13 @@ def test_failed_load_into_a_later_block_recomputes_only_that_block() -> None:
     rt = b.runtime
     update = rt.update_kv_cache
     later = count_later_loads(b)
-    apply = b._apply
+    apply = b.scheduler._apply  # (the scheduler applies every transition)
 
     def watch(action: str, **args: Any) -> Any:
         if action in ("admit_host_hit", "grow_host_hit"):
             loads.append(args["n"] if action == "admit_host_hit" else -args["n"])
         return apply(action, **args)
-    b._apply = watch  # type: ignore[method-assign]
+    b.scheduler._apply = watch  # type: ignore[method-assign]
 
     def fail_first_later_load(host: Any, block: int) -> None:
         if loads and loads[-1] < 0 and not failed:

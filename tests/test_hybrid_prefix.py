@@ -186,13 +186,13 @@ PS, PB = 512, 128  # tables of 4 blocks of 2 chunks
 def count_grow_hits(b: AtomBatcher) -> list[int]:
     """The n of every `grow_hit` the batcher applies (hits past a table's first block)."""
     seen: list[int] = []
-    apply = b._apply
+    apply = b.scheduler._apply  # (the scheduler applies every transition)
 
     def counting(action: str, **args: Any) -> Any:
         if action == "grow_hit":
             seen.append(args["n"])
         return apply(action, **args)
-    b._apply = counting  # type: ignore[method-assign]
+    b.scheduler._apply = counting  # type: ignore[method-assign]
     return seen
 
 

@@ -23,6 +23,7 @@ from atom_core._generated import core
 from atom_core.batcher import AtomBatcher
 from atom_core.config import Config
 from atom_core.runtime import TorchReferenceRuntime
+from atom_core.scheduler import Scheduler
 from atom_core.simulate import FAULTS, SimEvent, deep, driver, run, servers
 from atom_core.simulate.checks.blocks import block_leaks
 from atom_core.simulate.checks.host_tier import host_tier_leaks
@@ -306,12 +307,12 @@ def test_a_host_load_that_writes_nothing_is_caught() -> None:
 def test_an_adapter_that_forgets_to_finish_a_host_store_is_caught(monkeypatch: Any) -> None:
     """The adapter stores a spilled entry but never tells the core it is done: the block stays
     pinned and the slot storing past the step, which the leak checks report at once."""
-    apply = AtomBatcher._apply
+    apply = Scheduler._apply  # (the scheduler applies every transition)
 
-    def forgetful(self: AtomBatcher, action: str, **args: Any) -> Any:
+    def forgetful(self: Scheduler, action: str, **args: Any) -> Any:
         return None if action == "store_done" else apply(self, action, **args)
 
-    monkeypatch.setattr(AtomBatcher, "_apply", forgetful)
+    monkeypatch.setattr(Scheduler, "_apply", forgetful)
     rep = run(0, 20, shrink=True, **COMBOS["colocated-host"])
     assert not rep.ok and rep.leaks > 0 and rep.crash is None, simulate.render(rep)
     problems = [f.detail for f in rep.failures]
