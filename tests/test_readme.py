@@ -120,3 +120,11 @@ def test_the_unaligned_eager_sizes_are_stated():
     assert (f"block size {checks.UNALIGNED_SEQ_LEN} (chunk {checks.CHUNK})" in flat
             and f"B <= {checks.UNALIGNED_LANES}, K <= {checks.UNALIGNED_BLOCKS}" in flat
             and checks.UNALIGNED_SEQ_LEN % checks.CHUNK), flat
+
+
+def test_the_scheduler_example_runs():
+    """The README's example of driving the Scheduler without a runtime runs as written."""
+    fence = "`" * 3
+    blocks = README.split(fence + "python\n")[1:]
+    (example,) = [b.split(fence)[0] for b in blocks if "from atom_core.scheduler import" in b]
+    exec(compile(example, "README.md", "exec"), {})
