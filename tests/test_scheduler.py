@@ -177,7 +177,7 @@ def test_scheduler_under_drawn_outcomes(name: str, data: Any) -> None:
     pending_pd: list[Event] = []  # "import" and "export" events not answered yet
     for _ in range(data.draw(st.integers(1, 80), label="moves")):
         move = data.draw(st.sampled_from(("submit", "submit") + ("step",) * 8
-                                         + ("abort", "pd", "pd")), label="move")
+                                         + ("abort", "finish", "pd", "pd")), label="move")
         if move == "submit":
             kind = data.draw(st.sampled_from(("local", "local", "remote", "export")))
             s.submit(data.draw(prompts()), data.draw(st.integers(1, 80)), EOS,
@@ -185,6 +185,10 @@ def test_scheduler_under_drawn_outcomes(name: str, data: Any) -> None:
         elif move == "abort" and s.requests:
             if s.abort(data.draw(st.sampled_from(sorted(s.requests)))):
                 pass  # (the abort's end is not an event: the caller asked for it)
+        elif move == "finish" and s.requests:
+            # an engine's own stop (a stop string): a normal end if decoding, else an abort
+            _check_events(s.finish(data.draw(st.sampled_from(sorted(s.requests)))), ended,
+                          pending_pd)
         elif move == "pd" and pending_pd:
             ev = pending_pd.pop(data.draw(st.integers(0, len(pending_pd) - 1)))
             events: list[Event] = []
@@ -273,3 +277,38 @@ def test_batcher_steps_match_a_scheduler_driven_beside_it() -> None:
                     row_errors=(None,) * cfg.lanes))
         assert list(out.events) == events
     assert s.state == b.state
+
+
+def test_finish_files_a_decoding_request_and_aborts_the_rest() -> None:
+    """`finish` (an engine's stop on a token it already has) ends a decoding request as the
+    core's own finish does, its blocks becoming prefix-cache entries; a request that is not
+    decoding has no finished KV, and is aborted (nothing filed); mid-step it is refused."""
+    cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, True, "dynamic", 2) + 1, max_seq_len=128,
+                 block_size=64, prefill_chunk=64, prefix_cache=True)
+    s = Scheduler(cfg, vocab_size=VOCAB)
+    a = s.submit([1, 2, 3] * 30, 50, EOS)
+    b = s.submit([4, 5], 50, EOS)
+    while s.phase(a) != core.PHASE_DECODE:
+        out = s.schedule()
+        while not out.done:
+            call = out.call
+            n = 1 if call is None or isinstance(call, PrefillCall) else len(call.ids)
+            out = s.update(StepResult(work=(None,) * len(out.work)) if call is None
+                           else StepResult(tokens=(3,) * n))
+        assert s.phase(b) in (core.PHASE_WAITING, core.PHASE_PREFILL, core.PHASE_DECODE)
+    out = s.schedule()
+    with pytest.raises(RuntimeError, match="step is in progress"):
+        s.finish(a)
+    while not out.done:
+        n = 1 if isinstance(out.call, PrefillCall) else len(out.call.ids) if out.call else 0
+        out = s.update(StepResult(tokens=(3,) * n) if out.call else
+                       StepResult(work=(None,) * len(out.work)))
+    assert s.finish(a) == [Event("finished", a)]
+    assert s.phase(a) == core.PHASE_FINISHED
+    assert "cache" in s.describe()["blocks"]
+    assert s.finish(a) == []  # ended: nothing more
+    c = s.submit([7, 8, 9], 5, EOS)  # waiting: aborted, nothing filed
+    cached = s.describe()["blocks"].count("cache")
+    assert s.finish(c) == [] and s.phase(c) == core.PHASE_ABORTED
+    assert s.describe()["blocks"].count("cache") == cached
+    s.check_invariants()

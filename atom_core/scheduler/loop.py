@@ -499,6 +499,25 @@ class Scheduler:
         self._ended_now(request_id)
         return True
 
+    def finish(self, request_id: int) -> list[Event]:
+        """End a decoding request as finished (not aborted): a stop the engine decided on a
+        token this scheduler already emitted (a stop string, a stop id, a length cap of its
+        own). Its blocks are filed in the prefix cache as any finish's. A request that is not
+        decoding (waiting, in prefill, in a transfer) has no finished KV to file: it is aborted
+        instead. Returns the events (none for an unknown or ended request). Between steps only:
+        a request in the step's call would lose the call's outcome."""
+        if self._loop is not None:
+            raise RuntimeError("finish() while a step is in progress: update() it to its end")
+        req = self.requests.get(request_id)
+        if req is None or req.ended:
+            return []
+        if self._m.phase.get(request_id) != core.PHASE_DECODE:
+            self.abort(request_id)
+            return []
+        events: list[Event] = []
+        self._end(self._m.req_lane.get(request_id), events, None)
+        return events
+
     def forget(self, request_id: int) -> bool:
         """Drop an ended request now; False, and nothing changes, for a request that has not
         ended or whose blocks still drain."""
