@@ -23,6 +23,7 @@ from atom_core.scheduler import (
     CopyWork,
     DecodeCall,
     Event,
+    MixedCall,
     PrefillCall,
     Scheduler,
     StepOutput,
@@ -155,7 +156,8 @@ def _outcome(data: Any, out: StepOutput, s: Scheduler) -> StepResult:
             for w in out.work))
     if data.draw(st.integers(0, 19), label="call fails") == 0:
         return StepResult(error="RuntimeError('drawn')")
-    rows = 1 if isinstance(out.call, PrefillCall) else s.config.lanes
+    rows = {PrefillCall: 1, DecodeCall: s.config.lanes,
+            MixedCall: s.config.lanes + 1}[type(out.call)]
     toks = tuple(data.draw(st.integers(0, VOCAB - 1), label="token") for _ in range(rows))
     # (the end token seldom, so requests run long enough to grow and be preempted)
     toks = tuple(t if t != EOS or data.draw(st.booleans()) else 0 for t in toks)
@@ -165,14 +167,17 @@ def _outcome(data: Any, out: StepOutput, s: Scheduler) -> StepResult:
 
 
 @pytest.mark.parametrize("name", ["plain", "prefix", "paged-prefix", "host", "preempt",
-                                  "hybrid-prefix"])
+                                  "hybrid-prefix", "mixed-preempt", "mixed-host"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_scheduler_under_drawn_outcomes(name: str, data: Any) -> None:
-    cfg = _config(name, data.draw(st.integers(1, 3), label="lanes"),
+    """(mixed-*: a runtime that takes a decode and a prompt chunk in one call, `MixedCall`)"""
+    mixed = name.startswith("mixed-")
+    cfg = _config(name.removeprefix("mixed-"), data.draw(st.integers(1, 3), label="lanes"),
                   data.draw(st.integers(0, 2), label="extra blocks"))
-    s = Scheduler(cfg, ghost=True, vocab_size=VOCAB,
+    s = Scheduler(cfg, ghost=True, vocab_size=VOCAB, mixed=mixed,
                   keep_ended=data.draw(st.sampled_from((None, 0, 2)), label="keep_ended"))
+    calls: set[type] = set()
     ended: set[int] = set()
     pending_pd: list[Event] = []  # "import" and "export" events not answered yet
     for _ in range(data.draw(st.integers(1, 80), label="moves")):
@@ -212,6 +217,8 @@ def test_scheduler_under_drawn_outcomes(name: str, data: Any) -> None:
             out = s.schedule()
             while not out.done:
                 assert not (out.work and out.call), out  # one or the other
+                calls.add(type(out.call))
+                assert mixed or not isinstance(out.call, MixedCall)
                 out = s.update(_outcome(data, out, s))
             _check_events(list(out.events), ended, pending_pd)
         s.check_invariants()
@@ -312,3 +319,46 @@ def test_finish_files_a_decoding_request_and_aborts_the_rest() -> None:
     assert s.finish(c) == [] and s.phase(c) == core.PHASE_ABORTED
     assert s.describe()["blocks"].count("cache") == cached
     s.check_invariants()
+
+
+def _drive(s: Scheduler, prompts_: list[list[int]]) -> tuple[dict[int, list[int]], set[type]]:
+    """Run to the end with a stand-in model whose next token is a function of the request's
+    whole sequence so far, so a request's tokens do not depend on how steps were grouped."""
+    def next_token(rid: int) -> int:
+        req = s.requests[rid]
+        return hash(tuple(req.prompt + req.tokens)) % (VOCAB - 1)  # never EOS
+
+    def row(lane: int) -> int:
+        return next_token(s.view.lane_req[lane])
+
+    rids = [s.submit(p, 20, EOS) for p in prompts_]
+    calls: set[type] = set()
+    while s.busy():
+        out = s.schedule()
+        while not out.done:
+            call = out.call
+            calls.add(type(call))
+            if call is None:
+                res = StepResult(work=(None,) * len(out.work))
+            else:
+                dec = call.decode if isinstance(call, MixedCall) else call
+                pre = call.prefill if isinstance(call, MixedCall) else call
+                toks: tuple[int, ...] = ()
+                if isinstance(dec, DecodeCall):
+                    toks += tuple(row(ln) if ln in dec.lanes else 0 for ln in range(len(dec.ids)))
+                if isinstance(pre, PrefillCall):
+                    toks += (row(pre.lane) if pre.emits else 0,)
+                res = StepResult(tokens=toks)
+            out = s.update(res)
+        s.check_invariants()
+    return {r: s.requests[r].tokens for r in rids}, calls
+
+
+def test_mixed_calls_give_each_request_the_tokens_separate_calls_give() -> None:
+    cfg = Config(lanes=3, kv_blocks=min_kv_blocks(3, True, "dynamic", 4, True), max_seq_len=256,
+                 block_size=64, prefill_chunk=64, prefix_cache=True, preemption=True)
+    ps = [[1 + i % 5] * (30 + 37 * i) + [i] for i in range(6)]
+    apart, calls_apart = _drive(Scheduler(cfg, keep_ended=None), ps)
+    together, calls_together = _drive(Scheduler(cfg, keep_ended=None, mixed=True), ps)
+    assert together == apart
+    assert MixedCall in calls_together and MixedCall not in calls_apart

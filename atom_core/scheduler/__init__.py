@@ -30,6 +30,7 @@ from atom_core.scheduler.records import (
     Event,
     InvariantViolation,
     LoadWork,
+    MixedCall,
     PrefillCall,
     Request,
     Result,
@@ -45,6 +46,6 @@ from atom_core.scheduler.records import (
 
 __all__ = [
     "Call", "CopyWork", "CoreRejected", "DecodeCall", "Event", "InvariantViolation", "LoadWork",
-    "PrefillCall", "Request", "Result", "Scheduler", "SnapshotWork", "Stats", "StepOutput",
-    "StepResult", "StoreWork", "Work", "as_integer", "as_token",
+    "MixedCall", "PrefillCall", "Request", "Result", "Scheduler", "SnapshotWork", "Stats",
+    "StepOutput", "StepResult", "StoreWork", "Work", "as_integer", "as_token",
 ]

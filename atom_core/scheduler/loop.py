@@ -20,6 +20,7 @@ from atom_core.scheduler.records import (
     Event,
     InvariantViolation,
     LoadWork,
+    MixedCall,
     PrefillCall,
     Request,
     SnapshotWork,
@@ -39,11 +40,13 @@ _Loop = Generator[StepOutput, StepResult, list[Event]]
 class Scheduler:
     def __init__(self, config: Config, *, policy: Policy | None = None, ghost: bool = False,
                  trace: IO[str] | None = None, keep_ended: int | None = 10_000,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, mixed: bool = False) -> None:
         """`keep_ended`: how many ended requests keep their `requests` entry (tokens, error)
         for the caller to read; older ones are forgotten (the core's `forget`), so memory does
         not grow with the requests served. None keeps every one. `vocab_size`: the model's
-        (prompts and end tokens are checked against it), None if unknown."""
+        (prompts and end tokens are checked against it), None if unknown. `mixed`: the runtime
+        takes a decode and a prompt chunk in one call (`MixedCall`): a step with both a lane to
+        prefill and lanes decoding asks for both at once, instead of one of them."""
         if keep_ended is not None and (isinstance(keep_ended, bool)
                                        or not isinstance(keep_ended, int) or keep_ended < 0):
             raise ValueError(f"keep_ended must be an integer >= 0 or None, got {keep_ended!r}")
@@ -52,6 +55,7 @@ class Scheduler:
         self.config = config
         self.vocab_size = vocab_size
         self.policy = policy or Policy()
+        self.mixed = mixed
         # the core state, changed in place by each transition (`_apply`); `version` counts the
         # transitions, so a pending plan can tell whether the state moved since it was made
         self._m = inplace.init(config.consts(), ghost=ghost)
@@ -138,6 +142,26 @@ class Scheduler:
         if self.version != before:  # (else the state is the one the first pass left: no lane
             yield from self._grow(events)  # needs a block, and asking again costs B checks)
         lane = self.policy.prefill_lane(self._m)
+        if lane is not None and self.mixed and self._can_decode():
+            # (a decode call is possible without a preemption, so none happens here; a spill
+            # may, which leaves the lanes as they are: the prefill lane is chosen after it)
+            dcall = yield from self._decode_call(events)
+            lane = self.policy.prefill_lane(self._m)
+            if dcall is not None and lane is not None:
+                pcall = self._prefill_call(lane)
+                result = yield StepOutput(call=MixedCall(dcall, pcall), events=tuple(events))
+                rows = len(dcall.ids)
+                self._decoded(dcall, StepResult(
+                    error=result.error, tokens=result.tokens[:rows],
+                    row_errors=result.row_errors[:rows]), events)
+                yield from self._prefilled(pcall, StepResult(
+                    error=result.error, tokens=result.tokens[rows:],
+                    row_errors=result.row_errors[rows:]), events)
+                return events
+            if dcall is not None:  # (no lane to prefill after all)
+                result = yield StepOutput(call=dcall, events=tuple(events))
+                self._decoded(dcall, result, events)
+                return events
         if lane is not None and not self.policy.prefill_first(self._m, self._can_decode):
             lane = None  # decoding lanes waited long enough: a decode call goes first
         if lane is not None:
@@ -309,7 +333,9 @@ class Scheduler:
             return
         tok = result.tokens[0] if result.tokens else 0
         self.stats.prefill_tokens += call.end - call.start
-        self._apply("prefill", l=lane, tok=tok)
+        (eff,) = self._apply("prefill", l=lane, tok=tok).effects[:1]
+        # the chunk computed is the one the core records (after a mixed call's decode too)
+        assert (eff.start, eff.end) == (call.start, call.end), (eff, call)
         if (self.config.prefix_cache and self.config.sliding_window is not None
                 and self.policy.snapshot(self._m, lane)):
             # a failed fetch costs only later hits their snapshot (the core then allows none)

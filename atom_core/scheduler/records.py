@@ -191,7 +191,21 @@ class DecodeCall:
     effect: Any = attrs.field(eq=False, repr=False)  # the core's `Decode` plan
 
 
-Call = PrefillCall | DecodeCall
+@attrs.frozen
+class MixedCall:
+    """One forward call that computes a decode over the decoding lanes and one prompt chunk
+    of another lane together, for a runtime without a static batch shape (`Scheduler(
+    mixed=True)`: vLLM's runner; not RBLN's graphs). The core applies the decode's action and
+    then the prefill's, exactly as two calls' outcomes; computing them in one call changes
+    nothing because their rows read and write disjoint lanes' blocks. Its `StepResult`:
+    `tokens` and `row_errors` the decode's B rows followed by the prefill's one; `error` fails
+    every row of both."""
+
+    decode: DecodeCall
+    prefill: PrefillCall
+
+
+Call = PrefillCall | DecodeCall | MixedCall
 
 
 @attrs.frozen

@@ -36,6 +36,7 @@ from atom_core._generated import core
 from atom_core.scheduler import (
     CopyWork,
     DecodeCall,
+    MixedCall,
     PrefillCall,
     Scheduler,
     StepOutput,
@@ -66,7 +67,9 @@ class AtomScheduler(SchedulerInterface):
         self.connector = None
         self.ec_connector = None
         # ended requests leave the core at once: vLLM keeps what a client reads (its Request)
-        self.core = Scheduler(self.config, keep_ended=0,
+        # vLLM's runner takes decode rows and a prompt chunk in one forward (no static batch
+        # shape, no padding rows): a step with both asks for both (`MixedCall`)
+        self.core = Scheduler(self.config, keep_ended=0, mixed=True,
                               vocab_size=vllm_config.model_config.get_vocab_size())
         self.requests: dict[str, Request] = {}  # vLLM's live requests (structured output reads)
         self._rid: dict[str, int] = {}  # vLLM's id -> the core's
@@ -80,7 +83,7 @@ class AtomScheduler(SchedulerInterface):
         self._finished_by_client: dict[int, set[str]] = {}
         self._ended_outputs: list[EngineCoreOutput] = []  # ended outside a step's tokens
         self._client_of: dict[str, int] = {}  # and the client each of those goes to
-        self._call: PrefillCall | DecodeCall | None = None
+        self._call: PrefillCall | DecodeCall | MixedCall | None = None
         self._seen = 0  # events of the step in progress already acted on
         self._deferred: dict[str, RequestStatus] = {}  # finished while a call was out
         self._pause = PauseState.UNPAUSED
@@ -163,16 +166,18 @@ class AtomScheduler(SchedulerInterface):
         # (no host tier and no hybrid model reach here: Config has neither)
         return f"{type(work).__name__} is not supported under vLLM"
 
-    def _output(self, call: PrefillCall | DecodeCall | None,
+    def _output(self, call: PrefillCall | DecodeCall | MixedCall | None,
                 copies: list[KVCacheBlockCopy]) -> SchedulerOutput:
         new: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
         tokens: dict[str, int] = {}
         rows: list[tuple[int, int, int]] = []  # (lane, first position, tokens)
-        if isinstance(call, PrefillCall):
-            rows.append((call.lane, call.start, call.end - call.start))
-        elif isinstance(call, DecodeCall):
-            rows.extend((ln, call.positions[ln], 1) for ln in call.lanes)
+        dec = call.decode if isinstance(call, MixedCall) else call
+        pre = call.prefill if isinstance(call, MixedCall) else call
+        if isinstance(dec, DecodeCall):
+            rows.extend((ln, dec.positions[ln], 1) for ln in dec.lanes)
+        if isinstance(pre, PrefillCall):
+            rows.append((pre.lane, pre.start, pre.end - pre.start))
         now = time.monotonic()
         for lane, start, n in rows:
             rid = self.core.view.lane_req[lane]
@@ -252,9 +257,14 @@ class AtomScheduler(SchedulerInterface):
     def _client(self, vid: str) -> int:
         return self._client_of.pop(vid, 0)
 
-    def _result(self, call: PrefillCall | DecodeCall, mro: Any) -> StepResult:
+    def _result(self, call: PrefillCall | DecodeCall | MixedCall, mro: Any) -> StepResult:
         """The sampled tokens as the core's `StepResult`: one per row of the call (a prompt
         chunk that does not end its prompt samples nothing: its token is not read)."""
+        if isinstance(call, MixedCall):
+            dec, pre = self._result(call.decode, mro), self._result(call.prefill, mro)
+            return StepResult(tokens=dec.tokens + pre.tokens,
+                              row_errors=(dec.row_errors or (None,) * len(dec.tokens))
+                              + (pre.row_errors or (None,)))
         index, sampled = mro.req_id_to_index, mro.sampled_token_ids
         if isinstance(call, PrefillCall):
             vid = self._vid[call.request]
