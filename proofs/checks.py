@@ -129,43 +129,71 @@ def named_axioms(model: L.Model, u: Universe) -> list[tuple[str, Any]]:
                     u.axioms(), strict=True))
 
 
+@attrs.frozen
+class Verdict:
+    """A `NamedSolver`'s answer: `status` sat, unsat or unknown (z3's `unknown`, never read as
+    either of the others: a check must fail on it); `core`: for unsat, the names of a minimal
+    unsat core, in the order they were first added; `reason`: otherwise, why z3 gave no
+    unsat (`limits.why_unknown`)."""
+
+    status: str
+    core: tuple[str, ...] = ()
+    reason: str = ""
+
+
+class NamedSolver:
+    """A solver whose facts are tracked by name (facts of one name share one literal), asked
+    under all of them as assumptions, so that an `unsat` names what clashes: a minimal core of
+    names. The one way an unsat core is asked for here and in proofs/nonvacuity.py; `prefix`
+    names the tracking literals (`prefix!N`)."""
+
+    def __init__(self, rlimit: int, prefix: str = "hyp") -> None:
+        self.rlimit, self.prefix = rlimit, prefix
+        self.solver = limits.new_solver(rlimit)
+        self.solver.set("core.minimize", True)
+        self.lits: dict[str, Any] = {}
+
+    def add(self, name: str, fact: Any) -> None:
+        if name not in self.lits:
+            self.lits[name] = z3.Bool(f"{self.prefix}!{len(self.lits)}")
+        self.solver.add(z3.Implies(self.lits[name], fact))
+
+    def check(self) -> Verdict:
+        s = self.solver
+        r = s.check(*self.lits.values())
+        if r == z3.unsat:
+            core = {str(c) for c in s.unsat_core()}
+            return Verdict("unsat", tuple(n for n, lit in self.lits.items() if str(lit) in core))
+        return Verdict(str(r), reason=limits.why_unknown(s, self.rlimit))
+
+
 class Inhabitation:
     """A solver holding named hypotheses; `check(more, size)` asks whether they hold together
     with `more` (named facts), as a `Check` of kind `nonvacuity`: `proved` when a state
     satisfies them all, a `counterexample` naming a minimal unsat core when not."""
 
     def __init__(self, named: list[tuple[str, Any]], rlimit: int = RLIMIT) -> None:
-        self.rlimit = rlimit
-        self.solver = limits.new_solver(rlimit)
-        self.solver.set("core.minimize", True)
-        self.lits: dict[str, Any] = {}
+        self.named = NamedSolver(rlimit)
         for name, fact in named:
-            self.solver.add(z3.Implies(self._lit(name), fact))
-
-    def _lit(self, name: str) -> Any:
-        if name not in self.lits:
-            self.lits[name] = z3.Bool(f"hyp!{len(self.lits)}")
-        return self.lits[name]
+            self.named.add(name, fact)
 
     def check(self, more: list[tuple[str, Any]], size: str) -> Check:
-        t0, before = time.perf_counter(), limits.spent(self.solver)
-        s = self.solver
+        s = self.named.solver
+        t0, before = time.perf_counter(), limits.spent(s)
         s.push()
         for name, fact in more:
-            s.add(z3.Implies(self._lit(name), fact))
-        r = s.check(*self.lits.values())
-        detail = ""
-        if r == z3.unsat:
-            names = {str(v): k for k, v in self.lits.items()}
-            core = sorted(names[str(c)] for c in s.unsat_core())
-            detail = ("the hypotheses every obligation here assumes contradict each other, so "
-                      "each would be 'proved' vacuously: unsat core " + ", ".join(core))
-        elif r == z3.unknown:
-            detail = limits.why_unknown(s, self.rlimit)
+            self.named.add(name, fact)
+        v = self.named.check()
         s.pop()
-        status = "proved" if r == z3.sat else "counterexample" if r == z3.unsat else "unknown"
+        detail = ""
+        if v.status == "unsat":
+            detail = ("the hypotheses every obligation here assumes contradict each other, so "
+                      "each would be 'proved' vacuously: unsat core " + ", ".join(sorted(v.core)))
+        elif v.status == "unknown":
+            detail = v.reason
+        status = {"sat": "proved", "unsat": "counterexample"}.get(v.status, "unknown")
         return Check(INHABITED, "*", NONVACUITY, status, time.perf_counter() - t0, size,
-                     detail, limits.spent(self.solver) - before)
+                     detail, limits.spent(s) - before)
 
 
 def _at_init(model: L.Model, u: Universe, assume: list[L.Named]) -> list[tuple[str, Any]]:

@@ -41,7 +41,7 @@ import attrs
 import z3
 
 from atom_core.proofs import capacity, limits
-from atom_core.proofs.checks import CHUNK, SEQ_LEN, Check, bounded_universe
+from atom_core.proofs.checks import CHUNK, SEQ_LEN, Check, NamedSolver, bounded_universe
 from atom_core.proofs.encode import Env, Universe
 from atom_core.spec import lang as L
 
@@ -226,19 +226,15 @@ class Session:
 
 def unsat_core(facts: list[Query], rlimit: int) -> Answer:
     """A minimal unsat core of `facts` (facts of one name count as one)."""
-    s = limits.new_solver(rlimit)
-    s.set("core.minimize", True)
-    lits: dict[str, Any] = {}
+    named = NamedSolver(rlimit, "nv")
     first: dict[str, Query] = {}
     for q in facts:
-        lit = lits.setdefault(q.name, z3.Bool(f"nv!{len(lits)}"))
         first.setdefault(q.name, q)
-        s.add(z3.Implies(lit, q.fact))
-    r = s.check(*lits.values())
-    if r != z3.unsat:  # (the same facts were unsat a moment ago: z3 gave up)
-        return Answer("unknown", reason=f"no unsat core: {limits.why_unknown(s, rlimit) or r}")
-    core = {str(c) for c in s.unsat_core()}
-    return Answer("unsat", tuple(first[n] for n, lit in lits.items() if str(lit) in core))
+        named.add(q.name, q.fact)
+    v = named.check()
+    if v.status != "unsat":  # (the same facts were unsat a moment ago: z3 gave up)
+        return Answer("unknown", reason=f"no unsat core: {v.reason or v.status}")
+    return Answer("unsat", tuple(first[n] for n in v.core))
 
 
 # --------------------------------------------------------------------------- the checks

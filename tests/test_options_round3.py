@@ -116,9 +116,9 @@ def test_a_file_that_is_not_an_rbln_config_is_one_line(capsys: Any, tmp_path: Pa
 
 
 def test_an_oversized_file_is_not_read_whole(tmp_path: Path, monkeypatch: Any) -> None:
-    from atom_core import config
+    from atom_core import rbln_config
 
-    monkeypatch.setattr(config, "MAX_RBLN_BYTES", 64)
+    monkeypatch.setattr(rbln_config, "MAX_RBLN_BYTES", 64)
     path = _file(tmp_path, {**GOOD, "model_id": "x" * 100})
     with pytest.raises(ConfigError, match="larger than"):
         read_rbln(path)

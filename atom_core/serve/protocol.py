@@ -10,17 +10,17 @@ does not implement is a 400 that says so (`UNSUPPORTED`).
 
 A body is parsed by `parse_body`, which takes any bytes: what is not JSON text a request could
 mean (not UTF-8, a lone surrogate, nesting or a number past any request's) is a `BodyError`
-naming where it is, never an exception from deeper down (an encoder's, a recursion's)."""
+naming where it is, never an exception from deeper down (an encoder's, a recursion's): the
+reading is `atom_core.jsonvalue`'s, shared with every other reader of outside JSON."""
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from atom_core import jsonvalue
 
 # OpenAI parameters this server does not implement: what its 400 says beyond the name
 _LEAVE_OUT = "not supported by this server: leave it out (or send null)"
@@ -49,6 +49,10 @@ MAX_DEPTH = 64
 # one past 4300 digits with a ValueError that names no parameter).
 MAX_DIGITS = 20
 
+# every string Unicode text (no lone surrogate, which no encoder takes later), every number
+# finite, a leading BOM dropped as json.loads of bytes does
+_BODY = jsonvalue.Reader(max_depth=MAX_DEPTH, max_digits=MAX_DIGITS)
+
 
 class BodyError(ValueError):
     """A body that is no JSON a request could be: `message` says what and where; `param` is
@@ -59,78 +63,21 @@ class BodyError(ValueError):
         self.message, self.param = message, param
 
 
-class _Flawed:
-    """What a parse hook returns for a literal that is no value a request takes; the walk after
-    the parse reports it with its place in the body (a hook does not know the place)."""
-
-    __slots__ = ("why",)
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
-def _integer(literal: str) -> int | _Flawed:
-    digits = len(literal) - literal.startswith("-")
-    if digits > MAX_DIGITS:
-        return _Flawed(f"a {digits}-digit integer is larger than any value a parameter takes "
-                       f"(at most {MAX_DIGITS} digits)")
-    return int(literal)
-
-
-def _constant(name: str) -> _Flawed:
-    # (Python's json takes NaN, Infinity and -Infinity; JSON has no such values)
-    return _Flawed(f"{name} is not JSON (a JSON number is finite): send a number")
-
-
-# a digit run longer than any integer taken: only then are integers parsed by a hook (a Python
-# call per integer: a prompt of token ids is many)
-_LONG_DIGITS = re.compile(rb"[0-9]{%d,}" % (MAX_DIGITS + 1))
-_SURROGATE = re.compile("[\ud800-\udfff]")
-# the types a list of plain values holds; such a list needs no look at each item
-_PLAIN = frozenset({int, bool, type(None)})
-
-
-class _TooDeep(Exception):
-    pass
-
-
-def _flaw(value: Any, depth: int) -> tuple[list[str], str] | None:
-    """The first thing in `value` that is no value of a request, as (its location, innermost
-    name first; what is wrong), or None."""
-    kind = type(value)
-    if kind is str:
-        found = _SURROGATE.search(value)
-        return None if found is None else ([], _lone(found, "the text"))
-    if kind is float:
-        return None if math.isfinite(value) else \
-            ([], "a number too large for a 64-bit float (it overflows to infinity)")
-    if kind is _Flawed:
-        return [], value.why
-    if kind is list:
-        if depth >= MAX_DEPTH:
-            raise _TooDeep
-        if set(map(type, value)) <= _PLAIN:
-            return None
-        for i, item in enumerate(value):
-            if (flaw := _flaw(item, depth + 1)) is not None:
-                flaw[0].append(str(i))
-                return flaw
-    elif kind is dict:
-        if depth >= MAX_DEPTH:
-            raise _TooDeep
-        for key, item in value.items():
-            if (found := _SURROGATE.search(key)) is not None:
-                return [json.dumps(key)], _lone(found, "this key")
-            if (flaw := _flaw(item, depth + 1)) is not None:
-                flaw[0].append(key)
-                return flaw
-    return None
-
-
-def _lone(found: re.Match[str], what: str) -> str:
-    return (f"{what} has a lone surrogate (\\u{ord(found.group()):04x} at character "
-            f"{found.start()}), which is no Unicode character: send the text as UTF-8, or a "
-            "character past U+FFFF as its surrogate pair")
+def _why(flaw: jsonvalue.JsonFlaw) -> str:
+    """What is wrong with a value in the body, in a client's words (`flaw.where` says where)."""
+    if isinstance(flaw, jsonvalue.TooManyDigits):
+        return (f"a {flaw.digits}-digit integer is larger than any value a parameter takes "
+                f"(at most {MAX_DIGITS} digits)")
+    if isinstance(flaw, jsonvalue.NotFinite):
+        if flaw.literal is None:
+            return "a number too large for a 64-bit float (it overflows to infinity)"
+        return f"{flaw.literal} is not JSON (a JSON number is finite): send a number"
+    if isinstance(flaw, jsonvalue.LoneSurrogate):
+        return (f"{'this key' if flaw.in_key else 'the text'} has a lone surrogate "
+                f"(\\u{flaw.codepoint:04x} at character {flaw.index}), which is no Unicode "
+                "character: send the text as UTF-8, or a character past U+FFFF as its "
+                "surrogate pair")
+    return str(flaw)
 
 
 def parse_body(body: bytes) -> Any:
@@ -139,34 +86,22 @@ def parse_body(body: bytes) -> Any:
     takes later), nesting at most MAX_DEPTH deep and every number finite and of at most
     MAX_DIGITS digits; else `BodyError`."""
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
+        return _BODY.read(body)
+    except jsonvalue.NotUtf8 as exc:
         raise BodyError(f"the request body is not UTF-8 text: {exc.reason} (byte "
-                        f"0x{body[exc.start]:02x} at offset {exc.start}); send the JSON as "
+                        f"0x{exc.byte:02x} at offset {exc.start}); send the JSON as "
                         "UTF-8") from None
-    hooks: dict[str, Any] = {"parse_constant": _constant}
-    if _LONG_DIGITS.search(body):
-        hooks["parse_int"] = _integer
-    too_deep = BodyError(f"the request body nests arrays and objects more than {MAX_DEPTH} "
-                         "deep; a request nests a few levels")
-    try:
-        value = json.loads(text.removeprefix("\ufeff"), **hooks)
-    except json.JSONDecodeError as exc:
+    except jsonvalue.NotJson as exc:
         raise BodyError(f"the request body is not valid JSON: {exc.msg} at character "
                         f"{exc.pos}; send a JSON object") from None
-    except RecursionError:  # (the decoder's own bound, far past ours)
-        raise too_deep from None
-    try:
-        flaw = _flaw(value, 0)
-    except _TooDeep:
-        raise too_deep from None
-    if flaw is None:
-        return value
-    where, why = flaw
-    where.reverse()
-    # the parameter is the first name in the location (messages.0.content -> messages)
-    param = next((x for x in where if not x.isdigit()), None)
-    raise BodyError(f"{'.'.join(where) or 'the request body'}: {why}", param)
+    except jsonvalue.TooDeep:
+        raise BodyError(f"the request body nests arrays and objects more than {MAX_DEPTH} "
+                        "deep; a request nests a few levels") from None
+    except jsonvalue.JsonFlaw as exc:
+        # the parameter is the first name in the location (messages.0.content -> messages)
+        param = next((x for x in exc.where if not x.isdigit()), None)
+        raise BodyError(f"{'.'.join(exc.where) or 'the request body'}: {_why(exc)}",
+                        param) from None
 
 
 class _Strict(BaseModel):
