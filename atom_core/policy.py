@@ -131,6 +131,14 @@ class Policy:
                 best = ln
         return best
 
+    def prefill_lanes(self, s: g.State) -> list[int]:
+        """Every lane that can prefill, in the order `prefill_lane` takes them (earliest
+        admitted first): a runtime that takes several prompt chunks in one call
+        (`MixedCall`) computes a chunk of each, this order deciding who fits a token budget."""
+        enabled = _core(s).enabled_prefill
+        return sorted((ln for ln in range(s.consts.B) if enabled(s, l=ln)),
+                      key=lambda ln: self.admitted.get(ln, 0))
+
     def prefill_first(self, s: g.State, can_decode: Callable[[], bool]) -> bool:
         """A lane can prefill: run its chunk this step rather than a decode call? Prefill first
         (a new request's first token soon), but not for ever: requests that end at their

@@ -156,8 +156,10 @@ def _outcome(data: Any, out: StepOutput, s: Scheduler) -> StepResult:
             for w in out.work))
     if data.draw(st.integers(0, 19), label="call fails") == 0:
         return StepResult(error="RuntimeError('drawn')")
-    rows = {PrefillCall: 1, DecodeCall: s.config.lanes,
-            MixedCall: s.config.lanes + 1}[type(out.call)]
+    call = out.call
+    rows = (1 if isinstance(call, PrefillCall) else s.config.lanes
+            if isinstance(call, DecodeCall) else len(call.prefills)
+            + (s.config.lanes if call.decode is not None else 0))
     toks = tuple(data.draw(st.integers(0, VOCAB - 1), label="token") for _ in range(rows))
     # (the end token seldom, so requests run long enough to grow and be preempted)
     toks = tuple(t if t != EOS or data.draw(st.booleans()) else 0 for t in toks)
@@ -176,6 +178,7 @@ def test_scheduler_under_drawn_outcomes(name: str, data: Any) -> None:
     cfg = _config(name.removeprefix("mixed-"), data.draw(st.integers(1, 3), label="lanes"),
                   data.draw(st.integers(0, 2), label="extra blocks"))
     s = Scheduler(cfg, ghost=True, vocab_size=VOCAB, mixed=mixed,
+                  prefill_tokens=data.draw(st.sampled_from((64, 128, 1000)), label="budget"),
                   keep_ended=data.draw(st.sampled_from((None, 0, 2)), label="keep_ended"))
     calls: set[type] = set()
     ended: set[int] = set()
@@ -321,7 +324,7 @@ def test_finish_files_a_decoding_request_and_aborts_the_rest() -> None:
     s.check_invariants()
 
 
-def _drive(s: Scheduler, prompts_: list[list[int]]) -> tuple[dict[int, list[int]], set[type]]:
+def _drive(s: Scheduler, prompts_: list[list[int]]) -> tuple[dict[int, list[int]], set[Any]]:
     """Run to the end with a stand-in model whose next token is a function of the request's
     whole sequence so far, so a request's tokens do not depend on how steps were grouped."""
     def next_token(rid: int) -> int:
@@ -332,22 +335,24 @@ def _drive(s: Scheduler, prompts_: list[list[int]]) -> tuple[dict[int, list[int]
         return next_token(s.view.lane_req[lane])
 
     rids = [s.submit(p, 20, EOS) for p in prompts_]
-    calls: set[type] = set()
+    calls: set[Any] = set()
     while s.busy():
         out = s.schedule()
         while not out.done:
             call = out.call
             calls.add(type(call))
+            if isinstance(call, MixedCall):  # (how many chunks rode along)
+                calls.add(("prefills", len(call.prefills)))
             if call is None:
                 res = StepResult(work=(None,) * len(out.work))
             else:
                 dec = call.decode if isinstance(call, MixedCall) else call
-                pre = call.prefill if isinstance(call, MixedCall) else call
+                pres = call.prefills if isinstance(call, MixedCall) else (call,)
                 toks: tuple[int, ...] = ()
                 if isinstance(dec, DecodeCall):
                     toks += tuple(row(ln) if ln in dec.lanes else 0 for ln in range(len(dec.ids)))
-                if isinstance(pre, PrefillCall):
-                    toks += (row(pre.lane) if pre.emits else 0,)
+                toks += tuple(row(p.lane) if p.emits else 0 for p in pres
+                              if isinstance(p, PrefillCall))
                 res = StepResult(tokens=toks)
             out = s.update(res)
         s.check_invariants()
@@ -360,5 +365,9 @@ def test_mixed_calls_give_each_request_the_tokens_separate_calls_give() -> None:
     ps = [[1 + i % 5] * (30 + 37 * i) + [i] for i in range(6)]
     apart, calls_apart = _drive(Scheduler(cfg, keep_ended=None), ps)
     together, calls_together = _drive(Scheduler(cfg, keep_ended=None, mixed=True), ps)
-    assert together == apart
+    wide, calls_wide = _drive(Scheduler(cfg, keep_ended=None, mixed=True,
+                                        prefill_tokens=3 * 64), ps)
+    assert together == apart == wide
     assert MixedCall in calls_together and MixedCall not in calls_apart
+    assert ("prefills", 1) in calls_together and ("prefills", 2) not in calls_together
+    assert ("prefills", 3) in calls_wide

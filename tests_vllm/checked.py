@@ -14,11 +14,15 @@ class CheckedAtomScheduler(AtomScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.steps = 0
+        # (prompt chunks, decode rows) of each step, read off vLLM's own SchedulerOutput
+        self.shapes: set[tuple[int, int]] = set()
         CheckedAtomScheduler.instances.append(self)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
         self.check_invariants()
+        n = list(out.num_scheduled_tokens.values())
+        self.shapes.add((sum(1 for x in n if x > 1), sum(1 for x in n if x == 1)))
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:

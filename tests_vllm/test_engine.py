@@ -87,6 +87,8 @@ def test_greedy_tokens_equal_vllms_scheduler(engines: dict, prefix: bool) -> Non
     assert ours == theirs
     sched = last_atom()
     assert sched.idle() == [] and sched.steps > 0
+    # steps that computed several requests' prompt chunks beside other requests' decodes
+    assert any(chunks >= 2 and decodes >= 1 for chunks, decodes in sched.shapes)
     if prefix:  # the shared prefix was reused, not recomputed
         assert sched.core.stats.prefix_hit_tokens >= 128
 

@@ -40,13 +40,15 @@ _Loop = Generator[StepOutput, StepResult, list[Event]]
 class Scheduler:
     def __init__(self, config: Config, *, policy: Policy | None = None, ghost: bool = False,
                  trace: IO[str] | None = None, keep_ended: int | None = 10_000,
-                 vocab_size: int | None = None, mixed: bool = False) -> None:
+                 vocab_size: int | None = None, mixed: bool = False,
+                 prefill_tokens: int | None = None) -> None:
         """`keep_ended`: how many ended requests keep their `requests` entry (tokens, error)
         for the caller to read; older ones are forgotten (the core's `forget`), so memory does
         not grow with the requests served. None keeps every one. `vocab_size`: the model's
         (prompts and end tokens are checked against it), None if unknown. `mixed`: the runtime
-        takes a decode and a prompt chunk in one call (`MixedCall`): a step with both a lane to
-        prefill and lanes decoding asks for both at once, instead of one of them."""
+        takes a decode and prompt chunks in one call (`MixedCall`): a step with a lane to
+        prefill asks for the decode (if a lane decodes) and a chunk of each lane that can
+        prefill, while their tokens fit `prefill_tokens` (default: one chunk), at once."""
         if keep_ended is not None and (isinstance(keep_ended, bool)
                                        or not isinstance(keep_ended, int) or keep_ended < 0):
             raise ValueError(f"keep_ended must be an integer >= 0 or None, got {keep_ended!r}")
@@ -56,6 +58,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.policy = policy or Policy()
         self.mixed = mixed
+        self.prefill_tokens = config.prefill_chunk if prefill_tokens is None else prefill_tokens
         # the core state, changed in place by each transition (`_apply`); `version` counts the
         # transitions, so a pending plan can tell whether the state moved since it was made
         self._m = inplace.init(config.consts(), ghost=ghost)
@@ -142,26 +145,9 @@ class Scheduler:
         if self.version != before:  # (else the state is the one the first pass left: no lane
             yield from self._grow(events)  # needs a block, and asking again costs B checks)
         lane = self.policy.prefill_lane(self._m)
-        if lane is not None and self.mixed and self._can_decode():
-            # (a decode call is possible without a preemption, so none happens here; a spill
-            # may, which leaves the lanes as they are: the prefill lane is chosen after it)
-            dcall = yield from self._decode_call(events)
-            lane = self.policy.prefill_lane(self._m)
-            if dcall is not None and lane is not None:
-                pcall = self._prefill_call(lane)
-                result = yield StepOutput(call=MixedCall(dcall, pcall), events=tuple(events))
-                rows = len(dcall.ids)
-                self._decoded(dcall, StepResult(
-                    error=result.error, tokens=result.tokens[:rows],
-                    row_errors=result.row_errors[:rows]), events)
-                yield from self._prefilled(pcall, StepResult(
-                    error=result.error, tokens=result.tokens[rows:],
-                    row_errors=result.row_errors[rows:]), events)
-                return events
-            if dcall is not None:  # (no lane to prefill after all)
-                result = yield StepOutput(call=dcall, events=tuple(events))
-                self._decoded(dcall, result, events)
-                return events
+        if lane is not None and self.mixed:
+            yield from self._mixed(events)
+            return events
         if lane is not None and not self.policy.prefill_first(self._m, self._can_decode):
             lane = None  # decoding lanes waited long enough: a decode call goes first
         if lane is not None:
@@ -174,6 +160,34 @@ class Scheduler:
             result = yield StepOutput(call=dcall, events=tuple(events))
             self._decoded(dcall, result, events)
         return events
+
+    def _mixed(self, events: list[Event]) -> Generator[StepOutput, StepResult, None]:
+        """A step for a runtime that takes several rows of either kind in one call: the
+        decode (if a lane decodes) and a prompt chunk of as many lanes as `prefill_tokens`
+        allows (at least one), applied in that order."""
+        dcall = None
+        if self._can_decode():
+            # (a decode call is possible without a preemption, so none happens here; a spill
+            # may, which leaves the lanes as they are: the prefill lanes are chosen after it)
+            dcall = yield from self._decode_call(events)
+        pcalls: list[PrefillCall] = []
+        budget = self.prefill_tokens
+        for ln in self.policy.prefill_lanes(self._m):
+            pcall = self._prefill_call(ln)
+            budget -= pcall.end - pcall.start
+            if pcalls and budget < 0:
+                break
+            pcalls.append(pcall)
+        result = yield StepOutput(call=MixedCall(dcall, tuple(pcalls)), events=tuple(events))
+        rows = len(dcall.ids) if dcall is not None else 0
+        if dcall is not None:
+            self._decoded(dcall, StepResult(error=result.error, tokens=result.tokens[:rows],
+                                            row_errors=result.row_errors[:rows]), events)
+        for i, pcall in enumerate(pcalls):
+            row = slice(rows + i, rows + i + 1)
+            yield from self._prefilled(pcall, StepResult(
+                error=result.error, tokens=result.tokens[row],
+                row_errors=result.row_errors[row]), events)
 
     def _ask(self, work: Work, events: list[Event]) -> Generator[StepOutput, StepResult,
                                                                   str | None]:

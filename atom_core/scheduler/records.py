@@ -193,16 +193,16 @@ class DecodeCall:
 
 @attrs.frozen
 class MixedCall:
-    """One forward call that computes a decode over the decoding lanes and one prompt chunk
-    of another lane together, for a runtime without a static batch shape (`Scheduler(
-    mixed=True)`: vLLM's runner; not RBLN's graphs). The core applies the decode's action and
-    then the prefill's, exactly as two calls' outcomes; computing them in one call changes
-    nothing because their rows read and write disjoint lanes' blocks. Its `StepResult`:
-    `tokens` and `row_errors` the decode's B rows followed by the prefill's one; `error` fails
-    every row of both."""
+    """One forward call that computes a decode over the decoding lanes (if any) and a prompt
+    chunk of each of `prefills`' lanes together, for a runtime without a static batch shape
+    (`Scheduler(mixed=True)`: vLLM's runner; not RBLN's graphs). The core applies the decode's
+    action and then each prefill's, exactly as separate calls' outcomes; computing them in one
+    call changes nothing because their rows read and write disjoint lanes' blocks. Its
+    `StepResult`: `tokens` and `row_errors` the decode's B rows (when there is a decode)
+    followed by one per prefill, in order; `error` fails every row."""
 
-    decode: DecodeCall
-    prefill: PrefillCall
+    decode: DecodeCall | None
+    prefills: tuple[PrefillCall, ...]
 
 
 Call = PrefillCall | DecodeCall | MixedCall

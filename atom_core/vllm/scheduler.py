@@ -67,10 +67,13 @@ class AtomScheduler(SchedulerInterface):
         self.connector = None
         self.ec_connector = None
         # ended requests leave the core at once: vLLM keeps what a client reads (its Request)
-        # vLLM's runner takes decode rows and a prompt chunk in one forward (no static batch
-        # shape, no padding rows): a step with both asks for both (`MixedCall`)
-        self.core = Scheduler(self.config, keep_ended=0, mixed=True,
-                              vocab_size=vllm_config.model_config.get_vocab_size())
+        # vLLM's runner takes decode rows and prompt chunks of several requests in one forward
+        # (no static batch shape, no padding rows): a step asks for all it can (`MixedCall`),
+        # chunks within vLLM's token budget per step
+        self.core = Scheduler(
+            self.config, keep_ended=0, mixed=True,
+            prefill_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            vocab_size=vllm_config.model_config.get_vocab_size())
         self.requests: dict[str, Request] = {}  # vLLM's live requests (structured output reads)
         self._rid: dict[str, int] = {}  # vLLM's id -> the core's
         self._vid: dict[int, str] = {}  # and back
@@ -173,11 +176,11 @@ class AtomScheduler(SchedulerInterface):
         tokens: dict[str, int] = {}
         rows: list[tuple[int, int, int]] = []  # (lane, first position, tokens)
         dec = call.decode if isinstance(call, MixedCall) else call
-        pre = call.prefill if isinstance(call, MixedCall) else call
+        pres = call.prefills if isinstance(call, MixedCall) else (call,)
         if isinstance(dec, DecodeCall):
             rows.extend((ln, dec.positions[ln], 1) for ln in dec.lanes)
-        if isinstance(pre, PrefillCall):
-            rows.append((pre.lane, pre.start, pre.end - pre.start))
+        rows.extend((p.lane, p.start, p.end - p.start) for p in pres
+                    if isinstance(p, PrefillCall))
         now = time.monotonic()
         for lane, start, n in rows:
             rid = self.core.view.lane_req[lane]
@@ -261,10 +264,11 @@ class AtomScheduler(SchedulerInterface):
         """The sampled tokens as the core's `StepResult`: one per row of the call (a prompt
         chunk that does not end its prompt samples nothing: its token is not read)."""
         if isinstance(call, MixedCall):
-            dec, pre = self._result(call.decode, mro), self._result(call.prefill, mro)
-            return StepResult(tokens=dec.tokens + pre.tokens,
-                              row_errors=(dec.row_errors or (None,) * len(dec.tokens))
-                              + (pre.row_errors or (None,)))
+            parts = [self._result(c, mro) for c in (call.decode, *call.prefills)
+                     if c is not None]
+            return StepResult(tokens=tuple(t for p in parts for t in p.tokens),
+                              row_errors=tuple(e for p in parts
+                                               for e in p.row_errors or (None,) * len(p.tokens)))
         index, sampled = mro.req_id_to_index, mro.sampled_token_ids
         if isinstance(call, PrefillCall):
             vid = self._vid[call.request]
