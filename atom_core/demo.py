@@ -15,7 +15,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import IO, Any
 
 import attrs
 import torch
@@ -180,13 +180,14 @@ class _Progress:
 def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed: int = 0,
              prefix_cache: bool = True, scratch: str = "dynamic", kv_blocks: int | None = None,
              progress: bool = True, runtime: str = "reference",
-             model: str | None = None) -> dict[str, Any]:
+             model: str | None = None, trace: IO[str] | None = None) -> dict[str, Any]:
     """Serve the workload, check it against the oracle; the summary as a JSON-able dict.
 
     runtime "reference": the tiny reference model and its oracle. runtime "hf": a transformers
     model (`model` a local checkpoint directory, or "tiny-llama" / "tiny-gemma3": seeded random
     weights saved and loaded back) in float64 on HFRuntime, checked against transformers' own greedy
-    `generate` of the same weights."""
+    `generate` of the same weights. `trace`: the batcher's transitions as JSON lines
+    (`demo --html` draws them)."""
     cfg = demo_config(lanes, prefix_cache, scratch, kv_blocks)
     rt: Any
     oracle: Any
@@ -214,7 +215,7 @@ def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed:
     else:
         raise ValueError(f"unknown runtime {runtime!r}: reference or hf")
     items = workload(requests, max_new_tokens, seed, rt.vocab_size, cfg.max_seq_len)
-    batcher = AtomBatcher(cfg, rt)
+    batcher = AtomBatcher(cfg, rt, trace=trace)
     with _Progress(progress) as bar:
         bar.task("serving", len(items))
         results, wall = serve(batcher, items, lambda _rid: bar.advance())

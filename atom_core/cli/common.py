@@ -7,11 +7,13 @@ import argparse
 import json
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from atom_core.options import positive
 
-__all__ = ["NEEDS_VERIFY", "emit", "fail", "free_port", "positive", "table", "z3_or_exit"]
+__all__ = ["NEEDS_VERIFY", "emit", "fail", "free_port", "html_argument", "positive", "table",
+           "write_html", "z3_or_exit"]
 
 NEEDS_VERIFY = "this command needs z3: pip install 'atom-core[verify]'"
 
@@ -66,3 +68,34 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def html_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """--html FILE: the command's picture (`atom_core.viz`), beside its usual output."""
+    p.add_argument("--html", default=None, metavar="FILE",
+                   help=f"also write {what} to FILE: one standalone HTML page (inline SVG, "
+                        "nothing fetched), drawn from the --json output, which it carries")
+
+
+def write_html(args: argparse.Namespace, draw: Callable[[], str], key: str = "ok") -> int | None:
+    """Write the page `draw()` makes to --html's FILE; None when written (said on stderr), else
+    the exit code after saying why (with --json, as its one object, `key` false). A page
+    whose records do not replay (ValueError) is a bug: no picture rather than a wrong one."""
+    from atom_core.viz import write_page
+
+    try:
+        text = draw()
+    except ValueError as exc:
+        message, code = f"--html: the picture was not drawn: {exc}", 3
+    else:
+        try:
+            write_page(args.html, text)
+        except OSError as exc:
+            message, code = f"--html: cannot write {args.html}: {exc.strerror}", 2
+        else:
+            print(f"wrote {args.html}", file=sys.stderr)
+            return None
+    if getattr(args, "json", False):
+        emit({key: False, "error": message})
+    print(message, file=sys.stderr)
+    return code

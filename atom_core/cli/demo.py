@@ -4,10 +4,11 @@ against the oracle) and `simulate` (seeded runs under injected faults)."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 
 from atom_core import options as opt
-from atom_core.cli.common import emit, fail
+from atom_core.cli.common import emit, fail, html_argument, write_html
 from atom_core.config import SCRATCH_MODES
 
 # simulate: ticks past this are a typo (the workload is drawn for every tick up front)
@@ -34,6 +35,8 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
                         "default with --runtime hf: tiny-llama)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout (no progress bar)")
+    html_argument(p, "the summary and the run as a picture of block ownership over the "
+                     "batcher's steps")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -41,16 +44,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from atom_core.demo import print_summary, run_demo
     except ImportError as exc:  # torch is an extra
         return fail(args, f"the demo needs torch: pip install 'atom-core[torch]' ({exc})")
+    trace = io.StringIO() if args.html is not None else None
     try:
         out = run_demo(lanes=args.lanes, requests=args.requests,
                        max_new_tokens=args.max_new_tokens, seed=args.seed,
                        prefix_cache=not args.no_prefix_cache, scratch=args.scratch,
-                       progress=not args.json, runtime=args.runtime, model=args.model)
+                       progress=not args.json, runtime=args.runtime, model=args.model,
+                       trace=trace)
     except ImportError as exc:  # transformers is an extra
         return fail(args, f"--runtime hf needs transformers: pip install 'atom-core[hf]' "
                           f"({exc})")
     except ValueError as exc:  # a bad --model (not a directory, an unsupported model)
         return fail(args, f"demo: {exc}")
+    if trace is not None:
+        from atom_core.viz import demo_page
+
+        bad = write_html(args, lambda: demo_page(out, trace.getvalue().splitlines()))
+        if bad is not None:
+            return bad
     if args.json:
         emit(out)
     else:
@@ -95,6 +106,9 @@ def simulate_arguments(p: argparse.ArgumentParser) -> None:
     deep.add_argument("--seeds", type=_seed_range, default=None, metavar="A..B",
                       help="deep mode over the seeds A..B (inclusive)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    html_argument(p, "the report and the seed's run as a picture of block ownership over each "
+                     "batcher's steps, faults and failed checks marked (one seed: not with "
+                     "--seeds or --minutes; colocated and pd runs)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -123,9 +137,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             except ImportError as exc:  # transformers is an extra
                 return fail(args, f"--runtime hf needs transformers: pip install "
                                   f"'atom-core[hf]' ({exc})")
-        simulate.draw_config(args.seed, fixed)  # a bad combination is a usage error, now
+        cfg = simulate.draw_config(args.seed, fixed)  # a bad combination: a usage error, now
+        if args.html is not None and (args.minutes is not None or args.seeds is not None
+                                      or cfg.cluster):
+            raise simulate.UsageError("--html draws one seed's colocated or pd run: not with "
+                                      "--seeds, --minutes or --mode cluster")
         if args.minutes is None and args.seeds is None:
             report = simulate.run(args.seed, args.steps, faults, shrink=True, **fixed)
+            if args.html is not None:
+                from atom_core.simulate.traced import timelines
+                from atom_core.viz import simulate_page
+
+                bad = write_html(args, lambda: simulate_page(report.as_json(),
+                                                             timelines(report)))
+                if bad is not None:
+                    return bad
             print(json.dumps(report.as_json()) if args.json else simulate.render(report))
             return 0 if report.ok else 1
         first, last = args.seeds if args.seeds is not None else (args.seed, None)

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from atom_core._generated import capacity
-from atom_core.cli.common import emit, fail, table, z3_or_exit
+from atom_core.cli.common import emit, fail, html_argument, table, write_html, z3_or_exit
 from atom_core.config import SCRATCH_MODES, Config, ConfigError, features, min_kv_blocks, rule_for
 from atom_core.options import count, integer, length, seconds, slots
 
@@ -363,6 +363,8 @@ def check_config_arguments(p: argparse.ArgumentParser) -> None:
                         "window) or atom-core's RBLN runtime would not serve (a host tier, a "
                         "hybrid model's prefix cache); on for an --rbln-config that records "
                         "attn_impl, else a note")
+    html_argument(p, "the verdict and, below the minimum, the stuck run as a picture of block "
+                     "ownership over its steps")
 
 
 def min_blocks_arguments(p: argparse.ArgumentParser) -> None:
@@ -372,6 +374,8 @@ def min_blocks_arguments(p: argparse.ArgumentParser) -> None:
                         "compile for an ATOM NPU or atom-core's RBLN runtime would not serve, "
                         "and give at least optimum-rbln's kvcache_num_blocks minimum; on for "
                         "an --rbln-config that records attn_impl, else a note")
+    html_argument(p, "the capacity table as a picture: the fewest KV blocks per feature "
+                     "combination against the lane count, proved cells marked")
 
 
 def _artifact_arguments(p: argparse.ArgumentParser, kv_blocks: bool) -> None:
@@ -458,6 +462,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             out["trace"] = [s.as_json() for s in tr.steps]
             out["violated"] = tr.violated
             out["stuck_state"] = tr.final
+    if args.html is not None:
+        from atom_core.viz import check_config_page
+
+        bad = write_html(args, lambda: check_config_page(
+            out, _stuck_run_consts(args, t) if out["trace"] else None), key="safe")
+        if bad is not None:
+            return bad
     if args.json:
         emit(out)
         return 0 if out["safe"] else 1
@@ -489,6 +500,20 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 1
 
 
+def _stuck_run_consts(args: argparse.Namespace, t: int) -> Any:
+    """The core's constants check-config's stuck run was found at (`check_config_run`'s: the
+    artifact's lanes, blocks and features at chunk 2, block size 8), to replay it for the
+    picture (which checks that it ends in the reported stuck state)."""
+    from atom_core._generated import core
+    from atom_core.proofs.search import SEARCH_SLOTS, TRACE_CHUNK, TRACE_SEQ_LEN
+
+    host = args.host_cache_blocks > 0
+    return core.Consts(B=args.lanes, K=args.kv_blocks, C=TRACE_CHUNK, S=TRACE_SEQ_LEN, T=t,
+                       PREFIX=args.prefix_cache, RESERVED=args.scratch == "reserved",
+                       SCRATCH=0, HYBRID=False, HOST=host, H=SEARCH_SLOTS if host else 0,
+                       PREEMPT=args.preemption)
+
+
 def cmd_min_blocks(args: argparse.Namespace) -> int:
     if (bad := _artifact_args(args)) is not None:
         return bad
@@ -508,6 +533,13 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
         out["spec_min_kv_blocks"] = need
     if problems:
         out["rbln_notes"] = [e for _, e in problems]
+    if args.html is not None:
+        from atom_core.viz import capacity_page
+
+        bad = write_html(args, lambda: capacity_page(out, args.prefix_cache, args.scratch,
+                                                     args.preemption))
+        if bad is not None:
+            return bad
     if args.json:
         emit(out)
         return 0
@@ -521,6 +553,8 @@ def cmd_min_blocks(args: argparse.Namespace) -> int:
 def check_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a batcher trace: JSON lines, the first {\"consts\": ...}")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    html_argument(p, "the verdict and the trace as a picture of block ownership over its steps "
+                     "(a refused step marked)")
 
 
 def cmd_check_trace(args: argparse.Namespace) -> int:
@@ -528,9 +562,18 @@ def cmd_check_trace(args: argparse.Namespace) -> int:
 
     try:
         with open(args.file, "rb") as f:
-            v = replay(read_lines(f))
+            # (with --html, read once and kept: the file may be a pipe)
+            lines: Any = list(read_lines(f)) if args.html is not None else read_lines(f)
+            v = replay(lines)
     except OSError as exc:
         return fail(args, f"cannot read {args.file}: {exc.strerror}")
+    if args.html is not None:
+        from atom_core.viz import check_trace_page
+
+        bad = write_html(args, lambda: check_trace_page(os.path.basename(args.file),
+                                                        attrs.asdict(v), lines))
+        if bad is not None:
+            return bad
     if args.json:
         emit(attrs.asdict(v))
     elif v.ok:

@@ -49,7 +49,7 @@ import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import IO, Any
 
 import attrs
 
@@ -147,18 +147,19 @@ class PrefillWorker:
 
     def __init__(self, config: Config, runtime: Any, transport: Transport, *,
                  key: bytes | None = None, insecure: bool = False, ghost: bool = False,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, trace: IO[str] | None = None) -> None:
         """`max_queued`: prefill requests held at once (default: 4 per lane plus 16, above
         what a decode worker with a prefetch of a few per lane asks for); one more is answered
         prefill_failed at once (backpressure), so a peer cannot grow this worker's queue
-        without bound."""
+        without bound. `trace`: the batcher's transitions as JSON lines (`atom-core
+        check-trace` reads them; `simulate --html` draws them)."""
         _need_key(key, insecure)
         if max_queued is None:
             max_queued = 4 * config.lanes + 16
         if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
             raise ValueError(f"max_queued must be a positive integer, got {max_queued!r}")
         self.max_queued = max_queued
-        self.batcher = AtomBatcher(config, runtime, ghost=ghost)
+        self.batcher = AtomBatcher(config, runtime, ghost=ghost, trace=trace)
         # it takes prefill requests and control messages, never a tensor
         self.transport, self.key = _secure(transport, key, "prefill", config, runtime,
                                            tensors=False)
@@ -331,14 +332,15 @@ class DecodeWorker:
                  transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT, prefetch: int = 0,
                  ghost: bool = False,
                  clock: Callable[[], float] = time.perf_counter,
-                 keep_ended: int | None = 10_000, wire_prefix: str = "") -> None:
+                 keep_ended: int | None = 10_000, wire_prefix: str = "",
+                 trace: IO[str] | None = None) -> None:
         """`ghost`: the batcher keeps ghost state (for invariant checks). `clock`: the time
         source of latencies and transfer timeouts (a simulation passes its own). `keep_ended`:
         how many ended requests `results()` and `summary()` still report; older ones are
         forgotten here and in the batcher (None: every one), so a long-running worker's memory
         does not grow with the requests it served. `wire_prefix`: put before every wire id, so
         that the ids of several decode workers sharing a prefill worker never collide (the
-        cluster's; at most 32 characters)."""
+        cluster's; at most 32 characters). `trace`: as the prefill worker's."""
         _need_key(key, insecure)
         if not isinstance(wire_prefix, str) or len(wire_prefix) > 32:
             raise ValueError(f"wire_prefix must be a string of at most 32 characters, got "
@@ -357,7 +359,7 @@ class DecodeWorker:
             raise ValueError(f"transfer_timeout must be finite positive seconds, got "
                              f"{transfer_timeout!r}: a silent peer must not hold lanes forever")
         # (the worker forgets the batcher's entries itself: results() reads them by its ids)
-        self.batcher = AtomBatcher(config, runtime, ghost=ghost, keep_ended=None)
+        self.batcher = AtomBatcher(config, runtime, ghost=ghost, keep_ended=None, trace=trace)
         self.clock = clock
         self.runtime = runtime
         self.transport, self.key = _secure(transport, key, "decode", config, runtime,

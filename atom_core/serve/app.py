@@ -2,17 +2,15 @@
 
 Every path but /health needs `Authorization: Bearer <api key>` unless the server was started
 without a key on purpose (`--insecure-no-auth`), and a request body is at most
-`max_body_bytes`: both are checked before the body is read (`_Guard`). A JSON body is parsed
-by `protocol.parse_body` (`_TotalRoute`), which takes any bytes. Every error, FastAPI's and
-Starlette's own (404, 405, validation) too, uses the OpenAI error shape `{"error": {"message",
-"type", "param", "code"}}`.
+`max_body_bytes`: both are checked before the body is read (`asgi.Guard`). A JSON body is
+parsed by `protocol.parse_body` (`asgi.TotalRoute`), which takes any bytes. Every error,
+FastAPI's and Starlette's own (404, 405, validation) too, uses the OpenAI error shape
+`{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.message
-import hmac
 import json
 import logging
 import threading
@@ -31,15 +29,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.batcher import Event
+from atom_core.serve import dashboard
+from atom_core.serve.asgi import (
+    JSON_KINDS,
+    TRANSPORT,
+    ApiError,
+    App,
+    Guard,
+    TotalRoute,
+    Unexpected,
+    error_response,
+    is_json,
+    is_type_label,
+    location,
+)
 from atom_core.serve.engine import FINAL, Engine, EngineStopped, Handle
 from atom_core.serve.metrics import Metrics
 from atom_core.serve.protocol import (
     GENERIC_UNSUPPORTED,
     UNSUPPORTED,
-    BodyError,
     ChatRequest,
     CompletionRequest,
-    parse_body,
 )
 from atom_core.serve.sampling import SamplingParams, sampler_for
 from atom_core.serve.tokenizer import ChatTemplateError, IncrementalText, Tokenizer
@@ -61,205 +71,6 @@ class ServerSettings:
     max_body_bytes: int = attrs.field(default=32 * 2**20, validator=attrs.validators.ge(1))
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = \
-            status, message, param, type_, code
-
-
-class _ErrorResponse(JSONResponse):
-    """An error's JSON, whatever its text holds: a message quoting a client's text with a lone
-    surrogate in it (which UTF-8 cannot encode) goes out escaped, not as a 500 of its own."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except UnicodeEncodeError:
-            return json.dumps(content, separators=(",", ":")).encode("ascii")
-
-
-def _error(status: int, message: str, param: str | None = None,
-           type_: str = "invalid_request_error", code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return _ErrorResponse({"error": {"message": message, "type": type_, "param": param,
-                                     "code": code}}, status_code=status, headers=headers)
-
-
-class _Unexpected:
-    """An exception no handler took (a bug of ours): the client still gets the API's error
-    shape, a 500 its SDK raises as InternalServerError, on a connection that stays usable; the
-    log gets the traceback. (Starlette's own handler for Exception answers, then re-raises, and
-    uvicorn then resets the connection.) After a response started, only the log can tell."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracked(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracked)
-        except Exception as exc:  # noqa: BLE001 - the one place every other error ends
-            log.exception("unexpected error serving %s", scope.get("path"))
-            if not started:
-                await _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}",
-                             type_="server_error")(scope, receive, send)
-
-
-# paths anyone may call: a load balancer's probe
-_OPEN_PATHS = frozenset({"/health"})
-
-
-def _location(error: Any) -> list[str]:
-    """A validation error's location in the request body, as text."""
-    return [str(x) for x in error.get("loc", ()) if x != "body"]
-
-
-def _is_type_label(part: str) -> bool:
-    """A union member's name in a validation error's location ("str", "list[int]")."""
-    return "[" in part or part in ("str", "int", "float", "bool")
-
-
-_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
-               type(None): "null"}
-
-
-def _is_json(content_type: str) -> bool:
-    """Whether FastAPI parses a body of this Content-Type as JSON (none: it does not), decided
-    as FastAPI decides it, so `_TotalRoute` parses first exactly the bodies FastAPI would."""
-    if not content_type:
-        return False
-    header = email.message.Message()
-    header["content-type"] = content_type
-    subtype = header.get_content_subtype()
-    return header.get_content_maintype() == "application" and \
-        (subtype == "json" or subtype.endswith("+json"))
-
-
-class _TotalRequest(Request):
-    """A request whose JSON is `parse_body`'s: FastAPI's own parse (json.loads) takes a lone
-    surrogate, NaN and 1e999 as values, and answers invalid UTF-8, deep nesting or a
-    5000-digit integer with a bare 400 that says nothing of where."""
-
-    async def json(self) -> Any:
-        if not hasattr(self, "_total"):
-            try:
-                self._total = parse_body(await self.body())
-            except BodyError as exc:
-                raise ApiError(400, exc.message, exc.param, code="invalid_body") from None
-        return self._total
-
-
-class _TotalRoute(APIRoute):
-    """A route whose body is parsed by `_TotalRequest`, before FastAPI reads it: its errors are
-    the route's to answer (inside FastAPI's read, any error but a JSONDecodeError becomes that
-    bare 400)."""
-
-    def get_route_handler(self) -> Any:
-        handler = super().get_route_handler()
-        if self.body_field is None:  # (a GET: a body it is sent means nothing to it)
-            return handler
-
-        async def total(request: Request) -> Response:
-            request = _TotalRequest(request.scope, request.receive)
-            # (an empty body is FastAPI's to report: "the request body is empty")
-            if _is_json(request.headers.get("content-type", "")) and await request.body():
-                await request.json()
-            return await handler(request)
-
-        return total
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _Guard:
-    """The API key and the body bound, checked before anything reads the body: a route's body is
-    read and parsed before its dependencies run, so a check there let a client without the key
-    have a malformed body answered (400, not 401) and have any body, however large, read into
-    memory. A body within the bound is read here and handed on to the app as it came."""
-
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.key, self.limit = app, api_key, max_body_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.lower(): v for k, v in scope.get("headers", ())}
-        if self.key is not None and scope["path"] not in _OPEN_PATHS and \
-                not self._authorized(headers.get(b"authorization", b"")):
-            await _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with "
-                              "the key the server was started with",
-                         code="invalid_api_key")(scope, receive, send)
-            return
-        try:
-            declared = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            declared = 0  # (the HTTP parser refuses a malformed length before we see it)
-        try:
-            if declared > self.limit:
-                raise _BodyTooLarge
-            body, more = await self._read(receive)
-        except _BodyTooLarge:
-            await self._too_large(scope, receive, send)
-            return
-        if not more:  # the client left while sending it
-            return
-        await self.app(scope, self._replay(body, receive), send)
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("latin-1"), self.key.encode())  # type: ignore[union-attr]
-
-    async def _read(self, receive: Any) -> tuple[bytes, bool]:
-        """(the whole body, True), or (_, False) when the client disconnected first; past the
-        bound (a chunked body declares no length) `_BodyTooLarge`."""
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"", False
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                raise _BodyTooLarge
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts), True
-
-    @staticmethod
-    def _replay(body: bytes, receive: Any) -> Any:
-        """The body as one message, then the client's own messages (a disconnect)."""
-        sent = False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return replay
-
-    async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
-        await _error(413, f"the request body is larger than this server takes "
-                          f"({self.limit} bytes, --max-body-bytes): send a shorter prompt or "
-                          "fewer messages", code="request_too_large")(scope, receive, send)
-
-
 @attrs.define
 class _Job:
     """What one request asked for, after validation."""
@@ -279,23 +90,6 @@ class _Job:
 # error event and [DONE]: a client that reads gets them in far less); past that its client is
 # not reading, and the connection is dropped. (main.py's --request-timeout help names it.)
 SEND_GRACE = 1.0
-
-# where `_App` puts the connection's transport in the scope (uvicorn's only)
-_TRANSPORT = "atom_core.transport"
-
-
-class _App(FastAPI):
-    """The app, noting each HTTP connection's transport in its scope: the one handle that can
-    drop a connection whose client stopped reading. ASGI has no way to: an app that returns
-    mid-response has uvicorn *close* the transport, which waits for the client to read what is
-    buffered, i.e. for ever. (uvicorn's `send` is a method of the connection's request cycle,
-    which holds the transport; under another server there is none, and that close is all.)"""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            cycle = getattr(send, "__self__", None)
-            scope[_TRANSPORT] = getattr(cycle, "transport", None)
-        await super().__call__(scope, receive, send)
 
 
 class _Stream(StreamingResponse):
@@ -333,7 +127,7 @@ class _Stream(StreamingResponse):
                     "the connection")
         # (ends the request in the engine, if it still runs: `generate` aborts it on close)
         await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        transport = scope.get(_TRANSPORT)
+        transport = scope.get(TRANSPORT)
         if transport is not None:
             transport.abort()  # (close() would wait for the client to read the buffer)
 
@@ -458,11 +252,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         finally:  # shutdown (SIGINT/SIGTERM): every request in flight ends, then the thread
             await asyncio.to_thread(engine.stop)
 
-    app = _App(title="atom-core", lifespan=lifespan)
-    app.router.route_class = _TotalRoute  # (before the routes are added)
+    app = App(title="atom-core", lifespan=lifespan)
+    app.router.route_class = TotalRoute  # (before the routes are added)
     # (the last added runs first: a bug in the guard is still a 500 in the API's shape)
-    app.add_middleware(_Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(_Unexpected)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(Unexpected)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
 
     # ------------------------------------------------------------------ errors
@@ -470,7 +264,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     async def _api_error(_req: Request, exc: ApiError) -> JSONResponse:
         if exc.status == 400:
             metrics.outcomes.labels("invalid").inc()
-        return _error(exc.status, exc.message, exc.param, exc.type, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.type, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(req: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -489,44 +283,46 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             message = f"{req.url.path[:200]} does not take {req.method}: send {allowed}"
         else:
             message = f"{where}: {exc.detail}"
-        return _error(exc.status_code, message,
-                      type_="server_error" if exc.status_code >= 500 else
-                      "invalid_request_error", headers=dict(exc.headers or {}) or None)
+        return error_response(exc.status_code, message,
+                              type_="server_error" if exc.status_code >= 500 else
+                              "invalid_request_error",
+                              headers=dict(exc.headers or {}) or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.outcomes.labels("invalid").inc()
-        # (a body that is not JSON never gets here: `_TotalRequest` answers it)
+        # (a body that is not JSON never gets here: `TotalRequest` answers it)
         first = exc.errors()[0] if exc.errors() else {}
-        loc = _location(first)
+        loc = location(first)
         kind = req.headers.get("content-type", "")
         if not loc and first.get("type") == "missing":
-            return _error(400, "the request body is empty: send a JSON object")
-        if not loc and not _is_json(kind):
+            return error_response(400, "the request body is empty: send a JSON object")
+        if not loc and not is_json(kind):
             # FastAPI reads a body of another type, or of none (`curl -d` sends a form's,
             # `requests.post(data=...)` none), as no JSON at all: its own message ('Input
             # should be a valid dictionary') hid why
-            return _error(400, f"the request body must be JSON, sent with 'Content-Type: "
-                               f"application/json' (this one came "
-                               f"{f'as {kind[:60]!r}' if kind else 'without one'}); with "
-                               "curl, add -H 'Content-Type: application/json'")
+            return error_response(400, f"the request body must be JSON, sent with "
+                                       f"'Content-Type: application/json' (this one came "
+                                       f"{f'as {kind[:60]!r}' if kind else 'without one'}); "
+                                       "with curl, add -H 'Content-Type: application/json'")
         if not loc:  # JSON, but not an object (a list, a string, a number)
-            return _error(400, f"the request body must be a JSON object ({{\"model\": ...}}), "
-                               f"not a JSON {_JSON_KINDS.get(type(exc.body), 'value')}")
+            return error_response(400, f"the request body must be a JSON object "
+                                       f"({{\"model\": ...}}), not a JSON "
+                                       f"{JSON_KINDS.get(type(exc.body), 'value')}")
         # the parameter is the first name in the location (e.g. messages.0.role -> messages)
         param = next((x for x in loc if not x.isdigit()), None)
         msg = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
             msg = UNSUPPORTED.get(loc[-1], GENERIC_UNSUPPORTED) if len(loc) == 1 else \
                 GENERIC_UNSUPPORTED
-        cut = next((i for i, x in enumerate(loc) if _is_type_label(x)), None)
+        cut = next((i for i, x in enumerate(loc) if is_type_label(x)), None)
         if cut is not None:
             # a value none of a union's types took: pydantic reports each type's failure,
             # located under the type's name ("prompt.str"); say which types would do
             loc, msg = loc[:cut], "must be one of: " + ", ".join(dict.fromkeys(
-                x[cut] for x in map(_location, exc.errors())
+                x[cut] for x in map(location, exc.errors())
                 if len(x) > cut and x[:cut] == loc[:cut]))
-        return _error(400, f"{'.'.join(loc) or 'body'}: {msg}", param)
+        return error_response(400, f"{'.'.join(loc) or 'body'}: {msg}", param)
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
@@ -553,6 +349,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         """The batcher's lanes, blocks by owner and queue (taken between two steps)."""
         view = await asyncio.to_thread(engine.call, lambda b: b.describe())
         return {**view, "in_flight": state["in_flight"], "engine_running": engine.running}
+
+    dashboard.register(app, engine, metrics, settings.model_name)  # /dashboard: it reads /state
 
     # ------------------------------------------------------------------ validation
     def _check_common(body: Any) -> None:

@@ -10,7 +10,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import attrs
 import torch
@@ -72,6 +72,11 @@ class Sim:
             self.oracle = oracle_for(inner)  # the cache-free reference, never wrapped
         rt = inner if self.wrap_runtime is None else self.wrap_runtime(inner, side)
         return FaultyRuntime(rt, self.junk, self.count)
+
+    def trace_sink(self, side: str) -> IO[str] | None:
+        """Where the batcher of `side` writes its transitions (none here; `traced.TracedSim`
+        keeps them, to draw the run)."""
+        return None
 
     def count(self, kind: str) -> None:
         self.injected[kind] += 1

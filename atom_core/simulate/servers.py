@@ -44,7 +44,8 @@ class Colocated:
     def __init__(self, sim: Sim) -> None:
         conf = sim.configs["local"]
         self.runtimes = {"local": sim.runtime("local", conf)}
-        self.b = AtomBatcher(conf, self.runtimes["local"], ghost=True)
+        self.b = AtomBatcher(conf, self.runtimes["local"], ghost=True,
+                             trace=sim.trace_sink("local"))
         self.links: dict[str, SimLink] = {}
 
     def batchers(self) -> dict[str, AtomBatcher]:
@@ -97,11 +98,12 @@ class Disaggregated:
         plink = secure_link.SecureLink(self.links["prefill"], SIM_KEY, "prefill", clock=sim.clock)
         secure_link.establish_pair(dlink, plink)
         self.pw = workers.PrefillWorker(pconf, self.runtimes["prefill"], plink, key=SIM_KEY,
-                                        ghost=True)
+                                        ghost=True, trace=sim.trace_sink("prefill"))
         self.dw = workers.DecodeWorker(dconf, self.runtimes["decode"], dlink, key=SIM_KEY,
                                        fallback_local=bool(cfg.fallback_local),
                                        transfer_timeout=TRANSFER_TIMEOUT,
-                                       prefetch=cfg.prefetch or 0, ghost=True, clock=sim.clock)
+                                       prefetch=cfg.prefetch or 0, ghost=True, clock=sim.clock,
+                                       trace=sim.trace_sink("decode"))
 
     def batchers(self) -> dict[str, AtomBatcher]:
         return {"decode": self.dw.batcher, "prefill": self.pw.batcher}
