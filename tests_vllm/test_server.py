@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,13 @@ def test_openai_client_gets_vllms_tokens(server: str, tiny_llama: Path) -> None:
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True, "return_token_ids": True})
     assert [t for ch in stream for c in ch.choices for t in (c.token_ids or [])] == want[3]
+    # vLLM's own metrics read atom-core's numbers (its KV cache manager is not there)
+    req = urllib.request.Request(server.removesuffix("/v1") + "/metrics",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    metrics = urllib.request.urlopen(req, timeout=30).read().decode()
+    queries = [float(ln.split()[-1]) for ln in metrics.splitlines()
+               if ln.startswith("vllm:prefix_cache_queries_total")]
+    assert queries and queries[0] >= sum(map(len, ps))
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(api_key="wrong", base_url=server, max_retries=0).completions.create(
             model="tiny", prompt=ps[0], max_tokens=1)
