@@ -122,20 +122,14 @@ class Policy:
         lane, hold a long prompt in a higher lane at length 0 for as long as they came; and
         with preemption a younger lane's prefill took the blocks the older one then had to
         preempt it for, throwing its chunks away."""
-        enabled = _core(s).enabled_prefill
-        best: int | None = None
-        for ln in range(s.consts.B):
-            # (for some token: the guard reads none)
-            if enabled(s, l=ln) and (best is None or self.admitted.get(ln, 0)
-                                     < self.admitted.get(best, 0)):
-                best = ln
-        return best
+        return next(iter(self.prefill_lanes(s)), None)
 
     def prefill_lanes(self, s: g.State) -> list[int]:
-        """Every lane that can prefill, in the order `prefill_lane` takes them (earliest
-        admitted first): a runtime that takes several prompt chunks in one call
-        (`MixedCall`) computes a chunk of each, this order deciding who fits a token budget."""
+        """Every lane that can prefill, earliest admitted first (ties: the lower lane):
+        `prefill_lane`'s order, and, for a runtime that takes several prompt chunks in one call
+        (`MixedCall`), the order deciding whose chunk fits a token budget."""
         enabled = _core(s).enabled_prefill
+        # (for some token: the guard reads none; sorted is stable, so ties keep lane order)
         return sorted((ln for ln in range(s.consts.B) if enabled(s, l=ln)),
                       key=lambda ln: self.admitted.get(ln, 0))
 
