@@ -106,6 +106,7 @@ vllm-venv: $(VLLM_VENV)/.installed
 # each scheduler's CPU per step, alternated rounds, same tokens checked (bench/vllm_engine.py).
 bench-vllm: vllm-venv $(NATIVE_BUILT)
 	$(VLLM_VENV)/bin/python -m bench.vllm_engine
+	$(VLLM_VENV)/bin/python -m bench.vllm_sched
 
 test-vllm: vllm-venv $(NATIVE_BUILT)
 	cd tests_vllm && ../$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 .

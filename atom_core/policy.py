@@ -30,6 +30,15 @@ def _core(s: Any) -> Any:
     return inplace if type(s) is inplace.MState else g
 
 
+def busy_lanes(s: g.State) -> list[int]:
+    """The busy lanes, in order, found at C speed. Every per-lane choice the scheduler makes
+    each step (`prefill`, `grow`, `import_grow`, a decoding lane) has a guard that requires
+    its lane busy (tests/test_policy_lanes.py checks it on the spec's guards), so asking only
+    these costs what the running requests cost, not B: at one request of 16 lanes, the scans
+    over every lane were most of a step's scheduling time."""
+    return list(compress(range(s.consts.B), s.busy))
+
+
 class Choice(NamedTuple):
     action: str
     args: dict[str, Any]
@@ -130,7 +139,7 @@ class Policy:
         (`MixedCall`), the order deciding whose chunk fits a token budget."""
         enabled = _core(s).enabled_prefill
         # (for some token: the guard reads none; sorted is stable, so ties keep lane order)
-        return sorted((ln for ln in range(s.consts.B) if enabled(s, l=ln)),
+        return sorted((ln for ln in busy_lanes(s) if enabled(s, l=ln)),
                       key=lambda ln: self.admitted.get(ln, 0))
 
     def prefill_first(self, s: g.State, can_decode: Callable[[], bool]) -> bool:
@@ -142,7 +151,7 @@ class Policy:
         goes first if `can_decode()` (a decode call with a live row is possible now: asked only
         then, as it costs a plan, where the wait counts any decoding lane)."""
         decoding = _core(s).decoding
-        if not any(decoding(s, ln) for ln in range(s.consts.B)):
+        if not any(decoding(s, ln) for ln in busy_lanes(s)):
             return True  # no lane waits for this prefill
         limit = self.max_decode_wait
         if limit is None:  # the chunks of the longest prompt: ceil(max_seq_len / chunk)
@@ -354,7 +363,7 @@ class Policy:
         does not cover the prompt yet (`import_grow`). The core decides (`ready_grow`: every
         conjunct of the guard but the ones on the block, which is left open)."""
         c = _core(s)
-        lanes = [ln for ln in range(s.consts.B)
+        lanes = [ln for ln in busy_lanes(s)
                  if c.ready_grow(s, l=ln) or c.ready_import_grow(s, l=ln)]
         return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
+from itertools import compress
+from operator import not_
 from typing import IO, Any
 
 import attrs
@@ -386,32 +388,29 @@ class Scheduler:
             if all(eff.live) or not (yield from self._spilled(pad)):
                 break
             # padding would evict that entry: it went to the host tier first; choose again
-        lanes = tuple(ln for ln, live in enumerate(eff.live) if live)
+        live = eff.live
+        lanes = tuple(compress(range(len(live)), live))
         if not lanes:
             return None
-        s = self._m
-        ids = tuple(self.requests[s.lane_req[ln]].tokens[-1] if live else 0
-                    for ln, live in enumerate(eff.live))
-        # a decoding row: its lane's table (its write lands in the block the spec names); a
-        # padding row: the padding target at every position, so its write lands there whatever
-        # position the row computes
-        size, t = self.config.block_size, self.config.blocks_per_table
-        tables = []
-        for ln, live in enumerate(eff.live):
-            if live:
-                assert self.tables[ln][eff.positions[ln] // size] == eff.rows[ln], \
-                    (self.tables[ln], eff)
-                tables.append(self._rows[ln])
-            else:
-                tables.append((eff.rows[ln],) * t)
+        s, size, t = self._m, self.config.block_size, self.config.blocks_per_table
+        # a padding row: the padding target at every position, so its write lands there
+        # whatever position the row computes (one tuple per target, shared by its rows)
+        rows = eff.rows
+        padding = tuple(compress(range(len(live)), map(not_, live)))
+        pads = {rows[ln]: (rows[ln],) * t for ln in padding}
+        tables: list[Any] = [pads.get(r) for r in rows]
+        ids = [0] * len(live)
+        requests: list[int | None] = [None] * len(live)
+        for ln in lanes:
+            # a decoding row: its lane's table (its write lands in the block the spec names)
+            rid = s.lane_req[ln]
+            assert self.tables[ln][eff.positions[ln] // size] == rows[ln], (self.tables[ln], eff)
+            ids[ln], requests[ln], tables[ln] = self.requests[rid].tokens[-1], rid, self._rows[ln]
         # hybrid: the local slot the spec gives each row (a decoding lane its own; padding rows
         # an idle lane's, whose window they may overwrite)
         local = tuple(eff.local) if self.config.sliding_window is not None else None
-        return DecodeCall(ids, tuple(eff.positions), tuple(tables), local, lanes,
-                          tuple(s.lane_req[ln] if live else None
-                                for ln, live in enumerate(eff.live)),
-                          tuple(ln for ln, live in enumerate(eff.live) if not live),
-                          pad, lpad, effect=eff)
+        return DecodeCall(tuple(ids), tuple(eff.positions), tuple(tables), local, lanes,
+                          tuple(requests), padding, pad, lpad, effect=eff)
 
     def _decoded(self, call: DecodeCall, result: StepResult, events: list[Event]) -> None:
         if result.error is not None:
