@@ -94,8 +94,23 @@ $(VLLM_VENV)/.deps: pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-$(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps $(VLLM_VENV)/vllm-rbln/.unpacked
 	$(VLLM_VENV)/bin/pip install --no-input -q --no-deps -e .
+	touch $@
+
+# vllm-rbln's Python package alone, unpacked beside vLLM (not installed: its platform plugin
+# needs the RBLN SDK, and an installed entry point would make every vLLM in this venv load it),
+# for the test that builds its RBLNSchedulerOutput from atom-core's step (tests_vllm/).
+VLLM_RBLN_PIN := vllm-rbln==0.12.0
+$(VLLM_VENV)/vllm-rbln/.unpacked: $(VLLM_VENV)/.deps
+	rm -rf $(VLLM_VENV)/vllm-rbln && mkdir -p $(VLLM_VENV)/vllm-rbln/wheel
+	$(VLLM_VENV)/bin/pip download --no-input -q --no-deps '$(VLLM_RBLN_PIN)' \
+		-d $(VLLM_VENV)/vllm-rbln/wheel
+	$(VLLM_VENV)/bin/python -c "import zipfile, glob, sys; \
+		[zipfile.ZipFile(w).extractall(sys.argv[1], [n for n in zipfile.ZipFile(w).namelist() \
+		 if n.startswith('vllm_rbln/')]) for w in glob.glob(sys.argv[1] + '/wheel/*.whl')]" \
+		$(VLLM_VENV)/vllm-rbln
+	test -f $(VLLM_VENV)/vllm-rbln/vllm_rbln/v1/core/optimum_scheduler.py
 	touch $@
 
 vllm-deps: $(VLLM_VENV)/.deps
