@@ -12,7 +12,7 @@ TEST_JOBS := auto
 # First seed of `make simulate-deep`, e.g. `make simulate-deep SIMULATE_SEED=5000` for new seeds.
 SIMULATE_SEED := 0
 
-.PHONY: install chromium native generate generate-core check-generated verify test test-core test-vllm vllm-deps vllm-venv lint bench bench-peer bench-vllm demo pd-demo simulate simulate-deep mutants mutants-source
+.PHONY: install chromium native generate generate-core check-generated verify test test-core test-vllm vllm-deps vllm-venv lint bench bench-peer bench-vllm bench-serve-vllm demo pd-demo simulate simulate-deep mutants mutants-source
 
 install: $(STAMP) $(NATIVE_BUILT) chromium
 
@@ -141,6 +141,13 @@ bench: install
 	$(PY) -m bench.hf
 	$(PY) -m bench.hf --mixed
 	$(PY) -m bench.hf --mixed --model small-llama
+	$(PY) -m bench.hf_call
+
+# `atom-core serve --runtime hf` against vLLM's CPU engine serving the same 26M-parameter random
+# Llama, end to end (never in CI: it needs the vLLM venv): output tokens/s, TTFT, ITL and server
+# CPU per token at concurrency 1, 16 and 64, alternated rounds (bench/hf_serve.py).
+bench-serve-vllm: install vllm-venv $(NATIVE_BUILT)
+	$(PY) -m bench.hf_serve
 
 # atom-core's core against vLLM's KV cache manager, side by side (never in CI: it builds a
 # second venv with vLLM, about 3 minutes, once). PEERS: the folder of the shared harness.

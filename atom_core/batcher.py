@@ -11,6 +11,9 @@ spec, every choice is the policy's, and every transition is the scheduler's.
 One prefill per step (a prefix-hit copy first, then only the chunks not yet computed), the
 earliest admitted prefilling lane's, otherwise one decode call over every row; decoding lanes
 wait for at most `Policy.max_decode_wait` prefill calls in a row (`Policy.prefill_first`).
+A runtime without static shapes says so (`protocol.py`): with `static_batch` False a decode
+call gets the live rows only, and with `mixed_calls` a step runs the decode beside prompt
+chunks of several lanes in one call (`runtime.mixed`, the scheduler's `MixedCall`).
 A runtime error fails the requests it touched and nothing else: the batcher keeps serving.
 
 Prefill/decode disaggregation (PD): a request submitted with `remote=True` is admitted into a
@@ -44,6 +47,7 @@ from atom_core.scheduler import (
     Event,
     InvariantViolation,
     LoadWork,
+    MixedCall,
     PrefillCall,
     Request,
     Result,
@@ -67,7 +71,10 @@ __all__ = ["AtomBatcher", "CoreRejected", "Event", "Export", "InvariantViolation
 @attrs.frozen(eq=False)
 class Plan:
     """One step's runtime call, as `AtomBatcher.plan()` chose it: `call` is "prefill",
-    "decode" or None (nothing to compute this step: `complete()` with no outputs). The inputs
+    "decode", "mixed" (a runtime with `mixed_calls`: `parts` holds the decode's plan or None
+    and the prefills' plans, each made as for a call of its own; `args()` is (the decode's
+    arguments or None, [each prefill's arguments])) or None (nothing to compute this step:
+    `complete()` with no outputs). The inputs
     are the runtime's (`args()` in its order): token ids, positions, block tables (a prefill's
     one row, or decode's [B, T] with each padding row at its padding target), the local block
     tables of a hybrid model (else None) and, for a prefill, the index of the chunk's last
@@ -75,8 +82,10 @@ class Plan:
     `padding` decode's padding rows. `events` are those of the choices made so far (admissions,
     growth, preemptions); `complete()` returns them first. `effect` is the core's plan for the
     call (a `core.Prefill` or `core.Decode`), `pad` and `lpad` decode's padding targets;
-    `scheduled` the scheduler's call the tensors were made from (a `PrefillCall` or a
-    `DecodeCall`)."""
+    `scheduled` the scheduler's call the tensors were made from (a `PrefillCall`, a
+    `DecodeCall` or a `MixedCall`). `rows`: the lanes decode's tensors hold, in order, when
+    the runtime computes live rows only (`static_batch` False: the padding rows are not
+    passed, and its logits have one row per entry); None: every row 0..B-1."""
 
     call: str | None
     events: tuple[Event, ...]
@@ -90,10 +99,16 @@ class Plan:
     effect: Any = None
     pad: int = 0
     lpad: int = 0
-    scheduled: PrefillCall | DecodeCall | None = None
+    scheduled: PrefillCall | DecodeCall | MixedCall | None = None
+    rows: tuple[int, ...] | None = None
+    parts: tuple[Plan | None, tuple[Plan, ...]] | None = None
 
     def args(self) -> tuple[Any, ...]:
         """The runtime call's positional arguments."""
+        if self.call == "mixed":
+            assert self.parts is not None
+            d, ps = self.parts
+            return (None if d is None else d.args(), [p.args() for p in ps])
         if self.call == "prefill":
             return (self.ids, self.positions, self.tables, self.local, self.last)
         return (self.ids, self.positions, self.tables, self.local)
@@ -141,9 +156,15 @@ class AtomBatcher(PDEndpoint):
         not grow with the requests served. None keeps every one."""
         self.config, self.runtime = config, runtime
         check_runtime(config, runtime)
+        # the runtime's capabilities (protocol.py): without them, RBLN's static shapes
+        self._live_rows = getattr(runtime, "static_batch", True) is False
+        mixed = getattr(runtime, "mixed_calls", False) is True
         self.scheduler = Scheduler(config, policy=policy, ghost=ghost, trace=trace,
                                    keep_ended=keep_ended,
-                                   vocab_size=getattr(runtime, "vocab_size", None))
+                                   vocab_size=getattr(runtime, "vocab_size", None),
+                                   mixed=mixed,
+                                   prefill_tokens=getattr(runtime, "mixed_prefill_tokens", None)
+                                   if mixed else None)
         self._hybrid = config.sliding_window is not None
         # hybrid prefix cache: host copies of sliding-window state at chunk boundaries, moved
         # along the core's effects (`_move_snapshots`)
@@ -305,6 +326,8 @@ class AtomBatcher(PDEndpoint):
             plan = Plan(None, out.events)
         elif isinstance(out.call, PrefillCall):
             plan = self._prefill_plan(out.call, out.events)
+        elif isinstance(out.call, MixedCall):
+            plan = self._mixed_plan(out.call, out.events)
         else:
             plan = self._decode_plan(out.call, out.events)
         self._plan, self._planned = plan, self._version
@@ -314,10 +337,12 @@ class AtomBatcher(PDEndpoint):
                  error: BaseException | None = None) -> list[Event]:
         """End the planned step: `logits` are the planned call's output ([1, 1, V] for a
         prefill, or the whole chunk's [1, c, V], read at the chunk's last real token; [B, 1, V]
-        for decode; none when the plan has no call), or `tokens` the tokens an engine sampled
-        from them (one for a prefill, read only for the prompt's last chunk; one per row for
-        decode, padding rows' ignored; the requests' own samplers are then not called, and a
-        token that is not an id in the vocabulary fails its request alone), or `error` the
+        for decode, [len(plan.rows), 1, V] when it computed the live rows only; a mixed call's
+        pair (`_mixed_result`); none when the plan has no call), or `tokens` the tokens an
+        engine sampled from them (one for a prefill, read only for the prompt's last chunk;
+        one per computed row for decode, padding rows' ignored; the requests' own samplers
+        are then not called, and a token that is not an id in the vocabulary fails its request
+        alone), or `error` the
         exception the call raised (it fails the requests the call touched, nothing else).
         Logits of another shape fail the call's requests; a row whose logits are not finite
         (NaN, inf) fails its request alone. Returns the step's events, the plan's first."""
@@ -334,6 +359,8 @@ class AtomBatcher(PDEndpoint):
             return list(plan.events)
         if plan.call == "prefill":
             result = self._prefill_result(plan, logits, tokens, error)
+        elif plan.call == "mixed":
+            result = self._mixed_result(plan, logits, tokens, error)
         else:
             result = self._decode_result(plan, logits, tokens, error)
         return list(self._run_work(self.scheduler.update(result)).events)
@@ -429,14 +456,28 @@ class AtomBatcher(PDEndpoint):
                     lanes=(call.lane,), effect=call.effect, scheduled=call)
 
     def _decode_plan(self, call: DecodeCall, events: tuple[Event, ...]) -> Plan:
-        ids = torch.tensor(call.ids, dtype=torch.int64).unsqueeze(1)
-        pos = torch.tensor(call.positions, dtype=torch.int32).unsqueeze(1)
-        tables = torch.tensor(call.tables, dtype=torch.int16)
+        # a runtime without static shapes computes the live rows only (the padding rows'
+        # writes, which the core allows at the padding target, are simply not made)
+        rows = call.lanes if self._live_rows else None
+
+        def pick(xs: Sequence[Any]) -> Sequence[Any]:
+            return xs if rows is None else [xs[ln] for ln in rows]
+
+        ids = torch.tensor(pick(call.ids), dtype=torch.int64).unsqueeze(1)
+        pos = torch.tensor(pick(call.positions), dtype=torch.int32).unsqueeze(1)
+        tables = torch.tensor(pick(call.tables), dtype=torch.int16)
         local = None if call.local is None \
-            else torch.tensor(call.local, dtype=torch.int16).unsqueeze(1)
+            else torch.tensor(pick(call.local), dtype=torch.int16).unsqueeze(1)
         return Plan("decode", events, ids, pos, tables, local, lanes=call.lanes,
                     padding=call.padding, effect=call.effect, pad=call.pad, lpad=call.lpad,
-                    scheduled=call)
+                    scheduled=call, rows=rows)
+
+    def _mixed_plan(self, call: MixedCall, events: tuple[Event, ...]) -> Plan:
+        """A decode (if a lane decodes) and prompt chunks in one runtime call (`mixed`)."""
+        d = None if call.decode is None else self._decode_plan(call.decode, ())
+        ps = tuple(self._prefill_plan(pc, ()) for pc in call.prefills)
+        lanes = (d.lanes if d is not None else ()) + tuple(pc.lane for pc in call.prefills)
+        return Plan("mixed", events, lanes=lanes, scheduled=call, parts=(d, ps))
 
     def _logit_rows(self, logits: Any, rows: int, last: int | None) -> torch.Tensor:
         """The planned call's logits as [rows, V]: each computed row's last position; for a
@@ -509,20 +550,27 @@ class AtomBatcher(PDEndpoint):
         call = plan.scheduled
         assert isinstance(call, DecodeCall)
         b = self.config.lanes
+        # the call's rows: every row, or (live rows only) the live lanes in order
+        computed = plan.rows if plan.rows is not None else range(b)
+        n = len(computed)
         rows, finite = None, None
         if error is None:
             try:
                 if tokens is None:
-                    rows = self._logit_rows(logits, b, None)
-                    toks, finite = self._greedy(rows)
-                elif len(tokens) != b:
-                    raise ValueError(f"{len(tokens)} tokens for {b} rows")
+                    rows = self._logit_rows(logits, n, None)
+                    got, finite = self._greedy(rows)
+                elif len(tokens) != n:
+                    raise ValueError(f"{len(tokens)} tokens for {n} rows")
                 else:
-                    toks = list(tokens)
+                    got = list(tokens)
             except Exception as exc:  # noqa: BLE001 - outputs the call got wrong
                 error = exc
         if error is not None:
             return StepResult(error=repr(error))
+        at = {ln: i for i, ln in enumerate(computed)}  # lane -> its row of the call
+        toks: list[Any] = [0] * b
+        for ln, i in at.items():
+            toks[ln] = got[i]
         # a request's own sampler failing fails that request alone, after the step (its row's
         # KV was written like every other row's)
         bad: list[str | None] = [None] * b
@@ -537,19 +585,66 @@ class AtomBatcher(PDEndpoint):
                     toks[ln] = self._checked(toks[ln])
                 except Exception as exc:  # noqa: BLE001
                     bad[ln], toks[ln] = f"token rejected: {exc!r}", 0
-            elif finite is not None and not finite[ln]:
+            elif finite is not None and not finite[at[ln]]:
                 # this row's logits only: the rows are independent, the others are served
                 assert rows is not None
                 bad[ln] = (f"decode failed: the logits are not finite (NaN or inf; row max "
-                           f"{float(rows[ln, toks[ln]])})")
+                           f"{float(rows[at[ln], toks[ln]])})")
                 toks[ln] = 0
             elif req.sampler is not None:
                 assert rows is not None
                 try:
-                    toks[ln] = self._sample(req, rows[ln])
+                    toks[ln] = self._sample(req, rows[at[ln]])
                 except Exception as exc:  # noqa: BLE001
                     bad[ln] = f"sampler failed: {exc!r}"
         return StepResult(tokens=tuple(int(t) for t in toks), row_errors=tuple(bad))
+
+    def _mixed_result(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
+                      error: BaseException | None) -> StepResult:
+        """A mixed call's outcome: the decode's B rows, then one per prefill. `logits` are the
+        runtime's (the decode's logits or None, the prefills' [P, 1, V]); `tokens` an engine's:
+        the decode's computed rows, then one per prefill. A prefill whose logits are not
+        finite fails its request alone, as a decode row does."""
+        assert plan.parts is not None
+        d, ps = plan.parts
+        rows = 0 if d is None else len(d.rows if d.rows is not None else range(self.config.lanes))
+        dl: Any = None
+        pl: list[Any] = [None] * len(ps)
+        dt: Sequence[int] | None = None
+        pt: list[Sequence[int] | None] = [None] * len(ps)
+        if error is None:
+            try:
+                if tokens is not None:
+                    if len(tokens) != rows + len(ps):
+                        raise ValueError(f"{len(tokens)} tokens for a mixed call of {rows} "
+                                         f"decode rows and {len(ps)} prefills")
+                    dt = tokens[:rows]
+                    pt = [tokens[rows + i:rows + i + 1] for i in range(len(ps))]
+                else:
+                    dl, both = logits
+                    if not isinstance(both, torch.Tensor) or both.shape[0] != len(ps) \
+                            or (d is None) != (dl is None):
+                        raise ValueError(f"a mixed call's logits must be (the decode's or None, "
+                                         f"[P={len(ps)}, 1, V])")
+                    pl = [both[i:i + 1] for i in range(len(ps))]
+            except Exception as exc:  # noqa: BLE001 - outputs the call got wrong
+                error = exc
+        if error is not None:
+            return StepResult(error=repr(error))
+        out_toks: list[int] = []
+        out_errs: list[str | None] = []
+        if d is not None:
+            r = self._decode_result(d, dl, dt, None)
+            if r.error is not None:
+                return r
+            out_toks += r.tokens
+            out_errs += r.row_errors
+        for p, lg, tk in zip(ps, pl, pt, strict=True):
+            r = self._prefill_result(p, lg, tk, None)
+            out_toks.append(r.tokens[0] if r.tokens else 0)
+            out_errs.append(f"prefill failed: {r.error}" if r.error is not None
+                            else (r.row_errors[0] if r.row_errors else None))
+        return StepResult(tokens=tuple(out_toks), row_errors=tuple(out_errs))
 
     def _checked(self, tok: Any) -> int:
         """A token an engine sampled: an id in the vocabulary (else the next decode call

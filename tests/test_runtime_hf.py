@@ -205,9 +205,11 @@ def test_other_architectures(tmp_path: Path, kind: str) -> None:
 
 def test_planted_lane_confusion_is_caught(tmp_path: Path, monkeypatch: Any) -> None:
     """A runtime whose gather reads every row through row 0's block table: the check fails."""
-    real = hf.gather_index
-    monkeypatch.setattr(hf, "gather_index", lambda tab, n, bs, nb: real(
-        tab[:1].expand_as(tab), n, bs, nb))
+    from atom_core.runtime import hf_attention
+
+    real = hf_attention.row_blocks
+    monkeypatch.setattr(hf_attention, "row_blocks", lambda tab, n, nb: real(
+        tab[:1].expand_as(tab), n, nb))
     cfg = config(2)
     b = AtomBatcher(cfg, served(cfg, tmp_path))
     rids = run(b, [(prompt(80, 70), 8), (prompt(40, 71), 8)])
@@ -334,9 +336,12 @@ def test_serve_builds_hf_from_a_checkpoint_directory(tmp_path: Path) -> None:
     assert engine.batcher.runtime.vocab_size == 257  # the byte tokenizer's
 
 
-def test_threads_auto_is_one_for_a_tiny_model_and_torchs_above() -> None:
-    """The "auto" default (measured by bench.hf): one thread below a million parameters, torch's
-    setting above; an explicit count or None is kept, anything else refused."""
+def test_threads_auto_is_one_for_a_tiny_model_and_a_spare_core_above(monkeypatch: Any) -> None:
+    """The "auto" default (measured by bench.hf and bench.hf_call): one thread below a million
+    parameters; above, one core fewer than the machine has, at least one and at most torch's
+    setting; an explicit count or None is kept, anything else refused."""
+    import os
+
     from atom_core.runtime.hf import SMALL_MODEL_PARAMETERS, threads_for
     tiny = HFRuntime.tiny_llama_model(0)
     big = HFRuntime.tiny_llama_model(0, hidden_size=512, intermediate_size=1408,
@@ -344,7 +349,9 @@ def test_threads_auto_is_one_for_a_tiny_model_and_torchs_above() -> None:
                                      num_key_value_heads=4, head_dim=64, vocab_size=1024)
     assert sum(p.numel() for p in tiny.parameters()) < SMALL_MODEL_PARAMETERS
     assert sum(p.numel() for p in big.parameters()) >= SMALL_MODEL_PARAMETERS
-    assert (threads_for(tiny, "auto"), threads_for(big, "auto")) == (1, None)
+    for cores, want in ((1, 1), (2, 1), (64, torch.get_num_threads())):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert (threads_for(tiny, "auto"), threads_for(big, "auto")) == (1, max(1, want))
     assert (threads_for(big, 2), threads_for(tiny, None)) == (2, None)
     for bad in (0, True, "many", 1.5):
         with pytest.raises(ValueError, match="num_threads"):

@@ -195,7 +195,9 @@ def test_longrope_refusal_is_needed(root: Path, monkeypatch: pytest.MonkeyPatch)
     """Why: with the refusal bypassed, a 65-token prompt (two chunks: the first one's keys
     rotated by the short factors, generate() rotates all by the long ones) continues
     differently from generate()."""
-    monkeypatch.setattr(hf, "_check_rope", lambda config, max_seq_len: None)
+    from atom_core.runtime import hf_checks  # (check_model_config's module)
+
+    monkeypatch.setattr(hf_checks, "_check_rope", lambda config, max_seq_len: None)
     d = checkpoint(root, "llama", rope_scaling={**LONGROPE,
                                                 "original_max_position_embeddings": C})
     cfg = config(1)

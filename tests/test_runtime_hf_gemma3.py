@@ -198,8 +198,10 @@ def test_pd_over_the_in_process_link(tmp_path: Path) -> None:
 
 def test_planted_slot_confusion_is_caught(tmp_path: Path, monkeypatch: Any) -> None:
     """A runtime whose decode rows all append into row 0's local slot: the check fails."""
-    real = hf.append_windows
-    monkeypatch.setattr(hf, "append_windows",
+    from atom_core.runtime import hf_attention
+
+    real = hf_attention.append_windows
+    monkeypatch.setattr(hf_attention, "append_windows",
                         lambda slots, ids, pos, new: real(slots, ids[:1].expand_as(ids), pos, new))
     cfg = config(3)
     b = AtomBatcher(cfg, served(cfg, tmp_path))

@@ -1,31 +1,40 @@
-"""A runtime over a Hugging Face transformers causal LM, with RBLN graph semantics.
+"""A runtime over a Hugging Face transformers causal LM, behind the RBLN runtime interface.
 
 `HFRuntime` drives a real `transformers` model (Llama, Mistral, Qwen2: decoder-only models whose
 attention goes through transformers' attention-function registry; Gemma3 text, the hybrid
-sliding-window model) behind the same interface as `TorchReferenceRuntime`: B=1 chunked prefill
-and B-row decode through the batcher's int16 block tables, KV per global layer in
-`[num_blocks, kv_heads, block_size, head_dim]` and, for Gemma3's sliding layers, in lane-local
-window slots `[batch_size, kv_heads, W, head_dim]` addressed by `local_block_tables`
-(`atom_core.runtime.paged`, shared with the reference runtime).
+sliding-window model) behind the same interface as `TorchReferenceRuntime`: chunked prefill
+and decode through the batcher's int16 block tables, KV per global layer in
+`[num_blocks, kv_heads, block_size, head_dim]` (stored head-major, `__init__`) and, for Gemma3's
+sliding layers, in lane-local window slots `[batch_size, kv_heads, W, head_dim]` addressed by
+`local_block_tables` (`atom_core.runtime.paged`, shared with the reference runtime).
 
-How: the model is loaded with `attn_implementation="atom_paged"`, an attention function registered
-through transformers' public `AttentionInterface`. The model computes q, k, v (projections, its
-norms, rotary embedding at the given `position_ids`: Gemma3's separate local and global rotary
-bases included) as it always does and hands them to that function with its own scaling (Gemma3's
-`query_pre_attn_scalar`), which writes k and v through the block tables and attends over the
-gathered keys, masked by position (causal: a key is visible when its position is <= the
-query's). A sliding layer instead reads the row's local window, attends to it and the call's own
-keys under transformers' Gemma3 sliding mask (position q sees q - W + 1 .. q) and appends the
-call's real positions to the window. The model is called without a transformers cache
-(`use_cache=False`), so the paged cache and the slots are the only KV there is. No model source
-is patched; the registry lookup happens at every attention call, so a model built with another
-attention implementation is not affected.
+It has no static shapes, and says so (the capabilities of `protocol.py`): `static_batch` is
+False (a decode call computes the rows it is given, any count up to batch_size: the batcher
+gives it the live rows only) and `mixed_calls` True (`mixed`: a decode and prompt chunks of
+several lanes in one forward, the real tokens of each chunk only). `HFRuntime(...,
+static_batch=True, mixed_calls=False)` keeps RBLN's shapes instead: every decode row computed,
+padding rows included (aimed at the scratch block), one chunk per prefill call, every position
+of a padded chunk written, like the device.
 
-Like the device, every computed position writes its KV: the padding positions of a prefill chunk
-and the padding rows of a decode (which the batcher aims at the scratch block). Attention runs in
-the model's dtype (float32 or float64): the result equals transformers' own attention up to
-floating-point rounding (not bit for bit; the tests compare greedy tokens at steps whose top-1 /
-top-2 logit gap is far above that rounding, and float32 logits with a tolerance).
+How: the model is loaded with `attn_implementation="atom_paged"`, an attention function
+registered through transformers' public `AttentionInterface` (`atom_core.runtime.hf_attention`).
+Each call runs the model once over its tokens packed in one row, with their positions. The model
+computes q, k, v (projections, its norms, rotary embedding at the given `position_ids`:
+Gemma3's separate local and global rotary bases included) as it always does and hands them to
+that function with its own scaling (Gemma3's `query_pre_attn_scalar`), which writes k and v
+through the block tables and attends with `scaled_dot_product_attention` over each row's keys
+(gathered with one index per call, built once), masked by position (causal: a key is visible
+when its position is <= the query's). A sliding layer instead reads the row's local window,
+attends to it and the call's own keys under transformers' Gemma3 sliding mask (position q sees
+q - W + 1 .. q) and appends the row's real positions to the window. The model is called without a
+transformers cache (`use_cache=False`), so the paged cache and the slots are the only KV there
+is. No model source is patched; the registry lookup happens at every attention call, so a model
+built with another attention implementation is not affected.
+
+Attention runs in the model's dtype (float32 or float64): the result equals transformers' own
+attention up to floating-point rounding (not bit for bit; the tests compare greedy tokens at
+steps whose top-1 / top-2 logit gap is far above that rounding, and float32 logits with a
+tolerance).
 
 Refused, each with a message: architectures other than the supported ones (the multimodal
 Gemma3 among them), sliding-window layers in a model other than Gemma3 whose window is shorter
@@ -33,10 +42,10 @@ than `max_seq_len` (Qwen2's sliding layers, a Mistral window; one at least as lo
 attention for every sequence served, and is served so), a Gemma3 config with no global layer, a
 non-positive window, bidirectional attention or attention soft-capping, dtypes other than
 float32/float64, a `max_seq_len` beyond the model's `max_position_embeddings`, LongRoPE with an
-original length below `max_seq_len` (its frequencies change per call, `_check_rope`), a
-checkpoint lacking any weight of the causal LM (a bare decoder's or a classifier's:
-transformers would initialize the LM head at random, `_check_complete`) and a model of another
-class than the supported causal LM (`_check_model_class`).
+original length below `max_seq_len` (its frequencies change per call), a checkpoint lacking any
+weight of the causal LM (a bare decoder's or a classifier's: transformers would initialize the
+LM head at random) and a model of another class than the supported causal LM (the checks:
+`atom_core.runtime.hf_checks`).
 
 Nothing touches the network: loading is `from_pretrained(path, local_files_only=True)` and the
 hub is set offline (`HF_HUB_OFFLINE=1`) when this module is imported.
@@ -45,14 +54,13 @@ hub is set offline (`HF_HUB_OFFLINE=1`) when this module is imported.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import hashlib
 import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,17 +69,10 @@ import torch
 
 from atom_core.config import check_end_tokens
 from atom_core.runtime.paged import (
-    append_windows,
-    block_coords,
     check_host,
     copy_from_host,
     copy_to_host,
-    gather_at,
-    gather_index,
     stack_kv,
-    visible,
-    window_key_positions,
-    write_blocks,
 )
 from atom_core.runtime.protocol import (
     RuntimeInputError,
@@ -89,7 +90,6 @@ from atom_core.runtime.reference import torch_threads
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import (  # noqa: E402
-    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
@@ -99,6 +99,24 @@ from transformers import (  # noqa: E402
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from atom_core.runtime.hf_attention import (  # noqa: E402
+    ATTENTION,
+    CallGraph,
+    Group,
+    UnsupportedModelError,
+    current,
+)
+from atom_core.runtime.hf_checks import (  # noqa: E402
+    FULL,
+    HYBRID_MODEL_TYPES,
+    SLIDING,
+    SUPPORTED_MODEL_TYPES,
+    _check_complete,
+    _check_dtype,
+    _check_model_class,
+    check_model_config,
+)
+
 if TYPE_CHECKING:
     from atom_core.config import Config
     from atom_core.serve.runtimes import ServeOptions
@@ -107,19 +125,15 @@ __all__ = ["ATTENTION", "DEFAULT_THREADS", "SMALL_MODEL_PARAMETERS", "SUPPORTED_
            "TINY_MODELS", "GenerateOracle", "HFRuntime", "UnsupportedModelError", "seed_weights",
            "serve_factory", "threads_for", "tiny_model", "tiny_runtime", "with_model_window"]
 
-ATTENTION = "atom_paged"
-# model_type -> what it is; each uses the standard attention interface like Llama
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# the hybrid ones: 'sliding_attention' layers (config.layer_types) keep their KV in local slots
-HYBRID_MODEL_TYPES = frozenset({"gemma3_text"})
-SLIDING, FULL = "sliding_attention", "full_attention"
-DTYPES = (torch.float32, torch.float64)
 # torch intra-op threads during a prefill/decode call (None: torch's own setting). "auto": one
-# for a model below SMALL_MODEL_PARAMETERS, torch's setting above. Measured with `python -m
-# bench.hf` on a shared 2-core machine (README): the tiny test models (~0.1M parameters) ran 7
-# to 20 times slower with torch's default of 2 threads (a hand-off costs more than a [B, 64]
-# matmul saves), an 18M-parameter Llama (`--model small-llama`) 1.2-1.4 times faster.
+# for a model below SMALL_MODEL_PARAMETERS; above, one core fewer than the machine has (at least
+# one, at most torch's setting), leaving a core to the server's event loop and its clients.
+# Measured on a shared 2-core machine: the tiny test models (~0.1M parameters) ran 7 to 20 times
+# slower with torch's default of 2 threads (`bench.hf`: a hand-off costs more than a [B, 64]
+# matmul saves); the 26M-parameter Llama of `bench.hf_call` (issue 50) took 21 ms per 1-row and
+# 44 ms per 16-row decode call with one thread, 300 ms and 1.9 s with two beside other jobs (the
+# second thread waits for a core another process holds), and a server beside its clients keeps
+# one core busy with HTTP. Larger machines: not measured here; pass num_threads to choose.
 DEFAULT_THREADS = "auto"
 SMALL_MODEL_PARAMETERS = 1_000_000
 
@@ -134,128 +148,9 @@ def threads_for(model: Any, num_threads: int | str | None) -> int | None:
                              f"{num_threads!r}")
         return num_threads  # type: ignore[return-value]
     size = sum(p.numel() for p in model.parameters())
-    return 1 if size < SMALL_MODEL_PARAMETERS else None
-
-
-class UnsupportedModelError(ValueError):
-    """A model (architecture, attention type, window, dtype) this runtime cannot serve."""
-
-
-# --- the attention function --------------------------------------------------------------------
-
-class _Graph:
-    """One prefill or decode call: where each computed position's KV goes and what it sees.
-
-    pos [B, Q] positions of the B*Q computed tokens; tab [B, T] each row's block table (a
-    prefill has B = 1); length: keys 0..length-1 are gathered for every row. A hybrid model's
-    call also has slots [B] (each row's local slot) and real (how many of a row's Q positions
-    its sliding layers append to the slot's window: a prefill chunk's real positions up to
-    start + query_position, a decode row's one position)."""
-
-    def __init__(self, rt: HFRuntime, pos: torch.Tensor, tab: torch.Tensor,
-                 slots: torch.Tensor | None = None, real: int = 0) -> None:
-        self.rt = rt
-        b, q = pos.shape
-        self.shape = (b, q)
-        rows = tab.long()[torch.arange(b).repeat_interleave(q)]              # [B*Q, T]
-        self.blk, self.off = block_coords(rows, pos.reshape(-1), rt.block_size)
-        self.tab = tab.long()
-        # (a padded last chunk may reach past max_seq_len: not stored, not read; block_coords)
-        self.length = min(int(pos.max()) + 1, rt.max_seq_len)
-        self.kv_index = gather_index(self.tab, self.length, rt.block_size, rt.num_blocks)
-        kpos = torch.arange(self.length)
-        # [B, 1, Q, L]: key k visible from a query at q iff k <= q (by position, never by where
-        # the key is stored, so junk in a block past a sequence's end is masked)
-        self.valid = visible(pos.reshape(-1), kpos, None).view(b, 1, q, self.length)
-        self.slots = None if slots is None else slots.long()
-        if self.slots is not None:
-            w = rt.sliding_window
-            assert w is not None
-            self.start = pos[:, 0].long()
-            self.real = real
-            # a row's keys: its slot's window as read at its first position, then its own Q
-            # positions; [B, 1, Q, W + Q] by position (the window's own mask, the chunk's
-            # causal one: a chunk longer than the window masks its own oldest positions)
-            lpos = window_key_positions(self.start, pos, w).repeat_interleave(q, dim=0)
-            self.local_valid = visible(pos.reshape(-1), lpos, w).view(b, 1, q, w + q)
-
-    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float, kwargs: dict[str, Any]) -> torch.Tensor:
-        """query [B, H, Q, d], key/value [B, KVH, Q, d] of this call's tokens; [B, Q, H, d]."""
-        layer = module.layer_idx
-        window = kwargs.get("sliding_window")
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-            raise UnsupportedModelError(
-                f"layer {layer} asks for attention logit soft-capping or sinks, which "
-                "HFRuntime does not implement")
-        j = self.rt._store[layer]
-        if layer in self.rt._sliding:
-            if window != self.rt.sliding_window or self.slots is None:
-                raise UnsupportedModelError(
-                    f"sliding layer {layer} asks for window {window}, the runtime keeps "
-                    f"{self.rt.sliding_window}")
-            return self._local(j, query, key, value, scaling)
-        if window is not None and window < self.rt.max_seq_len:
-            raise UnsupportedModelError(
-                f"layer {layer} asks for sliding-window attention (window {window}), "
-                "which HFRuntime does not implement for this model")
-        b, q = self.shape
-        kvh, d = key.shape[1], key.shape[3]
-        k_new = key.transpose(1, 2).reshape(b * q, kvh, d)
-        v_new = value.transpose(1, 2).reshape(b * q, kvh, d)
-        kc, vc = self.rt.k_cache[j], self.rt.v_cache[j]
-        write_blocks(kc, self.blk, self.off, k_new)
-        write_blocks(vc, self.blk, self.off, v_new)
-        # junk past a sequence's end is masked, but NaN * 0 is NaN: make it finite
-        k = torch.nan_to_num(gather_at(kc, self.kv_index))
-        v = torch.nan_to_num(gather_at(vc, self.kv_index))
-        return _softmax_attend(query, k, v, self.valid, scaling)
-
-    def _local(self, j: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float) -> torch.Tensor:
-        """A sliding layer (store j): each row reads its slot's window, attends to it and its
-        own keys, then appends its real keys (`append_windows`, every row alike: a padding row
-        writes the slot it is aimed at, which the batcher makes an idle lane's)."""
-        assert self.slots is not None
-        kl, vl = self.rt.k_local[j], self.rt.v_local[j]
-        k = torch.cat([torch.nan_to_num(kl[self.slots]), key.to(kl.dtype)], dim=2)
-        v = torch.cat([torch.nan_to_num(vl[self.slots]), value.to(vl.dtype)], dim=2)
-        out = _softmax_attend(query, k, v, self.local_valid, scaling)
-        append_windows(kl, self.slots, self.start, key[:, :, :self.real])
-        append_windows(vl, self.slots, self.start, value[:, :, :self.real])
-        return out
-
-
-def _softmax_attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """query [B, H, Q, d] over keys/values [B, KVH, L, d] (grouped-query: each KV head serves
-    H / KVH query heads) where valid [B, 1, Q, L]; [B, Q, H, d]."""
-    rep = query.shape[1] // k.shape[1]
-    k = k.to(query.dtype).repeat_interleave(rep, dim=1)                       # [B, H, L, d]
-    v = v.to(query.dtype).repeat_interleave(rep, dim=1)
-    scores = (query @ k.transpose(2, 3)) * scaling                           # [B, H, Q, L]
-    scores = scores.masked_fill(~valid, -math.inf)
-    probs = torch.softmax(scores, dim=-1)
-    return (probs @ v).transpose(1, 2).contiguous()
-
-
-_CURRENT: contextvars.ContextVar[_Graph | None] = contextvars.ContextVar("atom_hf_graph",
-                                                                        default=None)
-
-
-def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    graph = _CURRENT.get()
-    if graph is None:
-        raise RuntimeError(f"the '{ATTENTION}' attention runs only inside HFRuntime.prefill/"
-                           "decode; build other models with another attn_implementation")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    return graph.attend(module, query, key, value, scaling, kwargs), None
-
-
-AttentionInterface.register(ATTENTION, _paged_attention)
+    if size < SMALL_MODEL_PARAMETERS:
+        return 1
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1))
 
 
 @contextlib.contextmanager
@@ -268,164 +163,6 @@ def _quiet() -> Iterator[None]:
     finally:
         if was:
             hf_logging.enable_progress_bar()
-
-
-# --- checks ------------------------------------------------------------------------------------
-
-def check_model_config(config: Any, max_seq_len: int) -> None:
-    """Raise UnsupportedModelError unless HFRuntime can serve this transformers config."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        archs = getattr(config, "architectures", None) or [mt]
-        extra = (" For Gemma3 serve the text model (Gemma3ForCausalLM, a Gemma3TextConfig with "
-                 "model_type 'gemma3_text'); the multimodal one is not supported."
-                 if mt == "gemma3" else "")
-        raise UnsupportedModelError(
-            f"model architecture {archs} (model_type '{mt}') is not supported by HFRuntime: "
-            f"supported are {sorted(SUPPORTED_MODEL_TYPES.values())}.{extra}")
-    kinds = set(getattr(config, "layer_types", None) or [FULL])
-    if mt not in HYBRID_MODEL_TYPES and SLIDING in kinds:
-        _check_unslid_window(config, mt, sorted(kinds), max_seq_len)
-        kinds = (kinds - {SLIDING}) | {FULL}
-    allowed = {FULL, SLIDING} if mt in HYBRID_MODEL_TYPES else {FULL}
-    if not kinds <= allowed:
-        raise UnsupportedModelError(
-            f"this {mt} config has attention layer types {sorted(kinds)}: HFRuntime serves "
-            f"{mt} models whose layers are {sorted(allowed)} only"
-            + ("" if mt in HYBRID_MODEL_TYPES else " (sliding-window layers have local slots "
-                                                    "for Gemma3 only)"))
-    if mt in HYBRID_MODEL_TYPES:
-        _check_hybrid(config, kinds)
-    window = getattr(config, "sliding_window", None) if mt == "mistral" else None
-    if window is not None and window < max_seq_len:
-        raise UnsupportedModelError(
-            f"this mistral config has sliding_window={window} < max_seq_len={max_seq_len}: the "
-            "paged layout here keeps full attention only; use max_seq_len <= the window or a "
-            "config with sliding_window=null")
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and max_seq_len > limit:
-        raise UnsupportedModelError(
-            f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={limit}")
-    _check_rope(config, max_seq_len)
-
-
-def _check_unslid_window(config: Any, mt: str, kinds: list[str], max_seq_len: int) -> None:
-    """Sliding layers of a model without local slots (Qwen2's, `layer_types`) are served as
-    full attention, which they are when the window covers every sequence the server accepts:
-    transformers' sliding mask lets the query at q see keys q - W + 1 .. q, and q never
-    exceeds max_seq_len - 1, so W >= max_seq_len hides no key (`_Graph.attend` checks each
-    call's window against the same bound). A shorter window would need local slots."""
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise UnsupportedModelError(
-            f"this {mt} config has attention layer types {kinds} but "
-            f"sliding_window={window!r}: "
-            "give a positive integer window, or a config without sliding layers "
-            "(use_sliding_window=false)")
-    if window < max_seq_len:
-        raise UnsupportedModelError(
-            f"this {mt} config has attention layer types {kinds} with sliding_window="
-            f"{window} < max_seq_len={max_seq_len}: HFRuntime keeps local slots (a window "
-            f"that slides) for Gemma3 only and serves {mt}'s sliding layers as full attention, "
-            f"which they are only while the window covers the sequence; use max_seq_len <= "
-            f"{window}, or "
-            "a config without sliding layers (use_sliding_window=false)")
-
-
-def _rope_parameter_sets(config: Any) -> list[dict[str, Any]]:
-    """The model's RoPE parameter dicts: one, or (Gemma3) one per layer type. transformers 5
-    keeps them in `rope_parameters`; older configs in `rope_scaling`."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict) or not params:
-        return []
-    if all(isinstance(v, dict) for v in params.values()):
-        return list(params.values())
-    return [params]
-
-
-def _check_rope(config: Any, max_seq_len: int) -> None:
-    """Refuse a RoPE whose frequencies depend on the call rather than on the position alone.
-
-    transformers' `dynamic_rope_update` picks LongRoPE's frequencies per forward call: the long
-    factors when the call's largest position id reaches past `original_max_position_embeddings`,
-    else the short ones. Here a prompt is prefilled one chunk per call and every lane decodes in
-    one call, so a chunk's keys would be rotated by the short factors while the rest of the
-    prompt (and `generate()`, which prefills the prompt in one call) uses the long ones, and a
-    lane's rotary frequencies would depend on how long the *other* lanes in its decode batch
-    are. Both change tokens (seen on a tiny Llama). With max_seq_len <= the original length
-    every call takes the short factors, which is position-only and fine. ("dynamic" NTK grows
-    its frequencies only past max_position_embeddings, which max_seq_len never exceeds.)"""
-    for params in _rope_parameter_sets(config):
-        if params.get("rope_type", params.get("type")) != "longrope":
-            continue
-        original = params.get("original_max_position_embeddings",
-                              getattr(config, "original_max_position_embeddings", None))
-        if original is None or int(original) < max_seq_len:
-            raise UnsupportedModelError(
-                f"this config uses LongRoPE with original_max_position_embeddings={original} < "
-                f"max_seq_len={max_seq_len}: transformers switches its rotary frequencies per "
-                "forward call on the call's longest position, which chunked prefill and batched "
-                "decode cannot reproduce (a chunk, or a lane beside a longer one, would be "
-                "rotated differently from generate()); use max_seq_len <= "
-                f"{original if original is not None else 'the original length'}")
-
-
-def _check_hybrid(config: Any, kinds: set[str]) -> None:
-    """A Gemma3 text config the local-slot layout can express: causal, both kinds of layer
-    (the sliding ones' window in the local slots, the global ones' KV in the blocks)."""
-    if SLIDING in kinds and FULL not in kinds:
-        raise UnsupportedModelError(
-            "this gemma3_text config has only sliding_attention layers: the RBLN layout keeps a "
-            "hybrid model's global layers in the blocks and needs at least one full_attention "
-            "layer (set layer_types)")
-    window = getattr(config, "sliding_window", None)
-    if SLIDING in kinds and (isinstance(window, bool) or not isinstance(window, int)
-                             or window <= 0):
-        raise UnsupportedModelError(
-            f"this gemma3_text config has sliding layers but sliding_window={window!r}: give "
-            "a positive integer window")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise UnsupportedModelError(
-            "this gemma3_text config has use_bidirectional_attention=True: HFRuntime serves "
-            "causal decoders only")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        # transformers' Gemma3 attention does not pass it to the attention function, so what it
-        # should mean here is not defined by the model: refuse rather than guess
-        raise UnsupportedModelError(
-            "this gemma3_text config sets attn_logit_softcapping, which HFRuntime does not "
-            "implement; use a config with attn_logit_softcapping=null")
-
-
-def _check_complete(path: Path, config: Any, info: dict[str, Any]) -> None:
-    """Refuse a checkpoint that lacks weights of the causal LM (`from_pretrained`'s
-    `missing_keys`): transformers initializes those at random and only logs it, so a bare
-    decoder or a classifier checkpoint of a supported model_type (no `lm_head`) would be served
-    as noise, and an oracle built from a copy of the loaded model would agree with it."""
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        archs = getattr(config, "architectures", None) or [getattr(config, "model_type", None)]
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
-                                          if len(missing) > 5 else "")
-        want = SUPPORTED_MODEL_TYPES.get(getattr(config, "model_type", None), "a causal LM")
-        raise UnsupportedModelError(
-            f"{path}: the checkpoint ({archs}) has no weights for {shown}: transformers would "
-            f"initialize them at random; HFRuntime serves complete {want} checkpoints only")
-
-
-def _check_model_class(model: Any) -> None:
-    """Refuse a model of a supported model_type but another class (a classifier, the bare
-    decoder): HFRuntime reads a causal LM's next-token logits."""
-    want = SUPPORTED_MODEL_TYPES.get(getattr(model.config, "model_type", None))
-    got = type(model).__name__
-    if got != want:
-        raise UnsupportedModelError(
-            f"the model is a {got}: HFRuntime serves {want} for model_type "
-            f"'{model.config.model_type}' (load it with AutoModelForCausalLM)")
-
-
-def _check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in DTYPES:
-        raise UnsupportedModelError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -474,17 +211,27 @@ class HFRuntime:
     (`new_local_host_buffer`, `fetch_local_cache`, `update_local_cache`, `read_local`) work.
 
     `num_threads`: torch's intra-op threads during each call (restored after it); default
-    `DEFAULT_THREADS` ("auto": one for a model under a million parameters, torch's setting
-    above, measured by `bench.hf`), None leaves torch's setting.
+    `DEFAULT_THREADS` ("auto": one for a model under a million parameters, one core fewer than
+    the machine's above, measured by `bench.hf` and `bench.hf_call`), None leaves torch's
+    setting. `static_batch`, `mixed_calls`: the capabilities (module docstring; default: no
+    static shapes). `mixed_prefill_tokens`: a mixed step's prompt tokens at most (default one
+    chunk).
     """
 
     uses_local_block_tables = False
     sliding_window: int | None = None
+    # the capabilities of a runtime without static shapes (protocol.py): a decode call
+    # computes the rows it is given (the batcher gives it the live rows only), and a step with
+    # prompt chunks runs them beside the decode in one forward (`mixed`)
+    static_batch = False
+    mixed_calls = True
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int, max_seq_len: int,
                  prefill_chunk: int, batch_size: int,
                  decoder_batch_sizes: Iterable[int] | None = None,
-                 num_threads: int | str | None = DEFAULT_THREADS) -> None:
+                 num_threads: int | str | None = DEFAULT_THREADS,
+                 static_batch: bool = False, mixed_calls: bool = True,
+                 mixed_prefill_tokens: int | None = None) -> None:
         cfg = model.config
         check_model_config(cfg, max_seq_len)
         _check_model_class(model)
@@ -499,6 +246,11 @@ class HFRuntime:
             raise ValueError(bad)
         self.model = model.eval()
         self.dtype = dtype
+        self.static_batch, self.mixed_calls = bool(static_batch), bool(mixed_calls)
+        # a mixed step's prompt tokens at most (the scheduler's `prefill_tokens`; at least one
+        # chunk always runs): one chunk by default (`bench.hf_serve` measured the choice)
+        self.mixed_prefill_tokens = prefill_chunk if mixed_prefill_tokens is None \
+            else int(mixed_prefill_tokens)
         self.num_threads = threads_for(model, num_threads)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_seq_len, self.prefill_chunk = max_seq_len, prefill_chunk
@@ -523,13 +275,21 @@ class HFRuntime:
         # layer -> its index in k_cache/v_cache (global) or k_local/v_local (sliding)
         self._store = {layer: j for group in (self.global_layers, self.sliding_layers)
                        for j, layer in enumerate(group)}
-        shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in self.global_layers]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in self.global_layers]
+        # each global layer's cache is stored head-major [kv_heads, num_blocks, block_size,
+        # head_dim] and kept as its [num_blocks, kv_heads, ...] view, the layout of the block
+        # operations and host buffers: a call gathers its rows' blocks with one index_select of
+        # the storage, already in the order attention reads (`hf_attention`; a gather of the
+        # block-major layout needs a transposing copy, which cost 5-8 times more)
+        store = (self.kv_heads, num_blocks, block_size, self.head_dim)
+        self.k_cache = [torch.zeros(store, dtype=dtype).transpose(0, 1)
+                        for _ in self.global_layers]
+        self.v_cache = [torch.zeros(store, dtype=dtype).transpose(0, 1)
+                        for _ in self.global_layers]
         local = (batch_size, self.kv_heads, self.sliding_window or 0, self.head_dim)
         self.k_local = [torch.zeros(local, dtype=dtype) for _ in self.sliding_layers]
         self.v_local = [torch.zeros(local, dtype=dtype) for _ in self.sliding_layers]
-        self.calls = {"prefill": 0, "decode": 0, "copy": 0, "fetch": 0, "update": 0,
+        self.calls = {"prefill": 0, "decode": 0, "mixed": 0, "copy": 0, "fetch": 0,
+                      "update": 0,
                       "fetch_local": 0, "update_local": 0}
         self._fingerprint: str | None = None
 
@@ -640,27 +400,30 @@ class HFRuntime:
             self._fingerprint = hashlib.sha256(blob).hexdigest()
         return self._fingerprint
 
-    # --- the device graphs -----------------------------------------------------------------
+    # --- the calls -------------------------------------------------------------------------
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, tab: torch.Tensor,
-             keep: int | torch.Tensor, slots: torch.Tensor | None = None,
-             real: int = 0) -> torch.Tensor:
+    def _run(self, groups: list[Group], ids: torch.Tensor,
+             keep: int | torch.Tensor) -> torch.Tensor:
+        """One forward over the groups' tokens packed in one row (ids: the groups' tokens in
+        order, `hf_attention`); logits [K, V] of the packed positions `keep` (0: all)."""
+        pos = torch.cat([g.pos.reshape(-1) for g in groups])
         # The model sees position ids no larger than max_seq_len - 1. Only the padding of an
         # eager table's last chunk (max_seq_len not a multiple of the chunk) lies past it: those
         # positions store nothing and their outputs are dropped, but transformers' dynamic RoPE
         # (NTK "dynamic", LongRoPE) picks the rotary frequencies of the whole call from its
         # largest position id, so unclamped they would rotate the chunk's real tokens (and,
-        # dynamic NTK keeping its state, later calls) differently from generate(). The graph
-        # (`_Graph`) keeps the true positions for the masks and the writes.
-        position_ids = pos.long().clamp(max=self.max_seq_len - 1)
-        token = _CURRENT.set(_Graph(self, pos, tab, slots, real))
+        # dynamic NTK keeping its state, later calls) differently from generate(). The call
+        # graph keeps the true positions for the masks and the writes.
+        position_ids = pos.long().clamp(max=self.max_seq_len - 1)[None, :]
+        var = current()
+        token = var.set(CallGraph(self, groups))
         try:
             with torch_threads(self.num_threads), torch.inference_mode():
-                out = self.model(input_ids=ids, position_ids=position_ids, use_cache=False,
-                                 logits_to_keep=keep)
+                out = self.model(input_ids=ids.reshape(1, -1), position_ids=position_ids,
+                                 use_cache=False, logits_to_keep=keep)
         finally:
-            _CURRENT.reset(token)
-        return out.logits.to(self.dtype)
+            var.reset(token)
+        return out.logits[0].to(self.dtype)
 
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
                 local_block_tables: Any, query_position: Any) -> torch.Tensor:
@@ -669,17 +432,61 @@ class HFRuntime:
         self.calls["prefill"] += 1
         # the sliding layers append the chunk's real positions only (start .. start + qp), as
         # the kernel's cache_offset says; the global layers write every position like the device
-        logits = self._run(ids, pos, bt[None, :], qp.long().view(1), lbt, int(qp) + 1)
+        logits = self._run([Group(pos, bt[None, :], lbt, int(qp) + 1)], ids, qp.long().view(1))
         return logits.reshape(1, 1, self.vocab_size)
 
     def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
                local_block_tables: Any) -> torch.Tensor:
+        """Every row given is computed. Not `static_batch`: any row count 1..batch_size (the
+        batcher gives the live rows only); else one of `decoder_batch_sizes`."""
         ids, pos, bt, lbt = check_decode_inputs(
-            self, input_ids, cache_position, block_tables, local_block_tables)
+            self, input_ids, cache_position, block_tables, local_block_tables,
+            any_rows=not self.static_batch)
         self.calls["decode"] += 1
         b = ids.shape[0]
         slots = None if lbt is None else lbt[:, 0]
-        return self._run(ids, pos, bt, 0, slots, 1).reshape(b, 1, self.vocab_size)
+        return self._run([Group(pos, bt, slots, 1)], ids, 0).reshape(b, 1, self.vocab_size)
+
+    def mixed(self, decode: Sequence[Any] | None,
+              prefills: Sequence[Sequence[Any]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A decode and prompt chunks of other lanes in one forward (`mixed_calls`; the
+        batcher's `MixedCall`). `decode`: `decode`'s arguments (R rows, any R from 1 to
+        batch_size) or None; each prefill: `prefill`'s arguments (the chunk padded to
+        prefill_chunk, its last real token at query_position), of which only the real tokens
+        are computed (a padding position's KV is junk past the sequence's end either way).
+        Returns (the decode's logits [R, 1, V] or None, the chunks' last real tokens' logits
+        [P, 1, V]). The rows read and write disjoint lanes' blocks and slots (the scheduler's
+        `MixedCall` guarantees it), so each part's logits and writes are those of its own call.
+        """
+        groups: list[Group] = []
+        ids: list[torch.Tensor] = []
+        keep: list[int] = []
+        rows = 0
+        if decode is not None:
+            d_ids, pos, bt, lbt = check_decode_inputs(self, *decode, any_rows=True)
+            rows = d_ids.shape[0]
+            groups.append(Group(pos, bt, None if lbt is None else lbt[:, 0], 1))
+            ids.append(d_ids.reshape(-1))
+            keep += range(rows)
+        n = rows
+        for args in prefills:
+            p_ids, pos, bt, lbt, qp = check_prefill_inputs(self, *args)
+            real = int(qp) + 1
+            groups.append(Group(pos[:, :real], bt[None, :], lbt, real))
+            ids.append(p_ids[0, :real])
+            n += real
+            keep.append(n - 1)
+        if not groups:
+            raise RuntimeInputError("mixed() with neither a decode nor a prefill: nothing to run")
+        # `calls` counts the work by kind (a chunk is a "prefill" and a decode a "decode"
+        # whichever call runs it) and the forwards that ran several parts as "mixed"
+        self.calls["mixed"] += 1
+        self.calls["prefill"] += len(prefills)
+        self.calls["decode"] += decode is not None
+        logits = self._run(groups, torch.cat(ids), torch.tensor(keep))
+        v = self.vocab_size
+        return (logits[:rows].reshape(rows, 1, v) if decode is not None else None,
+                logits[rows:].reshape(len(prefills), 1, v))
 
     def decode_batch_size(self, busy_rows: Iterable[int]) -> int:
         return smallest_decode_batch(self.decoder_batch_sizes, busy_rows)

@@ -61,6 +61,15 @@ class Runtime(Protocol):
     graphs' row counts, largest first; `decoder_batch_sizes[0] == batch_size`), `vocab_size` (V),
     `uses_local_block_tables` (hybrid models: pass `local_block_tables`, else pass None).
 
+    Capabilities (optional; a runtime without them has RBLN's static shapes):
+    `static_batch` (default True): a decode call must be given every row of one of the
+    compiled graphs, padding rows included (aimed at the padding target). False: the runtime
+    computes the rows it is given, any count from 1 to batch_size, and the batcher gives it the
+    live rows only (the core still lets padding rows write the padding target: not writing it
+    is safe). `mixed_calls` (default False): the runtime has `mixed(decode, prefills)`, a
+    decode and prompt chunks of several lanes in one call (the scheduler's `MixedCall`),
+    prompt tokens per call up to `mixed_prefill_tokens` (default: one chunk).
+
     Hybrid runtimes only (optional, like the local tables themselves): `sliding_window` (W),
     `new_local_host_buffer()` (a host buffer for one local slot, every sliding layer),
     `fetch_local_cache(host, slot)` (device slot -> host) and `update_local_cache(host, slot)`
@@ -246,16 +255,18 @@ def check_prefill_inputs(
 
 def check_decode_inputs(
     rt: Runtime, input_ids: Any, cache_position: Any, block_tables: Any,
-    local_block_tables: Any,
+    local_block_tables: Any, *, any_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Validate and convert decode arguments for the graph with `input_ids.shape[0]` rows.
+    """Validate and convert decode arguments for the graph with `input_ids.shape[0]` rows
+    (`any_rows`: a runtime without static shapes, `static_batch` False, takes any count from 1
+    to batch_size).
 
     Every row is a computed row: its position must be in 0..max_seq_len-1, and every entry of its
     block table must be a valid block id (padding rows included; `_check_table`).
     """
     ids0 = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids)
     b = int(ids0.shape[0]) if ids0.dim() else -1
-    if b not in rt.decoder_batch_sizes:
+    if b not in rt.decoder_batch_sizes and not (any_rows and 1 <= b <= rt.batch_size):
         raise RuntimeInputError(
             f"no decode graph has {b} rows (compiled: {list(rt.decoder_batch_sizes)}); build "
             "every decode tensor with the row count of the graph chosen by decode_batch_size()")

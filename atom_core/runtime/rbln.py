@@ -492,6 +492,11 @@ class RblnRuntime:
     turns on `fetch_kv_cache`/`update_kv_cache`/`new_host_buffer` (module docstring).
     """
 
+    # compiled graphs of static shapes (protocol.py): a decode graph computes all its rows,
+    # padding rows included, and a prefill graph one chunk of one sequence
+    static_batch = True
+    mixed_calls = False
+
     def __init__(self, *, prefill: Any, decoders: Mapping[int, Any], num_blocks: int,
                  block_size: int, max_seq_len: int, prefill_chunk: int, vocab_size: int,
                  hybrid: bool = False, sliding_window: int | None = None,

@@ -266,6 +266,9 @@ class TorchReferenceRuntime:
     """
 
     uses_local_block_tables = False
+    # RBLN's graph semantics (protocol.py): every decode row computed, one prefill per call
+    static_batch = True
+    mixed_calls = False
 
     def __init__(self, spec: RuntimeSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
                  num_threads: int | None = 1):

@@ -64,28 +64,46 @@ class FaultyRuntime:
             host[:, :, :, ring_index] = self._noise(host[:, :, :, ring_index])
         self.inner.update_local_cache(host, slot)
 
+    def _prefill_writes(self, input_ids: Any, cache_position: Any, block_tables: Any,
+                        local_block_tables: Any, query_position: Any) -> None:
+        self._scribble_block(int(block_tables[0]))
+        if local_block_tables is not None:  # the lane fails: its whole slot is fair game
+            self._scribble_slot(int(local_block_tables[0]))
+
+    def _decode_writes(self, input_ids: Any, cache_position: Any, block_tables: Any,
+                       local_block_tables: Any) -> None:
+        for b in sorted({int(x) for x in block_tables[:, 0]}):
+            self._scribble_block(b)
+        if local_block_tables is not None:
+            w = self.inner.sliding_window
+            for row in range(len(local_block_tables)):
+                self._scribble_slot(int(local_block_tables[row, 0]),
+                                    int(cache_position[row, 0]) % w)
+
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
                 local_block_tables: Any, query_position: Any) -> Any:
-        def scribble() -> None:
-            self._scribble_block(int(block_tables[0]))
-            if local_block_tables is not None:  # the lane fails: its whole slot is fair game
-                self._scribble_slot(int(local_block_tables[0]))
-        self._fire("prefill", scribble)
-        return self.inner.prefill(input_ids, cache_position, block_tables, local_block_tables,
-                                  query_position)
+        args = (input_ids, cache_position, block_tables, local_block_tables, query_position)
+        self._fire("prefill", lambda: self._prefill_writes(*args))
+        return self.inner.prefill(*args)
 
     def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
                local_block_tables: Any) -> Any:
+        args = (input_ids, cache_position, block_tables, local_block_tables)
+        self._fire("decode", lambda: self._decode_writes(*args))
+        return self.inner.decode(*args)
+
+    def mixed(self, decode: Any, prefills: Any) -> Any:
+        """A runtime with `mixed_calls` runs a decode and prompt chunks in one forward: a fault
+        armed for either kind of part fails the whole call, after scribbling over everything
+        any of its parts would have written (the batcher fails every row of it)."""
         def scribble() -> None:
-            for b in sorted({int(x) for x in block_tables[:, 0]}):
-                self._scribble_block(b)
-            if local_block_tables is not None:
-                w = self.inner.sliding_window
-                for row in range(len(local_block_tables)):
-                    self._scribble_slot(int(local_block_tables[row, 0]),
-                                        int(cache_position[row, 0]) % w)
-        self._fire("decode", scribble)
-        return self.inner.decode(input_ids, cache_position, block_tables, local_block_tables)
+            if decode is not None:
+                self._decode_writes(*decode)
+            for args in prefills:
+                self._prefill_writes(*args)
+        for call in ("decode",) * (decode is not None) + ("prefill",) * bool(prefills):
+            self._fire(call, scribble)
+        return self.inner.mixed(decode, prefills)
 
     def copy_kv_cache(self, src: int, dst: int, num_tokens: int) -> None:
         self._fire("copy_kv_cache", lambda: self._scribble_block(int(dst)))
