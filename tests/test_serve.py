@@ -257,8 +257,8 @@ def test_auth_is_required(srv):
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"max_tokens": 500}, "max_tokens"),
     ({"prompt": "x" * 256}, "prompt"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"extra_body": {"tools": []}}, "tools"),
@@ -361,7 +361,7 @@ def test_metrics_parse_and_match_what_was_served():
         served = [c.completions.create(model=MODEL, prompt=f"count {i}", max_tokens=3 + i,
                                        temperature=0) for i in range(3)]
         with pytest.raises(openai.BadRequestError):
-            c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=3)
+            c.completions.create(model=MODEL, prompt="x", max_tokens=1, n=0)
         text = httpx.get(s.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         outcomes = {smp.labels["outcome"]: smp.value for smp in fams["atom_requests"].samples
@@ -524,7 +524,7 @@ def test_cli_model_directory_builds_its_tokenizer_and_a_matching_runtime(tmp_pat
     args = build_parser().parse_args(["serve", "--model", str(model), "--api-key", KEY,
                                       "--lanes", "2", "--no-prefix-cache"])
     _app, engine, settings = build(args)
-    assert settings.model_name == "model"
+    assert settings.model_name == str(model)  # (the model as given, as vLLM's)
     assert engine.batcher.runtime.vocab_size == 320
     cfg = engine.batcher.config
     assert (cfg.lanes, cfg.prefix_cache, cfg.kv_blocks) == \

@@ -220,13 +220,17 @@ def test_null_content_is_a_clear_400(srv: Server) -> None:
 
 
 # ------------------------------------------------------------------ 5. the rest of the surface
-def test_echo_says_what_to_do(srv: Server) -> None:
-    """It said only 'echo: not supported'."""
-    body = bad_request(lambda: srv.client().completions.create(
-        model=MODEL, prompt="x", max_tokens=2, echo=True))
-    assert body["param"] == "echo" and "leave it out or send false" in body["message"]
-    res = srv.client().completions.create(model=MODEL, prompt="x", max_tokens=2, echo=False)
+def test_echo_returns_the_prompt_and_says_why_not_with_logprobs(srv: Server) -> None:
+    """echo: the prompt's text before the reply's (vLLM's); with logprobs it would need the
+    prompt's logprobs, which the batcher does not give: a 400 that says so."""
+    c = srv.client()
+    plain = c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    res = c.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True, temperature=0)
+    assert res.choices[0].text == "x" + plain.choices[0].text
     assert res.usage.completion_tokens == 2
+    body = bad_request(lambda: c.completions.create(
+        model=MODEL, prompt="x", max_tokens=2, echo=True, logprobs=1))
+    assert body["param"] == "echo" and "send echo or logprobs, not both" in body["message"]
 
 
 def test_stop_strings_across_tokens_finish_reasons_and_usage(srv: Server) -> None:
@@ -261,18 +265,18 @@ def test_stop_strings_across_tokens_finish_reasons_and_usage(srv: Server) -> Non
 
 
 @pytest.mark.parametrize(("kwargs", "param", "says"), [
-    ({"n": 2}, "n", "n=1"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
-    ({"frequency_penalty": -1}, "frequency_penalty", "only 0"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
-    ({"logprobs": True}, "logprobs", "leave it out"),
+    ({"top_logprobs": 2}, "top_logprobs", "only with logprobs=true"),
     ({"prompt": ""}, "prompt", "send at least one token"),  # (it said only 'empty')
 ])
 def test_the_rest_is_served_or_a_clear_400(srv: Server, kwargs: dict[str, Any], param: str,
                                            says: str) -> None:
     """(Sound before this audit, but the empty prompt's message, which did not say what to
     do.) Each is refused naming the parameter and what would do."""
-    chat = param in ("logprobs",)
+    chat = param in ("top_logprobs",)
     args = {"model": MODEL, "max_tokens": 2, **({"messages": HI} if chat else {"prompt": "hi"}),
             **kwargs}
     create = srv.client().chat.completions.create if chat else \

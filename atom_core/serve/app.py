@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible endpoints over an `Engine`.
 
-Every path but /health needs `Authorization: Bearer <api key>` unless the server was started
-without a key on purpose (`--insecure-no-auth`), and a request body is at most
+Every path but /health (and vLLM's /version, /tokenize and /detokenize outside /v1, open in
+vLLM too) needs `Authorization: Bearer <api key>` unless the server was started without a key
+on purpose (`--insecure-no-auth`), and a request body is at most
 `max_body_bytes`: both are checked before the body is read (`asgi.Guard`). A JSON body is
 parsed by `protocol.parse_body` (`asgi.TotalRoute`), which takes any bytes. Every error,
 FastAPI's and Starlette's own (404, 405, validation) too, uses the OpenAI error shape
@@ -23,16 +24,15 @@ from typing import Any
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_core.batcher import Event
-from atom_core.serve import dashboard
+from atom_core.serve import dashboard, vllm_routes
 from atom_core.serve.asgi import (
     JSON_KINDS,
-    TRANSPORT,
     ApiError,
     App,
     Guard,
@@ -44,7 +44,10 @@ from atom_core.serve.asgi import (
     location,
 )
 from atom_core.serve.engine import FINAL, Engine, EngineStopped, Handle
+from atom_core.serve.hits import HitCounter
+from atom_core.serve.main import DEFAULT_QUEUE
 from atom_core.serve.metrics import Metrics
+from atom_core.serve.outputs import CompletionLogprobs, chat_logprobs
 from atom_core.serve.protocol import (
     GENERIC_UNSUPPORTED,
     UNSUPPORTED,
@@ -52,6 +55,7 @@ from atom_core.serve.protocol import (
     CompletionRequest,
 )
 from atom_core.serve.sampling import SamplingParams, sampler_for
+from atom_core.serve.streaming import _Frames, _Inbox, _Stream
 from atom_core.serve.tokenizer import ChatTemplateError, IncrementalText, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,7 +65,9 @@ log = logging.getLogger(__name__)
 class ServerSettings:
     model_name: str
     api_key: str | None  # None: no authentication (only ever on purpose)
-    max_queue: int = 64  # requests waiting beyond the lanes; past that: 429
+    # requests waiting beyond the lanes; past that: 429 (the default lets a burst wait, as
+    # vLLM's unbounded queue does, within host memory: main.DEFAULT_QUEUE says why)
+    max_queue: int = DEFAULT_QUEUE
     request_timeout: float | None = 600.0  # seconds; None: no limit
     # A stream sends its first token at once, then every `stream_interval` tokens (and its
     # end at once): fewer, larger writes for burstier tokens. 1: each token as it comes.
@@ -84,125 +90,15 @@ class _Job:
     # the ids the reply's text continues (a completion's prompt: its reply's first word keeps
     # its space); a chat reply is a message of its own, so its text starts afresh
     context: list[int] = attrs.field(factory=list)
-
-
-# How long past its request's deadline a stream may still take to send its end (the timeout's
-# error event and [DONE]: a client that reads gets them in far less); past that its client is
-# not reading, and the connection is dropped. (main.py's --request-timeout help names it.)
-SEND_GRACE = 1.0
-
-
-class _Stream(StreamingResponse):
-    """An SSE response that gives its request's in-flight place back however it ends, even when
-    the client left before the body was ever iterated. With a `timeout`, sending is bounded
-    too: a write the client does not read blocks the stream, where the request's own timer
-    cannot see it, so past `timeout` + SEND_GRACE the stream stops and its connection is
-    dropped (with what it buffered): a client that stops reading holds nothing of the server's
-    past its request's deadline."""
-
-    def __init__(self, body: AsyncIterator[str], release: Any,
-                 timeout: float | None = None) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self._release = release
-        self._timeout = timeout
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            if self._timeout is None:
-                await super().__call__(scope, receive, send)
-                return
-            deadline = asyncio.timeout(self._timeout + SEND_GRACE)
-            try:
-                async with deadline:
-                    await super().__call__(scope, receive, send)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
-                await self._cut(scope)
-        finally:
-            self._release()
-
-    async def _cut(self, scope: Any) -> None:
-        log.warning("a stream's client read nothing past its request's deadline: dropping "
-                    "the connection")
-        # (ends the request in the engine, if it still runs: `generate` aborts it on close)
-        await self.body_iterator.aclose()  # type: ignore[attr-defined]
-        transport = scope.get(TRANSPORT)
-        if transport is not None:
-            transport.abort()  # (close() would wait for the client to read the buffer)
-
-
-class _Inbox:
-    """One request's events on the event loop. The engine's fan-out appends and wakes the one
-    reader, which takes everything that arrived at once: one future per wake-up (an
-    asyncio.Queue costs a get per event); the request's timer wakes it with nothing. With
-    `every` > 1 tokens wake the reader only at the first and then every `every`-th (anything
-    else at once): a reader that sends each wake-up in one write sends 1/`every` as many."""
-
-    __slots__ = ("events", "expired", "_waiter", "_every", "_due", "_first")
-
-    def __init__(self, every: int = 1) -> None:
-        self.events: list[Event] = []
-        self.expired = False
-        self._waiter: asyncio.Future[None] | None = None
-        self._every = every
-        self._due = False  # the reader has something to take
-        self._first = True  # no token yet: the first goes out at once (time to first token)
-
-    def put(self, ev: Event) -> None:
-        self.events.append(ev)
-        if ev.kind != "token" or self._first or len(self.events) >= self._every:
-            self._first = False
-            self._due = True
-            self._wake()
-
-    def expire(self) -> None:
-        self.expired = True
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def take(self) -> list[Event]:
-        """The events since the last call (waiting for one); [] once the timer expired."""
-        while not self._due and not self.expired:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        out, self.events, self._due = self.events, [], False
-        return out
-
-
-_SLOTS = {"text": "\x00atom-text", "why": "\x00atom-why", "ids": "\x00atom-ids"}
-
-
-class _Frames:
-    """The SSE frame of a stream's token chunk, from a template: `make_chunk`'s JSON is
-    rendered once with markers where the text, finish_reason and token ids go, so a token costs
-    one string escape and a `str.format` instead of encoding the whole envelope again. The
-    frames are the very text `sse(make_chunk(...))` gives (tests check it)."""
-
-    def __init__(self, make_chunk: Any) -> None:
-        marked = json.dumps(make_chunk(_SLOTS["text"], _SLOTS["ids"], _SLOTS["why"]),
-                            separators=(",", ":"))
-        template = f"data: {marked}\n\n".replace("{", "{{").replace("}", "}}")
-        # the markers encode as "\u0000atom-..." (a NUL never appears in a model name or id)
-        for name, mark in _SLOTS.items():
-            template = template.replace(json.dumps(mark), "{" + name + "}")
-        self._format = template.format
-        self._ids = "{ids}" in template
-
-    def __call__(self, text: str, toks: list[int], why: str | None) -> str:
-        ids = "[" + ",".join(map(str, toks)) + "]" if self._ids else ""
-        return self._format(text=json.dumps(text), why=_WHY.get(why) or json.dumps(why),
-                            ids=ids)
-
-
-_WHY = {None: "null", "stop": '"stop"', "length": '"length"'}
+    eos: int | None = None  # the end token the batcher stops at (None: ignore_eos)
+    sampler: Any = None  # `sampling.Sampler` (its records: the tokens' logprobs), or None
+    include_stop: bool = False
+    skip_special: bool = True
+    logprobs: int | None = None  # per token: the chosen one's and this many more
+    # n > 1: a copy is submitted once `after` is set (its prompt is in the prefix cache by
+    # then, so the copies share its KV: `_copies`)
+    after: asyncio.Event | None = None
+    cached: int = 0  # prompt tokens the prefix cache (or host tier) gave it, once it ended
 
 
 class RequestTimedOut(Exception):
@@ -214,8 +110,8 @@ class RequestFailed(Exception):
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
-    metrics = Metrics(engine)
     cfg = engine.batcher.config
+    metrics = Metrics(engine, settings.model_name, cfg.max_seq_len)
     vocab = getattr(engine.batcher.runtime, "vocab_size", None)
     eos = tokenizer.eos_token_id
     state = {"in_flight": 0}
@@ -258,6 +154,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(Unexpected)
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app.state.tokenizer = tokenizer
+    app.state.started = int(time.time())  # (the model card's `created`)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
@@ -341,7 +239,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": 0, "owned_by": "atom-core",
+            "id": settings.model_name, "object": "model", "created": app.state.started,
+            "owned_by": "atom-core", "root": settings.model_name, "parent": None,
             "max_model_len": cfg.max_seq_len}]}
 
     @app.get("/state")
@@ -351,6 +250,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         return {**view, "in_flight": state["in_flight"], "engine_running": engine.running}
 
     dashboard.register(app, engine, metrics, settings.model_name)  # /dashboard: it reads /state
+    hits = HitCounter(engine.batcher.scheduler.view)  # (before the engine starts, as the above)
+    engine.batcher.scheduler.listeners.append(hits)
 
     # ------------------------------------------------------------------ validation
     def _check_common(body: Any) -> None:
@@ -358,15 +259,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             raise ApiError(404, f"model '{body.model[:200]}' does not exist; this server serves "
                                 f"'{settings.model_name}' (GET /v1/models)", "model",
                            code="model_not_found")
-        if body.n != 1:
-            raise ApiError(400, "n: only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise ApiError(400, f"{name}: not supported (only 0)", name)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only with stream=true", "stream_options")
 
-    def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str) -> _Job:
+    def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str,
+             logprobs: int | None = None, copy: int = 0) -> _Job:
         if not prompt:
             raise ApiError(400, f"{param}: the prompt is empty (no tokens): send at least one "
                                 "token", param)
@@ -393,11 +290,26 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             raise ApiError(400, f"stop_token_ids: ids must be in 0..{vocab - 1}",
                            "stop_token_ids")
         # the model's other end tokens end it as EOS does (a tokenizer of the protocol before
-        # `end_token_ids` has none)
-        ids |= getattr(tokenizer, "end_token_ids", frozenset())
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p,
-                                  top_k=max(body.top_k, 0), seed=body.seed)
-        return _Job(prompt, max_tokens if max_tokens is not None else room, sampling, stop, ids)
+        # `end_token_ids` has none), unless ignore_eos (vLLM's: they are its EOS ids)
+        if not body.ignore_eos:
+            ids |= getattr(tokenizer, "end_token_ids", frozenset())
+        end = None if body.ignore_eos else eos
+        max_tokens = max_tokens if max_tokens is not None else room
+        if body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens "
+                                f"({max_tokens})", "min_tokens")
+        sampling = SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+            # (vLLM's copies of a seeded request: seed, seed + 1, ...)
+            seed=None if body.seed is None else (body.seed + copy) % 2**63,
+            min_p=body.min_p, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+            end_ids=frozenset(ids | ({end} if end is not None else set())), logprobs=logprobs)
+        return _Job(prompt, max_tokens, sampling, stop, ids, eos=end,
+                    sampler=sampler_for(sampling, prompt),
+                    include_stop=body.include_stop_str_in_output,
+                    skip_special=body.skip_special_tokens, logprobs=logprobs)
 
     def _release(job: _Job) -> None:
         if job.reserved:
@@ -413,7 +325,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         if state["in_flight"] >= limit:
             metrics.outcomes.labels("rejected").inc()
             raise ApiError(429, f"server busy: {state['in_flight']} requests in flight (lanes "
-                                f"{cfg.lanes} + queue {settings.max_queue}); retry later",
+                                f"{cfg.lanes} + queue {settings.max_queue}, --max-queue); retry "
+                                "later",
                            type_="rate_limit_exceeded", code="queue_full")
         state["in_flight"] += 1  # released when the request ends (`_release`)
         job.reserved = True
@@ -435,16 +348,23 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                 # read the end: a stream whose client stops reading held it for good
                 _release(job)
 
-        handle = Handle(job.prompt, job.max_tokens, eos, sampler_for(job.sampling), sink=sink)
-        text = IncrementalText(tokenizer, job.stop, job.context)
+        handle = Handle(job.prompt, job.max_tokens, job.eos, job.sampler, sink=sink)
+        text = IncrementalText(decoder(job), job.stop, job.context,
+                               include_stop=job.include_stop,
+                               min_tokens=job.sampling.min_tokens)
         t0 = last = time.perf_counter()
         n = 0
         metrics.prompt_tokens.inc(len(job.prompt))
+        metrics.vllm_prompt_tokens.inc(len(job.prompt))
+        if cfg.prefix_cache:  # (vLLM counts queries only with its prefix cache on)
+            metrics.vllm_prefix_queries.inc(len(job.prompt))
         outcome = "aborted"  # unless it ends otherwise (a disconnect cancels us mid-wait)
         # one timer for the whole request, not a timeout scope around every wait for a token
         timer = None if settings.request_timeout is None else \
             loop.call_later(settings.request_timeout, inbox.expire)
         try:
+            if job.after is not None:
+                await job.after.wait()
             try:
                 engine.submit(handle)
             except EngineStopped as exc:
@@ -461,11 +381,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                     for ev in events:
                         if ev.kind == "token":
                             now = time.perf_counter()
-                            (metrics.itl if n else metrics.ttft).observe(now - (last if n else t0))
+                            if n:
+                                metrics.next_token(now - last)
+                            else:
+                                metrics.first_token(now - t0)
                             last, n = now, n + 1
-                            if ev.token in job.stop_ids:
+                            if ev.token in job.stop_ids or ev.token == job.eos:
+                                # (its own text only with include_stop_str_in_output, as vLLM)
+                                delta = text.add(ev.token) if job.include_stop else ""
                                 outcome = "stop"
-                                out.append((text.finish(), [ev.token], "stop"))
+                                out.append((delta + text.finish(), [ev.token], "stop"))
                                 yield out
                                 return
                             delta = text.add(ev.token)
@@ -477,7 +402,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                             out.append((delta, [ev.token], None))
                         elif ev.kind == "finished":
                             last_tok = text.last
-                            outcome = "stop" if eos is not None and last_tok == eos else "length"
+                            outcome = "stop" if job.eos is not None and last_tok == job.eos \
+                                else "length"
                             out.append((text.finish(), [], outcome))
                             yield out
                             return
@@ -489,15 +415,21 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                         # "preempted": it resumes where it stopped; nothing to tell the client
                 finally:  # (once per wake-up, not per token: each inc takes a lock)
                     metrics.completion_tokens.inc(n - n0)
+                    metrics.vllm_generation_tokens.inc(n - n0)
                 if out:
                     yield out
         finally:
             if timer is not None:
                 timer.cancel()
             _release(job)
-            metrics.outcomes.labels(outcome).inc()
+            job.cached = hits.take(handle.rid)
+            metrics.ended(outcome, time.perf_counter() - t0, len(job.prompt), n)
             if not handle.ended:
                 engine.abort(handle)  # a disconnect, a stop string, a timeout: free its lane
+
+    def decoder(job: _Job) -> Tokenizer:
+        keep = getattr(tokenizer, "keeping_special", None)
+        return tokenizer if job.skip_special or keep is None else keep()
 
     async def collect(job: _Job) -> tuple[str, list[int], str]:
         parts, ids, reason = [], [], "length"
@@ -511,9 +443,19 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                     reason = why
         return "".join(parts), ids, reason
 
-    async def until_disconnect(request: Request, job: _Job) -> tuple[str, list[int], str]:
-        """`collect`, cancelled (so its request aborted) if the client goes away first."""
-        task = asyncio.create_task(collect(job))
+    async def collect_all(jobs: list[_Job]) -> list[tuple[str, list[int], str]]:
+        tasks = [asyncio.create_task(collect(j)) for j in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # (one failed: the others end, their lanes freed)
+                t.cancel()
+
+    async def until_disconnect(request: Request, jobs: list[_Job]
+                               ) -> list[tuple[str, list[int], str]]:
+        """`collect` of each job, cancelled (so their requests aborted) if the client goes
+        away first."""
+        task = asyncio.create_task(collect_all(jobs))
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if done:
@@ -530,27 +472,73 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         except RequestFailed as exc:
             raise ApiError(500, f"the request failed: {exc}", type_="server_error") from None
         finally:
-            _release(job)  # (if the task was cancelled before it ever ran)
+            for job in jobs:
+                _release(job)  # (if the task was cancelled before it ever ran)
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    async def stream(job: _Job, make_chunk: Any, usage_at_end: bool,
-                     first: dict[str, Any] | None, want_ids: bool) -> AsyncIterator[str]:
-        n = 0
-        frame = _Frames(make_chunk)
-        if first is not None:
-            yield sse(first)
-        # (closed with the stream, not when collected: a stream cut mid-write aborts its
-        # request at once)
-        gen = generate(job, settings.stream_interval)
+    async def merged(jobs: list[_Job]) -> AsyncIterator[
+            tuple[int, list[tuple[str, list[int], str | None]]]]:
+        """(choice index, a wake-up's items) of several jobs' `generate`, as they come; a job's
+        error ends them all (closing this ends them too)."""
+        if len(jobs) == 1:
+            async for items in generate(jobs[0], settings.stream_interval):
+                yield 0, items
+            return
+        queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, job: _Job) -> None:
+            try:
+                async for items in generate(job, settings.stream_interval):
+                    queue.put_nowait((i, items, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the stream
+                queue.put_nowait((i, None, exc))
+            else:
+                queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
         try:
-            async for items in gen:
+            left = len(jobs)
+            while left:
+                i, items, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if items is None:
+                    left -= 1
+                else:
+                    yield i, items
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def stream(jobs: list[_Job], make_chunk: Any, usage_at_end: bool,
+                     first: list[dict[str, Any]], want_ids: bool, prompt_tokens: int,
+                     logprobs: Any = None) -> AsyncIterator[str]:
+        """The SSE body of `jobs` (choice i is jobs[i]): `first` chunks, then each token chunk,
+        then usage (if asked) and [DONE]. `logprobs(i, records)`: a chunk's logprobs."""
+        counts = [0] * len(jobs)
+        # one plain choice: each chunk from the template (see _Frames)
+        frame = _Frames(make_chunk) if len(jobs) == 1 and logprobs is None else None
+        for obj in first:
+            yield sse(obj)
+        # (closed with the stream, not when collected: a stream cut mid-write aborts its
+        # requests at once)
+        gen = merged(jobs)
+        try:
+            async for i, items in gen:
                 frames = []
                 for delta, toks, why in items:
-                    n += len(toks)
-                    if delta or why is not None or (toks and want_ids):
-                        frames.append(frame(delta, toks, why))
+                    n0 = counts[i]
+                    counts[i] += len(toks)
+                    if frame is not None:
+                        if delta or why is not None or (toks and want_ids):
+                            frames.append(frame(delta, toks, why))
+                        continue
+                    lp = None if logprobs is None else \
+                        logprobs(i, jobs[i].sampler.records[n0:counts[i]])
+                    if delta or why is not None or (toks and (want_ids or lp)):
+                        frames.append(sse(make_chunk(delta, toks, why, index=i, lp=lp)))
                 if frames:  # one body write for all of a wake-up's chunks
                     yield "".join(frames)
         except RequestTimedOut as exc:
@@ -572,8 +560,46 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         finally:
             await gen.aclose()
         if usage_at_end:
-            yield sse(make_chunk(None, [], None, usage=_usage(len(job.prompt), n)))
+            yield sse(make_chunk(None, [], None, usage=_usage(prompt_tokens, sum(counts),
+                                                              _cached(jobs))))
         yield "data: [DONE]\n\n"
+
+    def _admit_all(jobs: list[_Job]) -> None:
+        try:
+            for job in jobs:
+                _admit(job)
+        except ApiError:
+            for job in jobs:
+                _release(job)
+            raise
+
+    def _copies(jobs: list[_Job], n: int) -> None:
+        """n > 1: the copies of a prompt share its KV. A block has one owner at a time (a lane
+        or the prefix cache: the proved model), and a lane's blocks enter the cache when its
+        request ends; so the prompt is first prefilled alone (a request of one token, which
+        ends at once), then every copy starts from its cached chunks instead of computing
+        them again (vllm:prefix_cache_hits shows it). Only for a prompt longer than a chunk
+        (a hit reuses whole chunks). Called once the jobs are admitted."""
+        if n < 2 or not cfg.prefix_cache:
+            return
+        for i in range(0, len(jobs), n):
+            if len(jobs[i].prompt) <= cfg.prefill_chunk:
+                continue
+            done = asyncio.Event()
+            warm = Handle(jobs[i].prompt, 1, None, None, sink=lambda _ev: None)
+
+            def sink(ev: Event, done: asyncio.Event = done, warm: Handle = warm) -> None:
+                if ev.kind in FINAL:
+                    hits.take(warm.rid)  # (its own hits, if any, are no client's)
+                    done.set()
+
+            warm.sink = sink
+            try:
+                engine.submit(warm)
+            except EngineStopped:
+                continue  # (each copy then says so itself)
+            for job in jobs[i:i + n]:
+                job.after = done
 
     def _envelope(rid: str, obj: str, created: int, choices: list[dict[str, Any]],
                   usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -584,44 +610,70 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             out["usage"] = usage
         return out
 
-    def _usage(prompt: int, completion: int) -> dict[str, int]:
+    def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _cached(jobs: list[_Job]) -> int:
+        """The prompts' tokens served from the cache: per prompt its copies' largest."""
+        out: dict[int, int] = {}
+        for job in jobs:
+            out[id(job.prompt)] = max(out.get(id(job.prompt), 0), job.cached)
+        return sum(out.values())
 
     # ------------------------------------------------------------------ /v1/completions
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_common(body)
-        if body.echo:
-            raise ApiError(400, "echo: not supported (the prompt is not sent back): leave it "
-                                "out or send false", "echo")
-        if body.logprobs is not None:  # (0 too: it asks for the chosen tokens' logprobs)
-            raise ApiError(400, "logprobs: not supported (leave it out)", "logprobs")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs: the prompt's log-probabilities need the "
+                                "logits of every prompt position, which atom-core's batcher "
+                                "does not return (a prefill returns its last position's): "
+                                "send echo or logprobs, not both", "echo")
         p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, "prompt: one prompt per request (a list of one)", "prompt")
-            p = p[0]
-        prompt = tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-        job = _job(body, prompt, body.max_tokens if body.max_tokens is not None else
-                   min(16, cfg.max_seq_len - len(prompt) + 1), "prompt")
-        job.context = prompt
-        _admit(job)
+        prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        ids = [tokenizer.encode(x) if isinstance(x, str) else [int(t) for t in x]
+               for x in prompts]
+        jobs = []
+        for prompt in ids:
+            for copy in range(body.n):
+                job = _job(body, prompt, body.max_tokens if body.max_tokens is not None else
+                           min(16, cfg.max_seq_len - len(prompt) + 1), "prompt", body.logprobs,
+                           copy)
+                job.context = prompt
+                jobs.append(job)
+        # echo: the prompt's text before each choice's (as given, or its ids' decode)
+        echo = [x if isinstance(x, str) else tokenizer.decode(i)
+                for x, i in zip(prompts, ids, strict=True) for _ in range(body.n)] \
+            if body.echo else None
+        _admit_all(jobs)
+        _copies(jobs, body.n)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        n_prompt = sum(map(len, ids))
+        offsets = [CompletionLogprobs(tokenizer, body.logprobs or 0) for _ in jobs]
 
         def chunk(text: str | None, toks: list[int], why: str | None,
-                  usage: dict[str, int] | None = None) -> dict[str, Any]:
+                  usage: dict[str, int] | None = None, index: int = 0,
+                  lp: dict[str, Any] | None = None) -> dict[str, Any]:
             choices = [] if text is None else [{
-                "index": 0, "text": text, "logprobs": None, "finish_reason": why,
+                "index": index, "text": text, "logprobs": lp, "finish_reason": why,
                 **({"token_ids": toks} if body.return_token_ids else {})}]
             return _envelope(rid, "text_completion", created, choices, usage)
 
+        lps = None if body.logprobs is None else (lambda i, recs: offsets[i].part(recs))
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _Stream(stream(job, chunk, usage, None, body.return_token_ids),
-                           lambda: _release(job), settings.request_timeout)
-        text, ids, why = await until_disconnect(request, job)
-        return chunk(text, ids, why, usage=_usage(len(prompt), len(ids)))
+            first = [chunk(e, [], None, index=i) for i, e in enumerate(echo or [])]
+            return _Stream(stream(jobs, chunk, usage, first, body.return_token_ids, n_prompt,
+                                  lps), lambda: [_release(j) for j in jobs],
+                           settings.request_timeout)
+        out = await until_disconnect(request, jobs)
+        choices = [chunk((echo[i] if echo else "") + text, toks, why, index=i,
+                         lp=None if lps is None else lps(i, jobs[i].sampler.records[:len(toks)])
+                         )["choices"][0] for i, (text, toks, why) in enumerate(out)]
+        return _envelope(rid, "text_completion", created, choices,
+                         _usage(n_prompt, sum(len(t) for _, t, _ in out), _cached(jobs)))
 
     # ------------------------------------------------------------------ /v1/chat/completions
     # whether the model's chat template renders a list of content parts itself (multimodal
@@ -647,6 +699,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             out["name"] = m.name
         return out
 
+    vllm_routes.register(app, tokenizer, settings.model_name, cfg.max_seq_len, vocab, _message)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         _check_common(body)
@@ -657,37 +711,42 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                                 f"max_tokens ({body.max_tokens}) disagree: send one of them "
                                 "(max_tokens is the older name of max_completion_tokens)",
                            "max_completion_tokens")
-        for name in ("logprobs", "top_logprobs"):
-            if getattr(body, name):
-                raise ApiError(400, f"{name}: not supported (leave it out)", name)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: only with logprobs=true", "top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
         messages = [_message(m) for m in body.messages]
         try:
             prompt = tokenizer.chat(messages)
         except ChatTemplateError as exc:
             raise ApiError(400, f"messages: {exc}", "messages") from None
-        job = _job(body, prompt, max_tokens, "messages")
-        _admit(job)
+        jobs = [_job(body, prompt, max_tokens, "messages", k, copy) for copy in range(body.n)]
+        _admit_all(jobs)
+        _copies(jobs, body.n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        lps = None if k is None else (lambda i, recs: chat_logprobs(tokenizer, recs, k))
 
         def chunk(text: str | None, toks: list[int], why: str | None,
-                  usage: dict[str, int] | None = None) -> dict[str, Any]:
+                  usage: dict[str, int] | None = None, index: int = 0,
+                  lp: dict[str, Any] | None = None) -> dict[str, Any]:
             choices = [] if text is None else [{
-                "index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": why,
-                **({"token_ids": toks} if body.return_token_ids else {})}]
+                "index": index, "delta": {"content": text}, "logprobs": lp,
+                "finish_reason": why, **({"token_ids": toks} if body.return_token_ids else {})}]
             return _envelope(rid, "chat.completion.chunk", created, choices, usage)
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = _envelope(rid, "chat.completion.chunk", created, [{
-                "index": 0, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}])
-            return _Stream(stream(job, chunk, usage, first, body.return_token_ids),
-                           lambda: _release(job), settings.request_timeout)
-        text, ids, why = await until_disconnect(request, job)
-        return _envelope(rid, "chat.completion", created,
-                         [{"index": 0, "message": {"role": "assistant", "content": text},
-                           "logprobs": None, "finish_reason": why,
-                           **({"token_ids": ids} if body.return_token_ids else {})}],
-                         _usage(len(prompt), len(ids)))
+            first = [_envelope(rid, "chat.completion.chunk", created, [{
+                "index": i, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]) for i in range(body.n)]
+            return _Stream(stream(jobs, chunk, usage, first, body.return_token_ids,
+                                  len(prompt), lps), lambda: [_release(j) for j in jobs],
+                           settings.request_timeout)
+        out = await until_disconnect(request, jobs)
+        return _envelope(rid, "chat.completion", created, [
+            {"index": i, "message": {"role": "assistant", "content": text},
+             "logprobs": None if lps is None else lps(i, jobs[i].sampler.records[:len(toks)]),
+             "finish_reason": why, **({"token_ids": toks} if body.return_token_ids else {})}
+            for i, (text, toks, why) in enumerate(out)],
+            _usage(len(prompt), sum(len(t) for _, t, _ in out), _cached(jobs)))
 
     return app

@@ -82,8 +82,11 @@ class Unexpected:
                                      type_="server_error")(scope, receive, send)
 
 
-# paths anyone may call: a load balancer's probe
-_OPEN_PATHS = frozenset({"/health"})
+# paths anyone may call: a load balancer's probe; and vLLM's paths outside /v1, which vLLM
+# serves without its API key and vLLM's clients call without one (its serving benchmark's
+# /tokenize): the server's version and the tokenizer's work, no request's data (the /v1/
+# tokenize and /v1/detokenize routes keep the key)
+_OPEN_PATHS = frozenset({"/health", "/version", "/tokenize", "/detokenize"})
 
 
 def location(error: Any) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from atom_core import options as opt
 from atom_core.config import SCRATCH_MODES, ConfigError
+from atom_core.serve import vllm_flags as vf
 from atom_core.serve.runtimes import ServeOptions
 
 API_KEY_ENV = "ATOM_CORE_API_KEY"
@@ -31,13 +32,32 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 MAX_QUEUE = 1_000_000
 MAX_STREAM_INTERVAL = 1_000_000
 MAX_BODY_BYTES = 2**40
+# The default queue: a burst of thousands of requests waits for a lane instead of getting 429s
+# (vLLM queues without a bound). A waiting request holds its prompt's ids and its handler, a
+# few KB for a typical prompt, no KV block: 4096 of them are megabytes of host memory.
+DEFAULT_QUEUE = 4096
+# --dtype: what the runtimes serve ("auto": the runtime's own; vLLM's "float" is float32)
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32"}
+
+
+def _dtype(text: str) -> str:
+    if text in DTYPES:
+        return DTYPES[text]
+    raise argparse.ArgumentTypeError(
+        f"{text[:40]!r}: atom-core's reference and hf runtimes serve float32 (the dtype their "
+        "greedy output is checked against transformers' generate() in), rbln the compiled "
+        "artifact's dtype; give auto or float32")
+
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (the built-in seeded reference model, byte tokenizer) or a "
-                        "model directory (its tokenizer, loaded offline); --runtime hf: "
-                        "tiny-llama, tiny-gemma3 or a local checkpoint directory")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("--model", default=None,
+                   help="'tiny' (the built-in seeded reference model, byte tokenizer; the "
+                        "default) or a model directory (its tokenizer, loaded offline); "
+                        "--runtime hf: tiny-llama, tiny-gemma3 or a local checkpoint directory")
     p.add_argument("--runtime", default="reference",
                    help="reference (torch, default), rbln (--compiled PATH), hf (transformers) "
                         "or another registered runtime")
@@ -46,23 +66,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an rbln_config.json (or its directory): batch_size, "
                         "kvcache_num_blocks, kvcache_block_size, max_seq_len, "
                         "prefill_chunk_size, ...; the flags below win over it")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a directory with the tokenizer to use (default: the model's)")
+    p.add_argument("--dtype", default="auto", type=_dtype,
+                   help="the weights' dtype: auto (the runtime's: float32 for reference and "
+                        "hf, the compiled artifact's for rbln) or float32")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="a Jinja chat template (a file, or the template's text) replacing the "
+                        "tokenizer's own (a model directory's tokenizer only)")
     g = p.add_argument_group("artifact settings (Config fields; default: --rbln-config's, "
-                             "else the tiny model's: 4 lanes, max_seq_len 256, block_size 64, "
-                             "prefill_chunk 64, prefix cache on)")
-    g.add_argument("--lanes", type=opt.count, default=None, help="alias of batch_size")
-    g.add_argument("--kv-blocks", type=opt.count, default=None,
-                   help="default: the proved minimum for the other settings")
-    g.add_argument("--max-seq-len", type=opt.length, default=None)
+                             "else 4 lanes, block_size 64, prefill_chunk 64, prefix cache on, "
+                             "and max_seq_len the checkpoint's max_position_embeddings (capped "
+                             "by --kv-blocks when given; 256 for the tiny model and a "
+                             "tokenizer-only directory))")
+    vf.add_with_aliases(g, "--lanes", dest="lanes", type=opt.count, default=None,
+                        help="alias of batch_size")
+    vf.add_with_aliases(g, "--kv-blocks", dest="kv_blocks", type=opt.count, default=None,
+                        help="default: the proved minimum for the other settings")
+    vf.add_with_aliases(g, "--max-seq-len", dest="max_seq_len", type=opt.length, default=None)
     g.add_argument("--block-size", type=opt.length, default=None)
     g.add_argument("--prefill-chunk", type=opt.count, default=None)
-    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None)
+    vf.add_with_aliases(g, "--prefix-cache", dest="prefix_cache",
+                        action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--scratch", choices=SCRATCH_MODES, default=None)
     g.add_argument("--sliding-window", type=opt.length, default=None)
     g.add_argument("--host-cache-blocks", type=opt.slots, default=None)
     g.add_argument("--preemption", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--seed", type=opt.seed, default=0, help="reference runtime: the model's seed")
     p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the --model value's last part)")
+                   help="the model id clients send (default: the model as given, as vLLM's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=opt.port(zero="a free port, which uvicorn's log names"),
                    default=8000)
@@ -72,9 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve without any authentication (anyone who reaches the port can "
                         "use the model)")
-    p.add_argument("--max-queue", default=64,
+    p.add_argument("--max-queue", default=DEFAULT_QUEUE,
                    type=opt.integer(0, MAX_QUEUE, zero="only as many requests in flight as lanes"),
-                   help="requests waiting beyond the lanes before new ones get 429")
+                   help="requests waiting beyond the lanes before new ones get 429 (a burst "
+                        "waits, as in vLLM, until this many wait); a waiting request holds its "
+                        "prompt and no KV block, so the bound is host memory: at most "
+                        "--max-body-bytes each (default: %(default)s)")
     p.add_argument("--request-timeout", type=opt.seconds(zero="never"), default=600.0,
                    help="seconds before a request is ended, sending included: a stream its "
                         "client has not read 1 s past it is dropped (0: never)")
@@ -89,7 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=opt.seconds(zero="abort them at once"), default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
                         "they are aborted")
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    vf.add_with_aliases(p, "--log-level", dest="log_level", choices=LOG_LEVELS, default="info")
+    vf.add_vllm_flags(p)
+    p.epilog = vf.epilog()
 
 
 def check(args: argparse.Namespace) -> tuple[ServeOptions, str | None]:
@@ -101,6 +138,13 @@ def check(args: argparse.Namespace) -> tuple[ServeOptions, str | None]:
 
     if getattr(args, "checked", None) is not None:
         return args.checked  # type: ignore[no-any-return]
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag} and --model "
+                         f"{args.model}: give one")
+    args.model = args.model_tag or args.model or runtimes.TINY
+    if args.dtype != "auto" and args.runtime == "rbln":
+        raise ValueError(f"--dtype {args.dtype}: --runtime rbln serves the compiled artifact's "
+                         "dtype: give --dtype auto (or leave it out)")
     key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if key is None and not args.insecure_no_auth:
         raise ValueError(f"no API key: pass --api-key KEY or set ${API_KEY_ENV} (clients send "
@@ -111,7 +155,8 @@ def check(args: argparse.Namespace) -> tuple[ServeOptions, str | None]:
                  if getattr(args, flag) is not None}
     opts = runtimes.check(ServeOptions(
         model=args.model, runtime=args.runtime, compiled=args.compiled,
-        rbln_config=args.rbln_config, overrides=overrides, seed=args.seed))
+        rbln_config=args.rbln_config, overrides=overrides, seed=args.seed,
+        tokenizer=args.tokenizer, chat_template=args.chat_template))
     args.checked = (opts, key)
     return opts, key
 
@@ -134,7 +179,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         check_end_tokens(end_ids(tok), vocab,
                          f"--model {args.model}: the tokenizer's end tokens do not fit the "
                          f"{args.runtime} runtime's model")
-    name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+    name = args.served_model_name or args.model  # (vLLM's: the model as given)
     settings = ServerSettings(model_name=name, api_key=key, max_queue=args.max_queue,
                               request_timeout=args.request_timeout or None,
                               stream_interval=args.stream_interval,

@@ -40,6 +40,10 @@ UNSUPPORTED = {
     "prompt": "/v1/chat/completions takes `messages`: send a `prompt` to /v1/completions",
 }
 GENERIC_UNSUPPORTED = "this parameter is " + _LEAVE_OUT
+# the most choices a request may ask for (n), and log-probabilities per token (vLLM's default
+# --max-logprobs)
+MAX_N = 128
+MAX_LOGPROBS = 20
 
 # A request is a few levels deep (messages.0.content.0.text); past this it is no request, and
 # the validation and error reporting after the parse need not be recursion-safe for it.
@@ -136,12 +140,19 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # the generated token ids in each choice (`token_ids`), as vLLM's return_token_ids does
     return_token_ids: bool = False
+    # vLLM's sampling parameters beyond OpenAI's (its extra_body)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -149,7 +160,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class TextPart(_Strict):
@@ -201,4 +212,28 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt` (completions' text) or `messages` (rendered by the chat
+    template, as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("tokenize_input", "send exactly one of `prompt` (text) and "
+                                                        "`messages` (a chat)")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

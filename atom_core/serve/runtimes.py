@@ -8,6 +8,7 @@ checks the runtime against the Config (`check_runtime`) when the batcher is buil
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +21,12 @@ from atom_core.config import (
     ConfigError,
     RblnSettings,
     artifact_fields,
+    check_end_tokens,
     flag_vocabulary,
     min_kv_blocks,
     read_rbln,
 )
-from atom_core.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from atom_core.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, end_ids
 
 TINY = "tiny"  # the built-in seeded reference model with the byte tokenizer
 
@@ -39,6 +41,8 @@ class ServeOptions:
     # Config fields given on the command line (they win over --rbln-config)
     overrides: dict[str, Any] = attrs.Factory(dict)
     seed: int = 0
+    tokenizer: str | None = None  # --tokenizer DIR (default: the model's)
+    chat_template: str | None = None  # --chat-template: a file or the template's text
 
 
 Factory = Callable[[ServeOptions], tuple[Config, Any, Tokenizer]]
@@ -110,18 +114,63 @@ def check_model_dir(model: str, weights: bool = False) -> None:
                          f"give {what}")
 
 
-def tokenizer_for(model: str) -> Tokenizer:
+def tokenizer_for(model: str, chat_template: str | None = None,
+                  flag: str = "--model") -> Tokenizer:
+    """The tokenizer of `model` ('tiny': the byte tokenizer), with `chat_template` (a file or
+    the template's text, as --chat-template takes it) instead of its own."""
     if model == TINY:
         return ByteTokenizer()
     check_model_dir(model)
     try:
-        return HFTokenizer(model)
+        tok = HFTokenizer(model)
     except ImportError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers' or tokenizers' word for a broken one
-        raise ModelError(f"--model {model}: cannot load its tokenizer ({type(exc).__name__}: "
+        raise ModelError(f"{flag} {model}: cannot load its tokenizer ({type(exc).__name__}: "
                          f"{first_line(exc)}); give a model directory whose tokenizer "
                          "save_pretrained wrote") from None
+    if chat_template is not None:
+        tok.set_chat_template(read_template(chat_template))
+    return tok
+
+
+def read_template(given: str) -> str:
+    """--chat-template's value: a file's text, or the template itself (vLLM takes both)."""
+    path = Path(given)
+    try:
+        if len(given) < 4096 and "{" not in given and path.is_file():
+            return path.read_text()
+    except OSError as exc:
+        raise ValueError(f"--chat-template {given}: cannot read it ({exc})") from None
+    if "{" not in given:
+        raise ValueError(f"--chat-template {given[:80]}: no such file, and no Jinja template "
+                         "(no '{{' or '{%'): give a template file or its text")
+    return given
+
+
+def opts_tokenizer(opts: ServeOptions) -> Tokenizer:
+    """The tokenizer `opts` asks for: --tokenizer's directory, else the model's."""
+    if opts.tokenizer is not None:
+        return tokenizer_for(opts.tokenizer, opts.chat_template, "--tokenizer")
+    return tokenizer_for(opts.model, opts.chat_template)
+
+
+def check_tokenizer_options(opts: ServeOptions) -> None:
+    """--tokenizer and --chat-template, said before anything loads."""
+    if opts.tokenizer is not None:
+        if opts.tokenizer == TINY:
+            return
+        try:
+            check_model_dir(opts.tokenizer)
+        except ModelError as exc:
+            raise ModelError(str(exc).replace("--model", "--tokenizer", 1)) from None
+    elif opts.chat_template is not None and (opts.model == TINY or
+                                             opts.model in HF_TINY_MODELS):
+        raise ValueError(f"--chat-template: --model {opts.model} has the byte tokenizer, "
+                         "which takes no template; give a model directory (or --tokenizer "
+                         "DIR) whose tokenizer the template is for")
+    if opts.chat_template is not None:
+        read_template(opts.chat_template)
 
 
 def first_line(exc: BaseException) -> str:
@@ -138,13 +187,61 @@ SERVE_FLAGS = ("lanes", "kv_blocks", "max_seq_len", "block_size", "prefill_chunk
                "prefix_cache", "scratch", "sliding_window", "host_cache_blocks", "preemption")
 
 
+def model_context(model: str) -> int | None:
+    """A checkpoint directory's context: its config.json's `max_position_embeddings` (its text
+    config's, for a multimodal model); None without one (the tiny models, a tokenizer-only
+    directory)."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        n = part.get("max_position_embeddings") if isinstance(part, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def default_max_seq_len(opts: ServeOptions, fields: dict[str, Any]) -> tuple[int, str] | None:
+    """(max_seq_len, where it came from) when none was given: the checkpoint's context
+    (vLLM's default max_model_len), rounded down to whole blocks and, when --kv-blocks is
+    given, capped at the longest table those blocks can give every lane (the proved rule);
+    None: no checkpoint context (the tiny default stays)."""
+    context = model_context(opts.model)
+    if context is None:
+        return None
+    block = fields.get("block_size", context)
+    seq = max(block, context // block * block)
+    where = f"the checkpoint's max_position_embeddings ({context})"
+    blocks = fields.get("kv_blocks")
+    if blocks is not None:
+        def need(t: int) -> int:
+            return min_kv_blocks(fields["lanes"], fields.get("prefix_cache", False),
+                                 fields.get("scratch", "dynamic"), t,
+                                 fields.get("preemption", False))
+        t = seq // block
+        if need(t) > blocks:
+            lo, hi = 1, t  # the largest table the blocks allow (need grows with t)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if need(mid) <= blocks else (lo, mid - 1)
+            seq, where = lo * block, f"{where}, capped by --kv-blocks {blocks}"
+    return seq, where
+
+
 def config_for(opts: ServeOptions, defaults: dict[str, Any] | None = None) -> Config:
     """--rbln-config (if any), then the command line's fields; kv_blocks defaults to the proved
-    minimum for the rest. A refusal names the flags to give (and where a value no flag gave
-    came from: the file's key, the tiny model's default)."""
+    minimum for the rest, max_seq_len (without --rbln-config) to the checkpoint's context
+    (`default_max_seq_len`). A refusal names the flags to give (and where a value no flag gave
+    came from: the file's key, the tiny model's default, the checkpoint)."""
     given = dict(opts.overrides)
     settings = read_rbln(opts.rbln_config) if opts.rbln_config is not None else None
     origins = {f: "the built-in tiny model's default" for f in defaults or {} if f not in given}
+    if defaults is not None and "max_seq_len" not in given:
+        found = default_max_seq_len(opts, {**defaults, **given})
+        if found is not None:
+            defaults = {**defaults, "max_seq_len": found[0]}
+            origins["max_seq_len"] = found[1]
     if settings is not None:
         origins.update(settings.origins(given))
     words = flag_vocabulary(SERVE_FLAGS, origins)
@@ -180,6 +277,7 @@ def _check_reference(opts: ServeOptions) -> ServeOptions:
                          f"'{TINY}' (its built-in model) or a model directory with its tokenizer")
     if opts.model != TINY:
         check_model_dir(opts.model)
+    check_tokenizer_options(opts)
     config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
     return opts
 
@@ -188,7 +286,7 @@ def _reference(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     from atom_core.runtime.reference import TorchReferenceRuntime
 
     cfg = config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
-    tok = tokenizer_for(opts.model)
+    tok = opts_tokenizer(opts)
     model: dict[str, Any] = {"vocab_size": tok.vocab_size}
     if cfg.sliding_window is not None:
         model.update(sliding_window=cfg.sliding_window, layers=3, global_every=3)
@@ -204,6 +302,7 @@ def _check_rbln(opts: ServeOptions) -> ServeOptions:
                          "compiled decoder directory (with its rbln_config.json)")
     if opts.model != TINY:
         check_model_dir(opts.model)
+    check_tokenizer_options(opts)
     opts = attrs.evolve(opts, rbln_config=read_rbln(opts.rbln_config or opts.compiled))
     config_for(opts)
     return opts
@@ -214,7 +313,7 @@ def _rbln(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     from atom_core.runtime.rbln import RblnRuntime
 
     assert opts.compiled is not None  # (_check_rbln refuses its absence)
-    return config_for(opts), RblnRuntime.from_compiled(opts.compiled), tokenizer_for(opts.model)
+    return config_for(opts), RblnRuntime.from_compiled(opts.compiled), opts_tokenizer(opts)
 
 
 def _check_hf(opts: ServeOptions) -> ServeOptions:
@@ -225,6 +324,7 @@ def _check_hf(opts: ServeOptions) -> ServeOptions:
                              "weights) or a local checkpoint directory (config.json, its "
                              "weights and its tokenizer)")
         check_model_dir(opts.model, weights=True)
+    check_tokenizer_options(opts)
     config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
     return opts
 
@@ -239,7 +339,16 @@ def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
         raise ValueError(f"--runtime hf needs transformers and torch: pip install "
                          f"'atom-core[hf]' ({exc})") from None
     try:
-        return hf.serve_factory(opts)
+        cfg, rt, tok = hf.serve_factory(opts)
+        if opts.tokenizer is not None or opts.chat_template is not None:
+            # (serve_factory loads the model's own: --tokenizer's or the template's instead,
+            # checked against the model as the model's own tokenizer is)
+            tok = opts_tokenizer(opts)
+            vocab = getattr(getattr(rt, "model", None), "config", None)
+            if vocab is not None:
+                check_end_tokens(end_ids(tok), int(vocab.vocab_size),
+                                    f"--tokenizer {opts.tokenizer}: its end tokens")
+        return cfg, rt, tok
     except (ConfigError, ModelError, ImportError):
         raise
     except Exception as exc:  # noqa: BLE001 - transformers', safetensors', torch's: one line

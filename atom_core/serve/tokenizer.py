@@ -87,6 +87,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_plain(self, text: str) -> list[int]:
+        return self.encode(text)  # (no special tokens to leave out)
+
     def decode(self, ids: Sequence[int]) -> str:
         try:  # (bytes() of the list in C; a stream decodes its ids again at every token)
             raw = bytes(ids)
@@ -116,6 +119,12 @@ class HFTokenizer:
             self.eos_token_id = ends[0]
         self.end_token_ids = frozenset(ends) - {self.eos_token_id}
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja text, as --chat-template gives it) instead of the tokenizer's
+        own chat template."""
+        self._tok.chat_template = template
+        self.__dict__.pop("takes_content_parts", None)  # (cached for the template before)
+
     @functools.cached_property
     def takes_content_parts(self) -> bool:
         """Whether the chat template renders a message's content given as a list of text
@@ -137,9 +146,18 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 
+    def encode_plain(self, text: str) -> list[int]:
+        """`text`'s ids without the special tokens `encode` adds (BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=False))
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True,
                                 clean_up_tokenization_spaces=False)
+
+    def keeping_special(self) -> Tokenizer:
+        """This tokenizer, decoding special tokens as their text (skip_special_tokens=false)."""
+        return _KeepSpecial(self)
+
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if getattr(self._tok, "chat_template", None):
@@ -155,6 +173,20 @@ class HFTokenizer:
                 out = out["input_ids"]
             return [int(t) for t in out]
         return list(self._tok.encode(plain_chat(messages), add_special_tokens=True))
+
+
+class _KeepSpecial:
+    """An HFTokenizer whose `decode` keeps special tokens' text."""
+
+    def __init__(self, inner: HFTokenizer) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._inner._tok.decode(list(ids), skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False)
 
 
 class IncrementalText:
@@ -183,11 +215,16 @@ class IncrementalText:
     PENDING = 8
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
-                 prompt: Sequence[int] = ()) -> None:
+                 prompt: Sequence[int] = (), *, include_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         """`prompt`: the ids the text continues, whose last few are the first tokens' context:
         a decoder that strips the space a text begins with (SentencePiece's) then keeps the
-        space of a reply that continues the prompt with a new word ("Hello," -> " world")."""
+        space of a reply that continues the prompt with a new word ("Hello," -> " world").
+        `include_stop`: the text keeps the stop string it ends at (vLLM's
+        include_stop_str_in_output); `min_tokens`: no stop string ends it before that many
+        tokens (as vLLM checks them only from then on)."""
         self.tok, self.stop = tokenizer, [s for s in stop if s]
+        self.include_stop, self.min_tokens, self.added = include_stop, min_tokens, 0
         self._base = self._context(prompt)
         self.ids: list[int] = list(prompt[len(prompt) - self._base:]) if self._base else []
         self.sent = 0  # characters already handed out
@@ -202,8 +239,13 @@ class IncrementalText:
     def _context(self, prompt: Sequence[int]) -> int:
         """How many of the prompt's last ids to keep as context: CONTEXT, fewer if those start
         inside a character (a byte-fallback decoder would spell the run they start as U+FFFD,
-        the reply's first characters with it), none if the prompt ends inside one."""
-        for k in range(min(self.CONTEXT, len(prompt)), 0, -1):
+        the reply's first characters with it), more (up to a character's other three bytes)
+        if no fewer make text of whole characters (a prompt ending in a 4-byte character's
+        bytes and a lone "▁", which a Metaspace decoder spells as nothing: without context the
+        reply's own leading space was stripped), none if the prompt ends inside one."""
+        n = len(prompt)
+        for k in [*range(min(self.CONTEXT, n), 0, -1), *range(self.CONTEXT + 1,
+                                                               min(self.CONTEXT + 3, n) + 1)]:
             text = self.tok.decode(list(prompt[len(prompt) - k:]))
             if text.endswith("\ufffd"):
                 return 0
@@ -218,15 +260,17 @@ class IncrementalText:
 
     def add(self, token: int) -> str:
         self.ids.append(token)
+        self.added += 1
         searched = len(self.text)
         self._extend(final=False)
-        if self.stop and len(self.text) > searched:
+        if self.stop and len(self.text) > searched and self.added >= self.min_tokens:
             # a stop string in the text ends in the part just added (an earlier one would
             # have stopped an earlier call), so the search starts len(stop) - 1 before it
             at = max(0, searched - self._hold)
-            hits = [i for i in (self.text.find(s, at) for s in self.stop) if i >= 0]
+            hits = [(i, i + len(s) * self.include_stop)
+                    for i, s in ((self.text.find(s, at), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
+                self.text, self.stopped = self.text[:min(hits)[1]], True
                 return self._take(len(self.text))
         return self._take(len(self.text) - self._hold)
 
