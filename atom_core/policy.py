@@ -463,3 +463,11 @@ class Policy:
             return s.consts.SCRATCH
         b = self.reusable(s)
         return 0 if b is None else b  # None: every row decodes, the pad is never written
+
+
+# The policies by name: one registration makes a policy reachable by name and tested (the core
+# state machine, `atom_core.testing.machine`, draws every registered policy for its runs and
+# checks each of its choices against the spec). A policy is a `Policy` subclass overriding the
+# choices it changes (`reusable` for the device cache's eviction order, `spill_slot` for the host
+# tier's, `victim` for preemption's); see docs/ARCHITECTURE.md, "How to add an eviction policy".
+POLICIES: dict[str, Callable[[], Policy]] = {"lru": Policy}

@@ -43,7 +43,7 @@ from atom_core.testing.lifecycle import (
     Stats,
 )
 from atom_core.testing.machine import make_machine
-from atom_core.testing.machine.base import (
+from atom_core.testing.machine.errors import (
     InvariantViolation,
     LifecycleDivergence,
     MirrorDivergence,
@@ -461,10 +461,12 @@ MUTANTS: dict[str, Mutant] = {
         (False, "dynamic"), ("running_transfer_pins_its_block", "lifecycle:dst_reusable"),
         PD_FLOW | {"admit_import", "must_reject"}, pd=True, tables=(1, 3)),
     # Hybrid prefix cache. A hit deeper than the entry's snapshots: the lane resumes with a
-    # sliding state restored from no snapshot at its length.
+    # sliding state restored from no snapshot at its length; or, where a later guard refuses
+    # the hit all the same (its dst), the lifecycle model notices the spec's guard is gone.
     "admit_hit-hybrid_snapshot_at_n": Mutant(
         lambda: MODEL.without_guard("admit_hit", "hybrid_snapshot_at_n"),
-        (True, "dynamic"), "hybrid_hit_has_snapshot", HYBRID_FLOW, tier="hybrid"),
+        (True, "dynamic"), ("hybrid_hit_has_snapshot", "lifecycle:hybrid_snapshot_at_n"),
+        HYBRID_FLOW, tier="hybrid"),
     # A snapshot off the next boundary: one skipped (its state was never saved) or taken
     # where the lane is not (at the admission of a miss, mid-chunk while decoding).
     "snapshot-next_boundary": Mutant(

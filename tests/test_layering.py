@@ -2,8 +2,9 @@
 generator's input) and the generator import nothing built from their output: with the
 generated core refused by an import hook, `atom_core.spec` and its code generator import, and
 the generator renders the core. (It may use `atom_core.seq`, the hand-written token sequence
-the generated core is written against.) (Before, `atom_core/__init__.py` imported `Config`, which reads
-the generated constants, so any import of the spec loaded the core generated from it.)"""
+the generated core is written against.) (Before, `atom_core/__init__.py` imported `Config`,
+which reads the generated constants, so any import of the spec loaded the core generated from
+it.)"""
 
 from __future__ import annotations
 

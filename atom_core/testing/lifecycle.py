@@ -1,12 +1,16 @@
 """The request lifecycle in plain Python (`Life`): what the generated core must agree with
 after every step of the state machine (`atom_core.testing.machine`), and the guard that
-must refuse each call; the event names the machine counts (`Stats`)."""
+must refuse each call (the spec's, as the committed generated core evaluates it on a reference
+state: `Life.predict`); the event names the machine counts (`Stats`)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
+
+import attrs
+
+from atom_core._generated import core as committed
 
 FEATURES = [(p, s) for p in (False, True) for s in ("reserved", "dynamic")]
 ALPHABET = (1, 2, 3)
@@ -79,17 +83,10 @@ class Stats:
 
 
 
-def _first(*checks: tuple[str, Callable[[], bool]]) -> str | None:
-    """The first guard whose check fails, in order (later checks are not evaluated)."""
-    for guard, ok in checks:
-        if not ok():
-            return guard
-    return None
-
-
 class Life:
     """The request lifecycle, the blocks' owners and the host slots in plain Python: what the
-    core must agree with, and the guard that must refuse each call.
+    core must agree with; and the spec's state after the same steps (`ref`), on which the
+    guard that must refuse each call is the spec's own (`predict`).
 
     With PD a request runs importing (decode side: its KV arrives by transfer, once its table,
     grown by `import_grow`, covers the prompt) or exporting (prefill side: its KV, every block
@@ -113,6 +110,9 @@ class Life:
 
     def __init__(self, c: Any) -> None:
         self.c = c
+        # the spec's state (the committed generated core's, ghost on) after every step the core
+        # under test applied: what `predict` evaluates the spec's guards on
+        self.ref = committed.init(committed.Consts(**attrs.asdict(c)), True)
         self.status: dict[int, str] = {}
         self.prompt: dict[int, tuple[int, ...]] = {}
         self.ends: Counter[int] = Counter()
@@ -268,210 +268,13 @@ class Life:
         return min(busy, key=self.admitted.__getitem__) if busy else None
 
     # prediction ----------------------------------------------------------------------
-    def _grow_hit_guards(self, l: int, src: int, n: int) -> tuple[tuple[str, Any], ...]:
-        """The guards a hit past the first block from cache entry src starts with
-        (`grow_hit`, `grow_adopt`)."""
-        c = self.c
-        key = self.entries.get(src, ((), 0))[0]
-        end = self.length[l] + n
-        return (("lane_prefilling", lambda: self.prefilling(l)),
-                ("no_copy_in_flight", lambda: not self.copying[l]),
-                ("tail_full", lambda: self.tail_full(l)),
-                ("table_not_full", lambda: len(self.tables[l]) < c.T),
-                ("src_cached", lambda: src in self.entries),
-                # the entry holds the tokens at the next block's own positions
-                ("src_at_the_boundary", lambda: self.start[src] == self.length[l]),
-                ("n_whole_chunks", lambda: n > 0 and n % c.C == 0),
-                ("n_within_block", lambda: n <= c.S),
-                ("n_within_entry", lambda: end <= len(key)),
-                ("token_left_to_compute", lambda: end < len(self.prompt[self.lane[l]])),
-                # the whole prefix, not only the copied tokens: the KV of a token depends on
-                # every token before it
-                ("prefix_matches", lambda: key[:end] == self.seq[l][:end]))
-
     def predict(self, name: str, args: tuple[Any, ...]) -> str | None:
-        """The guard the core must report, or None (it must apply the step)."""
-        c = self.c
-        if name == "submit":
-            r, p = args
-            if r in self.status:
-                return "request_is_new"
-            if len(p) <= 0:
-                return "prompt_not_empty"
-            return "prompt_fits" if len(p) >= c.T * c.S else None
-        if name == "admit_adopt" and c.HYBRID:
-            return "not_hybrid"
-        if name in ("admit_miss", "admit_hit", "admit_adopt", "admit_host_hit", "admit_import"):
-            l, r = args[:2]
-            if self.lane[l] is not None:
-                return "lane_idle"
-            if self.status.get(r) != "waiting":
-                return "request_waiting"
-            p = self.prompt[r]
-            if name == "admit_miss":
-                return _first(("dst_reusable", lambda: self.reusable(args[2])),
-                              ("no_cache_hit", lambda: not c.PREFIX or not any(
-                                  self.hit_ok(p, b) and not self.evicts_its_hit(args[2], b)
-                                  for b in self.entries)))
-            if name == "admit_import":
-                # An importing lane computes nothing, so it is never preempted: with
-                # preemption's smaller pool two of them, each holding part of a table, could
-                # wait for each other forever. One importing table grows at a time.
-                return _first(("one_import_table_growing", lambda: not self.import_table_grows()),
-                              ("dst_reusable", lambda: self.reusable(args[2])))
-            src, dst, n = args[2:] if name != "admit_adopt" else (args[2], args[2], args[3])
-            whole = ("n_whole_chunks", lambda: n >= c.C and n % c.C == 0)
-            left = ("token_left_to_compute", lambda: n < len(p))
-            reuse = ("dst_reusable", lambda: self.reusable(dst))
-            # a hit copies into the lane's first block
-            one_block = ("n_within_block", lambda: n <= c.S)
-            if name == "admit_host_hit":
-                key = self.slot_key[src]
-                # (a host entry of a later block holds its whole prefix as its key: the
-                # prefix may match, but it is loaded into a first block only from a first one)
-                return _first(("slot_stored", lambda: self.slot_state[src] == "STORED"), whole,
-                              ("n_within_entry", lambda: n <= len(key)), left,
-                              ("prefix_matches", lambda: key[:n] == p[:n]),
-                              ("slot_first_block", lambda: self.slot_start[src] == 0),
-                              one_block, reuse)
-            key, snap = self.entries.get(src, ((), 0))
-            entry = (("src_cached", lambda: src in self.entries), whole,
-                     ("n_within_entry", lambda: n <= len(key)), left,
-                     ("prefix_matches", lambda: key[:n] == p[:n]))
-            first = (("src_first_block", lambda: self.start[src] == 0), one_block)
-            if name == "admit_adopt":  # the lane takes the entry itself: no copy reads it
-                return _first(*entry, *first, ("src_unpinned", lambda: not self.pinned(src)))
-            return _first(*entry, ("hybrid_snapshot_at_n", lambda: not c.HYBRID or n <= snap),
-                          *first, ("dst_not_src", lambda: dst != src), reuse)
-        if name == "copy_done":
-            return None if self.copy_src[args[0]] is not None else "copy_in_flight"
-        if name in ("load_done", "load_fail"):
-            return None if self.load_slot[args[0]] is not None else "load_in_flight"
-        if name == "snapshot":
-            l = args[0]
-            return _first(("hybrid_prefix_cache", lambda: c.HYBRID and c.PREFIX),
-                          ("lane_computing", lambda: (self.prefilling(l) or self.decoding(l))
-                           and not self.copying[l]),
-                          ("next_boundary", lambda: self.length[l] == self.snap[l] + c.C))
-        if name == "prefill":
-            l = args[0]
-            if not self.prefilling(l):
-                return "lane_prefilling"
-            if self.copying[l]:
-                return "no_copy_in_flight"
-            end = min(self.length[l] + c.C, len(self.prompt[self.lane[l]]))
-            return None if end <= self.start[self.tail(l)] + c.S else "chunk_within_block"
-        if name == "grow":
-            l, dst = args
-            return _first(("lane_computing", lambda: self.computing(l)),
-                          ("tail_full", lambda: self.tail_full(l)),
-                          ("table_not_full", lambda: len(self.tables[l]) < c.T),
-                          ("dst_reusable", lambda: self.reusable(dst)))
-        if name == "grow_adopt" and c.HYBRID:
-            return "not_hybrid"
-        if name == "grow_adopt":  # the lane takes the entry itself: no copy may read it
-            l, src, n = args
-            return _first(*self._grow_hit_guards(l, src, n),
-                          ("src_unpinned", lambda: not self.pinned(src)))
-        if name == "grow_hit":
-            l, src, dst, n = args
-            snap = self.entries.get(src, ((), 0))[1]
-            end = self.length[l] + n
-            return _first(*self._grow_hit_guards(l, src, n),
-                          # hybrid: copy_done restores the sliding state at the hit's end
-                          ("hybrid_snapshot_at_n", lambda: not c.HYBRID or end <= snap),
-                          ("dst_not_src", lambda: dst != src),
-                          ("dst_reusable", lambda: self.reusable(dst)))
-        if name == "grow_host_hit":
-            # grow_hit's guards, from host slot h (read, not pinned: no dst_not_src)
-            l, h, dst, n = args
-            end = self.length[l] + n
-            return _first(("lane_prefilling", lambda: self.prefilling(l)),
-                          ("no_copy_in_flight", lambda: not self.copying[l]),
-                          ("tail_full", lambda: self.tail_full(l)),
-                          ("table_not_full", lambda: len(self.tables[l]) < c.T),
-                          ("slot_stored", lambda: self.slot_state[h] == "STORED"),
-                          ("slot_at_the_boundary", lambda: self.slot_start[h] == self.length[l]),
-                          ("n_whole_chunks", lambda: n > 0 and n % c.C == 0),
-                          ("n_within_block", lambda: n <= c.S),
-                          ("n_within_entry", lambda: end <= len(self.slot_key[h])),
-                          ("token_left_to_compute",
-                           lambda: end < len(self.prompt[self.lane[l]])),
-                          ("prefix_matches", lambda: self.slot_key[h][:end] == self.seq[l][:end]),
-                          ("dst_reusable", lambda: self.reusable(dst)))
-        if name == "decode":
-            pad, lpad = args[0], args[1]
-            return _first(("no_block_overflow", lambda: not any(
-                self.decoding(l) and self.tail_full(l) for l in range(c.B))),
-                ("scratch_target_ok", lambda: not self.needs_scratch() or (
-                    self.owner[pad] == "SCRATCH" if c.RESERVED else self.reusable(pad))),
-                # hybrid: padding rows write an idle lane's local slot (a busy one's window
-                # would shift)
-                ("local_pad_ok", lambda: not (c.HYBRID and self.needs_scratch())
-                 or self.lane[lpad] is None))
-        if name == "preempt":
-            l = args[0]
-            return _first(("preemption_on", lambda: c.PREEMPT),
-                          ("lane_computing", lambda: self.computing(l)),
-                          ("a_lane_waits_for_a_block", self.waits_for_block),
-                          ("no_block_reusable", lambda: not any(map(self.reusable,
-                                                                    range(c.K)))),
-                          ("requeue_fits", lambda: len(self.seq[l]) <= c.T * c.S))
-        if name == "finish":
-            l, keep = args
-            if not self.decoding(l):
-                return "lane_decoding"
-            return "keep_needs_prefix_cache" if keep and not c.PREFIX else None
-        if name == "abort_waiting":
-            return None if self.status.get(args[0]) == "waiting" else "request_waiting"
-        if name == "forget":
-            r = args[0]
-            if self.status.get(r) not in ENDED:
-                return "request_ended"
-            return None if r not in self.draining.values() else "no_transfer_of_request"
-        if name in ("abort_running", "fail"):
-            return None if self.lane[args[0]] is not None else "lane_busy"
-        if name == "discard":
-            b = args[0]
-            return _first(("not_a_lane_block", lambda: self.owner[b] in (
-                "FREE", "CACHE", "SCRATCH")), ("not_pinned", lambda: not self.pinned(b)))
-        if name == "spill":
-            b, h = args
-            return _first(("host_cache_on", lambda: c.HOST),
-                          ("entry_cached", lambda: b in self.entries),
-                          ("entry_unpinned", lambda: not self.pinned(b)),
-                          ("slot_empty", lambda: self.slot_state[h] == "EMPTY"))
-        if name in ("store_done", "store_fail"):
-            return None if self.slot_state[args[0]] == "STORING" else "slot_storing"
-        if name == "host_evict":
-            return None if self.slot_state[args[0]] == "STORED" else "slot_stored"
-        if name == "import_grow":
-            l, dst = args
-            return _first(("lane_importing", lambda: self.importing(l)),
-                          ("table_short_of_prompt", lambda: not self.covers_prompt(l)),
-                          ("table_not_full", lambda: len(self.tables[l]) < c.T),
-                          ("dst_reusable", lambda: self.reusable(dst)))
-        if name == "import_done":
-            r, p, _ = args
-            if self.status.get(r) != "importing":
-                return "request_importing"
-            return _first(("table_covers_prompt", lambda: self.covers_prompt(self.lane.index(r))),
-                          ("covers_prompt", lambda: tuple(p) == self.prompt[r]))
-        if name == "export":  # (every block of its table is sent)
-            return None if self.prefilled(args[0]) else "lane_prefilled"
-        if name == "export_done":
-            r, keep = args
-            if self.status.get(r) != "exporting":
-                return "request_exporting"
-            return "keep_needs_prefix_cache" if keep and not c.PREFIX else None
-        if name == "transfer_fail":
-            return None if self.status.get(args[0]) in MOVING else "request_transferring"
-        if name == "transfer_end":
-            r, b = args
-            if b not in self.draining:
-                return "block_draining"
-            return None if self.draining[b] == r else "transfer_of_request"
-        raise KeyError(name)
+        """The guard the core must report, or None (it must apply the step): the spec's guard,
+        as the committed generated core evaluates it, on the reference state (`ref`: the
+        spec's state after the steps the core under test applied). Derived from the spec, not
+        restated here: a mutant core that accepts a step the spec refuses (or refuses one it
+        accepts) differs from it, whatever its own state has become."""
+        return committed.ACTIONS[name][1](self.ref, *args)
 
     # transitions ---------------------------------------------------------------------
     def _end(self, r: int, how: str) -> None:
@@ -519,10 +322,19 @@ class Life:
         self.tables[l].append(dst)
 
     def apply(self, name: str, args: tuple[Any, ...], effects: tuple[Any, ...],
-              pre: Any) -> None:
-        """Advance the model by a step the core applied; check its effects on the way."""
+              pre: Any, post: Any = None) -> None:
+        """Advance the model by a step the core applied; check its effects on the way.
+        `post`: the core's state after it, when the core under test is the committed one
+        (then it is the spec's state: the reference need not be computed twice)."""
         c = self.c
         kinds = [type(e).__name__ for e in effects]
+        if post is not None:
+            self.ref = post
+        else:
+            ref = committed.ACTIONS[name][0](self.ref, *args)
+            # (the core under test applied it as `predict` said the spec does)
+            assert ref.rejected is None, (name, args, ref.rejected)
+            self.ref = ref.state
         if name == "submit":
             r, p = args
             self.status[r], self.prompt[r] = "waiting", tuple(p)

@@ -54,12 +54,17 @@ It also checks:
   refinement failure).
 
 Layout: `MachineBase` (base.py: setup, the checks of every step in `apply`, the natural
-workload, single actions, the calls that must be rejected, teardown) and one mixin per feature
-tier (paged.py: paged tables and hits past the first block; hybrid.py; host.py; pd.py;
-preempt.py). A new feature tier's rules go in a new mixin module here, listed in `CoreMachine`'s
-bases; its rules that only some machines take go in a set like PD_RULES that `make_machine`
-drops. `tests/test_core_machine.py` runs it, `proofs/mutants/` runs it over mutant cores and
-`bench/stateful.py` measures its stateful steps per second.
+workload), errors.py (what each check raises), and mixins: actions.py (single actions with
+drawn parameters, the calls that must be rejected), scheduled.py (steps of the real
+`Scheduler`, hypothesis answering its block work and calls: `schedule`; and the serving steps
+of `storm` and the teardown's runs to completion), policy_steps.py (the policy's choices
+taken one at a time, for the flows that interleave them with direct actions), teardown.py,
+and one per feature tier (paged.py: paged tables and hits past the first block; hybrid.py;
+host.py; pd.py; preempt.py). A new feature tier's rules go in a new mixin module here, listed
+in `CoreMachine`'s bases; its rules that only some machines take go in a set like PD_RULES
+that `make_machine` drops. The policy is drawn from `atom_core.policy.POLICIES` (every
+registered one). `tests/test_core_machine.py` runs it, `proofs/mutants/` runs it over mutant
+cores and `bench/stateful.py` measures its stateful steps per second.
 """
 
 from __future__ import annotations
@@ -70,7 +75,9 @@ import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize
 
 from atom_core._generated import core as committed
+from atom_core.policy import POLICIES
 from atom_core.testing.lifecycle import FEATURES
+from atom_core.testing.machine.actions import ActionRules
 from atom_core.testing.machine.base import (
     PD_RULES,
     PREEMPT_MACHINE_RULES,
@@ -81,14 +88,18 @@ from atom_core.testing.machine.host import HostRules
 from atom_core.testing.machine.hybrid import HybridRules
 from atom_core.testing.machine.paged import PagedRules
 from atom_core.testing.machine.pd import PDRules
+from atom_core.testing.machine.policy_steps import PolicySteps
 from atom_core.testing.machine.preempt import PreemptRules
+from atom_core.testing.machine.scheduled import SchedulerRules
+from atom_core.testing.machine.teardown import TeardownRules
 from atom_core.testing.strategies import Capacity, configs, min_blocks
 
 __all__ = ["PD_RULES", "PREEMPT_MACHINE_RULES", "CoreMachine", "MachineBase", "make_machine",
            "rule_names"]
 
 
-class CoreMachine(PagedRules, HybridRules, HostRules, PDRules, PreemptRules, MachineBase):
+class CoreMachine(PagedRules, HybridRules, HostRules, PDRules, PreemptRules, SchedulerRules,
+                  ActionRules, PolicySteps, TeardownRules, MachineBase):
     """Every tier's rules over the base (`make_machine` binds it to a core and configurations)."""
 
 
@@ -131,7 +142,9 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         "check_progress": check_progress,
         "capacity": staticmethod(capacity),
         "pd": pd,
-        "setup": initialize(c=config)(MachineBase.setup),
+        # (one registered policy draws nothing: sampled_from of one is just it)
+        "setup": initialize(c=config, policy=st.sampled_from(sorted(POLICIES)))(
+            MachineBase.setup),
     })
     rules = rule_names(machine)
     assert PD_RULES | PREEMPT_MACHINE_RULES <= rules, PD_RULES - rules

@@ -17,6 +17,7 @@ from atom_core.testing.lifecycle import (
     STEMS,
     Stats,
 )
+from atom_core.testing.machine.scheduled import UNBOUNDED
 from atom_core.testing.strategies import coin, num, pick, token_lists
 
 
@@ -40,14 +41,14 @@ class PreemptRules:
     def storm(self, data: Any, k: int) -> None:
         """A preempt storm: a request whose prompt ends on a block boundary (1..T-1 whole
         blocks, or one token short of one; often the same length for every lane) for each
-        idle lane, admitted as the policy chooses, then scheduler steps (`schedule_step`)
-        for their prefill and k more: lanes reach their block boundaries together, with few
+        idle lane, then scheduler steps (`schedule_step`: the scheduler admits them) for
+        their prefill and k more: lanes reach their block boundaries together, with few
         blocks left (K near the preemption rule's minimum), and the policy preempts to make
-        room;
-        the run's end drains them (`run_to_completion`). Often every other request is
+        room; the run's end drains them (`run_to_completion`). Often every other request is
         aborted first, and when the B lanes can share the K blocks (but the reserved
-        scratch block) evenly, m < T blocks each, every prompt is m blocks long: every lane
-        reaches its boundary at once, no block left."""
+        scratch block) evenly, m < T blocks each, every prompt is m blocks long, or a token
+        short of it: then the first decode call takes every lane to its boundary at once, no
+        block left."""
         c, life = self.c, self.life
         if coin(data, "from idle"):  # (the client gives up on everything else)
             for l in range(c.B):
@@ -60,27 +61,27 @@ class PreemptRules:
         m, rest = divmod(c.K - c.RESERVED, c.B)
         if (same and not rest and 1 <= m < c.T and c.B > 1
                 and all(r is None for r in life.lane)):
-            n = m * c.S
+            n = m * c.S - num(data, 0, 1, "short (1)")
         for _ in range(self.s.busy.count(False)):
             if not same:
                 n = num(data, 1, c.T - 1, "blocks") * c.S - num(data, 0, 1, "short (1)")
             p = seq(data.draw(token_lists(n, n), label="prompt"))
             assert self.apply("submit", self.next_id, p).rejected is None
             self.next_id += 1
-            if not self.admit_by_policy(self.next_id - 1):
-                break
-        for _ in range(n // c.C + k):  # (the prompts' prefill, then k more steps)
+        # (the scheduler admits them in its first step, as many as have room; then each
+        # prompt's prefill, a chunk a step, then k more steps)
+        for _ in range(c.B * (n // c.C) + k):
             if not self.schedule_step(data):
                 return
 
     def schedule_step(self, data: Any = None) -> bool:
-        """One scheduler step with preemption, as the adapter takes it: copies, loads and
-        stores land; with PD, a drain ends, then a transfer (an import whose table covers
-        its prompt lands, an export ends); the lanes that need a block grow (the oldest
-        first, importing lanes too; preempting when there is none);
-        the oldest waiting request is admitted if the policy finds room; lanes grow again;
-        each prefilling lane prefills a chunk; lanes at their table end finish (with data,
-        sometimes lanes after a few tokens); then a decode call (preempting for a padding
+        """One serving step with preemption: what ends outside a step first (copies, loads and
+        stores other rules left in flight land; with PD, a drain ends, then a transfer: an
+        import whose table covers its prompt lands, an export ends); else, a lane at its
+        table end (only a drawn decode leaves one: the scheduler ends a request there) is
+        refused a preemption, a grow and a decode call (`at_table_end`) and finishes; then
+        the real scheduler's step (`scheduler_step`: growth, preempting when no block is
+        reusable, admission, one prefill chunk or a decode call, preempting for a padding
         target). False if there is nothing to do."""
         life, c = self.life, self.c
         if any(life.copying):  # a device copy, or a load from the host tier
@@ -105,33 +106,27 @@ class PreemptRules:
             return True
         if not self.waiting() and all(r is None for r in life.lane):
             return False
-        self.grow_by_policy(data)
-        if self.waiting() and None in life.lane:
-            self.admit_by_policy(self.waiting()[0])
-            if any(life.copying):
-                return True
-        self.grow_by_policy(data)
         for l in range(c.B):
-            if life.prefilling(l) and not life.copying[l] and not life.needs_block(l):
-                self.apply("prefill", l, ALPHABET[l % len(ALPHABET)])
-        for l in range(c.B):  # a lane finishes at its table end, or (odd requests) a
-            r = life.lane[l]  # block's worth of tokens past its prompt
-            if (life.table_end(l) and life.waits_for_block()
-                    and not any(map(life.reusable, range(c.K)))):
-                # its sequence would not fit a prompt: not a victim (it finishes instead)
-                assert self.apply("preempt", l).rejected == "requeue_fits"
-            if life.table_end(l) and not Stats.rejected["grow", "table_not_full"]:
-                # no next block there (once a run: teardown's drain may never see one)
-                assert self.apply("grow", l, 0).rejected == "table_not_full"
-            if life.table_end(l) or (life.decoding(l) and r % 2 and life.length[l] >= len(
-                    life.prompt[r]) + c.S):
-                self.apply("finish", l, c.PREFIX and r % 4 < 2)
-        self.grow_by_policy(data)
-        if any(map(life.decoding, range(c.B))):
-            toks = (tuple(data.draw(token_lists(c.B, c.B), label="tokens"))
-                    if data is not None else (ALPHABET[0],) * c.B)
-            self.decode_by_policy(toks, data)
-        return True
+            if life.table_end(l):
+                self.at_table_end(l)
+                self.apply("finish", l, c.PREFIX and life.lane[l] % 4 < 2)
+        return self.scheduler_step(data)
+
+    def at_table_end(self, l: int) -> None:
+        """Decoding lane l's table is full (T blocks, the last one full), before it finishes:
+        while another lane waits for a block and none is reusable, its preemption is refused
+        (its sequence would not fit a prompt: `requeue_fits`); a decode call is refused
+        (`no_block_overflow`), and a grow (`table_not_full`, once a run: teardown's drain may
+        never see one). Refused calls: nothing changes (the scheduler calls this before it
+        finishes such a lane)."""
+        life, c = self.life, self.c
+        s, toks = self.s, (ALPHABET[0],) * c.B
+        out = self.apply("decode", self.policy.pad(s), self.policy.local_pad(s), toks)
+        assert out.rejected == "no_block_overflow", out.rejected
+        if c.PREEMPT and life.waits_for_block() and not any(map(life.reusable, range(c.K))):
+            assert self.apply("preempt", l).rejected == "requeue_fits"
+        if not Stats.rejected["grow", "table_not_full"]:
+            assert self.apply("grow", l, 0).rejected == "table_not_full"
 
     def run_to_completion(self) -> None:
         """With preemption, at capacity: the scheduler (`schedule_step`) runs every waiting
@@ -156,10 +151,11 @@ class PreemptRules:
         """After `run_to_completion` (every lane idle): a preempt storm as `storm` makes
         one, without draws, once a run, when the configuration has room for one (B >= 2
         lanes share the K blocks but the reserved scratch block evenly, m < T blocks each):
-        the cache entries are dropped (no hit puts a lane ahead of the others), B prompts of
-        m blocks are admitted at once and the scheduler runs them to their end
-        (`run_to_completion`): at their last boundary every lane waits for a block. (So that
-        coverage does not hang on `storm`'s draws.)"""
+        the cache entries are dropped (no hit puts a lane ahead of the others), B prompts one
+        token short of m blocks are admitted at once and the scheduler runs them to their end
+        (`run_to_completion`): prefill (a lane's chunks after another's) leaves every lane a
+        token short of its last boundary, and the first decode call takes them all there at
+        once, no block left. (So that coverage does not hang on `storm`'s draws.)"""
         life, c = self.life, self.c
         m, rest = divmod(c.K - c.RESERVED, c.B)
         if (Stats.events["preempt storm: every lane at a block boundary"] or c.B < 2 or rest
@@ -167,12 +163,11 @@ class PreemptRules:
             return
         for b in sorted(life.entries):
             assert self.apply("discard", b).rejected is None
-        for l in range(c.B):
-            p = seq((ALPHABET[l % len(ALPHABET)],) * (m * c.S))
+        for l in range(c.B):  # (the scheduler admits them: each that has room)
+            p = seq((ALPHABET[l % len(ALPHABET)],) * (m * c.S - 1))
             assert self.apply("submit", self.next_id, p).rejected is None
+            self.scheduler().limit[self.next_id] = UNBOUNDED  # (none ends before the storm)
             self.next_id += 1
-            if not self.admit_by_policy(self.next_id - 1):
-                break  # (dynamic scratch: room for a padding block too)
         self.run_to_completion()
 
     def imports_with_preemption(self) -> None:
@@ -184,7 +179,7 @@ class PreemptRules:
         1. A prompt of T * S - 1 tokens is imported; while its table is short a second
         import is refused (`one_import_table_growing`); local requests then hold every
         block left (up to B - 1 whole tables), so its table grows by preempting them
-        (`import_grow_by_policy`), and it lands.
+        (the scheduler's growth: the oldest lane), and it lands.
         2. A local request whose prompt ends on a block boundary, local ones holding the
         blocks but the import's, then an import into those: it lands, and when the older
         lane grows the import is the victim (the most recently admitted lane); it waits
@@ -204,7 +199,8 @@ class PreemptRules:
             assert self.apply("abort_waiting", r).rejected is None
             held = min(room - 1, (c.B - 1) * c.T)
             self.hold_blocks([min(c.T, held - i) for i in range(0, held, c.T)])
-            assert self.import_grow_by_policy(None, l)
+            while life.needs_import_block(l):  # (the oldest lane: it grows first)
+                assert self.scheduler_step(), "the import's table does not grow"
             assert Stats.events[IMPORT_BLOCK_PREEMPTED]
             self.land(l)
             self.run_to_completion()
@@ -217,10 +213,12 @@ class PreemptRules:
             self.hold_blocks([min(c.T, rest - i) for i in range(0, rest, c.T)])
             l = self.import_prompt(q * c.S - 1)
             r = life.lane[l]
-            assert self.import_grow_by_policy(None, l)  # (the blocks left: no preemption)
+            while life.needs_import_block(l):  # into the blocks left (the older lane waits)
+                dst = self.policy.reusable(self.s)
+                assert dst is not None and self.apply("import_grow", l, dst).rejected is None
             self.land(l)
-            assert self.grow_by_policy() and life.lane[l] is None, (l, life.lane)
-            assert r in life.preempted_imports, r
+            self.scheduler_step()  # the older lane grows: the import is its victim
+            assert r in life.preempted_imports, (r, life.lane)
             self.run_to_completion()
             assert Stats.events[IMPORTED_PREEMPTED_FINISHED]
 
