@@ -274,9 +274,12 @@ def min_kv_blocks(lanes: int, prefix_cache: bool, scratch: str,
                   blocks_per_table: int = 1, preemption: bool = False) -> int:
     """The proved capacity rule (see atom_core/_generated/capacity.py): every lane can hold a
     whole table of T blocks, plus the scratch block when it is reserved. The prefix cache costs
-    no block: a hit whose cache entry is the only reusable block is taken over by the lane
-    (`admit_adopt`, `grow_adopt`) instead of copied. With preemption: one lane's whole table,
-    plus a scratch or padding block."""
+    no block, also with T = 1 (no pinned source block beyond the lanes'): a hit whose cache
+    entry is the only reusable block is taken over by the lane (`admit_adopt`, `grow_adopt`)
+    instead of copied. With preemption: one lane's whole table, plus a scratch or padding
+    block. `atom-core verify` proves it sufficient for every lane count, every kv_blocks at or
+    above it and every T (proofs/counting.py), except for hybrid models (proved for up to 4
+    lanes); it is shown tight (one block fewer reaches a stuck state) for up to 4 lanes."""
     if scratch not in SCRATCH_MODES:
         raise ConfigError(f"scratch must be one of {SCRATCH_MODES}, got {scratch!r}")
     return capacity.min_kv_blocks(lanes, blocks_per_table, (prefix_cache, scratch), preemption)

@@ -25,7 +25,16 @@ from typing import Any
 import attrs
 import z3
 
-from atom_core.proofs import capacity, checks, encode, limits, nonvacuity, search, witness
+from atom_core.proofs import (
+    capacity,
+    checks,
+    counting,
+    encode,
+    limits,
+    nonvacuity,
+    search,
+    witness,
+)
 from atom_core.proofs.bmc import Trace
 from atom_core.proofs.checks import Check
 from atom_core.proofs.witness import Witness
@@ -36,7 +45,7 @@ DEEP_LANES, DEEP_BLOCKS = 5, 10  # `verify --deep`
 MODEL_REF = "atom_core.spec.model:MODEL"
 # kinds of tasks, for the CPU seconds spent on each
 KINDS = ("nonvacuity", "relational", "arithmetic", "bounded", "capacity", "capacity-tight",
-         "capacity-tight-search", "capacity-single-block")
+         "capacity-tight-search", "capacity-single-block", "counting")
 
 
 @attrs.frozen
@@ -319,6 +328,8 @@ def expected_obligations(model: L.Model, task: Task) -> list[Key] | None:
                 [(nonvacuity.CONSISTENT, "*", nonvacuity.KIND, at)]
                 + [(nonvacuity.GUARD, a, nonvacuity.KIND, at) for a in acts]
                 + [(nonvacuity.ANTECEDENT, p, nonvacuity.KIND, at) for p in props]]
+    if task.kind == "counting":
+        return counting.expected(model, task.fn, task.args)
     return None
 
 
@@ -490,7 +501,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
            on_task: Callable[[str, int, int], None] | None = None,
            witnesses: tuple[dict[tuple[str, int], Witness], dict[str, Witness]] | None = None,
            parts: tuple[str, ...] = ("nonvacuity", "relational", "bounded",
-                                     "capacity", "unaligned")) -> Report:
+                                     "capacity", "unaligned", "counting")) -> Report:
     """`witnesses`: (tight, single-block) to replay, default the committed ones; an empty pair
     searches every run (`make generate`). `parts`: what to run (generate needs only capacity)."""
     t0 = time.perf_counter()
@@ -539,7 +550,13 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
                         8.0)] if ua else [])
         ua_prog = [Task("capacity", t_progress, (b, k, ua_lanes, checks.UNALIGNED_SEQ_LEN,
                                                  checks.CHUNK), b * k / 2) for b, k in ua_sizes]
-        first = nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog
+        # The capacity rules for every size (proofs/counting.py), at the default cutoff and
+        # above (they do not depend on it: a smaller cutoff is a quick look, and skips them).
+        cnt = ([Task("counting", counting.t_rules, (), 2.0),
+                Task("counting", counting.t_scope, (), 0.0)]
+               + [Task("counting", counting.t_progress, (c,), 20.0) for c in counting.CASES]
+               if "counting" in parts and max_lanes >= MAX_LANES else [])
+        first = nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog + cnt
         res = runner.run(first)
         it = iter(res)
         nv_r = [next(it) for _ in nv]
@@ -550,6 +567,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         sb_r = [next(it) for _ in sb]
         ua_bnd_r = [next(it) for _ in ua_bnd]
         ua_prog_r = dict(zip(ua_sizes, (next(it) for _ in ua_prog), strict=True))
+        cnt_r = [next(it) for _ in cnt]
 
         # Phase two: rows from the progress results; a search for every tight run whose
         # witness is missing or does not replay, and for every stuck single-block case alike.
@@ -642,6 +660,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
             if f in aligned_rows:
                 out.append(unaligned_rule(f, aligned_rows[f], urow, ua_blocks))
     out += [c for by_f in at_min_r for cs in by_f.values() for c in cs]
+    out += [c for cs in cnt_r for c in cs]
     searched_keys = {(row.features.name, b) for row, b, _k in want}
     for row in rows:
         out += row.checks
