@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,24 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(32, 200))] for _ in range(n)]
 
 
+def alternated(c: int, rounds: int,
+               runs: dict[str, Callable[[list[list[int]]], dict[str, Any]]]
+               ) -> dict[str, list[dict[str, Any]]] | None:
+    """Each of `runs` (name -> a run of one workload) on the same `c` prompts per round, the
+    order reversed every other round; each run's dict per name, in rounds. None (and a line on
+    stderr) when two runs of a round gave different `tokens`."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    order = list(runs.items())
+    for r in range(rounds):
+        prompts = workload(c, seed=r)
+        for name, go in order if r % 2 == 0 else order[::-1]:
+            rows[name].append(go(prompts))
+        if len({json.dumps(v[-1]["tokens"], sort_keys=True) for v in rows.values()}) > 1:
+            print(f"concurrency {c} round {r}: the schedulers' tokens differ", file=sys.stderr)
+            return None
+    return rows
+
+
 def run(model: Path, scheduler: type, prompts: list[list[int]], blocks: int) -> dict[str, Any]:
     scheduler.cpu, scheduler.steps = 0.0, 0  # type: ignore[attr-defined]
     llm = LLM(model=str(model), max_num_seqs=16, max_model_len=512, block_size=128,
@@ -115,15 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 16 * 4 + 8  # every lane's whole table (512 / 128) and some to spare
     report = []
     for c in args.concurrency:
-        rows: dict[str, list[dict[str, Any]]] = {"vllm": [], "atom": []}
-        for r in range(args.rounds):
-            prompts = workload(c, seed=r)
-            order = [("vllm", theirs), ("atom", ours)]
-            for name, cls in order if r % 2 == 0 else order[::-1]:
-                rows[name].append(run(model, cls, prompts, blocks))
-            if rows["atom"][-1]["tokens"] != rows["vllm"][-1]["tokens"]:
-                print(f"concurrency {c} round {r}: the schedulers' tokens differ", file=sys.stderr)
-                return 1
+        rows = alternated(c, args.rounds, {
+            "vllm": lambda p: run(model, theirs, p, blocks),
+            "atom": lambda p: run(model, ours, p, blocks)})
+        if rows is None:
+            return 1
         med = {n: {k: statistics.median(x[k] for x in v)
                    for k in ("tok_s", "sched_us_per_step", "steps")} for n, v in rows.items()}
         ratio = statistics.median(a["tok_s"] / v["tok_s"]

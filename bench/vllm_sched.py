@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from atom_core.vllm.scheduler import AtomScheduler  # noqa: E402
-from bench.vllm_engine import workload  # noqa: E402
+from bench.vllm_engine import alternated  # noqa: E402
 
 BLOCK, SEQS, MAX_LEN, OUT = 128, 16, 512, 64
 
@@ -109,7 +108,7 @@ def _steps(cls: type, sched: Any, streams: dict[str, list[int]]) -> dict[str, An
                 streams[o.request_id].extend(o.new_token_ids)
         if steps > 100_000:
             raise RuntimeError(f"{cls.__name__}: no end after {steps} steps")
-    return {"us_per_step": 1e6 * cpu / steps, "steps": steps, "streams": streams}
+    return {"us_per_step": 1e6 * cpu / steps, "steps": steps, "tokens": streams}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,16 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     blocks = SEQS * (MAX_LEN // BLOCK) + 8  # as the engine benchmark: every table whole
     report = []
     for c in args.concurrency:
-        rows: dict[str, list[dict[str, Any]]] = {"vllm": [], "atom": []}
-        for r in range(args.rounds):
-            prompts = workload(c, seed=r)
-            order = [("vllm", VllmScheduler), ("atom", AtomScheduler)]
-            for name, cls in order if r % 2 == 0 else order[::-1]:
-                rows[name].append(run(cls, model, prompts, blocks))
-            if rows["atom"][-1]["streams"] != rows["vllm"][-1]["streams"]:
-                print(f"concurrency {c} round {r}: the schedulers' tokens differ",
-                      file=sys.stderr)
-                return 1
+        rows = alternated(c, args.rounds, {
+            "vllm": lambda p: run(VllmScheduler, model, p, blocks),
+            "atom": lambda p: run(AtomScheduler, model, p, blocks)})
+        if rows is None:
+            return 1
         med = {n: statistics.median(x["us_per_step"] for x in v) for n, v in rows.items()}
         rng = {n: (min(x["us_per_step"] for x in v), max(x["us_per_step"] for x in v))
                for n, v in rows.items()}
