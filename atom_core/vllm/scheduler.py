@@ -12,9 +12,14 @@ What this module keeps is what vLLM's side needs and the core has no word for: v
 objects, the string ids they carry, and which blocks the model runner already knows of each
 request. Lanes, tables, phases and the waiting queue are read from the core, never copied.
 
+Hybrid sliding-window models (Gemma3: full-attention and sliding-window KV cache groups) run
+on a hybrid Config: the full-attention groups get the core's tables, each sliding group a ring
+of blocks per lane (its local slot; `atom_core/vllm/hybrid.py`), without the prefix cache.
+
 Not supported, refused at construction with the flag to change: speculative decoding,
-pipeline parallelism, KV connectors (disaggregated prefill), LoRA, models with more than one KV
-cache group (hybrid attention), pooling models, prompt embeddings and multimodal inputs.
+pipeline parallelism, KV connectors (disaggregated prefill), LoRA, KV cache groups other than
+full attention and sliding windows (or windows of different sizes), prefix caching with a
+hybrid model, pooling models, prompt embeddings and multimodal inputs.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 from atom_core._generated import core
+from atom_core.policy import Policy
 from atom_core.scheduler import (
     CopyWork,
     DecodeCall,
@@ -42,7 +48,8 @@ from atom_core.scheduler import (
     StepOutput,
     StepResult,
 )
-from atom_core.vllm.config import config_from_vllm
+from atom_core.vllm.config import config_from_vllm, ring_blocks
+from atom_core.vllm.hybrid import Groups, Rings, read_groups
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +60,18 @@ class AtomScheduler(SchedulerInterface):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any,
                  block_size: int, hash_block_size: int | None = None, mm_registry: Any = None,
                  include_finished_set: bool = False, log_stats: bool = False) -> None:
-        _refuse_unsupported(vllm_config, kv_cache_config)
+        groups = _refuse_unsupported(vllm_config, kv_cache_config, block_size)
         self.vllm_config = vllm_config
-        self.config = config_from_vllm(vllm_config, kv_cache_config.num_blocks)
+        self.config = config_from_vllm(vllm_config, kv_cache_config.num_blocks,
+                                       groups.sliding_window, groups.sliding)
         if block_size != self.config.block_size:
             raise ValueError(f"vLLM's scheduler block size {block_size} differs from its cache "
                              f"block size {self.config.block_size}; atom-core needs one size")
+        w = self.config.sliding_window
+        # the sliding groups' rings: the pool's ids past the core's blocks
+        self.rings = Rings(groups.kinds, self.config.lanes,
+                           ring_blocks(w, block_size, self.config.prefill_chunk) if w else 0,
+                           first=self.config.kv_blocks + _NULL)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.structured_output_manager = structured_output_manager
         self.log_stats = log_stats
@@ -70,8 +83,10 @@ class AtomScheduler(SchedulerInterface):
         # vLLM's runner takes decode rows and prompt chunks of several requests in one forward
         # (no static batch shape, no padding rows): a step asks for all it can (`MixedCall`),
         # chunks within vLLM's token budget per step
+        # (hybrid: the Config's spare lane stays idle, see config_from_vllm)
+        policy = Policy(spare_local_slot=True) if w is not None else None
         self.core = Scheduler(
-            self.config, keep_ended=0, mixed=True,
+            self.config, policy=policy, keep_ended=0, mixed=True,
             prefill_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             vocab_size=vllm_config.model_config.get_vocab_size())
         self.requests: dict[str, Request] = {}  # vLLM's live requests (structured output reads)
@@ -166,7 +181,7 @@ class AtomScheduler(SchedulerInterface):
             # the whole block: the positions past the hit are rewritten before they are read
             copies.append(KVCacheBlockCopy(work.src + _NULL, work.dst + _NULL))
             return None
-        # (no host tier and no hybrid model reach here: Config has neither)
+        # (no host tier and no hybrid prefix cache reach here: the Config has neither)
         return f"{type(work).__name__} is not supported under vLLM"
 
     def _output(self, call: PrefillCall | DecodeCall | MixedCall | None,
@@ -174,15 +189,21 @@ class AtomScheduler(SchedulerInterface):
         new: list[NewRequestData] = []
         cached = CachedRequestData.make_empty()
         tokens: dict[str, int] = {}
-        rows: list[tuple[int, int, int]] = []  # (lane, first position, tokens)
+        # (lane, first position, tokens, local slot)
+        rows: list[tuple[int, int, int, int | None]] = []
         dec = call.decode if isinstance(call, MixedCall) else call
         pres = call.prefills if isinstance(call, MixedCall) else (call,)
         if isinstance(dec, DecodeCall):
-            rows.extend((ln, dec.positions[ln], 1) for ln in dec.lanes)
-        rows.extend((p.lane, p.start, p.end - p.start) for p in pres
+            rows.extend((ln, dec.positions[ln], 1, dec.local[ln] if dec.local else None)
+                        for ln in dec.lanes)
+        rows.extend((p.lane, p.start, p.end - p.start, p.local) for p in pres
                     if isinstance(p, PrefillCall))
         now = time.monotonic()
-        for lane, start, n in rows:
+        for lane, start, n, local in rows:
+            if local is not None and local != lane:
+                # the ring a lane's sliding tables name is its own (tables sent never change)
+                raise RuntimeError(f"lane {lane}'s row runs in local slot {local}: under vLLM "
+                                   "a lane's sliding KV is its own ring")
             rid = self.core.view.lane_req[lane]
             vid = self._vid[rid]
             req = self.requests[vid]
@@ -199,7 +220,7 @@ class AtomScheduler(SchedulerInterface):
                 self._prefix_stats.record(num_tokens=req.num_tokens, num_hits=start,
                                           preempted=req.num_preemptions > 0)
             if vid not in self._known:
-                new.append(NewRequestData.from_request(req, (table,)))
+                new.append(NewRequestData.from_request(req, self.rings.block_ids(lane, table, 0)))
                 self._known.add(vid)
             else:
                 resumed = vid in self._resumed
@@ -209,7 +230,8 @@ class AtomScheduler(SchedulerInterface):
                     cached.resumed_req_ids.add(vid)
                 if vid not in self._last_scheduled:
                     cached.all_token_ids[vid] = list(req.all_token_ids)
-                cached.new_block_ids.append((table[sent:],) if len(table) > sent else None)
+                cached.new_block_ids.append(self.rings.block_ids(lane, table, sent)
+                                            if len(table) > sent else None)
                 cached.num_computed_tokens.append(start)
                 cached.num_output_tokens.append(req.num_output_tokens)
             self._resumed.discard(vid)
@@ -492,8 +514,9 @@ class AtomScheduler(SchedulerInterface):
         pass
 
 
-def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
-    """vLLM features atom-core's scheduler does not model, each named with what to change."""
+def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any, block_size: int) -> Groups:
+    """vLLM features atom-core's scheduler does not model, each named with what to change;
+    else the KV cache groups it serves."""
     refused = []
     if vllm_config.speculative_config is not None:
         refused.append("speculative decoding (drop --speculative-config)")
@@ -505,11 +528,13 @@ def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
         refused.append("LoRA (drop --enable-lora)")
     if vllm_config.scheduler_config.async_scheduling:
         refused.append("async scheduling (--no-async-scheduling)")
-    if len(kv_cache_config.kv_cache_groups) != 1:
-        refused.append(f"a model with {len(kv_cache_config.kv_cache_groups)} KV cache groups "
-                       "(hybrid or attention-free models; one group of full attention only)")
+    groups = read_groups(kv_cache_config, block_size)
+    if isinstance(groups, str):
+        refused.append(groups)
     model = vllm_config.model_config
     if getattr(model, "runner_type", "generate") != "generate":
         refused.append(f"{model.runner_type} models (generation only)")
     if refused:
         raise ValueError("AtomScheduler does not support " + "; ".join(refused))
+    assert not isinstance(groups, str)
+    return groups
