@@ -85,16 +85,20 @@ def _attempts(rlimit: int, bounded: bool = False) -> list[tuple[int, int, dict[s
             + [(seed, short, {}) for seed in SEEDS[1:]] + [(SEEDS[0], rlimit, {})])
 
 
-def solve(facts: list[Any], rlimit: int = RLIMIT,
-          bounded: bool = False) -> tuple[str, Any, int]:
+def solve(facts: list[Any], rlimit: int = RLIMIT, bounded: bool = False,
+          attempts: slice = slice(None)) -> tuple[str, Any, int]:
     """(status, model or the reason it is unknown, resource units used). `bounded`: the facts
-    are quantifier-free (finite sorts), see `OLD_ARITH`."""
+    are quantifier-free (finite sorts), see `OLD_ARITH`. `attempts`: only these of `_attempts`
+    (`decide_unbounded` asks the first, then the rest)."""
     reason, used = "", 0
-    for seed, units, params in _attempts(rlimit, bounded):
+    for seed, units, params in _attempts(rlimit, bounded)[attempts]:
         s = limits.new_solver(units, seed, **params)
+        # (the counter is the context's, shared by every solver in it: only the difference
+        # is this attempt's)
+        before = limits.spent(s)
         s.add(*facts)
         r = s.check()
-        used += limits.spent(s)
+        used += limits.spent(s) - before
         if r == z3.unsat:
             return "proved", None, used
         if r == z3.sat:
@@ -236,27 +240,101 @@ def induction(model: L.Model, invariants: list[L.Named], u: Universe,
               assume: list[L.Named], size: str = "", base: bool = True,
               rlimit: int = RLIMIT,
               actions: Collection[str] | None = None) -> Iterator[Check]:
-    """Base and step for each of `invariants`, assuming all of `assume` in the pre-state (in a
-    bounded universe the queries are quantifier-free: see `solve`); steps of `actions` only
-    when given."""
-    if u.bounded and (base or actions is None or actions):
+    """Base and step for each of `invariants` in the finite universe `u`, assuming all of
+    `assume` in the pre-state (the queries are quantifier-free: see `solve`); steps of
+    `actions` only when given. (Over unbounded sorts: `unbounded`.)"""
+    assert u.bounded
+    if base or actions is None or actions:
         yield inhabited(model, u, assume, size)
     if base:
         ax = u.axioms()
         init = u.init_state()
         for inv in invariants:
             yield _timed(inv.name, "init", "base", ax + [z3.Not(u.tr(inv.expr, init, {}))],
-                         size, rlimit, u.bounded)
+                         size, rlimit, True)
     if actions is not None and not actions:
         return
     for action, facts, _pre, post, params in _steps(model, u, assume, actions):
-        if u.bounded:
-            yield from _bounded_steps(action.name, invariants, u, facts, post, params, size,
-                                      rlimit)
+        yield from _bounded_steps(action.name, invariants, u, facts, post, params, size,
+                                  rlimit)
+
+
+def unbounded(model: L.Model, invariants: list[L.Named], assume: list[L.Named],
+              fixed: dict[str, Any] | None = None, size: str = "", base: bool = True,
+              actions: Collection[str] | None = None,
+              transition: Collection[str] | None = None, refine: bool = True,
+              rlimit: int = RLIMIT) -> list[Check]:
+    """Base and step of each of `invariants` (steps of `actions` only, when given) and the
+    transition invariants at `transition`'s actions (default none), over unbounded sorts with
+    the constants `fixed` (the chunk and block size of the arithmetic proofs), assuming
+    `assume` in the pre-state: decided by `decide_unbounded`."""
+    fixed = fixed or {}
+    u = Universe(model, None, fixed or None)
+    queries: list[Query] = []
+    if base:
+        ax, init = u.axioms(), u.init_state()
+        queries += [Query(i.name, "init", "base", ax + [z3.Not(u.tr(i.expr, init, {}))])
+                    for i in invariants]
+    if actions is None or actions:
+        for action, facts, _pre, post, _params in _steps(model, u, assume, actions):
+            queries += [Query(i.name, action.name, "step",
+                              facts + [z3.Not(u.tr(i.expr, post, {}))]) for i in invariants]
+    if transition:
+        for action, facts, pre, post, _params in _steps(model, u, assume, transition):
+            queries += [Query(t.name, action.name, "transition",
+                              facts + [z3.Not(u.tr(t.expr, pre, {}, post))])
+                        for t in model.transition_invariants]
+    return decide_unbounded(model, queries, assume, fixed, size, refine, rlimit)
+
+
+@attrs.frozen
+class Query:
+    invariant: str
+    action: str
+    kind: str  # base | step | transition
+    facts: list[Any]
+
+
+def decide_unbounded(model: L.Model, queries: list[Query], assume: list[L.Named],
+                     fixed: dict[str, Any], size: str, refine: bool = True,
+                     rlimit: int = RLIMIT) -> list[Check]:
+    """Each query over unbounded sorts, in three rounds: every query's first attempt (most
+    proofs need no more); then, for the steps and transitions it left open, counterexamples
+    over small finite sorts (`refute_small`: z3 answers a refutable query over unbounded sorts
+    `unknown` after its whole budget, where in a finite universe it finds the model in
+    milliseconds, and a finite model is a model of the unbounded query); then the rest of the
+    attempts for what is still open. `refine=False` skips the second round (a caller to whom
+    `unknown` and a counterexample mean the same: the run fails)."""
+    out: list[Check | None] = []
+    open_: list[tuple[int, float, int]] = []  # (index, seconds, units) after the first
+    for q in queries:
+        t0 = time.perf_counter()
+        status, _extra, used = solve(q.facts, rlimit, attempts=slice(0, 1))
+        if status == "unknown":
+            open_.append((len(out), time.perf_counter() - t0, used))
+            out.append(None)
+        else:
+            out.append(Check(q.invariant, q.action, q.kind, status, time.perf_counter() - t0,
+                             size, rlimit=used))
+    found: dict[tuple[str, str, str], str] = {}
+    if refine and open_:
+        t0 = time.perf_counter()
+        found = refute_small(model, [(queries[i].invariant, queries[i].action, queries[i].kind)
+                                     for i, _s, _u in open_ if queries[i].kind != "base"],
+                             assume, fixed)
+        share = (time.perf_counter() - t0) / len(open_)
+        open_ = [(i, s + share, used) for i, s, used in open_]
+    for i, seconds, used in open_:
+        q = queries[i]
+        key = (q.invariant, q.action, q.kind)
+        if key in found:
+            out[i] = Check(*key, "counterexample", seconds, size, found[key], used)
             continue
-        for inv in invariants:
-            yield _timed(inv.name, action.name, "step", facts + [z3.Not(u.tr(inv.expr, post, {}))],
-                         size, rlimit)
+        t0 = time.perf_counter()
+        status, extra, more = solve(q.facts, rlimit, attempts=slice(1, None))
+        out[i] = Check(*key, status, seconds + time.perf_counter() - t0, size,
+                       str(extra) if status == "unknown" else "", used + more)
+    return [c for c in out if c is not None]
 
 
 def _bounded_steps(action: str, invariants: list[L.Named], u: Universe, facts: list[Any],
@@ -299,100 +377,75 @@ def _decide(solver: Any, facts: list[Any], goal: list[Any],
     return status, str(extra) if status == "unknown" else "", used + more
 
 
-def transitions(model: L.Model, u: Universe, assume: list[L.Named],
-                actions: Collection[str] | None = None) -> Iterator[Check]:
-    for action, facts, pre, post, _params in _steps(model, u, assume, actions):
-        for t in model.transition_invariants:
-            goal = u.tr(t.expr, pre, {}, post)
-            yield _timed(t.name, action.name, "transition", facts + [z3.Not(goal)])
-
-
 def relational(model: L.Model, *, base: bool = True, refine: bool = True,
                steps: Collection[str] | None = None,
-               transition: Collection[str] | None = None,
-               goals: Collection[str] | None = None) -> Iterator[Check]:
-    """Relational invariants and transition invariants, for all sizes. An obligation z3 cannot
-    decide over the unbounded sorts is also searched for a counterexample over small finite
-    ones (`refute_small`): a model with finitely many lanes, blocks, requests and slots is a
-    model of the unbounded query too, so one found there refutes it for real.
+               transition: Collection[str] | None = None) -> Iterator[Check]:
+    """Relational invariants and transition invariants, for all sizes (`unbounded`: an
+    obligation its first attempt leaves open is searched for a counterexample over small finite
+    sorts before the rest of its attempts).
 
     `base=False` skips the base cases (they read no action: a mutant of an action has the
-    model's), `refine=False` the small-sort search (for callers to whom `unknown` and a
-    counterexample mean the same: the run fails). `steps`, `transition`: only the step
-    (transition) obligations of these actions (`verify` runs each action as its own task).
-    `goals`: only the obligations of these (transition) invariants, still assuming every
-    invariant (tests that name the obligation a planted bug breaks)."""
+    model's), `refine=False` the small-sort search. `steps`, `transition`: only the step
+    (transition) obligations of these actions (`verify` runs each action as its own task);
+    default every action."""
     rel = [i for i in model.invariants if i.kind == "relational"]
-    u = Universe(model)
-    mine = [i for i in rel if goals is None or i.name in goals]
-    if goals is not None:
-        model = model.copy()
-        model.transition_invariants = [t for t in model.transition_invariants
-                                       if t.name in goals]
-    for c in itertools.chain(induction(model, mine, u, rel, base=base, actions=steps),
-                             transitions(model, u, rel, transition)):
-        yield refute_small(model, c) if c.status == "unknown" and refine else c
+    every = [a.name for a in model.actions]
+    yield from unbounded(model, rel, rel, base=base, actions=steps,
+                         transition=every if transition is None else transition,
+                         refine=refine)
 
 
 # The finite sizes `refute_small` searches: (lanes, blocks, requests, slots).
 SMALL = ((1, 2, 2, 1), (2, 2, 2, 1), (2, 3, 3, 1), (2, 3, 3, 2))
 
 
-def _small_steps(model: L.Model, action: str) -> Iterator[
+def _small_steps(model: L.Model, action: str, assume: list[L.Named] | None = None,
+                 fixed: dict[str, Any] | None = None) -> Iterator[
         tuple[str, Universe, list[Any], Any, Any]]:
     """`action`'s step hypotheses in each universe of `SMALL`: (size label, universe, facts,
-    pre-state, post-state), assuming every relational invariant."""
-    rel = [i for i in model.invariants if i.kind == "relational"]
+    pre-state, post-state), assuming `assume` (default every relational invariant), with the
+    constants `fixed`."""
+    if assume is None:
+        assume = [i for i in model.invariants if i.kind == "relational"]
     for lanes, blocks, reqs, slots in SMALL:
         u = Universe(model, {"Lane": lanes, "Block": blocks, "Req": reqs, "Slot": slots},
-                     ctx_name=f"_small_{lanes}_{blocks}")
+                     fixed or None, ctx_name=f"_small_{lanes}_{blocks}")
         size = f"B={lanes}, K={blocks}, {reqs} requests, {slots} host slots"
-        for a, facts, pre, post, _params in _steps(model, u, rel):
-            if a.name == action:
-                yield size, u, facts, pre, post
+        for _a, facts, pre, post, _params in _steps(model, u, assume, (action,)):
+            yield size, u, facts, pre, post
 
 
-def refute_small(model: L.Model, c: Check) -> Check:
-    rel = [i for i in model.invariants if i.kind == "relational"]
-    t0 = time.perf_counter()
-    for size, u, facts, pre, post in _small_steps(model, c.action):
-        if c.kind == "step":
-            inv = next(i for i in rel if i.name == c.invariant)
-            goal = u.tr(inv.expr, post, {})
-        else:
-            t = next(t for t in model.transition_invariants if t.name == c.invariant)
-            goal = u.tr(t.expr, pre, {}, post)
-        query = facts + [z3.Not(goal)]
-        status, _, _ = solve(query + u.law_instances(query))
-        if status == "counterexample":
-            return attrs.evolve(c, status=status, seconds=c.seconds + time.perf_counter() - t0,
-                                detail=f"found with {size}")
-    return attrs.evolve(c, seconds=c.seconds + time.perf_counter() - t0)
-
-
-def refute_action_small(model: L.Model, action: str,
-                        rlimit: int = RLIMIT) -> Check | None:
-    """A counterexample to some relational step or transition obligation of `action`, searched
-    over the small finite sorts of `SMALL` with one query per size (the disjunction of the
-    obligations' negations), or None. Finite sorts make every quantifier a finite conjunction,
-    so z3 decides these queries, where over unbounded sorts a refutable obligation may come back
-    `unknown`; and any model found is a real refutation (see `relational`). Used to show
-    mutants fail quickly; finding none proves nothing."""
-    rel = [i for i in model.invariants if i.kind == "relational"]
-    t0 = time.perf_counter()
-    for size, u, facts, pre, post in _small_steps(model, action):
-        goals = ([(i.name, "step", u.tr(i.expr, post, {})) for i in rel]
-                 + [(t.name, "transition", u.tr(t.expr, pre, {}, post))
-                    for t in model.transition_invariants])
-        query = facts + [z3.Or(*[z3.Not(g) for _, _, g in goals])]
-        status, zm, _ = solve(query + u.law_instances(query), rlimit)
-        if status != "counterexample":
-            continue
-        name, kind = next((n, k) for n, k, g in goals
-                          if z3.is_false(zm.eval(g, model_completion=True)))
-        return Check(name, action, kind, status, time.perf_counter() - t0,
-                     detail=f"found with {size}")
-    return None
+def refute_small(model: L.Model, wanted: list[tuple[str, str, str]], assume: list[L.Named],
+                 fixed: dict[str, Any] | None = None,
+                 rlimit: int = RLIMIT) -> dict[tuple[str, str, str], str]:
+    """Of the step and transition obligations `wanted` ((invariant, action, kind)), those with
+    a counterexample over the small finite sorts of `SMALL` (with the constants `fixed`),
+    each with the size it was found at. Per action and size one query asks for any of them
+    broken (the disjunction of their negations); each one a model breaks is taken out and the
+    rest asked again. Finite sorts make every quantifier a finite conjunction, so z3 decides
+    these queries, and a model found is a model of the unbounded query too; finding none
+    proves nothing."""
+    found: dict[tuple[str, str, str], str] = {}
+    exprs = {i.name: i.expr for i in model.invariants}
+    trans = {t.name: t.expr for t in model.transition_invariants}
+    for action in dict.fromkeys(a for _i, a, _k in wanted):
+        left = [(i, k) for i, a, k in wanted if a == action]
+        for size, u, facts, pre, post in _small_steps(model, action, assume, fixed):
+            goals = {(i, k): (u.tr(exprs[i], post, {}) if k == "step"
+                              else u.tr(trans[i], pre, {}, post)) for i, k in left}
+            while left:
+                query = facts + [z3.Or(*[z3.Not(goals[g]) for g in left])]
+                status, zm, _ = solve(query + u.law_instances(query), rlimit)
+                if status != "counterexample":
+                    break
+                broken = [g for g in left
+                          if z3.is_false(zm.eval(goals[g], model_completion=True))]
+                for i, k in broken:
+                    found[(i, action, k)] = f"found with {size}"
+                left = [g for g in left if g not in broken]
+            if not left:
+                break
+    return found
 
 
 def sizes(max_lanes: int, max_blocks: int) -> Iterator[tuple[int, int]]:
@@ -454,9 +507,8 @@ def arithmetic(model: L.Model, seq_len: int = SEQ_LEN, *, base: bool = True,
     and themselves. `actions`: only these actions' steps."""
     rel = [i for i in model.invariants if i.kind == "relational"]
     ar = [i for i in model.invariants if i.kind == "arithmetic"]
-    u = Universe(model, None, {"C": chunk, "S": seq_len})
-    yield from induction(model, ar, u, rel + ar, size=arithmetic_label(chunk, seq_len),
-                         base=base, actions=actions)
+    yield from unbounded(model, ar, rel + ar, {"C": chunk, "S": seq_len},
+                         arithmetic_label(chunk, seq_len), base=base, actions=actions)
 
 
 def arithmetic_label(chunk: int, seq_len: int) -> str:
@@ -499,10 +551,12 @@ def progress(model: L.Model, u: Universe, cases: dict[str, dict[str, Any]]) -> I
         t0 = time.perf_counter()
         solver = _first_try_solver([*ax, *hyps, z3.Or([z3.And(*a) for a in assumes.values()])],
                                    TOGETHER)
+        before = limits.spent(solver)
         solver.add(any_goal)
         if solver.check() == z3.unsat:
             n = len(cases) * len(goals)
-            share, units = (time.perf_counter() - t0) / n, limits.spent(solver) // n
+            share = (time.perf_counter() - t0) / n
+            units = (limits.spent(solver) - before) // n
             for case in cases:
                 for name, _goal in goals:
                     yield case, Check(name, "*", "progress", "proved", share, case,

@@ -32,7 +32,7 @@ MIN_GUARD_MS = 60_000
 # its budget: the units are not a function of the query alone, since z3's search also depends
 # on where its allocations land (the same query measured 5-30% apart in processes with other
 # histories), so each final budget is kept several times the largest use measured (`verify`
-# reports the largest per kind: 3.8M for a step, 0.5M for a bounded step), and a query is
+# reports the largest per kind: 1.0M for a step, 0.44M for a bounded step), and a query is
 # first tried with a fraction of it. (A query that ends `unknown` spends every try: the ladder
 # below is what the 2 s tries and 10 s timeout were, at the measured rate.)
 STEP = 20_000_000  # a query over unbounded sorts (base, step, transition, arithmetic)
@@ -76,7 +76,9 @@ def new_solver(rlimit: int, seed: int | None = None, **params: Any) -> Any:
 
 
 def spent(solver: Any) -> int:
-    """The solver context's resource counter so far (subtract two readings for one query)."""
+    """The solver context's resource counter so far: it is the context's, shared by every
+    solver in it (a fresh solver reads what the context's earlier queries used), so one
+    query's units are the difference of two readings around it, never one reading."""
     st = solver.statistics()
     return int(st.get_key_value("rlimit count")) if "rlimit count" in st.keys() else 0
 

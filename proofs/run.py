@@ -496,6 +496,48 @@ def _relational_tasks(model: L.Model) -> list[Task]:
     return out
 
 
+def _bounded_tasks(max_lanes: int, max_blocks: int) -> list[Task]:
+    """The arithmetic invariants at the artifact's and the table's chunk and block size, the
+    bounded ones at every size up to the cutoff."""
+    return ([Task("arithmetic", t_arithmetic, (seq_len, chunk), 8.0)
+             for seq_len, chunk in ((checks.SEQ_LEN, checks.CHUNK),
+                                    (capacity.TABLE_SEQ_LEN, capacity.TABLE_CHUNK))]
+            + [Task("bounded", t_bounded, (b, k), b * k / 4)
+               for b, k in checks.sizes(max_lanes, max_blocks)])
+
+
+def _unaligned_tasks() -> list[Task]:
+    return [Task("arithmetic", t_arithmetic, (checks.UNALIGNED_SEQ_LEN, checks.CHUNK), 8.0)]
+
+
+def invariant_tasks(model: L.Model, max_lanes: int = MAX_LANES,
+                    max_blocks: int = MAX_BLOCKS) -> list[Task]:
+    """The tasks of `verify` that decide the (invariant, action) obligations: relational,
+    arithmetic and bounded, as `verify` plans them. The planted-bug tests run a mutant through
+    these very tasks (`run_here`), so a bug is shown to fail what `verify` runs."""
+    return _relational_tasks(model) + _bounded_tasks(max_lanes, max_blocks) + _unaligned_tasks()
+
+
+def progress_task(lanes: int, blocks: int, max_lanes: int = MAX_LANES) -> Task:
+    """`verify`'s progress task at one size (the capacity table's chunk and block size)."""
+    return Task("capacity", t_progress, (lanes, blocks, max_lanes, capacity.TABLE_SEQ_LEN,
+                                         capacity.TABLE_CHUNK), lanes * blocks)
+
+
+def counting_tasks() -> list[Task]:
+    """The capacity rules for every size (proofs/counting.py)."""
+    return ([Task("counting", counting.t_rules, (), 2.0),
+             Task("counting", counting.t_scope, (), 0.0)]
+            + [Task("counting", counting.t_progress, (c,), 20.0) for c in counting.CASES])
+
+
+def run_here(model: L.Model, task: Task) -> Any:
+    """`task`'s result on `model`, computed in this process as a worker computes it (a fresh
+    z3 context)."""
+    _init_worker(model)
+    return _run(task)[0]
+
+
 def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLOCKS,
            on_check: Callable[[Check], None] | None = None, *, jobs: int = 1,
            on_task: Callable[[str, int, int], None] | None = None,
@@ -519,18 +561,12 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         # (linear only then); the bounded ones once per size for every chunk and block size
         # (C and S left to the axioms: as fast as fixed, measured 1.27 s against 1.17 s at
         # B = 4, K = 8), which holds wherever the arithmetic ones they assume are proved.
-        bnd = ([Task("arithmetic", t_arithmetic, (seq_len, chunk), 8.0)
-                for seq_len, chunk in ((checks.SEQ_LEN, checks.CHUNK),
-                                       (capacity.TABLE_SEQ_LEN, capacity.TABLE_CHUNK))]
-               + [Task("bounded", t_bounded, (b, k), b * k / 4)
-                  for b, k in checks.sizes(max_lanes, max_blocks)] if "bounded" in parts else [])
+        bnd = _bounded_tasks(max_lanes, max_blocks) if "bounded" in parts else []
         sizes = [(b, k) for b in range(1, max_lanes + 1) for k in range(1, max_blocks + 1)]
         feats = [f for f in capacity.COMBINATIONS if capacity.in_table(f, max_blocks)]
         cap = "capacity" in parts
         # (the table at the tight runs' sizes: capacity.TABLE_CHUNK)
-        prog = ([Task("capacity", t_progress, (b, k, max_lanes, capacity.TABLE_SEQ_LEN,
-                                               capacity.TABLE_CHUNK), b * k)
-                 for b, k in sizes] if cap else [])
+        prog = [progress_task(b, k, max_lanes) for b, k in sizes] if cap else []
         replays = [(f, b, tight_w[(f.name, b)]) for f in feats
                    for b in range(1, f.max_lanes(max_lanes) + 1)
                    if (f.name, b) in tight_w] if cap else []
@@ -546,16 +582,12 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         ua_sizes = list(checks.sizes(ua_lanes, ua_blocks)) if ua else []
         # (the bounded invariants at these sizes are proved for every block size above, when
         # "bounded" runs; `assumed_where_proved` says so when it does not)
-        ua_bnd = ([Task("arithmetic", t_arithmetic, (checks.UNALIGNED_SEQ_LEN, checks.CHUNK),
-                        8.0)] if ua else [])
+        ua_bnd = _unaligned_tasks() if ua else []
         ua_prog = [Task("capacity", t_progress, (b, k, ua_lanes, checks.UNALIGNED_SEQ_LEN,
                                                  checks.CHUNK), b * k / 2) for b, k in ua_sizes]
         # The capacity rules for every size (proofs/counting.py), at the default cutoff and
         # above (they do not depend on it: a smaller cutoff is a quick look, and skips them).
-        cnt = ([Task("counting", counting.t_rules, (), 2.0),
-                Task("counting", counting.t_scope, (), 0.0)]
-               + [Task("counting", counting.t_progress, (c,), 20.0) for c in counting.CASES]
-               if "counting" in parts and max_lanes >= MAX_LANES else [])
+        cnt = counting_tasks() if "counting" in parts and max_lanes >= MAX_LANES else []
         first = nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog + cnt
         res = runner.run(first)
         it = iter(res)

@@ -25,21 +25,38 @@ def test_each_rule_holds_on_the_abstraction_for_every_size(rule):
     assert (t.invariant, t.status) == (f"tight-abstraction:{rule.name}", "proved")
 
 
+def one_block_short(monkeypatch, rule: counting.Rule) -> None:
+    """The committed table (as `make generate` would write it from a wrong proof) one block
+    short for `rule`: the rule is read from the generated module, not restated."""
+    if rule.preempt:
+        lone, shared = committed.PREEMPT_BLOCKS[rule.key]
+        monkeypatch.setitem(committed.PREEMPT_BLOCKS, rule.key, (lone - 1, shared - 1))
+    else:
+        monkeypatch.setitem(committed.SCRATCH_BLOCKS, rule.key,
+                            committed.SCRATCH_BLOCKS[rule.key] - 1)
+
+
+def rules_task(monkeypatch, *rules: counting.Rule) -> list:
+    """`verify`'s task for parts 1 and 2 (`counting.t_rules`), run as `verify` runs it, with
+    only `rules` (it runs every rule the same way)."""
+    monkeypatch.setattr(counting, "RULES", rules)
+    task = next(t for t in run.counting_tasks() if t.fn is counting.t_rules)
+    return run.run_here(MODEL, task)
+
+
+def failing(cs) -> dict[str, str]:
+    return {c.invariant: c.status for c in cs if c.status != "proved"}
+
+
 @pytest.mark.parametrize("rule", counting.RULES, ids=lambda r: r.name)
-def test_one_block_fewer_fails_naming_the_rule(rule):
-    c = counting.rule_check(rule, fewer=1)
-    assert c.invariant == f"count:{rule.name}"
-    assert c.status == "counterexample"
+def test_one_block_fewer_fails_naming_the_rule(rule, monkeypatch):
+    one_block_short(monkeypatch, rule)
+    cs = rules_task(monkeypatch, rule)
+    bad = failing(cs)
+    assert bad[f"count:{rule.name}"] == "counterexample", bad
+    (c,) = [c for c in cs if c.invariant == f"count:{rule.name}"]
     assert "no reusable block at B=" in c.detail
-
-
-def test_the_rule_checked_is_the_committed_table(monkeypatch):
-    """A table one scratch block short (as `make generate` would write from a wrong proof)
-    fails `count:` with a state: the rule is read from the generated module, not restated."""
-    rule = counting.Rule((True, "reserved"), False)
-    monkeypatch.setitem(committed.SCRATCH_BLOCKS, rule.key, 0)
-    c = counting.rule_check(rule)
-    assert (c.invariant, c.status) == ("count:prefix-cache-reserved-scratch", "counterexample")
+    assert not any(n.startswith("abstraction") for n in bad), bad
 
 
 def test_the_stuck_counts_do_not_fit_at_the_minimum():
@@ -56,10 +73,12 @@ def test_the_abstraction_facts_hold_for_all_sizes():
     assert all(c.status == "proved" for c in cs), [(c.invariant, c.detail) for c in cs]
 
 
-def test_an_abstraction_fact_one_slot_short_fails_naming_it():
+def test_an_abstraction_fact_one_slot_short_fails_naming_it(monkeypatch):
     """Claiming every lane block sits below nblocks - 1 (one table slot fewer) is refuted."""
+    true_facts = counting.abstraction_facts
+
     def short(u, st):
-        facts = dict(counting.abstraction_facts(u, st))
+        facts = dict(true_facts(u, st))
         b = z3.Const("b!short", u.z3sorts["Block"])
         lane = u.value("LANE", spec.Owner)
         nb = st["nblocks"](st["owner_lane"](b))
@@ -68,35 +87,37 @@ def test_an_abstraction_fact_one_slot_short_fails_naming_it():
         return list(facts.items())
     # (at a budget the true facts need a tenth of: over unbounded sorts z3 answers a false one
     # `unknown`, which fails the run like a counterexample)
-    budget = 500_000
-    assert all(c.status == "proved" for c in counting.abstraction_checks(MODEL, rlimit=budget))
-    bad = [c for c in counting.abstraction_checks(MODEL, short, budget) if c.status != "proved"]
-    assert [c.invariant for c in bad] == ["abstraction:lane-blocks-in-table-slots"]
+    monkeypatch.setattr(counting, "RLIMIT", 500_000)
+    assert failing(rules_task(monkeypatch)) == {}
+    monkeypatch.setattr(counting, "abstraction_facts", short)
+    assert list(failing(rules_task(monkeypatch))) == ["abstraction:lane-blocks-in-table-slots"]
 
 
-def test_an_abstraction_that_forgets_the_scratch_block_fails_the_cross_check():
+def test_an_abstraction_that_forgets_the_scratch_block_fails_the_cross_check(monkeypatch):
+    """The partition without the scratch block (one block more to reuse): with it the rule
+    would "prove" one block fewer, and the cross-check is what fails `verify`'s task."""
     rule = counting.Rule((False, "reserved"), False)
+    true_abstraction = counting.abstraction
 
-    def forgets(a, r):  # the partition without the scratch block: one block more to reuse
-        return [f for f in counting.abstraction(a, r)
+    def forgets(a, r):
+        return [f for f in true_abstraction(a, r)
                 if not z3.eq(f, a.free + a.cache + a.R + a.held_l + a.held_o == a.K)] + [
             a.free + a.cache + a.held_l + a.held_o == a.K]
-    ok = counting.soundness_at(MODEL, rule, *counting.SOUND_AT)
-    assert ok.status == "proved", ok.detail
-    c = counting.soundness_at(MODEL, rule, *counting.SOUND_AT, constraints=forgets)
-    assert (c.invariant, c.status) == ("abstraction-sound-at:reserved-scratch", "counterexample")
-    # ... and with it the rule would "prove" one block fewer: the cross-check is what stops it
-    assert counting.rule_check(rule, fewer=1, constraints=forgets).status == "proved"
+    monkeypatch.setattr(counting, "abstraction", forgets)
+    one_block_short(monkeypatch, rule)
+    bad = failing(rules_task(monkeypatch, rule))
+    assert f"count:{rule.name}" not in bad
+    assert bad[f"abstraction-sound-at:{rule.name}"] == "counterexample", bad
 
 
-def test_a_capacity_fact_stronger_than_the_counting_fails_where_it_is_checked():
+def test_a_capacity_fact_stronger_than_the_counting_fails_where_it_is_checked(monkeypatch):
     """Part 3 may assume only what part 2 proves: a fact that also promises a reusable block
     to a lane whose table is full (one the rule does not count) is refuted by a state."""
     stronger = forall(spec.Lane, lambda ln: implies(spec.quiescent(), counting.ANY_REUSABLE))
-    ok = counting.fact_holds_at(MODEL, False, True, 2, 2)
-    assert ok.status == "proved", ok.detail
-    c = counting.fact_holds_at(MODEL, False, True, 2, 2, fact=stronger)
-    assert (c.invariant, c.status) == ("capacity-fact-at:reserved-scratch", "counterexample")
+    rule = counting.Rule((False, "reserved"), False)
+    monkeypatch.setattr(counting, "capacity_fact", lambda preempt: stronger)
+    bad = failing(rules_task(monkeypatch, rule))
+    assert bad == {"capacity-fact-at:reserved-scratch": "counterexample"}, bad
 
 
 def test_progress_without_the_capacity_fact_is_not_proved(monkeypatch):

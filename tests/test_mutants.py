@@ -86,7 +86,7 @@ def test_json_has_the_fields(tmp_path) -> None:
 def z3_gives_up(monkeypatch):
     """Every z3 query answers `unknown` (as on a timeout)."""
     M.z3_control.cache_clear()
-    monkeypatch.setattr(checks, "solve", lambda facts, rlimit=0, bounded=False: (
+    monkeypatch.setattr(checks, "solve", lambda facts, rlimit=0, bounded=False, **_kw: (
         "unknown", "resource limit exhausted", rlimit))
     yield
     M.z3_control.cache_clear()  # the control computed here must not be reused

@@ -1,5 +1,6 @@
 """The z3 proofs: the model proves, and planted bugs are caught by the obligation that should
-catch them (named by invariant and action).
+catch them (named by invariant and action), in the very tasks `verify` runs (`run.invariant_tasks`,
+`run.progress_task`, run here by `run.run_here`).
 
 Expected (invariant, action) pairs were derived by running each mutant once and are the spec of
 this file; a mutant may additionally break more invariants (a stronger model is fine), but it
@@ -13,7 +14,7 @@ import os
 import pytest
 
 from atom_core._generated import capacity as committed
-from atom_core.proofs import capacity, checks
+from atom_core.proofs import capacity, checks, limits, run
 from atom_core.proofs.capacity import Features
 from atom_core.seq import seq
 from atom_core.spec import codegen
@@ -75,18 +76,41 @@ def assert_only_action_differs(model: L.Model, action: str) -> None:
         assert [id(x) for x in got] == [id(x) for x in want]
 
 
+# Mutants run through `verify`'s tasks with a smaller first try (z3 resource units,
+# proofs/limits.py): a refutable obligation spends its first try before its task searches
+# small finite sorts for a counterexample, and a first try this size settles most proofs;
+# the rest go on to the remaining tries, whose final budget is `verify`'s own, so no verdict
+# changes, only how soon a refutation is found (measured: admit_miss without dst_reusable,
+# 187 s with `verify`'s first try, 19 s with this, under a load of 9 on 2 cores).
+MUTANT_FIRST_TRY = 500_000
+
+
+@pytest.fixture
+def quick_solver(monkeypatch):
+    monkeypatch.setattr(limits, "SHORT", MUTANT_FIRST_TRY)
+
+
+def relational_tasks(action: str) -> list[run.Task]:
+    """`verify`'s relational tasks that decide `action`'s obligations (its step and transition
+    tasks: each reads that action's guard and updates and nothing of the others)."""
+    return [t for t in run.invariant_tasks(MODEL)
+            if t.kind == "relational" and t.args[1] == action]
+
+
+def verify_checks(model: L.Model, action: str) -> list[checks.Check]:
+    """The checks of `action`'s relational tasks, run on `model` as `verify` runs them."""
+    return [c for t in relational_tasks(action) for c in run.run_here(model, t)]
+
+
 def refuted(model: L.Model, action: str) -> set[tuple[str, str, str]]:
-    """The obligations of `action` a mutant of it does not prove (the rest are the model's)."""
-    return not_proved(checks.relational(only(model, action), base=False))
+    """The obligations of `action` a mutant of it does not prove, in `verify`'s tasks for the
+    action (the rest are the model's)."""
+    return not_proved(verify_checks(model, action))
 
 
 def refutes(model: L.Model, action: str, invariant: str) -> checks.Check:
-    """The obligation of `invariant` at `action`, searched for a counterexample over small
-    finite sorts: decisive and fast where the unbounded query of a refutable obligation often
-    ends `unknown` after its whole timeout (and `verify` then runs this same search)."""
-    kind = "transition" if invariant in TRANSITION else "step"
-    return checks.refute_small(only(model, action),
-                               checks.Check(invariant, action, kind, "unknown", 0.0))
+    """The check of `invariant` at `action` in `verify`'s task for it."""
+    return next(c for c in verify_checks(model, action) if c.invariant == invariant)
 
 
 # --------------------------------------------------------------------------- (a) the model
@@ -136,6 +160,22 @@ def test_capacity_table_matches_z3_at_small_sizes(f, lanes):
         assert {c.status for c in cs_below} <= {"proved", "counterexample"}
 
 
+def test_solve_reports_the_units_of_its_own_query():
+    """z3's resource counter belongs to the context, shared by all its solvers: `solve`
+    reports what its own attempts used, not the context's total so far (which made the units
+    a check reports grow with every query its task asked before it)."""
+    import z3
+
+    x, y = z3.Ints("x y")
+    query = [x * x * x + y * y * y == 1729, x > 0, y > 0, x < 200, y < 200]
+    status, _model, alone = checks.solve(query)
+    assert status == "counterexample" and alone > 0
+    for _ in range(3):  # more work in the same context
+        checks.solve(query)
+    _status, _model, again = checks.solve(query)
+    assert 0 < again < 2 * alone, (alone, again)
+
+
 # --------------------------------------------------------------------------- (b) planted bugs
 
 # (mutation, action, piece) -> the (invariant, action) pairs z3 must refute, all on `action`
@@ -176,43 +216,17 @@ EXTRA = {("guard", "admit_hit", "src_cached"), ("update", "fail", "copying"),
 @pytest.mark.parametrize("key", [
     pytest.param(k, marks=[pytest.mark.slow] if k in EXTRA else [],
                  id=f"{k[1]}-no-{k[0]}-{k[2]}") for k in PLANTED])
-def test_planted_bug_is_caught_by_the_right_obligation(key):
+@pytest.mark.usefixtures("quick_solver")
+def test_planted_bug_fails_the_task_verify_runs(key):
+    """The mutant through `verify`'s own tasks for the action (its step and its transition
+    task, at their budgets): each named obligation ends a counterexample (`unknown` is never
+    caught, and `proved` is what a contradictory law would make of it:
+    tests/test_nonvacuity.py); every check that fails is the mutated action's."""
     kind, action, piece = key
-    # Nothing else moves: `only` checks that every other action's obligations are the
-    # unmutated model's (proved). Within the mutated action each named obligation has a
-    # counterexample (the mutant may break more: a stronger model is fine).
-    m = mutant(kind, action, piece)
-    for inv in PLANTED[key]:
-        c = refutes(m, action, inv)
-        assert c.status == "counterexample", c
-
-
-# The planted bugs through the check `verify` itself runs (`checks.relational`, as its
-# per-action task does), not only through the small-universe search above: the unbounded
-# query of each named obligation, then, when z3 leaves it undecided, the search over small
-# finite sorts `verify` falls back on. Each must end a counterexample (`unknown` is never
-# caught, and `proved` is what a contradictory law would make of it: tests/test_nonvacuity.py).
-# Over unbounded sorts these queries come back `unknown` (measured: every pair above, after
-# the whole budget each), so a small budget (z3 resource units, proofs/limits.py) gets there
-# sooner; being resource units, the same verdict on a loaded machine.
-VERIFY_PATH_RLIMIT = 800_000
-
-
-@pytest.mark.parametrize("key", [
-    pytest.param(k, marks=[pytest.mark.slow] if k in EXTRA else [],
-                 id=f"{k[1]}-no-{k[0]}-{k[2]}") for k in PLANTED])
-def test_planted_bug_fails_the_check_verify_runs(key, monkeypatch):
-    solve = checks.solve
-    monkeypatch.setattr(checks, "solve", lambda facts, rlimit=checks.RLIMIT,
-                        bounded=False: solve(facts, min(rlimit, VERIFY_PATH_RLIMIT), bounded))
-    kind, action, piece = key
-    m = only(mutant(kind, action, piece), action)
-    cs = list(checks.relational(m, base=False, steps=(action,), transition=(action,),
-                                goals=PLANTED[key]))
-    assert {c.invariant for c in cs} == PLANTED[key]
-    assert all(c.action == action for c in cs)
-    bad = [c for c in cs if c.status != "counterexample"]
-    assert bad == [], bad
+    cs = verify_checks(mutant(kind, action, piece), action)
+    assert {c.action for c in cs} == {action}
+    broken = {c.invariant for c in cs if c.status == "counterexample"}
+    assert PLANTED[key] <= broken, [c for c in cs if c.invariant in PLANTED[key]]
 
 
 def test_unmutated_arithmetic_all_proved_for_all_sizes():
@@ -227,26 +241,32 @@ def test_unmutated_arithmetic_all_proved_for_all_sizes():
     assert {c.size for c in cs} == {f"all sizes,C={checks.CHUNK},S={checks.SEQ_LEN}"}
 
 
+def arithmetic_tasks() -> list[run.Task]:
+    """`verify`'s arithmetic tasks: every chunk and block size it proves them at."""
+    return [t for t in run.invariant_tasks(MODEL) if t.kind == "arithmetic"]
+
+
+def bounded_tasks(max_lanes: int = 2, max_blocks: int = 4) -> list[run.Task]:
+    """`verify`'s bounded tasks up to a smaller size (the same tasks, fewer of them)."""
+    return [t for t in run.invariant_tasks(MODEL) if t.kind == "bounded"
+            and t.args[0] <= max_lanes and t.args[1] <= max_blocks]
+
+
+@pytest.mark.usefixtures("quick_solver")
 def test_arithmetic_invariant_mutant_needs_the_arithmetic_proof():
     """admit_hit copying a non-chunk-multiple prefix (n >= C, no `n % C == 0`) resumes prefill
     off a chunk boundary (and would give the lane a snapshot boundary off the chunk grid):
-    invisible to the relational proof (which has no `%`), not proved by the arithmetic proof
-    over unbounded sorts (so `verify` fails: z3 answers `unknown` rather than build a model with
-    quantified hypotheses), and refuted with a model at small sizes by the bounded check of the
-    same invariants (what the mutation runs use)."""
+    invisible to the relational proof (which has no `%`), and refuted by `verify`'s arithmetic
+    task at every chunk and block size it runs (over unbounded sorts z3 leaves the query
+    open, and the task's search over small finite sorts finds the state)."""
     n, c = _param("admit_hit", "n"), _const("C")
     mut = MODEL.with_guard("admit_hit", "n_whole_chunks", n >= c)
     assert refuted(mut, "admit_hit") == set()
-    bad = [cc for cc in checks.arithmetic(only(mut, "admit_hit")) if cc.status != "proved"]
-    assert {(cc.invariant, cc.action) for cc in bad} == {
-        ("prefill_on_chunk_boundary", "admit_hit"), ("snapshots_on_chunk_boundaries", "admit_hit")}
-    bad = [cc for cc in checks.bounded(mut, 2, 2, kinds=("arithmetic",))
-           if cc.status != "proved"]
-    assert {(cc.invariant, cc.action, cc.status) for cc in bad} == {
-        ("prefill_on_chunk_boundary", "admit_hit", "counterexample"),
-        ("snapshots_on_chunk_boundaries", "admit_hit", "counterexample")}
-    # not at K=1: admit_hit needs two blocks, the cached source and a distinct destination
-    assert {cc.size for cc in bad} == {"B=1,K=2", "B=2,K=2"}
+    for task in arithmetic_tasks():
+        bad = {(cc.invariant, cc.action, cc.status)
+               for cc in run.run_here(only(mut, "admit_hit"), task) if cc.status != "proved"}
+        assert bad == {("prefill_on_chunk_boundary", "admit_hit", "counterexample"),
+                       ("snapshots_on_chunk_boundaries", "admit_hit", "counterexample")}, task
 
 
 # --------------------------------------------------------------------------- every guard
@@ -329,67 +349,46 @@ UNCAUGHT_UPDATES: dict[tuple[str, str], str] = {
 }
 
 
-# The sweep needs one refuted obligation per mutant, and a refutation takes milliseconds (in a
-# fresh z3 context, see `fresh_z3` in tests/conftest.py): an obligation that does not answer
-# within this budget (z3 resource units) is skipped rather than waited for (another one still
-# has to refute it).
-SWEEP_RLIMIT = 4_000_000
-
-
-@pytest.fixture
-def quick_solver(monkeypatch):
-    solve = checks.solve
-    monkeypatch.setattr(checks, "solve", lambda facts, rlimit=checks.RLIMIT,
-                        bounded=False: solve(facts, min(rlimit, SWEEP_RLIMIT), bounded))
+def first_failing(model: L.Model, tasks: list[run.Task]) -> tuple[str, str] | None:
+    """(invariant, action) of the first check of `tasks`, run on `model` as `verify` runs
+    them, that is not proved (a counterexample, or `unknown`: `verify` fails on either)."""
+    for task in tasks:
+        for c in run.run_here(model, task):
+            if c.status != "proved":
+                return c.invariant, c.action
+    return None
 
 
 def caught_relational(model: L.Model, action: str) -> tuple[str, str] | None:
-    """A relational obligation of `action` that z3 refutes or does not prove. First a
-    counterexample over small finite sorts (decisive and fast); failing that, the first
-    obligation of the unbounded run that is not proved. A mutant is caught when `verify` fails
-    on it; z3 may answer `unknown` instead of producing a model for a falsifiable query with
-    quantified hypotheses, and verify fails on that too."""
-    m = only(model, action)
-    small = checks.refute_action_small(m, action, SWEEP_RLIMIT)
-    if small is not None:
-        return small.invariant, small.action
-    for c in checks.relational(m, base=False, refine=False):
-        if c.status != "proved":
-            return c.invariant, c.action
-    return None
+    """A relational obligation of `action` its `verify` tasks do not prove."""
+    return first_failing(model, relational_tasks(action))
 
 
 def caught_bounded(model: L.Model, action: str) -> tuple[str, str] | None:
-    """A bounded or arithmetic obligation of `action` refuted at a size up to B = 2, K = 4
-    (decisive, and a model of the arithmetic proof's unbounded query too); failing that, one
-    the arithmetic proof does not prove."""
-    m = only(model, action)
-    for c in checks.bounded(m, 2, 4, base=False, kinds=("bounded", "arithmetic")):
-        if c.status == "counterexample":
-            return c.invariant, c.action
-    for c in checks.arithmetic(m, base=False):
-        if c.status != "proved":
-            return c.invariant, c.action
-    return None
+    """An obligation of `action` that `verify`'s bounded tasks (up to B = 2, K = 4) or its
+    arithmetic tasks do not prove (run on the model restricted to the action: `only`)."""
+    return first_failing(only(model, action), bounded_tasks() + arithmetic_tasks())
 
 
 def caught_capacity(model: L.Model) -> tuple[str, str] | None:
-    """The mutant's progress is proved one block below the committed minimum (so the committed
-    table is not tight for it and `verify`'s table check fails), or, for a progress property
-    that says an action is *not* enabled (`lone_lane_is_never_preempted`), not proved at the
-    minimum. A dropped guard only enables more transitions, so these are the ways it can move
-    capacity."""
+    """In `verify`'s progress tasks, the mutant's progress is proved one block below the
+    committed minimum (so the committed table is not tight for it and `verify`'s table check
+    fails), or, for a progress property that says an action is *not* enabled
+    (`lone_lane_is_never_preempted`), not proved at the minimum. A dropped guard only enables
+    more transitions, so these are the ways it can move capacity."""
     for lanes in (1, 2):
         at: dict[int, list[tuple[Features, bool]]] = {}
         for f in capacity.COMBINATIONS:
-            if lanes > f.max_lanes(capacity.MAX_LANES_ANY):
+            if lanes > f.max_lanes(run.MAX_LANES):
                 continue
             k = committed.min_kv_blocks(lanes, f.tables, f.key, f.preempt)
             if k > 1:
                 at.setdefault(k - 1, []).append((f, True))
             at.setdefault(k, []).append((f, False))
         for k, fs in at.items():
-            by_f = capacity.progress_by_features(model, lanes, k)
+            if k > run.MAX_BLOCKS:
+                continue
+            by_f = run.run_here(model, run.progress_task(lanes, k))
             for f, below in fs:
                 proved = all(c.status == "proved" for c in by_f[f])
                 if proved == below:
@@ -441,9 +440,8 @@ def _first_per_action(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
             if any(p[0] == a.name for p in pairs)]
 
 
-# A full relational run per mutant costs 10-15 s even with the short timeout (about 1,200
-# obligations, and each refutable one z3 leaves undecided costs the timeout); CI cross-checks a
-# guard and an update, ATOM_CORE_FULL_SWEEP=1 every guard and update.
+# A full relational run per mutant costs tens of seconds (about 2,000 obligations); CI
+# cross-checks a guard and an update, ATOM_CORE_FULL_SWEEP=1 every guard and update.
 _FULL = os.environ.get("ATOM_CORE_FULL_SWEEP") == "1"
 _SAMPLE_GUARDS = ("decode",)
 _SAMPLE_UPDATES = ("finish",)
@@ -460,11 +458,12 @@ RESTRICTION_CASES = (
                          ids=[f"{a}{'.' if k == 'guard' else ':='}{p}"
                               for k, a, p in RESTRICTION_CASES])
 def test_restriction_to_the_mutated_action_is_faithful(kind, action, piece, quick_solver):
-    """The full relational run of a mutant refutes only obligations of the mutated action, and
-    refutes one exactly when the restricted run does. (Both with the sweep's short timeout: an
-    obligation that does not answer counts as not proved, as in `verify`.)"""
+    """The full relational run of a mutant (every action's steps and transitions at once)
+    refutes only obligations of the mutated action, and refutes one exactly when `verify`'s
+    tasks for the action do. (Both with the mutants' first try: an obligation that does not
+    answer counts as not proved, as in `verify`.)"""
     m = mutant(kind, action, piece)
-    full = not_proved(checks.relational(m, refine=False))
+    full = not_proved(checks.relational(m))
     assert {a for _, a, _ in full} <= {action}
     assert bool(full) == (caught_relational(m, action) is not None)
 
@@ -472,6 +471,7 @@ def test_restriction_to_the_mutated_action_is_faithful(kind, action, piece, quic
 # --------------------------------------------------------------------------- (c) capacity
 
 
+@pytest.mark.usefixtures("quick_solver")
 def test_hybrid_prefix_hits_need_a_snapshot_at_their_length():
     """A hybrid prefix hit copies global KV only; the sliding state comes from the entry's
     snapshot at the hit's length. Without the guard that such a snapshot exists, the restore
@@ -502,6 +502,7 @@ def test_hybrid_prefix_hits_need_a_snapshot_at_their_length():
     assert s.snap_upto[0] == 0
 
 
+@pytest.mark.usefixtures("quick_solver")
 def test_hybrid_snapshots_must_not_skip_a_boundary():
     """A snapshot taken past the next chunk boundary would leave a boundary without one that
     the entry claims (snapshots are kept at every boundary up to snap_upto)."""
@@ -542,6 +543,7 @@ def test_a_full_block_claims_exactly_the_snapshots_its_lane_took():
     assert refuted_by(to_its_end) == set()
 
 
+@pytest.mark.usefixtures("quick_solver")
 def test_a_padding_row_aimed_at_its_own_local_slot_is_refuted():
     """The rule a ring allowed (a busy lane that is not decoding pads in its own local slot, at
     its next position) under the kernel's window: the write shifts the lane's live window, so
@@ -562,6 +564,7 @@ def test_a_padding_row_aimed_at_its_own_local_slot_is_refuted():
     assert refuted(MODEL, "decode") == set()
 
 
+@pytest.mark.usefixtures("quick_solver")
 def test_copy_into_the_source_is_unsafe():
     """Dropping admit_hit's dst_not_src would let the seeds' scheduler (no entry taken over) run
     a 1-lane prefix cache in lanes + 1 blocks (copy the entry onto itself), but z3 refutes it:

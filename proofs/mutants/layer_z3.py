@@ -20,12 +20,18 @@ def fresh_z3() -> None:
 
 
 def z3_obligations(model: L.Model, actions: tuple[str, ...]) -> Iterator[Any]:
-    from atom_core.proofs import checks
+    """The mutated actions' obligations in `verify`'s own tasks (proofs/run.py): each action's
+    relational step and transition tasks, and the arithmetic and bounded tasks (these up to
+    `Z3_BOUNDED_SIZE`) on the model restricted to the actions."""
+    from atom_core.proofs import run
 
     restricted = only(model, actions)
-    yield from checks.relational(restricted)
-    yield from checks.bounded(restricted, *Z3_BOUNDED_SIZE, kinds=("bounded", "arithmetic"))
-    yield from checks.arithmetic(restricted)
+    for task in run.invariant_tasks(model, *Z3_BOUNDED_SIZE):
+        if task.kind == "relational" and task.args[0] != "base":
+            if task.args[1] in actions:
+                yield from run.run_here(model, task)
+        elif task.kind != "relational":
+            yield from run.run_here(restricted, task)
 
 
 def obligation(c: Any) -> tuple[str, str, str, str]:
@@ -45,20 +51,11 @@ def z3_layer(m: Mutant, opts: Options) -> LayerResult:
     control = z3_control(m.actions)
     fresh_z3()
     model = m.change(base_model())
-    # A counterexample over small finite sorts first: decisive, and milliseconds where the
-    # unbounded query of a refutable obligation can end `unknown` after its whole timeout.
-    from atom_core.proofs import checks
-
-    for a in m.actions:
-        c = checks.refute_action_small(only(model, (a,)), a)
-        if c is not None and control.get(obligation(c)) == "proved":
-            return LayerResult("z3", "killed", f"{c.kind} {c.invariant} @ {c.action} "
-                               f"({c.detail})")
     unknown: list[str] = []
     for c in z3_obligations(model, m.actions):
         name = f"{c.kind} {c.invariant} @ {c.action}" + (f" [{c.size}]" if c.size else "")
         if c.status == "counterexample" and control.get(obligation(c)) == "proved":
-            return LayerResult("z3", "killed", name)
+            return LayerResult("z3", "killed", name + (f" ({c.detail})" if c.detail else ""))
         if c.status == "unknown":
             unknown.append(name)
     if unknown:
