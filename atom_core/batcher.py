@@ -40,6 +40,7 @@ from atom_core._generated import core, inplace
 from atom_core.config import HOST_KV_REFUSAL, LOCAL_COPY_REFUSAL, Config
 from atom_core.pd.endpoint import Export, PDEndpoint, all_finite
 from atom_core.policy import Policy
+from atom_core.runtime.protocol import Capabilities, capabilities
 from atom_core.scheduler import (
     CopyWork,
     CoreRejected,
@@ -102,6 +103,20 @@ class Plan:
     scheduled: PrefillCall | DecodeCall | MixedCall | None = None
     rows: tuple[int, ...] | None = None
     parts: tuple[Plan | None, tuple[Plan, ...]] | None = None
+    # a prefill whose request wants its prompt's logits (`Request.prompt_logits`): the runtime
+    # returns every real token's (its `prompt_logits` capability)
+    all_logits: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        """The runtime call's keyword arguments: `all_logits` when a prefill wants every
+        position's logits (never passed otherwise: a runtime without the capability never sees
+        it)."""
+        if self.call == "prefill" and self.all_logits:
+            return {"all_logits": True}
+        if self.call == "mixed" and self.parts is not None \
+                and any(p.all_logits for p in self.parts[1]):
+            return {"all_logits": tuple(p.all_logits for p in self.parts[1])}
+        return {}
 
     def args(self) -> tuple[Any, ...]:
         """The runtime call's positional arguments."""
@@ -114,37 +129,57 @@ class Plan:
         return (self.ids, self.positions, self.tables, self.local)
 
 
-def check_runtime(cfg: Config, rt: Any) -> None:
-    """The artifact the runtime runs must be the one the config describes."""
-    wrong = [f"{name}: config {want}, runtime {getattr(rt, name)}"
-             for name, want in (("num_blocks", cfg.kv_blocks), ("block_size", cfg.block_size),
-                                ("max_seq_len", cfg.max_seq_len),
-                                ("prefill_chunk", cfg.prefill_chunk))
-             if hasattr(rt, name) and getattr(rt, name) != want]
-    hybrid = bool(getattr(rt, "uses_local_block_tables", False))
+class _WantPromptLogits:
+    """The requests that want their prompt's logits (`Policy.uncached`): each takes no prefix
+    hit, since a hit's positions are copied, not computed, and have no logits. (vLLM serves a
+    request with prompt_logprobs without its prefix cache as well.) The policy skips their host
+    and growth hits; a device hit at admission cannot be skipped (the spec's admission misses
+    only when no entry hits: `no_cache_hit`), so the entries a waiting one would hit are
+    dropped before each step (`AtomBatcher._drop_hits`). Read from the requests themselves, so
+    an ended one leaves nothing behind."""
+
+    def __init__(self, requests: dict[int, Request]) -> None:
+        self._requests = requests
+        self.waiting: set[int] = set()  # submitted, not yet seen admitted
+
+    def __contains__(self, rid: object) -> bool:
+        req = self._requests.get(rid)  # type: ignore[call-overload]
+        return req is not None and req.prompt_logits is not None
+
+
+def check_runtime(cfg: Config, rt: Any) -> Capabilities:
+    """The runtime's capabilities (`protocol.capabilities`: RuntimeProtocolError if it is no
+    runtime), which must be those of the artifact the config describes."""
+    caps = capabilities(rt)
+    wrong = [f"{name}: config {want}, runtime {got}"
+             for name, want, got in (("num_blocks", cfg.kv_blocks, caps.num_blocks),
+                                     ("block_size", cfg.block_size, caps.block_size),
+                                     ("max_seq_len", cfg.max_seq_len, caps.max_seq_len),
+                                     ("prefill_chunk", cfg.prefill_chunk, caps.prefill_chunk))
+             if got != want]
+    hybrid = caps.hybrid
     if hybrid != (cfg.sliding_window is not None):
         wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime "
                      + ("has sliding-window layers" if hybrid else "has none"))
-    elif hybrid and getattr(rt, "sliding_window", cfg.sliding_window) != cfg.sliding_window:
-        wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime {rt.sliding_window}")
-    if cfg.host_cache_blocks and getattr(rt, "host_kv_transfers", True) is False:
+    elif caps.sliding_window is not None and caps.sliding_window != cfg.sliding_window:
+        wrong.append(f"sliding_window: config {cfg.sliding_window}, runtime "
+                     f"{caps.sliding_window}")
+    if cfg.host_cache_blocks and not caps.host_kv_trusted:
         # a runtime whose block transfers to and from the host are not yet trusted (RBLN)
         wrong.append(f"host_cache_blocks: {HOST_KV_REFUSAL}")
-    elif cfg.host_cache_blocks and not all(
-            hasattr(rt, op) for op in ("new_host_buffer", "fetch_kv_cache", "update_kv_cache")):
+    elif cfg.host_cache_blocks and not caps.host_ops:
         wrong.append("host_cache_blocks: the host tier stores and loads blocks through host "
                      "buffers (new_host_buffer/fetch_kv_cache/update_kv_cache), which this "
                      "runtime lacks; set host_cache_blocks=0")
-    if hybrid and cfg.prefix_cache and not all(
-            hasattr(rt, op) for op in ("new_local_host_buffer", "fetch_local_cache",
-                                       "update_local_cache")):
+    if hybrid and cfg.prefix_cache and not caps.local_ops:
         wrong.append(f"prefix_cache: {LOCAL_COPY_REFUSAL}")
-    sizes = getattr(rt, "decoder_batch_sizes", None) or (getattr(rt, "batch_size", None),)
-    if None not in sizes and cfg.lanes not in sizes:
-        wrong.append(f"lanes: config {cfg.lanes}, runtime decode graphs {list(sizes)}")
+    if cfg.lanes not in caps.decoder_batch_sizes:
+        wrong.append(f"lanes: config {cfg.lanes}, runtime decode graphs "
+                     f"{list(caps.decoder_batch_sizes)}")
     if wrong:
         raise ValueError("the runtime does not match the config (" + "; ".join(wrong)
                          + "): build the Config from the compiled artifact's settings")
+    return caps
 
 
 class AtomBatcher(PDEndpoint):
@@ -155,16 +190,14 @@ class AtomBatcher(PDEndpoint):
         for the caller to read; older ones are forgotten (the core's `forget`), so memory does
         not grow with the requests served. None keeps every one."""
         self.config, self.runtime = config, runtime
-        check_runtime(config, runtime)
-        # the runtime's capabilities (protocol.py): without them, RBLN's static shapes
-        self._live_rows = getattr(runtime, "static_batch", True) is False
-        mixed = getattr(runtime, "mixed_calls", False) is True
+        # the runtime's capabilities, read once (protocol.py): without the optional ones,
+        # RBLN's static shapes
+        self.capabilities = caps = check_runtime(config, runtime)
+        self._live_rows = not caps.static_batch
         self.scheduler = Scheduler(config, policy=policy, ghost=ghost, trace=trace,
-                                   keep_ended=keep_ended,
-                                   vocab_size=getattr(runtime, "vocab_size", None),
-                                   mixed=mixed,
-                                   prefill_tokens=getattr(runtime, "mixed_prefill_tokens", None)
-                                   if mixed else None)
+                                   keep_ended=keep_ended, vocab_size=caps.vocab_size,
+                                   mixed=caps.mixed_calls,
+                                   prefill_tokens=caps.mixed_prefill_tokens)
         self._hybrid = config.sliding_window is not None
         # hybrid prefix cache: host copies of sliding-window state at chunk boundaries, moved
         # along the core's effects (`_move_snapshots`)
@@ -245,15 +278,32 @@ class AtomBatcher(PDEndpoint):
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
                eos_token_id: int | None = None, *, remote: bool = False,
                export: bool = False,
-               sampler: Callable[[torch.Tensor], int] | None = None) -> int:
+               sampler: Callable[[torch.Tensor], int] | None = None,
+               prompt_logits: Callable[[int, torch.Tensor], None] | None = None) -> int:
         """Queue a request; returns its id. `remote`: its prompt's KV comes from a prefill worker
         (see `import_kv`). `export`: prefill it and hand its KV out (see `take_export`).
         `sampler`: called with the logits [V] of each token this request generates here, returns
         the token (host-side sampling; called once per token, in order, so a seeded sampler
-        repeats); None: greedy."""
+        repeats); None: greedy. `prompt_logits`: called with (start, logits [n, V]) of each
+        prompt chunk computed for it (`Request.prompt_logits`; the runtime's `prompt_logits`
+        capability), before the chunk's token is reported; such a request takes no prefix hit."""
+        if prompt_logits is not None:
+            if not self.capabilities.prompt_logits:
+                raise ValueError(
+                    "prompt_logits: this runtime returns a prefill's last position's logits only "
+                    "(it lacks the prompt_logits capability, as RBLN's compiled prefill graph "
+                    "does), so a prompt's logits at every position cannot be had")
+            if remote or export:
+                raise ValueError("prompt_logits: only for a request prefilled here (not remote "
+                                 "or export)")
         planned = self._plan is not None and self._version == self._planned
         rid = self.scheduler.submit(prompt_ids, max_new_tokens, eos_token_id, remote=remote,
                                     export=export, sampler=sampler)
+        if prompt_logits is not None:
+            self.requests[rid].prompt_logits = prompt_logits
+            if not isinstance(self.policy.uncached, _WantPromptLogits):
+                self.policy.uncached = _WantPromptLogits(self.requests)
+            self.policy.uncached.waiting.add(rid)
         if planned:  # a new waiting request changes nothing a pending plan chose
             self._planned = self._version
         return rid
@@ -301,7 +351,7 @@ class AtomBatcher(PDEndpoint):
         if plan.call is None:
             return self.complete()
         try:
-            out = getattr(self.runtime, plan.call)(*plan.args())
+            out = getattr(self.runtime, plan.call)(*plan.args(), **plan.kwargs())
         except Exception as exc:  # noqa: BLE001 - fails the requests the call touched
             return self.complete(error=exc)
         except BaseException as exc:
@@ -321,6 +371,9 @@ class AtomBatcher(PDEndpoint):
         `complete()`)."""
         if self._plan is not None:
             raise RuntimeError("plan() called while a plan is pending: call complete() first")
+        want = self.policy.uncached
+        if isinstance(want, _WantPromptLogits) and want.waiting:
+            self._drop_hits(want)
         out = self._run_work(self.scheduler.schedule())
         if out.call is None:
             plan = Plan(None, out.events)
@@ -332,6 +385,19 @@ class AtomBatcher(PDEndpoint):
             plan = self._decode_plan(out.call, out.events)
         self._plan, self._planned = plan, self._version
         return plan
+
+    def _drop_hits(self, want: _WantPromptLogits) -> None:
+        """Drop (`discard`) the cache entries a waiting request that wants its prompt's logits
+        would hit, so that its admission computes its whole prompt. (Between steps no copy is
+        in flight, so no entry is pinned.) A request preempted back to the queue after its
+        admission may still take a hit: of positions it computed before, whose logits it has."""
+        s = self.scheduler.view
+        for rid in list(want.waiting):
+            if self.phase(rid) != core.PHASE_WAITING:
+                want.waiting.discard(rid)
+                continue
+            while (hit := self.policy.best_hit(s, s.prompt[rid])) is not None:
+                self._apply("discard", b=hit[0])
 
     def complete(self, logits: Any = None, *, tokens: Sequence[int] | None = None,
                  error: BaseException | None = None) -> list[Event]:
@@ -451,9 +517,11 @@ class AtomBatcher(PDEndpoint):
         ids[0, :len(call.ids)] = torch.tensor(call.ids, dtype=torch.int64)
         pos = torch.arange(call.start, call.start + c, dtype=torch.int32).unsqueeze(0)
         local = None if call.local is None else torch.tensor([call.local], dtype=torch.int16)
+        req = self.requests.get(call.request)
         return Plan("prefill", events, ids, pos, torch.tensor(call.table, dtype=torch.int16),
                     local, torch.tensor(len(call.ids) - 1, dtype=torch.int16),
-                    lanes=(call.lane,), effect=call.effect, scheduled=call)
+                    lanes=(call.lane,), effect=call.effect, scheduled=call,
+                    all_logits=req is not None and req.prompt_logits is not None)
 
     def _decode_plan(self, call: DecodeCall, events: tuple[Event, ...]) -> Plan:
         # a runtime without static shapes computes the live rows only (the padding rows'
@@ -481,21 +549,22 @@ class AtomBatcher(PDEndpoint):
 
     def _logit_rows(self, logits: Any, rows: int, last: int | None) -> torch.Tensor:
         """The planned call's logits as [rows, V]: each computed row's last position; for a
-        prefill given the whole chunk's logits [1, C, V] (`complete` takes them), the chunk's
-        last real token (`last`), not position C - 1, which a short last chunk only pads.
+        prefill given the whole chunk's logits [1, C, V] (`complete` takes them) or its real
+        tokens' [1, last + 1, V] (`all_logits`), the chunk's last real token (`last`), not
+        position C - 1, which a short last chunk only pads.
         Anything else raises, naming the shape: a [1, V] prefill output would otherwise read as
         one scalar (argmax 0) and a decode output with too few rows would break the step;
         logits wider than the runtime's vocabulary would sample a token the next call cannot
         embed, failing every lane."""
-        c, vocab = self.config.prefill_chunk, getattr(self.runtime, "vocab_size", None)
-        want = (f"[1, 1 or C={c}, V={vocab}]" if last is not None
+        c, vocab = self.config.prefill_chunk, self.capabilities.vocab_size
+        want = (f"[1, 1 or {last + 1} or C={c}, V={vocab}]" if last is not None
                 else f"[B={rows}, 1, V={vocab}]")
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"logits must be a torch.Tensor {want}, got {type(logits).__name__}")
         shape = tuple(logits.shape)
         if len(shape) != 3 or shape[0] != rows or shape[1] < 1 or shape[2] < 1 \
                 or vocab is not None and shape[2] != vocab \
-                or last is not None and shape[1] not in (1, c):
+                or last is not None and shape[1] not in (1, last + 1, c):
             raise ValueError(f"logits have shape {list(shape)}, the planned call's are {want}")
         if last is None:
             return logits[:, -1, :]
@@ -526,6 +595,12 @@ class AtomBatcher(PDEndpoint):
                 error = exc
         if error is not None:
             return StepResult(error=repr(error))
+        if plan.all_logits and tokens is None:
+            # (before the chunk's token is reported: whoever reads the token has its prompt's)
+            try:
+                self._prompt_logits(call, logits)
+            except Exception as exc:  # noqa: BLE001 - this request's, nothing else
+                return StepResult(row_errors=(f"prompt logits failed: {exc!r}",))
         if tokens is not None and call.emits:
             # (a chunk that emits nothing never reads its token: an engine need not sample it)
             try:
@@ -542,6 +617,15 @@ class AtomBatcher(PDEndpoint):
                 except Exception as exc:  # noqa: BLE001 - this request's sampler, nothing else
                     return StepResult(row_errors=(f"sampler failed: {exc!r}",))
         return StepResult(tokens=(tok,), row_errors=(None,))
+
+    def _prompt_logits(self, call: PrefillCall, logits: torch.Tensor) -> None:
+        """Hand a prefill's logits of each real token to its request's `prompt_logits`."""
+        n = len(call.ids)
+        if logits.shape[1] < n:
+            raise ValueError(f"the runtime returned {logits.shape[1]} position(s) of logits for "
+                             f"a chunk of {n} tokens whose every position was asked for")
+        self.requests[call.request].prompt_logits(call.start,  # type: ignore[misc]
+                                                  logits[0, :n])
 
     def _decode_result(self, plan: Plan, logits: Any, tokens: Sequence[int] | None,
                        error: BaseException | None) -> StepResult:
@@ -622,11 +706,13 @@ class AtomBatcher(PDEndpoint):
                     pt = [tokens[rows + i:rows + i + 1] for i in range(len(ps))]
                 else:
                     dl, both = logits
-                    if not isinstance(both, torch.Tensor) or both.shape[0] != len(ps) \
-                            or (d is None) != (dl is None):
+                    # (a list: one tensor per prefill, when some want every position's logits)
+                    listed = isinstance(both, (list, tuple))
+                    if not (listed or isinstance(both, torch.Tensor)) \
+                            or len(both) != len(ps) or (d is None) != (dl is None):
                         raise ValueError(f"a mixed call's logits must be (the decode's or None, "
-                                         f"[P={len(ps)}, 1, V])")
-                    pl = [both[i:i + 1] for i in range(len(ps))]
+                                         f"[P={len(ps)}, 1, V] or P tensors [1, n, V])")
+                    pl = list(both) if listed else [both[i:i + 1] for i in range(len(ps))]
             except Exception as exc:  # noqa: BLE001 - outputs the call got wrong
                 error = exc
         if error is not None:
@@ -650,7 +736,7 @@ class AtomBatcher(PDEndpoint):
         """A token an engine sampled: an id in the vocabulary (else the next decode call
         would fail for every lane)."""
         tok = as_token(tok)
-        vocab = getattr(self.runtime, "vocab_size", None)
+        vocab = self.capabilities.vocab_size
         if tok < 0 or vocab is not None and tok >= vocab:
             raise ValueError(f"token {tok} outside the vocabulary")
         return tok

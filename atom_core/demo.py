@@ -22,7 +22,9 @@ import torch
 
 from atom_core.batcher import AtomBatcher, Result
 from atom_core.config import Config, min_kv_blocks
+from atom_core.runtime import registry
 from atom_core.runtime.reference import TorchReferenceRuntime
+from atom_core.runtime.registry import RuntimeRequest
 
 MAX_SEQ_LEN = 256
 PREFILL_CHUNK = 64
@@ -189,31 +191,23 @@ def run_demo(lanes: int = 4, requests: int = 24, max_new_tokens: int = 16, seed:
     `generate` of the same weights. `trace`: the batcher's transitions as JSON lines
     (`demo --html` draws them)."""
     cfg = demo_config(lanes, prefix_cache, scratch, kv_blocks)
-    rt: Any
-    oracle: Any
+    # the registry's runtimes whose tokens can be checked (an oracle), loadable by name
+    checkable = registry.names(lambda k: k.load is not None and k.oracle is not None)
+    if runtime not in checkable:
+        raise ValueError(f"unknown runtime {runtime!r}: {' or '.join(checkable)}")
+    kind = registry.get(runtime)
+    assert kind.load is not None and kind.oracle is not None
+    request = RuntimeRequest(seed=MODEL_SEED)
     if runtime == "hf":
-        from atom_core.runtime.hf import (
-            TINY_LLAMA,
-            TINY_MODELS,
-            GenerateOracle,
-            HFRuntime,
-            tiny_runtime,
-            with_model_window,
-        )
+        from atom_core.runtime.hf import TINY_LLAMA, with_model_window
 
         name = model or TINY_LLAMA
         cfg = with_model_window(cfg, name)  # a Gemma3 model's batcher needs its window
-        rt = (tiny_runtime(name, cfg, seed=MODEL_SEED, dtype=torch.float64)
-              if name in TINY_MODELS else
-              HFRuntime.from_pretrained(name, cfg, dtype=torch.float64))
-        oracle = GenerateOracle(rt)
-    elif runtime == "reference":
-        if model is not None:
-            raise ValueError("--model is for --runtime hf (the reference model is built in)")
-        rt = TorchReferenceRuntime.tiny(cfg, seed=MODEL_SEED)
-        oracle = oracle_for(rt)
-    else:
-        raise ValueError(f"unknown runtime {runtime!r}: reference or hf")
+        request = RuntimeRequest(model=name, seed=MODEL_SEED, dtype="float64")
+    elif model is not None:
+        raise ValueError("--model is for --runtime hf (the reference model is built in)")
+    rt = kind.load(cfg, request)
+    oracle = kind.oracle(rt)
     items = workload(requests, max_new_tokens, seed, rt.vocab_size, cfg.max_seq_len)
     batcher = AtomBatcher(cfg, rt, trace=trace)
     with _Progress(progress) as bar:

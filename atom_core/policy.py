@@ -15,13 +15,26 @@ core's read its indexes.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from itertools import compress, repeat
 from operator import eq
-from typing import Any, NamedTuple
+from typing import Any, TypeAlias
 
 from atom_core._generated import core as g
 from atom_core._generated import inplace
+from atom_core._generated.choices import (
+    AdmitAdopt,
+    AdmitHit,
+    AdmitHostHit,
+    AdmitImport,
+    AdmitMiss,
+    Grow,
+    GrowAdopt,
+    GrowHit,
+    GrowHostHit,
+    ImportGrow,
+    Preempt,
+)
 from atom_core.seq import TokSeq, prefix_eq, range_eq, take
 
 
@@ -39,9 +52,12 @@ def busy_lanes(s: g.State) -> list[int]:
     return list(compress(range(s.consts.B), s.busy))
 
 
-class Choice(NamedTuple):
-    action: str
-    args: dict[str, Any]
+# The policy's choices are the generated records of the actions it picks (one class per action,
+# its fields the action's parameters: atom_core/_generated/choices.py); each still reads as the
+# old pair through `choice.action` and `choice.args`.
+Admission: TypeAlias = AdmitMiss | AdmitHit | AdmitAdopt | AdmitHostHit | AdmitImport
+Growth: TypeAlias = Grow | GrowHit | GrowAdopt | GrowHostHit | ImportGrow | Preempt
+Choice: TypeAlias = Admission | Growth
 
 
 def common_chunks(a: Sequence[int], b: Sequence[int], chunk: int, limit: int, at: int = 0) -> int:
@@ -92,6 +108,10 @@ class Policy:
         self.last_use: defaultdict[int, int] = defaultdict(int)
         self.slot_use: dict[int, int] = {}  # host slot -> time its entry was stored or hit
         self.admitted: dict[int, int] = {}  # lane -> time its request was admitted
+        # requests that take no prefix hit from the host tier and, once admitted, none past
+        # their first block (`grow`): every position of their prompt is computed (the
+        # executor's: those that want their prompt's logits)
+        self.uncached: Container[int] = frozenset()
 
     # bookkeeping -------------------------------------------------------------------
     def observe(self, effects: Iterable[Any]) -> None:
@@ -227,7 +247,7 @@ class Policy:
         full (`grow_hit`): an entry that starts where the lane's next block does and whose key
         agrees with the lane's prompt up to there and n tokens on (most recently used among
         equals), or None."""
-        if not s.consts.PREFIX:
+        if not s.consts.PREFIX or s.lane_req[lane] in self.uncached:
             return None
         entries = [b for b in range(s.consts.K)
                    if s.owner[b] == g.OWNER_CACHE and s.start[b] == s.length[lane]]
@@ -237,6 +257,8 @@ class Policy:
 
     def next_host_hit(self, s: g.State, lane: int) -> tuple[int, int] | None:
         """(slot, n): `next_hit` from the host tier (`grow_host_hit`)."""
+        if s.lane_req[lane] in self.uncached:
+            return None
         slots = [h for h in range(s.consts.H) if s.slot_state[h] == g.SLOTSTATE_STORED
                  and s.slot_start[h] == s.length[lane]]
         return self._continuation(s, lane, slots, s.slot_key, self.slot_use)
@@ -293,7 +315,7 @@ class Policy:
                 best = (b, n)
         return best
 
-    def admission(self, s: g.State, r: int, remote: bool = False) -> Choice | None:
+    def admission(self, s: g.State, r: int, remote: bool = False) -> Admission | None:
         """How to admit waiting request r now, or None if no lane or block is available.
         `remote`: r's KV comes from a prefill worker, into a fresh block (never a cache hit)."""
         lane = self.idle_lane(s)
@@ -310,37 +332,38 @@ class Policy:
             if not _core(s).ready_admit_import(s, l=lane, r=r):
                 return None
             dst = self.reusable(s)
-            return None if dst is None else Choice("admit_import",
-                                                   {"l": lane, "r": r, "dst": dst})
+            return None if dst is None else AdmitImport(l=lane, r=r, dst=dst)
         hit = self.best_hit(s, prompt) if s.consts.PREFIX else None
-        host = self.best_host_hit(s, prompt) if s.consts.HOST else None
+        # (a device hit is never skipped: a miss beside one is no move (`no_cache_hit`); the
+        # executor drops the entries an uncached request would hit before it is admitted)
+        host = self.best_host_hit(s, prompt) if s.consts.HOST and r not in self.uncached \
+            else None
         if prefer_host(hit, host):
             assert host is not None
             dst = self.reusable(s)
             if dst is None:
                 return None
-            return Choice("admit_host_hit", {"l": lane, "r": r, "h": host[0], "dst": dst,
-                                             "n": host[1]})
+            return AdmitHostHit(l=lane, r=r, h=host[0], dst=dst, n=host[1])
         if hit is not None:
             src, n = hit
             dst = self.reusable(s, exclude=src)
             if dst is not None:
-                return Choice("admit_hit", {"l": lane, "r": r, "src": src, "dst": dst, "n": n})
+                return AdmitHit(l=lane, r=r, src=src, dst=dst, n=n)
             # the hit's source is the only reusable block: take the entry over rather than
             # wait for a running request (which, with every other lane idle, never comes)
-            adopt = {"l": lane, "r": r, "src": src, "n": n}
-            if _core(s).admit_adopt_guard(s, **adopt) is None:
-                return Choice("admit_adopt", adopt)
+            adopt = AdmitAdopt(l=lane, r=r, src=src, n=n)
+            if _core(s).admit_adopt_guard(s, *adopt.values) is None:
+                return adopt
             # a hybrid model's lane cannot take it over (the sliding state is restored with a
             # copy): it evicts the entry and computes the prefix again
-            miss = {"l": lane, "r": r, "dst": src}
-            if _core(s).admit_miss_guard(s, **miss) is None:
-                return Choice("admit_miss", miss)
+            miss = AdmitMiss(l=lane, r=r, dst=src)
+            if _core(s).admit_miss_guard(s, *miss.values) is None:
+                return miss
             return None
         dst = self.reusable(s)
         if dst is None:
             return None
-        return Choice("admit_miss", {"l": lane, "r": r, "dst": dst})
+        return AdmitMiss(l=lane, r=r, dst=dst)
 
     @staticmethod
     def _blocks_for(s: g.State, prompt: TokSeq) -> int:
@@ -367,7 +390,7 @@ class Policy:
                  if c.ready_grow(s, l=ln) or c.ready_import_grow(s, l=ln)]
         return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
 
-    def grow(self, s: g.State, lane: int) -> Choice | None:
+    def grow(self, s: g.State, lane: int) -> Growth | None:
         """How lane (one of `growth`'s) gets its next block: an importing lane the reusable
         block (`import_grow`); a prefilling lane a block besides its cached continuation's
         source, loaded from the host tier when that hit is longer (`grow_host_hit`), else
@@ -378,30 +401,29 @@ class Policy:
         (`preempt`), else None (no victim: K below the capacity rule, or preemption off)."""
         if _core(s).importing(s, lane):
             dst = self.reusable(s)
-            return self._no_block(s) if dst is None else Choice("import_grow",
-                                                               {"l": lane, "dst": dst})
+            return self._no_block(s) if dst is None else ImportGrow(l=lane, dst=dst)
         hit = self.next_hit(s, lane)
         dst = self.reusable(s, exclude=None if hit is None else hit[0])
         if dst is None and hit is not None:  # the hit's source is the only block left
-            adopt = {"l": lane, "src": hit[0], "n": hit[1]}
-            if _core(s).grow_adopt_guard(s, **adopt) is None:
-                return Choice("grow_adopt", adopt)
+            adopt = GrowAdopt(l=lane, src=hit[0], n=hit[1])
+            if _core(s).grow_adopt_guard(s, *adopt.values) is None:
+                return adopt
             hit, dst = None, self.reusable(s)
         if dst is None:
             return self._no_block(s)
         host = self.next_host_hit(s, lane) if s.consts.HOST else None
         if prefer_host(hit, host):
             assert host is not None
-            return Choice("grow_host_hit", {"l": lane, "h": host[0], "dst": dst, "n": host[1]})
+            return GrowHostHit(l=lane, h=host[0], dst=dst, n=host[1])
         if hit is not None:
-            return Choice("grow_hit", {"l": lane, "src": hit[0], "dst": dst, "n": hit[1]})
-        return Choice("grow", {"l": lane, "dst": dst})
+            return GrowHit(l=lane, src=hit[0], dst=dst, n=hit[1])
+        return Grow(l=lane, dst=dst)
 
-    def _no_block(self, s: g.State) -> Choice | None:
+    def _no_block(self, s: g.State) -> Preempt | None:
         if self.in_flight(s) or not s.consts.PREEMPT:
             return None
         lane = self.victim(s)  # (never an importing lane: it computes nothing)
-        return None if lane is None else Choice("preempt", {"l": lane})
+        return None if lane is None else Preempt(l=lane)
 
     @staticmethod
     def in_flight(s: g.State) -> bool:

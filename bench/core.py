@@ -338,9 +338,11 @@ def decode_calls(calls: int) -> int:
     return min(calls, MAX_SEQ - 1 - MAX_PROMPT - WARM_DECODE)
 
 
-def _by_policy(policy: Policy) -> Callable[[ip.MState, int], None]:
-    """An admission as the batcher makes it: the policy's choice on the MState, the transition
-    (and the copy's completion for a hit), the policy's bookkeeping of the effects."""
+def _admission(policy: Policy) -> Callable[[ip.MState, int], None]:
+    """The core's share of an admission as the scheduler makes it (`Scheduler._admit`): the
+    policy's choice on the MState, the transition (and the copy's completion for a hit), the
+    policy's bookkeeping of the effects; without the scheduler's own bookkeeping (its queue,
+    its block tables, its step records)."""
     actions, copy_done = ip.ACTIONS, ip.copy_done
 
     def admit(m: ip.MState, r: int) -> None:
@@ -369,7 +371,7 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
     _ip_accepted(ip.admit_miss, args[0], args[1:], "admit_miss")
     res["admit_miss"] = hot_round(ip.admit_miss, args[0], args[1:], calls)
     res["policy_admission_miss"] = fixed_round(d.policy.admission, (ip.thaw(d.s), r), calls)
-    res["batcher_admit_miss"] = hot_round(_by_policy(d.policy), d.s, (r,), calls)
+    res["batcher_admit_miss"] = hot_round(_admission(d.policy), d.s, (r,), calls)
 
     d, r = admission_state(ghost, hit=True)
     choice = d.policy.admission(d.s, r)
@@ -399,7 +401,7 @@ def rounds_for(ghost: bool, calls: int) -> dict[str, Round]:
 
     res["admit_hit_total"] = hot_round(ip_hit_then_copy, hit_args[0], hit_args[1:], calls)
     res["policy_admission_hit"] = fixed_round(d.policy.admission, (ip.thaw(d.s), r), calls)
-    res["batcher_admit_hit"] = hot_round(_by_policy(d.policy), d.s, (r,), calls)
+    res["batcher_admit_hit"] = hot_round(_admission(d.policy), d.s, (r,), calls)
 
     res["pure_decode_step"] = decode_round(ghost, decode_calls(calls))
     res["decode_step"] = ip_decode_round(ghost, decode_calls(calls))

@@ -48,18 +48,19 @@ def test_serve_hf_refuses_end_tokens_the_model_cannot_emit(tmp_path: Path) -> No
     vocab_size: refused when the server is built, before the weights are loaded."""
     pytest.importorskip("transformers")
     from atom_core.runtime import hf
+    from atom_core.serve import runtimes
     from atom_core.serve.runtimes import ServeOptions
     from atom_core.serve.tokenizer import build_tiny_tokenizer
 
     d = build_tiny_tokenizer(tmp_path / "model")
     hf.HFRuntime.tiny_llama_model(0, vocab_size=320, max_position=S).save_pretrained(d)
     opts = ServeOptions(model=str(d), runtime="hf", overrides={"lanes": 1})
-    cfg, rt, _tok = hf.serve_factory(opts)  # its own tokenizer: fine
+    cfg, rt, _tok = runtimes.hf_factory(opts)  # its own tokenizer: fine
     assert rt.vocab_size == 320 and cfg.lanes == 1
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 500]}))
     with pytest.raises(ConfigError, match=r"token id 500 outside the model's vocabulary "
                                           r"0\.\.319"):
-        hf.serve_factory(opts)
+        runtimes.hf_factory(opts)
 
 
 # --------------------------------------------------------------------------- sliding window

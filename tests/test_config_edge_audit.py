@@ -262,6 +262,7 @@ def test_serve_ends_replies_where_generate_ends_without_a_generation_config(
     import torch
 
     from atom_core.runtime import hf
+    from atom_core.serve import runtimes
     from atom_core.serve.runtimes import ServeOptions
     from atom_core.serve.tokenizer import HFTokenizer, build_tiny_tokenizer, end_ids
 
@@ -278,7 +279,7 @@ def test_serve_ends_replies_where_generate_ends_without_a_generation_config(
     model.save_pretrained(d)
     (d / "generation_config.json").unlink(missing_ok=True)
 
-    cfg, rt, tok = hf.serve_factory(ServeOptions(model=str(d), runtime="hf",
+    cfg, rt, tok = runtimes.hf_factory(ServeOptions(model=str(d), runtime="hf",
                                                  overrides={"lanes": 1}))
     from transformers import AutoModelForCausalLM
 

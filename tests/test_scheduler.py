@@ -59,18 +59,21 @@ print("ok")
 
 
 class Raising:
-    """A runtime whose every method raises, counting the calls."""
+    """A runtime that has the protocol's sizes (the batcher reads them once, at construction)
+    and whose every method raises, counting the calls."""
 
     vocab_size = VOCAB
+    uses_local_block_tables = False
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.calls: list[str] = []
+        self.num_blocks, self.block_size = cfg.kv_blocks, cfg.block_size
+        self.max_seq_len, self.prefill_chunk = cfg.max_seq_len, cfg.prefill_chunk
+        self.batch_size = cfg.lanes
+        self.decoder_batch_sizes = (cfg.lanes,)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("decoder_batch_sizes", "batch_size",
-                                             "uses_local_block_tables", "sliding_window",
-                                             "host_kv_transfers", "num_blocks", "block_size",
-                                             "max_seq_len", "prefill_chunk"):
+        if name.startswith("__") or name in ("sliding_window", "host_kv_transfers"):
             raise AttributeError(name)
 
         def call(*_args: Any) -> Any:
@@ -84,7 +87,7 @@ def test_schedule_calls_no_runtime() -> None:
     only the executor calls it (and then its calls fail the requests they touched)."""
     cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, True, "reserved", 2) + 1, max_seq_len=256,
                  block_size=128, prefill_chunk=64, prefix_cache=True)
-    rt = Raising()
+    rt = Raising(cfg)
     b = AtomBatcher(cfg, rt, keep_ended=None)
     shared = [1 + i % 9 for i in range(150)]
     b.submit(shared, 3)

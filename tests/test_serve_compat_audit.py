@@ -220,17 +220,21 @@ def test_null_content_is_a_clear_400(srv: Server) -> None:
 
 
 # ------------------------------------------------------------------ 5. the rest of the surface
-def test_echo_returns_the_prompt_and_says_why_not_with_logprobs(srv: Server) -> None:
-    """echo: the prompt's text before the reply's (vLLM's); with logprobs it would need the
-    prompt's logprobs, which the batcher does not give: a 400 that says so."""
+def test_echo_returns_the_prompt_and_with_logprobs_the_prompts(srv: Server) -> None:
+    """echo: the prompt's text before the reply's (vLLM's); with logprobs, the prompt's tokens
+    and logprobs before the reply's, the first prompt token's null (tests/test_serve_vllm_echo.py
+    checks their values)."""
     c = srv.client()
     plain = c.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
     res = c.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True, temperature=0)
     assert res.choices[0].text == "x" + plain.choices[0].text
     assert res.usage.completion_tokens == 2
-    body = bad_request(lambda: c.completions.create(
-        model=MODEL, prompt="x", max_tokens=2, echo=True, logprobs=1))
-    assert body["param"] == "echo" and "send echo or logprobs, not both" in body["message"]
+    res = c.completions.create(model=MODEL, prompt="xy", max_tokens=2, echo=True, logprobs=1,
+                               temperature=0)
+    lp = res.choices[0].logprobs
+    assert lp.tokens[:2] == ["x", "y"] and len(lp.tokens) == 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and lp.text_offset[:2] == [0, 1]
 
 
 def test_stop_strings_across_tokens_finish_reasons_and_usage(srv: Server) -> None:

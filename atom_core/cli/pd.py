@@ -36,6 +36,20 @@ def _hf() -> Any:
     return hf
 
 
+def _loadable() -> tuple[str, ...]:
+    """The runtimes a PD worker can be given by name (the registry's loadable ones)."""
+    from atom_core.runtime.registry import names
+
+    return names(lambda kind: kind.load is not None)
+
+
+def _has_oracle(runtime: str) -> bool:
+    """Whether --runtime's tokens have something to be checked against (--check)."""
+    from atom_core.runtime.registry import get
+
+    return get(runtime).oracle is not None
+
+
 def _pd_model_window(args: argparse.Namespace) -> int | None:
     """--runtime hf: the model's sliding window (a Gemma3 model's batcher needs it), else None;
     checks that --model goes with --runtime hf."""
@@ -126,13 +140,11 @@ def _pd_options(args: argparse.Namespace, decode: bool) -> None:
     """Option values argparse cannot check by type (the numbers' types refuse nan, inf and
     what is out of range), before anything connects."""
     check_host(args.host, args.port)
-    if args.runtime == "rbln":
-        # the RBLN host buffer is a flat aligned byte buffer; the KV payload ships the
-        # [layers, 2, kv_heads, positions, head_dim] layout, which it does not expose
-        raise UsageError("PD does not support --runtime rbln yet: its host KV buffer is a flat "
-                         "aligned buffer, not the [layers, 2, kv_heads, block_size, head_dim] "
-                         "layout a KV payload ships; run PD on --runtime reference, or serve an "
-                         "RBLN model colocated")
+    from atom_core.runtime.registry import get
+
+    refusal = get(args.runtime).pd_refusal
+    if refusal is not None:  # (RBLN: a KV payload cannot be read out of its host buffer)
+        raise UsageError(f"PD does not support --runtime {args.runtime} yet: {refusal}")
 
 
 def check_host(host: str, port: int | None) -> None:
@@ -152,67 +164,57 @@ def check_host(host: str, port: int | None) -> None:
 
 
 def _pd_runtime(args: argparse.Namespace, cfg: Any) -> Any:
+    """--runtime's runtime (the registry's), checked against the config before connecting: a
+    mismatch found after the rendezvous would strand the peer. hf: --model in float64 (as
+    `atom-core demo --runtime hf`: its tokens are checked against transformers' generate, and
+    float64 keeps the two paths' rounding far below any logit gap); both workers must load the
+    same model, or the decode worker refuses the KV (the fingerprint covers the config, the
+    weights and the dtype)."""
     from atom_core.batcher import check_runtime
+    from atom_core.runtime.registry import RuntimeRequest, get
 
-    if args.runtime == "reference":
-        from atom_core.runtime.reference import TorchReferenceRuntime
-
-        return TorchReferenceRuntime.tiny(cfg, seed=args.seed)
-    if args.runtime == "hf":
-        return _pd_hf_runtime(args, cfg)
-    if not args.compiled:
+    kind = get(args.runtime)
+    assert kind.load is not None  # (--runtime's choices are the loadable kinds)
+    if kind.name == "hf":
+        _hf()  # transformers is an extra: a usage error naming it
+    if kind.name == "rbln" and not args.compiled:
         raise UsageError("--runtime rbln needs --compiled PATH (an optimum-rbln compiled decoder "
                          "directory)")
-    from atom_core.runtime.rbln import RblnRuntime, RblnUnavailableError
-
+    req = RuntimeRequest(model=args.model, compiled=args.compiled, seed=args.seed,
+                         dtype="float64" if kind.name == "hf" else None,
+                         fingerprint=args.fingerprint)
+    # what a refusal names: the model a checkpoint runtime serves, the artifact rbln loads
+    failed = (f"cannot serve {args.model}" if args.model is not None
+              else f"cannot load {args.compiled}")
     try:
-        rt = RblnRuntime.from_compiled(args.compiled, fingerprint=args.fingerprint)
-    except RblnUnavailableError as exc:
+        rt = kind.load(cfg, req)
+    except ImportError as exc:  # a runtime's SDK (RBLN's `rebel`) is not installed
         raise UsageError(str(exc)) from None
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load {args.compiled}: {exc}") from None
-    try:  # before connecting: a mismatch found after the rendezvous would strand the peer
+    except (OSError, ValueError) as exc:  # UnsupportedModelError is a ValueError
+        raise UsageError(f"{failed}: {exc}") from None
+    try:
         check_runtime(cfg, rt)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return rt
-
-
-def _pd_hf_runtime(args: argparse.Namespace, cfg: Any) -> Any:
-    """HFRuntime of --model in float64 (as `atom-core demo --runtime hf`: its tokens are
-    checked against transformers' generate, and float64 keeps the two paths' rounding far
-    below any logit gap); both workers must load the same model, or the decode worker refuses
-    the KV (the fingerprint covers the config, the weights and the dtype)."""
-    import torch
-
-    from atom_core.batcher import check_runtime
-
-    hf = _hf()
-    try:
-        rt = (hf.tiny_runtime(args.model, cfg, seed=args.seed, dtype=torch.float64)
-              if args.model in hf.TINY_MODELS else
-              hf.HFRuntime.from_pretrained(args.model, cfg, dtype=torch.float64))
-        check_runtime(cfg, rt)  # before connecting, as for rbln
-    except (OSError, ValueError) as exc:  # UnsupportedModelError is a ValueError
-        raise UsageError(f"cannot serve {args.model}: {exc}") from None
+        raise UsageError(f"cannot serve {args.model}: {exc}" if args.model is not None
+                         else str(exc)) from None
     return rt
 
 
 def pd_oracle(args: argparse.Namespace, rt: Any) -> Any:
     """The runtime's oracle: the reference model's cache-free generate, or for --runtime hf
     transformers' own greedy generate() of the same weights."""
-    if args.runtime == "hf":
-        return _hf().GenerateOracle(rt)
-    from atom_core.demo import oracle_for
+    from atom_core.runtime.registry import get
 
-    return oracle_for(rt)
+    oracle = get(args.runtime).oracle
+    assert oracle is not None  # (pd_setup refuses --check without one)
+    return oracle(rt)
 
 
 def pd_setup(args: argparse.Namespace, decode: bool) -> tuple[Any, Any, bytes | None]:
     cfg = _pd_config(args, decode)
     _pd_options(args, decode)
     key = _pd_key(args)
-    if decode and args.check and args.runtime not in ("reference", "hf"):
+    if decode and args.check and not _has_oracle(args.runtime):
         raise UsageError("--check needs an oracle: the reference runtime's or, for --runtime hf, "
                          "transformers' generate(); an RBLN model has none here, pass --no-check")
     return cfg, _pd_runtime(args, cfg), key
@@ -348,7 +350,7 @@ def config_json(cfg: Any) -> dict[str, Any]:
 
 def cmd_pd_decode(args: argparse.Namespace) -> int:
     if args.check is None:
-        args.check = args.runtime in ("reference", "hf")
+        args.check = _has_oracle(args.runtime)
     started = _pd_start(args, decode=True)
     if isinstance(started, int):
         return started
@@ -430,7 +432,7 @@ def pd_common_arguments(p: argparse.ArgumentParser, decode: bool,
     p.add_argument("--scratch", choices=SCRATCH_MODES, default="dynamic",
                    help="reserved: a fixed scratch block; dynamic: padding rows write into a "
                         "free block (default: dynamic)")
-    p.add_argument("--runtime", choices=("reference", "hf", "rbln"), default="reference",
+    p.add_argument("--runtime", choices=_loadable(), default="reference",
                    help="hf: a transformers model (--model) on HFRuntime, float64; both workers "
                         "must give the same model (default: reference)")
     p.add_argument("--model", default=None, metavar="DIR|tiny-llama|tiny-gemma3",

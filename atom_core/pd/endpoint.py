@@ -14,7 +14,7 @@ at least the prompt's positions, written block by block (zeros past the prompt).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -23,6 +23,9 @@ from atom_core._generated import core, inplace
 from atom_core.config import Config
 from atom_core.scheduler import Event, Request, Scheduler, as_token
 from atom_core.seq import seq
+
+if TYPE_CHECKING:
+    from atom_core.runtime.protocol import Capabilities
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -54,6 +57,7 @@ class PDEndpoint:
 
     config: Config
     runtime: Any
+    capabilities: Capabilities  # the runtime's, read once (runtime/protocol.py)
     scheduler: Scheduler
     requests: dict[int, Request]
     _hybrid: bool
@@ -102,7 +106,7 @@ class PDEndpoint:
             sched.transfer_failed(request_id, "import rejected: token ids must be integers",
                                   events)
             return events
-        vocab = getattr(self.runtime, "vocab_size", None)
+        vocab = self.capabilities.vocab_size
         if vocab is not None and not 0 <= first_token < vocab:
             # a token the model cannot embed would fail the next decode call for every lane
             sched.transfer_failed(request_id, f"import rejected: first token {first_token} is "

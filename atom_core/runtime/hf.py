@@ -119,11 +119,10 @@ from atom_core.runtime.hf_checks import (  # noqa: E402
 
 if TYPE_CHECKING:
     from atom_core.config import Config
-    from atom_core.serve.runtimes import ServeOptions
 
 __all__ = ["ATTENTION", "DEFAULT_THREADS", "SMALL_MODEL_PARAMETERS", "SUPPORTED_MODEL_TYPES",
            "TINY_MODELS", "GenerateOracle", "HFRuntime", "UnsupportedModelError", "seed_weights",
-           "serve_factory", "threads_for", "tiny_model", "tiny_runtime", "with_model_window"]
+           "threads_for", "tiny_model", "tiny_runtime", "with_model_window"]
 
 # torch intra-op threads during a prefill/decode call (None: torch's own setting). "auto": one
 # for a model below SMALL_MODEL_PARAMETERS; above, one core fewer than the machine has (at least
@@ -225,6 +224,9 @@ class HFRuntime:
     # prompt chunks runs them beside the decode in one forward (`mixed`)
     static_batch = False
     mixed_calls = True
+    # a prefill (or a mixed call's prefill) can return every real token's logits from the
+    # forward that writes its KV (`all_logits`: prompt logprobs)
+    prompt_logits = True
 
     def __init__(self, model: Any, *, num_blocks: int, block_size: int, max_seq_len: int,
                  prefill_chunk: int, batch_size: int,
@@ -426,14 +428,18 @@ class HFRuntime:
         return out.logits[0].to(self.dtype)
 
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
-                local_block_tables: Any, query_position: Any) -> torch.Tensor:
+                local_block_tables: Any, query_position: Any, *,
+                all_logits: bool = False) -> torch.Tensor:
+        """Logits [1, 1, V] of the chunk's last real token; `all_logits`: [1, qp + 1, V], of
+        each real token (the `prompt_logits` capability), from this one forward."""
         ids, pos, bt, lbt, qp = check_prefill_inputs(
             self, input_ids, cache_position, block_tables, local_block_tables, query_position)
         self.calls["prefill"] += 1
         # the sliding layers append the chunk's real positions only (start .. start + qp), as
         # the kernel's cache_offset says; the global layers write every position like the device
-        logits = self._run([Group(pos, bt[None, :], lbt, int(qp) + 1)], ids, qp.long().view(1))
-        return logits.reshape(1, 1, self.vocab_size)
+        keep = torch.arange(int(qp) + 1) if all_logits else qp.long().view(1)
+        logits = self._run([Group(pos, bt[None, :], lbt, int(qp) + 1)], ids, keep)
+        return logits.reshape(1, keep.numel(), self.vocab_size)
 
     def decode(self, input_ids: Any, cache_position: Any, block_tables: Any,
                local_block_tables: Any) -> torch.Tensor:
@@ -447,8 +453,9 @@ class HFRuntime:
         slots = None if lbt is None else lbt[:, 0]
         return self._run([Group(pos, bt, slots, 1)], ids, 0).reshape(b, 1, self.vocab_size)
 
-    def mixed(self, decode: Sequence[Any] | None,
-              prefills: Sequence[Sequence[Any]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def mixed(self, decode: Sequence[Any] | None, prefills: Sequence[Sequence[Any]], *,
+              all_logits: Sequence[bool] | None = None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | list[torch.Tensor]]:
         """A decode and prompt chunks of other lanes in one forward (`mixed_calls`; the
         batcher's `MixedCall`). `decode`: `decode`'s arguments (R rows, any R from 1 to
         batch_size) or None; each prefill: `prefill`'s arguments (the chunk padded to
@@ -457,7 +464,14 @@ class HFRuntime:
         Returns (the decode's logits [R, 1, V] or None, the chunks' last real tokens' logits
         [P, 1, V]). The rows read and write disjoint lanes' blocks and slots (the scheduler's
         `MixedCall` guarantees it), so each part's logits and writes are those of its own call.
+        `all_logits` (one flag per prefill): a flagged prefill's logits are those of each of its
+        real tokens, and the prefills' logits a list of P tensors ([1, real tokens, V] flagged,
+        [1, 1, V] the others) instead of [P, 1, V].
         """
+        flags = list(all_logits) if all_logits is not None else [False] * len(prefills)
+        if len(flags) != len(prefills):
+            raise RuntimeInputError(f"all_logits has {len(flags)} flags for {len(prefills)} "
+                                    "prefills: give one per prefill")
         groups: list[Group] = []
         ids: list[torch.Tensor] = []
         keep: list[int] = []
@@ -469,13 +483,15 @@ class HFRuntime:
             ids.append(d_ids.reshape(-1))
             keep += range(rows)
         n = rows
-        for args in prefills:
+        kept: list[int] = []  # each prefill's logits rows among those kept
+        for args, every in zip(prefills, flags, strict=True):
             p_ids, pos, bt, lbt, qp = check_prefill_inputs(self, *args)
             real = int(qp) + 1
             groups.append(Group(pos[:, :real], bt[None, :], lbt, real))
             ids.append(p_ids[0, :real])
+            keep += range(n, n + real) if every else [n + real - 1]
+            kept.append(real if every else 1)
             n += real
-            keep.append(n - 1)
         if not groups:
             raise RuntimeInputError("mixed() with neither a decode nor a prefill: nothing to run")
         # `calls` counts the work by kind (a chunk is a "prefill" and a decode a "decode"
@@ -485,8 +501,10 @@ class HFRuntime:
         self.calls["decode"] += decode is not None
         logits = self._run(groups, torch.cat(ids), torch.tensor(keep))
         v = self.vocab_size
-        return (logits[:rows].reshape(rows, 1, v) if decode is not None else None,
-                logits[rows:].reshape(len(prefills), 1, v))
+        head = logits[:rows].reshape(rows, 1, v) if decode is not None else None
+        if not any(flags):
+            return head, logits[rows:].reshape(len(prefills), 1, v)
+        return head, [x[None] for x in torch.split(logits[rows:], kept)]
 
     def decode_batch_size(self, busy_rows: Iterable[int]) -> int:
         return smallest_decode_batch(self.decoder_batch_sizes, busy_rows)
@@ -624,60 +642,6 @@ def tiny_runtime(model: str, cfg: Config, seed: int, dtype: torch.dtype = torch.
     if model == TINY_LLAMA:
         return HFRuntime.tiny_llama(cfg, seed=seed, dtype=dtype, vocab_size=vocab_size)
     raise ValueError(f"unknown tiny model {model!r}: one of {TINY_MODELS}")
-
-
-def serve_factory(opts: ServeOptions) -> tuple[Config, HFRuntime, Any]:
-    """`atom-core serve --runtime hf --model DIR|tiny-llama|tiny-gemma3`: (Config, runtime,
-    tokenizer). A Gemma3 model's Config gets the model's window unless it names one."""
-    from atom_core.serve.runtimes import TINY_DEFAULTS, config_for, tokenizer_for
-    from atom_core.serve.tokenizer import ByteTokenizer
-
-    cfg = with_model_window(config_for(opts, TINY_DEFAULTS if opts.rbln_config is None
-                                       else None), opts.model)
-    if opts.model in TINY_MODELS:
-        tok: Any = ByteTokenizer()
-        return cfg, tiny_runtime(opts.model, cfg, opts.seed, vocab_size=tok.vocab_size), tok
-    tok = tokenizer_for(opts.model)
-    check_tokenizer(tok, opts.model)  # before the model is loaded and its KV allocated
-    rt = HFRuntime.from_pretrained(opts.model, cfg)
-    _end_where_generate_ends(tok, rt.model, opts.model)
-    return cfg, rt, tok
-
-
-def model_end_ids(model: Any) -> list[int]:
-    """The ids transformers' generate() ends a sequence at: the loaded model's
-    generation_config (generation_config.json, or config.json's eos_token_id when a checkpoint
-    has no generation_config.json: transformers derives it from the model config)."""
-    from atom_core.serve.tokenizer import id_list
-
-    return id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-
-
-def _end_where_generate_ends(tok: Any, model: Any, where: str | os.PathLike[str]) -> None:
-    """Make the served replies end at every id generate() ends at. The tokenizer reads
-    generation_config.json only, so a checkpoint without it whose config.json lists several
-    end ids (Llama 3's <|end_of_text|> and <|eot_id|>) would run past the second one to
-    max_tokens. Ids outside the vocabulary are refused (`check_end_tokens`)."""
-    ends = model_end_ids(model)
-    check_end_tokens(ends, int(model.config.vocab_size), f"{where}: the model's eos_token_id")
-    from atom_core.serve.tokenizer import end_ids
-
-    missing = frozenset(ends) - set(end_ids(tok))
-    if missing and hasattr(tok, "end_token_ids"):
-        tok.end_token_ids = frozenset(tok.end_token_ids) | missing
-
-
-def check_tokenizer(tok: Any, model: str | os.PathLike[str]) -> None:
-    """Refuse a tokenizer whose end tokens the model directory's model cannot emit (ids at or
-    past its config's vocab_size): generation would never stop on them."""
-    mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
-    vocab = getattr(mcfg, "vocab_size", None)
-    if vocab is None and hasattr(mcfg, "get_text_config"):
-        vocab = getattr(mcfg.get_text_config(), "vocab_size", None)
-    if isinstance(vocab, int) and not isinstance(vocab, bool):
-        from atom_core.serve.tokenizer import end_ids
-
-        check_end_tokens(end_ids(tok), vocab, f"{model}: the tokenizer")
 
 
 class GenerateOracle:

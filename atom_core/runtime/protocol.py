@@ -35,12 +35,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import attrs
 import torch
 
 __all__ = [
+    "Capabilities",
     "Runtime",
+    "RuntimeProtocolError",
     "RuntimeInputError",
     "as_int_tensor",
+    "capabilities",
     "check_decode_inputs",
     "check_prefill_inputs",
     "sizes_error",
@@ -69,12 +73,24 @@ class Runtime(Protocol):
     is safe). `mixed_calls` (default False): the runtime has `mixed(decode, prefills)`, a
     decode and prompt chunks of several lanes in one call (the scheduler's `MixedCall`),
     prompt tokens per call up to `mixed_prefill_tokens` (default: one chunk).
+    `prompt_logits` (default False): `prefill(..., all_logits=True)` returns the logits of
+    every real token of the chunk, [1, query_position + 1, V] (position start + i's logits are
+    the distribution of the token after it), from the same call that writes the chunk's KV;
+    with `mixed_calls`, `mixed(decode, prefills, all_logits=flags)` (one flag per prefill)
+    returns the prefills' logits as a list of P tensors, [1, real tokens, V] for a flagged one
+    and [1, 1, V] for the others. The batcher asks for them only for a request that wants its
+    prompt's logits (prompt logprobs); RBLN's compiled prefill graph outputs its last
+    position's logits only, so there it is False and such a request is refused.
 
     Hybrid runtimes only (optional, like the local tables themselves): `sliding_window` (W),
     `new_local_host_buffer()` (a host buffer for one local slot, every sliding layer),
     `fetch_local_cache(host, slot)` (device slot -> host) and `update_local_cache(host, slot)`
     (host -> device slot). A sequence's KV is its global blocks plus its local slot: moving it
     (PD import, swap, snapshot) moves both.
+
+    The batcher reads all of this once, when it is built (`capabilities`, below: a
+    `Capabilities` record, or RuntimeProtocolError naming what a runtime lacks), never by
+    probing the runtime again.
     """
 
     num_blocks: int
@@ -115,6 +131,93 @@ class Runtime(Protocol):
     def new_host_buffer(self) -> torch.Tensor:
         """A host buffer that holds one block for `fetch_kv_cache` / `update_kv_cache`."""
         ...
+
+
+class RuntimeProtocolError(TypeError, ValueError):
+    """A runtime lacks what the `Runtime` protocol requires (said once, at construction). A
+    ValueError too: the commands that print a bad runtime's ValueError print this one."""
+
+
+# What every runtime has (the `Runtime` protocol's members, the host transfers apart: a
+# runtime without them serves without a host tier), with what each is for in the message.
+REQUIRED_ATTRIBUTES = {
+    "num_blocks": "the KV blocks it holds (K)", "block_size": "tokens per block",
+    "max_seq_len": "tokens per sequence", "prefill_chunk": "tokens per prefill call (C)",
+    "batch_size": "rows of its largest decode graph",
+    "decoder_batch_sizes": "its decode graphs' row counts, largest first",
+    "vocab_size": "its vocabulary's size (None if unknown)",
+    "uses_local_block_tables": "whether it has sliding-window layers (hybrid)",
+}
+REQUIRED_METHODS = ("prefill", "decode", "decode_batch_size", "copy_kv_cache")
+# the host tier's block transfers, and a hybrid model's local-slot transfers (each all or none)
+HOST_OPS = ("new_host_buffer", "fetch_kv_cache", "update_kv_cache")
+LOCAL_OPS = ("new_local_host_buffer", "fetch_local_cache", "update_local_cache")
+
+
+@attrs.frozen
+class Capabilities:
+    """What a runtime is and can do, read once from it (`capabilities`): the batcher, the PD
+    endpoint and the server read this record, never the runtime's attributes again. The
+    optional members (`static_batch`, `mixed_calls`, `mixed_prefill_tokens`, `prompt_logits`,
+    `host_kv_transfers`, `sliding_window`, the transfer methods) have the defaults of RBLN's
+    static shapes when a runtime does not define them (see `Runtime`)."""
+
+    name: str  # the runtime's class name, for messages
+    num_blocks: int
+    block_size: int
+    max_seq_len: int
+    prefill_chunk: int
+    batch_size: int
+    decoder_batch_sizes: tuple[int, ...]
+    vocab_size: int | None
+    hybrid: bool  # uses_local_block_tables
+    sliding_window: int | None = None
+    static_batch: bool = True
+    mixed_calls: bool = False
+    mixed_prefill_tokens: int | None = None
+    prompt_logits: bool = False
+    host_ops: bool = False  # has HOST_OPS: can store and load host-tier blocks
+    host_kv_trusted: bool = True  # `host_kv_transfers` is not False (RBLN: not yet trusted)
+    local_ops: bool = False  # has LOCAL_OPS: can move a hybrid lane's local slot
+
+
+def capabilities(rt: Any) -> Capabilities:
+    """`rt`'s `Capabilities`, or RuntimeProtocolError naming every required member it lacks.
+    Optional flags count only when they are exactly True or False (a stray attribute of
+    another meaning, say a method named `static_batch`, does not switch a capability on)."""
+    kind = type(rt).__name__
+    missing = [f"{n} ({what})" for n, what in REQUIRED_ATTRIBUTES.items() if not hasattr(rt, n)]
+    missing += [f"{n}()" for n in REQUIRED_METHODS if not callable(getattr(rt, n, None))]
+    if missing:
+        raise RuntimeProtocolError(
+            f"{kind} is not a runtime atom-core can drive: it lacks {', '.join(missing)}; "
+            "implement the Runtime protocol (atom_core/runtime/protocol.py), or wrap a runtime "
+            "that does")
+    for what, ops in (("host-tier transfers", HOST_OPS), ("local-slot transfers", LOCAL_OPS)):
+        have = [op for op in ops if callable(getattr(rt, op, None))]
+        if have and len(have) < len(ops):
+            lacking = ", ".join(f"{op}()" for op in ops if op not in have)
+            raise RuntimeProtocolError(
+                f"{kind} has some {what} ({', '.join(have)}) but lacks {lacking}: implement "
+                "all of them, or none (then it serves without them)")
+    mixed = getattr(rt, "mixed_calls", False) is True
+    if mixed and not callable(getattr(rt, "mixed", None)):
+        raise RuntimeProtocolError(f"{kind} says mixed_calls but lacks mixed(decode, "
+                                   "prefills): implement it, or set mixed_calls = False")
+    hybrid = bool(rt.uses_local_block_tables)
+    sizes = tuple(rt.decoder_batch_sizes or (rt.batch_size,))
+    return Capabilities(
+        name=kind, num_blocks=rt.num_blocks, block_size=rt.block_size,
+        max_seq_len=rt.max_seq_len, prefill_chunk=rt.prefill_chunk, batch_size=rt.batch_size,
+        decoder_batch_sizes=sizes, vocab_size=rt.vocab_size, hybrid=hybrid,
+        sliding_window=getattr(rt, "sliding_window", None) if hybrid else None,
+        static_batch=getattr(rt, "static_batch", True) is not False,
+        mixed_calls=mixed,
+        mixed_prefill_tokens=getattr(rt, "mixed_prefill_tokens", None) if mixed else None,
+        prompt_logits=getattr(rt, "prompt_logits", False) is True,
+        host_ops=all(callable(getattr(rt, op, None)) for op in HOST_OPS),
+        host_kv_trusted=getattr(rt, "host_kv_transfers", True) is not False,
+        local_ops=all(callable(getattr(rt, op, None)) for op in LOCAL_OPS))
 
 
 def smallest_decode_batch(sizes: Sequence[int], busy_rows: Iterable[int]) -> int:

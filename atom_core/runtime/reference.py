@@ -269,6 +269,8 @@ class TorchReferenceRuntime:
     # RBLN's graph semantics (protocol.py): every decode row computed, one prefill per call
     static_batch = True
     mixed_calls = False
+    # a prefill can return every real position's logits (`all_logits`: prompt logprobs)
+    prompt_logits = True
 
     def __init__(self, spec: RuntimeSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
                  num_threads: int | None = 1):
@@ -405,7 +407,10 @@ class TorchReferenceRuntime:
         write_blocks(self.v_cache[j], blk, off, v)
 
     def prefill(self, input_ids: Any, cache_position: Any, block_tables: Any,
-                local_block_tables: Any, query_position: Any) -> torch.Tensor:
+                local_block_tables: Any, query_position: Any, *,
+                all_logits: bool = False) -> torch.Tensor:
+        """Logits [1, 1, V] of the chunk's last real token; `all_logits`: [1, qp + 1, V], of
+        each real token (the `prompt_logits` capability), from this one forward."""
         ids, pos, bt, lbt, qp = check_prefill_inputs(
             self, input_ids, cache_position, block_tables, local_block_tables, query_position)
         self.calls["prefill"] += 1
@@ -419,9 +424,10 @@ class TorchReferenceRuntime:
         causal = _visible(p, torch.arange(length), None)
         local = None if lbt is None else self._prefill_local(p, int(qp), int(lbt[0]))
         attend = self._attender(blk, off, causal, index, local)
+        rows = torch.arange(int(qp) + 1) if all_logits else qp.long().view(1)
         with torch_threads(self.num_threads):
-            out = self._forward(ids[0], p, attend, rows=qp.long().view(1))
-        return out.to(self.dtype).view(1, 1, self.vocab_size)
+            out = self._forward(ids[0], p, attend, rows=rows)
+        return out.to(self.dtype).view(1, rows.numel(), self.vocab_size)
 
     def _attender(self, blk: torch.Tensor, off: torch.Tensor, causal: torch.Tensor,
                   index: torch.Tensor, local: _Attend | None) -> _Attend:

@@ -11,7 +11,7 @@ from typing import IO, Any
 
 import attrs
 
-from atom_core._generated import core, inplace
+from atom_core._generated import choices, core, inplace
 from atom_core.config import Config
 from atom_core.policy import Policy
 from atom_core.replay import record
@@ -213,15 +213,17 @@ class Scheduler:
                 # with nothing in flight, the capacity rule Config checks excludes this
                 raise RuntimeError(f"no block for lane {lane}'s next block: kv_blocks is "
                                    "below the capacity rule (Config checks it; was it bypassed?)")
-            if choice.action == "preempt":
-                self._preempt_lane(choice.args["l"], events)
+            if isinstance(choice, choices.Preempt):
+                self._preempt_lane(choice.l, events)
                 continue
-            if (yield from self._spilled(choice.args.get("dst"))):
+            # (an adoption takes the hit's own block: no other block to free first)
+            taken = None if isinstance(choice, choices.GrowAdopt) else choice.dst
+            if (yield from self._spilled(taken)):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.stats.table_grows += 1
             yield from self._dispatch(self._apply(choice.action, **choice.args), events)
-            if choice.action == "grow_adopt":  # a hit with nothing to copy: the entry's block
-                self.stats.prefix_hit_tokens += choice.args["n"]
+            if isinstance(choice, choices.GrowAdopt):  # a hit with nothing to copy
+                self.stats.prefix_hit_tokens += choice.n
 
     def _admit(self, events: list[Event]) -> Generator[StepOutput, StepResult, None]:
         while self.waiting:
@@ -229,12 +231,13 @@ class Scheduler:
             choice = self.policy.admission(self._m, rid, remote=self.requests[rid].remote)
             if choice is None:
                 return
-            if (yield from self._spilled(choice.args.get("dst"))):
+            taken = None if isinstance(choice, choices.AdmitAdopt) else choice.dst
+            if (yield from self._spilled(taken)):
                 continue  # the entry went to the host tier; its block is free now: choose again
             self.waiting.popleft()
             yield from self._dispatch(self._apply(choice.action, **choice.args), events)
-            if choice.action == "admit_adopt":  # a hit with nothing to copy: the entry's block
-                self.stats.prefix_hit_tokens += choice.args["n"]
+            if isinstance(choice, choices.AdmitAdopt):  # a hit with nothing to copy
+                self.stats.prefix_hit_tokens += choice.n
 
     def _spilled(self, block: int | None) -> Generator[StepOutput, StepResult, bool]:
         """Spill before evict, the one place it is decided: a choice that would evict cache
@@ -660,10 +663,32 @@ class Scheduler:
                 "waiting": list(self.waiting), "stats": attrs.asdict(self.stats)}
 
     # --------------------------------------------------------------- core plumbing
+    def transition(self, action: str, args: dict[str, Any]) -> core.Step:
+        """The core's transition `action(**args)` on the live state, every step's one way
+        in: the step's state is the live state afterwards. A subclass may take it elsewhere
+        (the test machine: through its checks, on its own core; testing/machine/scheduled.py);
+        the scheduler's bookkeeping of the step (tables, policy, listeners) stays here."""
+        return inplace.ACTIONS[action][0](self._m, **args)
+
+    def restore(self, state: core.State) -> None:
+        """Make `state` the live core state (a copy: `state` stays as it is), its block
+        tables read from it; for a driver that moved the core elsewhere (the test machine's
+        direct actions). Between steps only."""
+        self._m = inplace.thaw(state)
+        self.version += 1
+        s, t = self._m, self.config.blocks_per_table
+        for ln in range(s.consts.B):
+            owned = sorted((s.start[b], b) for b in range(s.consts.K)
+                           if s.owner[b] == core.OWNER_LANE and s.owner_lane[b] == ln)
+            table = [b for _start, b in owned] if s.busy[ln] else []
+            self.tables[ln] = table
+            self._rows[ln] = (*table, *table[-1:] * (t - len(table))) if table else (0,) * t
+
     def _apply(self, action: str, **args: Any) -> core.Step:
-        step = inplace.ACTIONS[action][0](self._m, **args)
+        step = self.transition(action, args)
         if step.rejected is not None:
             raise CoreRejected(f"{action}({args}) rejected by guard {step.rejected}")
+        self._m = step.state
         self.version += 1
         self.policy.observe(step.effects)
         t = self.config.blocks_per_table

@@ -69,6 +69,10 @@ class Request:
     error: str | None = None
     # picks the request's next token from its logits [V]; None: greedy (argmax)
     sampler: Callable[[Any], int] | None = None
+    # takes (start, logits [n, V]) of each prompt chunk computed for the request, position
+    # start + i's in row i (a runtime with `prompt_logits`: prompt logprobs); None: only each
+    # chunk's last position is computed. Such a request takes no prefix hit (`Policy.uncached`)
+    prompt_logits: Callable[[int, Any], None] | None = None
     # the scheduler whose core state holds the request's phase (read, never copied here)
     _owner: Scheduler | None = attrs.field(default=None, repr=False, eq=False)
 

@@ -45,16 +45,16 @@ from atom_core.serve.asgi import (
 )
 from atom_core.serve.engine import FINAL, Engine, EngineStopped, Handle
 from atom_core.serve.hits import HitCounter
-from atom_core.serve.main import DEFAULT_QUEUE
+from atom_core.serve.main import DEFAULT_MAX_LOGPROBS, DEFAULT_QUEUE, MAX_LOGPROBS_BOUND
 from atom_core.serve.metrics import Metrics
-from atom_core.serve.outputs import CompletionLogprobs, chat_logprobs
+from atom_core.serve.outputs import CompletionLogprobs, EchoLogprobs, chat_logprobs
 from atom_core.serve.protocol import (
     GENERIC_UNSUPPORTED,
     UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
 )
-from atom_core.serve.sampling import SamplingParams, sampler_for
+from atom_core.serve.sampling import PromptLogprobs, SamplingParams, sampler_for
 from atom_core.serve.streaming import _Frames, _Inbox, _Stream
 from atom_core.serve.tokenizer import ChatTemplateError, IncrementalText, Tokenizer
 
@@ -75,6 +75,10 @@ class ServerSettings:
     # the largest request body read: a prompt of a whole long context as token ids or JSON-escaped
     # text fits many times over; past it a 413, before the body is read into memory
     max_body_bytes: int = attrs.field(default=32 * 2**20, validator=attrs.validators.ge(1))
+    # log-probabilities per token a request may ask for (--max-logprobs; main.py: why it is
+    # bounded)
+    max_logprobs: int = attrs.field(default=DEFAULT_MAX_LOGPROBS, validator=[
+        attrs.validators.ge(0), attrs.validators.le(MAX_LOGPROBS_BOUND)])
 
 
 @attrs.define
@@ -99,6 +103,10 @@ class _Job:
     # then, so the copies share its KV: `_copies`)
     after: asyncio.Event | None = None
     cached: int = 0  # prompt tokens the prefix cache (or host tier) gave it, once it ended
+    # echo with logprobs: the prompt's logprobs, from its prefill calls (no prefix hit)
+    prompt_lp: PromptLogprobs | None = None
+    # max_tokens 0 with echo: runs as 1 (the core needs one), its sampled token dropped
+    prompt_only: bool = False
 
 
 class RequestTimedOut(Exception):
@@ -112,7 +120,7 @@ class RequestFailed(Exception):
 def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -> FastAPI:
     cfg = engine.batcher.config
     metrics = Metrics(engine, settings.model_name, cfg.max_seq_len)
-    vocab = getattr(engine.batcher.runtime, "vocab_size", None)
+    vocab = engine.batcher.capabilities.vocab_size
     eos = tokenizer.eos_token_id
     state = {"in_flight": 0}
 
@@ -261,6 +269,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                            code="model_not_found")
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only with stream=true", "stream_options")
+        if body.max_tokens == 0 and not getattr(body, "echo", False):  # (vLLM's words)
+            raise ApiError(400, "max_tokens must be at least 1, got 0. (0 only with echo on "
+                                "/v1/completions: the prompt alone, scored)", "max_tokens")
+
+    def _check_logprobs(k: int | None, param: str) -> None:
+        if k is not None and k > settings.max_logprobs:
+            # (vLLM's words)
+            raise ApiError(400, f"{param}: Requested sample logprobs of {k}, which is greater "
+                                f"than max allowed: {settings.max_logprobs} (the server's "
+                                "--max-logprobs)", param)
 
     def _job(body: Any, prompt: list[int], max_tokens: int | None, param: str,
              logprobs: int | None = None, copy: int = 0) -> _Job:
@@ -348,7 +366,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                 # read the end: a stream whose client stops reading held it for good
                 _release(job)
 
-        handle = Handle(job.prompt, job.max_tokens, job.eos, job.sampler, sink=sink)
+        handle = Handle(job.prompt, job.max_tokens, job.eos, job.sampler, sink=sink,
+                        prompt_logits=job.prompt_lp)
         text = IncrementalText(decoder(job), job.stop, job.context,
                                include_stop=job.include_stop,
                                min_tokens=job.sampling.min_tokens)
@@ -529,6 +548,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
             async for i, items in gen:
                 frames = []
                 for delta, toks, why in items:
+                    if jobs[i].prompt_only:  # (nothing to send until it ends)
+                        if why is None:
+                            continue
+                        delta, toks = "", []
                     n0 = counts[i]
                     counts[i] += len(toks)
                     if frame is not None:
@@ -583,7 +606,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         if n < 2 or not cfg.prefix_cache:
             return
         for i in range(0, len(jobs), n):
-            if len(jobs[i].prompt) <= cfg.prefill_chunk:
+            # (a copy that wants its prompt's logprobs takes no hit: it computes its prompt)
+            if len(jobs[i].prompt) <= cfg.prefill_chunk or jobs[i].prompt_lp is not None:
                 continue
             done = asyncio.Event()
             warm = Handle(jobs[i].prompt, 1, None, None, sink=lambda _ev: None)
@@ -626,11 +650,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_common(body)
-        if body.echo and body.logprobs is not None:
+        _check_logprobs(body.logprobs, "logprobs")
+        # echo with logprobs: each prompt token's logprob given the ones before it (vLLM's
+        # prompt_logprobs, with logprobs' k), from the prefill calls that fill its KV
+        prompt_lps = body.echo and body.logprobs is not None
+        if prompt_lps and not engine.batcher.capabilities.prompt_logits:
             raise ApiError(400, "echo with logprobs: the prompt's log-probabilities need the "
-                                "logits of every prompt position, which atom-core's batcher "
-                                "does not return (a prefill returns its last position's): "
-                                "send echo or logprobs, not both", "echo")
+                                "logits of every prompt position, and this server's runtime "
+                                "returns a prefill's last position's only (RBLN's compiled "
+                                "prefill graph outputs [1, 1, V]): send echo or logprobs, not "
+                                "both", "echo")
         p = body.prompt
         prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
         ids = [tokenizer.encode(x) if isinstance(x, str) else [int(t) for t in x]
@@ -638,10 +667,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
         jobs = []
         for prompt in ids:
             for copy in range(body.n):
-                job = _job(body, prompt, body.max_tokens if body.max_tokens is not None else
-                           min(16, cfg.max_seq_len - len(prompt) + 1), "prompt", body.logprobs,
-                           copy)
-                job.context = prompt
+                job = _job(body, prompt, body.max_tokens or 1 if body.max_tokens is not None
+                           else min(16, cfg.max_seq_len - len(prompt) + 1), "prompt",
+                           body.logprobs, copy)
+                job.context, job.prompt_only = prompt, body.max_tokens == 0
+                if prompt_lps:
+                    job.prompt_lp = PromptLogprobs(prompt, body.logprobs or 0)
                 jobs.append(job)
         # echo: the prompt's text before each choice's (as given, or its ids' decode)
         echo = [x if isinstance(x, str) else tokenizer.decode(i)
@@ -661,14 +692,28 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                 **({"token_ids": toks} if body.return_token_ids else {})}]
             return _envelope(rid, "text_completion", created, choices, usage)
 
-        lps = None if body.logprobs is None else (lambda i, recs: offsets[i].part(recs))
+        echoed = EchoLogprobs(offsets, [j.prompt for j in jobs],
+                              [j.prompt_lp.records for j in jobs if j.prompt_lp is not None],
+                              echo or []) if prompt_lps else None
+        lps = None if body.logprobs is None else echoed.logprobs if echoed is not None \
+            else (lambda i, recs: offsets[i].part(recs))
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = [chunk(e, [], None, index=i) for i, e in enumerate(echo or [])]
-            return _Stream(stream(jobs, chunk, usage, first, body.return_token_ids, n_prompt,
-                                  lps), lambda: [_release(j) for j in jobs],
+
+            def stream_chunk(text: str | None, toks: list[int], why: str | None,
+                             usage: dict[str, int] | None = None, index: int = 0,
+                             lp: dict[str, Any] | None = None) -> dict[str, Any]:
+                if text is not None and echoed is not None:  # (its first chunk: the prompt's)
+                    text = echoed.text(index, text)
+                return chunk(text, toks, why, usage, index, lp)
+
+            first = [] if prompt_lps else \
+                [chunk(e, [], None, index=i) for i, e in enumerate(echo or [])]
+            return _Stream(stream(jobs, stream_chunk, usage, first, body.return_token_ids,
+                                  n_prompt, lps), lambda: [_release(j) for j in jobs],
                            settings.request_timeout)
-        out = await until_disconnect(request, jobs)
+        out = [("", [], x[2]) if j.prompt_only else x
+               for j, x in zip(jobs, await until_disconnect(request, jobs), strict=True)]
         choices = [chunk((echo[i] if echo else "") + text, toks, why, index=i,
                          lp=None if lps is None else lps(i, jobs[i].sampler.records[:len(toks)])
                          )["choices"][0] for i, (text, toks, why) in enumerate(out)]
@@ -713,6 +758,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, settings: ServerSettings) -
                            "max_completion_tokens")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: only with logprobs=true", "top_logprobs")
+        _check_logprobs(body.top_logprobs, "top_logprobs")
         k = (body.top_logprobs or 0) if body.logprobs else None
         messages = [_message(m) for m in body.messages]
         try:

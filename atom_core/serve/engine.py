@@ -48,6 +48,8 @@ class Handle:
     sink: Sink
     rid: int | None = None
     ended: bool = False
+    # the batcher's `prompt_logits` hook (`sampling.PromptLogprobs`: echo with logprobs), or None
+    prompt_logits: Any = None
 
 
 class EngineStopped(RuntimeError):
@@ -160,7 +162,7 @@ class Engine:
             h: Handle = arg
             try:
                 h.rid = self.batcher.submit(h.prompt, h.max_new_tokens, h.eos_token_id,
-                                            sampler=h.sampler)
+                                            sampler=h.sampler, prompt_logits=h.prompt_logits)
             except ValueError as exc:  # the HTTP layer validates first; this is a backstop
                 h.ended = True
                 self._emit(h, Event("error", -1, error=str(exc)))

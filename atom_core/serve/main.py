@@ -36,6 +36,14 @@ MAX_BODY_BYTES = 2**40
 # (vLLM queues without a bound). A waiting request holds its prompt's ids and its handler, a
 # few KB for a typical prompt, no KV block: 4096 of them are megabytes of host memory.
 DEFAULT_QUEUE = 4096
+# Log-probabilities per token a request may ask for (logprobs, top_logprobs): --max-logprobs,
+# by default vLLM's 20; above it a request is a 400 naming the limit. Bounded: per token of a
+# reply, and with echo of its prompt, the server keeps k + 1 (token, log-probability) pairs
+# until the response is written, about 250 bytes each as Python objects and JSON, so at
+# k = 256 a request of 8,192 tokens holds about 0.5 GB per choice. vLLM's -1 (the whole
+# vocabulary: 128k entries for Llama 3) would hold hundreds of GB for the same request.
+DEFAULT_MAX_LOGPROBS = 20
+MAX_LOGPROBS_BOUND = 256
 # --dtype: what the runtimes serve ("auto": the runtime's own; vLLM's "float" is float32)
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32"}
 
@@ -124,6 +132,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=opt.seconds(zero="abort them at once"), default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let requests in flight finish before "
                         "they are aborted")
+    p.add_argument("--max-logprobs", default=DEFAULT_MAX_LOGPROBS, metavar="K",
+                   type=opt.integer(0, MAX_LOGPROBS_BOUND,
+                                    zero="no request may ask for more than the chosen token's",
+                                    why="memory per request: each token holds K + 1 of them; "
+                                        "vLLM's -1, the whole vocabulary, is not taken"),
+                   help="log-probabilities per token a request may ask for (logprobs, "
+                        "top_logprobs; above: 400), as vLLM's (default: %(default)s); at most "
+                        f"{MAX_LOGPROBS_BOUND}: each token of a reply, and with echo of its "
+                        "prompt, holds K + 1 of them until the response is written")
     vf.add_with_aliases(p, "--log-level", dest="log_level", choices=LOG_LEVELS, default="info")
     vf.add_vllm_flags(p)
     p.epilog = vf.epilog()
@@ -170,7 +187,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from atom_core.serve.runtimes import build
 
     cfg, rt, tok = build(opts)
-    vocab = getattr(rt, "vocab_size", None)
+    batcher = AtomBatcher(cfg, rt)  # the runtime checked, its capabilities read, once
+    vocab = batcher.capabilities.vocab_size
     if isinstance(vocab, int):
         from atom_core.config import check_end_tokens
         from atom_core.serve.tokenizer import end_ids
@@ -183,8 +201,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     settings = ServerSettings(model_name=name, api_key=key, max_queue=args.max_queue,
                               request_timeout=args.request_timeout or None,
                               stream_interval=args.stream_interval,
-                              max_body_bytes=args.max_body_bytes)
-    engine = Engine(AtomBatcher(cfg, rt))
+                              max_body_bytes=args.max_body_bytes,
+                              max_logprobs=args.max_logprobs)
+    engine = Engine(batcher)
     return create_app(engine, tok, settings), engine, settings
 
 

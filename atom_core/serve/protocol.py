@@ -40,10 +40,9 @@ UNSUPPORTED = {
     "prompt": "/v1/chat/completions takes `messages`: send a `prompt` to /v1/completions",
 }
 GENERIC_UNSUPPORTED = "this parameter is " + _LEAVE_OUT
-# the most choices a request may ask for (n), and log-probabilities per token (vLLM's default
-# --max-logprobs)
+# the most choices a request may ask for (n)
 MAX_N = 128
-MAX_LOGPROBS = 20
+# (log-probabilities per token: the server's --max-logprobs, checked by the app, main.py)
 
 # A request is a few levels deep (messages.0.content.0.text); past this it is no request, and
 # the validation and error reporting after the parse need not be recursion-safe for it.
@@ -131,7 +130,8 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    # 0: completions' echo only (the prompt alone, scored); else a 400 (app's `_check_common`)
+    max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
@@ -160,7 +160,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
 
 
 class TextPart(_Strict):
@@ -212,7 +212,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
 
 
 class TokenizeRequest(_Strict):

@@ -1,5 +1,6 @@
-"""Which runtime serves, and with which tokenizer: a registry, so a runtime added later (e.g.
-one over Hugging Face transformers models) plugs in by name without touching the server.
+"""Which runtime serves, and with which tokenizer: serve's steps of each runtime in the one
+registry of runtimes (atom_core/runtime/registry.py), so a runtime added later plugs in by name
+without touching the server.
 
 A factory takes the parsed `ServeOptions` and returns (Config, runtime, tokenizer); the server
 checks the runtime against the Config (`check_runtime`) when the batcher is built. A runtime's
@@ -26,6 +27,8 @@ from atom_core.config import (
     min_kv_blocks,
     read_rbln,
 )
+from atom_core.runtime import registry
+from atom_core.runtime.registry import RuntimeKind, RuntimeRequest
 from atom_core.serve.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, end_ids
 
 TINY = "tiny"  # the built-in seeded reference model with the byte tokenizer
@@ -46,33 +49,38 @@ class ServeOptions:
 
 
 Factory = Callable[[ServeOptions], tuple[Config, Any, Tokenizer]]
+# A runtime's checks of its options that need no model loaded (what --model and --compiled must
+# be, the artifact's settings): run before the port is checked and before anything heavy (torch,
+# transformers, the weights) is imported, so a mistake is said at once.
 Check = Callable[[ServeOptions], ServeOptions]
-RUNTIMES: dict[str, Factory] = {}
-# Each runtime's checks of its options that need no model loaded (what --model and --compiled
-# must be, the artifact's settings): run before the port is checked and before anything heavy
-# (torch, transformers, the weights) is imported, so a mistake is said at once.
-CHECKS: dict[str, Check] = {}
+
+
+def _served(kind: RuntimeKind) -> bool:
+    return kind.serve is not None
 
 
 def register_runtime(name: str, factory: Factory, check: Check | None = None) -> None:
-    RUNTIMES[name] = factory
-    if check is not None:
-        CHECKS[name] = check
+    """Serve runtime `name` with `factory` (after `check`): its kind in the registry gets them,
+    a new kind (serve only) if there is none."""
+    kind = registry.KINDS.get(name) or RuntimeKind(name, "a runtime registered for serve")
+    registry.register(attrs.evolve(kind, serve=factory, serve_check=check))
 
 
 def check(opts: ServeOptions) -> ServeOptions:
-    """`opts`, checked as far as it can be without loading a model (`CHECKS`), its
-    --rbln-config read (once); ValueError / ConfigError naming the option and what to give."""
-    if opts.runtime not in RUNTIMES:
-        raise ValueError(f"--runtime {opts.runtime}: unknown; give one of {sorted(RUNTIMES)}")
+    """`opts`, checked as far as it can be without loading a model (the runtime's
+    `serve_check`), its --rbln-config read (once); ValueError / ConfigError naming the option
+    and what to give."""
+    kind = registry.get(opts.runtime, has=_served)
     if opts.rbln_config is not None:
         opts = attrs.evolve(opts, rbln_config=read_rbln(opts.rbln_config))
-    return CHECKS[opts.runtime](opts) if opts.runtime in CHECKS else opts
+    return kind.serve_check(opts) if kind.serve_check is not None else opts
 
 
 def build(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     opts = check(opts)
-    return RUNTIMES[opts.runtime](opts)
+    factory = registry.get(opts.runtime).serve
+    assert factory is not None  # (check refuses a runtime serve has no factory for)
+    return factory(opts)  # type: ignore[no-any-return]
 
 
 # what a model directory's tokenizer is saved as (save_pretrained writes one of these)
@@ -283,14 +291,11 @@ def _check_reference(opts: ServeOptions) -> ServeOptions:
 
 
 def _reference(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
-    from atom_core.runtime.reference import TorchReferenceRuntime
-
     cfg = config_for(opts, TINY_DEFAULTS if opts.rbln_config is None else None)
     tok = opts_tokenizer(opts)
-    model: dict[str, Any] = {"vocab_size": tok.vocab_size}
-    if cfg.sliding_window is not None:
-        model.update(sliding_window=cfg.sliding_window, layers=3, global_every=3)
-    return cfg, TorchReferenceRuntime.tiny(cfg, seed=opts.seed, **model), tok
+    load = registry.get("reference").load
+    assert load is not None
+    return cfg, load(cfg, RuntimeRequest(seed=opts.seed, vocab_size=tok.vocab_size)), tok
 
 
 def _check_rbln(opts: ServeOptions) -> ServeOptions:
@@ -310,10 +315,10 @@ def _check_rbln(opts: ServeOptions) -> ServeOptions:
 
 def _rbln(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     opts = _check_rbln(opts)
-    from atom_core.runtime.rbln import RblnRuntime
-
-    assert opts.compiled is not None  # (_check_rbln refuses its absence)
-    return config_for(opts), RblnRuntime.from_compiled(opts.compiled), opts_tokenizer(opts)
+    load = registry.get("rbln").load
+    assert load is not None and opts.compiled is not None  # (_check_rbln refuses its absence)
+    cfg = config_for(opts)
+    return cfg, load(cfg, RuntimeRequest(compiled=opts.compiled)), opts_tokenizer(opts)
 
 
 def _check_hf(opts: ServeOptions) -> ServeOptions:
@@ -334,14 +339,14 @@ def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
     random weights, the byte tokenizer); see atom_core.runtime.hf."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never the network
     try:
-        from atom_core.runtime import hf
+        import atom_core.runtime.hf  # noqa: F401 - fails here when transformers is missing
     except ImportError as exc:
         raise ValueError(f"--runtime hf needs transformers and torch: pip install "
                          f"'atom-core[hf]' ({exc})") from None
     try:
-        cfg, rt, tok = hf.serve_factory(opts)
+        cfg, rt, tok = hf_factory(opts)
         if opts.tokenizer is not None or opts.chat_template is not None:
-            # (serve_factory loads the model's own: --tokenizer's or the template's instead,
+            # (hf_factory loads the model's own: --tokenizer's or the template's instead,
             # checked against the model as the model's own tokenizer is)
             tok = opts_tokenizer(opts)
             vocab = getattr(getattr(rt, "model", None), "config", None)
@@ -361,3 +366,54 @@ def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
 register_runtime("reference", _reference, _check_reference)
 register_runtime("rbln", _rbln, _check_rbln)
 register_runtime("hf", _hf, _check_hf)
+
+
+def hf_factory(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
+    """`atom-core serve --runtime hf --model DIR|tiny-llama|tiny-gemma3`: (Config, runtime,
+    tokenizer). A Gemma3 model's Config gets the model's window unless it names one."""
+    from atom_core.runtime.hf import TINY_MODELS, HFRuntime, tiny_runtime, with_model_window
+
+    cfg = with_model_window(config_for(opts, TINY_DEFAULTS if opts.rbln_config is None
+                                       else None), opts.model)
+    if opts.model in TINY_MODELS:
+        tok: Any = ByteTokenizer()
+        return cfg, tiny_runtime(opts.model, cfg, opts.seed, vocab_size=tok.vocab_size), tok
+    tok = tokenizer_for(opts.model)
+    check_hf_tokenizer(tok, opts.model)  # before the model is loaded and its KV allocated
+    rt = HFRuntime.from_pretrained(opts.model, cfg)
+    _end_where_generate_ends(tok, rt.model, opts.model)
+    return cfg, rt, tok
+
+
+def model_end_ids(model: Any) -> list[int]:
+    """The ids transformers' generate() ends a sequence at: the loaded model's
+    generation_config (generation_config.json, or config.json's eos_token_id when a checkpoint
+    has no generation_config.json: transformers derives it from the model config)."""
+    from atom_core.serve.tokenizer import id_list
+
+    return id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+
+
+def _end_where_generate_ends(tok: Any, model: Any, where: str | os.PathLike[str]) -> None:
+    """Make the served replies end at every id generate() ends at. The tokenizer reads
+    generation_config.json only, so a checkpoint without it whose config.json lists several
+    end ids (Llama 3's <|end_of_text|> and <|eot_id|>) would run past the second one to
+    max_tokens. Ids outside the vocabulary are refused (`check_end_tokens`)."""
+    ends = model_end_ids(model)
+    check_end_tokens(ends, int(model.config.vocab_size), f"{where}: the model's eos_token_id")
+    missing = frozenset(ends) - set(end_ids(tok))
+    if missing and hasattr(tok, "end_token_ids"):
+        tok.end_token_ids = frozenset(tok.end_token_ids) | missing
+
+
+def check_hf_tokenizer(tok: Any, model: str | os.PathLike[str]) -> None:
+    """Refuse a tokenizer whose end tokens the model directory's model cannot emit (ids at or
+    past its config's vocab_size): generation would never stop on them."""
+    from transformers import AutoConfig
+
+    mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
+    vocab = getattr(mcfg, "vocab_size", None)
+    if vocab is None and hasattr(mcfg, "get_text_config"):
+        vocab = getattr(mcfg.get_text_config(), "vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        check_end_tokens(end_ids(tok), vocab, f"{model}: the tokenizer")

@@ -88,16 +88,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.params
-        raw = logits.to(torch.float32)
-        # float64: the same logits give the same probabilities in every process
-        x = raw.to(torch.float64)
+        # float64 of the float32 logits: the same logits give the same probabilities in every
+        # process (the logprobs keep a float64 model's own: `log_probs`)
+        x = logits.to(torch.float32).to(torch.float64)
         x = self._penalised(x)
         if p.greedy:
             tok = int(x.max(dim=-1)[1])
         else:
             tok = self._draw(x)
         if p.logprobs is not None:
-            self._record(raw, tok)
+            self._record(logits, tok)
         self._counts[tok] = self._counts.get(tok, 0) + 1
         self.generated += 1
         return tok
@@ -139,13 +139,58 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._gen))
 
     def _record(self, raw: torch.Tensor, tok: int) -> None:
-        lp = torch.log_softmax(raw, dim=-1)
+        lp = log_probs(raw)
         k = min(self.params.logprobs or 0, lp.numel())
         top: tuple[tuple[int, float], ...] = ()
         if k:
             vals, ids = torch.topk(lp, k)  # (as vLLM picks them; O(V), not a sort)
             top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
         self.records.append(TokenLogprobs(tok, float(lp[tok]), top))
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension in float32 (vLLM's), or float64 for a model that
+    computes in float64 (a cast to float32 would lose what it computed)."""
+    x = logits if logits.dtype == torch.float64 else logits.to(torch.float32)
+    return torch.log_softmax(x, dim=-1)
+
+
+class PromptLogprobs:
+    """A request's prompt logprobs (vLLM's `prompt_logprobs`, which echo with logprobs returns):
+    the batcher's `prompt_logits` hook, given the logits of each prompt chunk from the prefill
+    call that fills its KV. `records[i]`: prompt token i's log-probability given the tokens
+    before it and the `k` most likely tokens' there (a `TokenLogprobs`); `records[0]` stays None
+    (nothing precedes the first token). Position p's logits are token p + 1's distribution; the
+    last prompt position's give the first generated token, the sampler's. Filled on the engine
+    thread before the prompt's last chunk reports its token."""
+
+    def __init__(self, prompt: list[int] | tuple[int, ...], k: int) -> None:
+        self.prompt = torch.tensor(list(prompt), dtype=torch.long)
+        self.k = k
+        self.records: list[TokenLogprobs | None] = [None] * len(prompt)
+
+    def __call__(self, start: int, logits: torch.Tensor) -> None:
+        # (a request preempted and resumed computes its prompt again, and its generated tokens
+        # as prompt: the positions recorded before, and those past the prompt, are kept as
+        # they are)
+        n = min(int(logits.shape[0]), len(self.records) - 1 - start)
+        if n <= 0:
+            return
+        if start and self.records[start] is None:
+            # (the batcher drops the entries such a request would hit: a bug if it gets here)
+            raise ValueError(f"prompt positions before {start} were not computed (a prefix "
+                             "cache hit): their log-probabilities are unknown")
+        if self.records[start + n] is not None:
+            return
+        lp = log_probs(logits[:n])
+        nxt = self.prompt[start + 1:start + 1 + n]
+        chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        k = min(self.k, lp.shape[-1])
+        vals, ids = torch.topk(lp, k, dim=-1)
+        for i, (tok, got, top_ids, top_vals) in enumerate(zip(
+                nxt.tolist(), chosen, ids.tolist(), vals.tolist(), strict=True)):
+            self.records[start + 1 + i] = TokenLogprobs(
+                tok, got, tuple(zip(top_ids, top_vals, strict=True)))
 
 
 def sampler_for(params: SamplingParams, prompt: list[int] | tuple[int, ...] = ()

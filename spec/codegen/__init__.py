@@ -1,5 +1,6 @@
-"""Translate the spec model into the executable core, `atom_core/_generated/core.py`, and its
-in-place variant `atom_core/_generated/inplace.py` (`InplaceGenerator`, documented there).
+"""Translate the spec model into the executable core, `atom_core/_generated/core.py`, its
+in-place variant `atom_core/_generated/inplace.py` (`InplaceGenerator`, documented there) and
+the actions as typed records, `atom_core/_generated/choices.py` (`ChoicesGenerator`).
 
     python -m atom_core.spec.codegen          # (re)write atom_core/_generated/
     python -m atom_core.spec.codegen --check  # exit 1 and print a diff if it is stale
@@ -38,8 +39,8 @@ For speed (the core is on the serving hot path) the generator
 
 The package: `printer` (the pretty printer of the generated code), `analysis` (expression
 walking, `Analysis`, the sharing key of subterms), `body` (`Body`: one generated function's
-statements and expressions), `pure` (`Generator`, core.py) and `inplace` (`InplaceGenerator`,
-inplace.py); this module holds the entry points.
+statements and expressions), `pure` (`Generator`, core.py), `inplace` (`InplaceGenerator`,
+inplace.py) and `choices` (`ChoicesGenerator`, choices.py); this module holds the entry points.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ from pathlib import Path
 from types import ModuleType
 
 from atom_core.spec.codegen.analysis import GenerationError, modifies, reads_param
+from atom_core.spec.codegen.choices import ChoicesGenerator
 from atom_core.spec.codegen.inplace import InplaceGenerator
 from atom_core.spec.codegen.pure import HEADER, Generator
 from atom_core.spec.lang import TRUE, Model, show
 
-__all__ = ["GenerationError", "Generator", "InplaceGenerator", "check", "generate", "load",
-           "load_inplace", "main", "output_dir", "reads_param", "write"]
+__all__ = ["ChoicesGenerator", "GenerationError", "Generator", "InplaceGenerator", "check",
+           "generate", "load", "load_inplace", "main", "output_dir", "reads_param", "write"]
 
 
 # --------------------------------------------------------------------------- entry points
@@ -84,7 +86,7 @@ def generate(model: Model | None = None) -> dict[str, str]:
     inplace = InplaceGenerator(model)
     inplace_source = inplace.source()
     return {"__init__.py": INIT_SOURCE, "core.py": Generator(model, inplace.shared).source(),
-            "inplace.py": inplace_source}
+            "inplace.py": inplace_source, "choices.py": ChoicesGenerator(model).source()}
 
 
 def action_table(model: Model | None = None) -> str:

@@ -23,7 +23,7 @@ from atom_core.spec.codegen.printer import (
     render,
     tuple_doc,
 )
-from atom_core.spec.codegen.pure import HEADER, SEQ_MODULE, Generator
+from atom_core.spec.codegen.pure import HEADER, SEQ_MODULE, Generator, py_type
 from atom_core.spec.lang import (
     And,
     App,
@@ -392,13 +392,13 @@ class InplaceGenerator(Generator):
         if f.ghost:
             return "Any"
         lay = self.layout(f)
-        ret = self.py_type(f.ret)
+        ret = py_type(f.ret)
         if self.may_be_unset(f):
             ret = "Any"  # (None where unset: only the guards know when it is read set)
         if lay == "scalar":
             return ret
         if lay == "map":  # (a read of one without a default may be None)
-            return f"dict[{self.py_type(f.args[0])}, {ret}]" if f.name in self.defaults else "Any"
+            return f"dict[{py_type(f.args[0])}, {ret}]" if f.name in self.defaults else "Any"
         for _ in f.args:
             ret = f"list[{ret}]"
         return ret

@@ -67,6 +67,23 @@ SEQ_MODULE = "atom_core.seq"
 INPLACE_MODULE = "atom_core._generated.inplace"
 
 
+def py_type(sort: Sort) -> str:
+    """The Python annotation of a value of `sort` in the generated code."""
+    k = sort.kind
+    if k == "bool":
+        return "bool"
+    if k in ("int", "index", "enum", "ident"):
+        return "int"
+    if k == "value":
+        return "TokSeq"
+    if k == "fn":
+        inner = py_type(sort.ret)
+        for _ in sort.args:
+            inner = f"tuple[{inner}, ...]"
+        return inner
+    raise GenerationError(f"sort {sort.name} ({k}) has no Python type")
+
+
 def _modifies_comment(a: Any) -> str:
     plain, ghost = modifies(a)
     text = "modifies: " + (", ".join(plain) or "nothing")
@@ -254,7 +271,7 @@ class Generator:
                     raise GenerationError(
                         f"{a.name}: parameter {p.name} has no sort (string annotations, e.g. "
                         "from `from __future__ import annotations`, are not supported)")
-                self.py_type(p.sort)
+                py_type(p.sort)
                 if p.name in self.module_names or p.name in _PARAM_RESERVED or \
                         p.name in BUILTINS or p.name.startswith("new_"):
                     raise GenerationError(f"{a.name}: parameter name {p.name!r} is reserved")
@@ -273,8 +290,8 @@ class Generator:
                 raise GenerationError(f"duplicate names in {names}")
 
     def _effect_sort(self, e: Expr) -> str:
-        return f"tuple[{self.py_type(e.sort)}, ...]" if type(e) is Vector else \
-            self.py_type(e.sort)
+        return f"tuple[{py_type(e.sort)}, ...]" if type(e) is Vector else \
+            py_type(e.sort)
 
     def guard_params(self, act: Any) -> set[str]:
         hit = self._guard_params.get(act.name)
@@ -293,21 +310,6 @@ class Generator:
     def state_type(self, name: str) -> str:
         """The annotation of function `name`'s state parameter."""
         return "StateView" if name in self.shared else self.state_cls
-
-    def py_type(self, sort: Sort) -> str:
-        k = sort.kind
-        if k == "bool":
-            return "bool"
-        if k in ("int", "index", "enum", "ident"):
-            return "int"
-        if k == "value":
-            return "TokSeq"
-        if k == "fn":
-            inner = self.py_type(sort.ret)
-            for _ in sort.args:
-                inner = f"tuple[{inner}, ...]"
-            return inner
-        raise GenerationError(f"sort {sort.name} ({k}) has no Python type")
 
     def neutral(self, sort: Sort) -> str:
         k = sort.kind
@@ -334,7 +336,7 @@ class Generator:
 
     def field_type(self, f: StateFn) -> str:
         lay = self.layout(f)
-        ret = self.py_type(f.ret)
+        ret = py_type(f.ret)
         if lay == "map":
             t = "PMap"
         else:
@@ -401,7 +403,7 @@ class Generator:
         # constants with a default come last (attrs needs them after the required ones)
         for c in sorted(self.model.consts, key=lambda c: c.default is not None):
             dflt = "" if c.default is None else f" = {c.default!r}"
-            lines.append(f"    {c.name}: {self.py_type(c.sort)}{dflt}\n")
+            lines.append(f"    {c.name}: {py_type(c.sort)}{dflt}\n")
         return "".join(lines)
 
     def _state(self) -> str:
@@ -602,7 +604,7 @@ class Generator:
         else:
             read = {p.name for p in a.params}
         return ", ".join([f"s: {self.state_type(name)}"] + [
-            f"{p.name}: {self.py_type(p.sort) if p.name in read else 'Any'}" for p in a.params])
+            f"{p.name}: {py_type(p.sort) if p.name in read else 'Any'}" for p in a.params])
 
     @staticmethod
     def _range_checks(a: Any, none_ok: bool = False) -> str:
@@ -660,7 +662,7 @@ class Generator:
     def _where_head(self, f: StateFn) -> str:
         """The header of `where_<f>` (its loop variable is `x`, never `s`, the state)."""
         name, sort = f"where_{f.name}", f.args[0]
-        return (f"def {name}(s: {self.state_type(name)}, v: {self.py_type(f.ret)}) -> list[int]:\n"
+        return (f"def {name}(s: {self.state_type(name)}, v: {py_type(f.ret)}) -> list[int]:\n"
                 + self._docstring(f"The {sort.name} x with {f.name}(x) == v, ascending "
                                   f"(`lookup({f.name})`)."))
 
@@ -688,7 +690,7 @@ class Generator:
         """The header of `enabled_<a>` or `ready_<a>`: the parameters as keywords, None meaning
         unbound."""
         st = f"s: {self.state_type(name)}"
-        kw = ", ".join(f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params)
+        kw = ", ".join(f"{p.name}: {py_type(p.sort)} | None = None" for p in a.params)
         sig = f"{st}, *, {kw}" if kw else st
         line = f"def {name}({sig}) -> bool:\n"
         if len(line) <= WIDTH + 1:
@@ -696,7 +698,7 @@ class Generator:
         if len(f"    {sig},") <= WIDTH:
             return f"def {name}(\n    {sig},\n) -> bool:\n"
         items = [st, "*"] + [
-            f"{p.name}: {self.py_type(p.sort)} | None = None" for p in a.params]
+            f"{p.name}: {py_type(p.sort)} | None = None" for p in a.params]
         return f"def {name}(\n" + "".join(f"    {x},\n" for x in items) + ") -> bool:\n"
 
     def _enabled_fn(self, a: Any) -> str:

@@ -96,8 +96,9 @@ class MachineBase(RuleBasedStateMachine):
         return (not any(self.s.copying) and self.core.OWNER_DRAINING not in self.s.owner
                 and self.core.SLOTSTATE_STORING not in self.s.slot_state)
 
-    def apply(self, name: str, *args: Any) -> Any:
-        """Run one action on the core and check everything about the step."""
+    def apply(self, name: str, *args: Any, observe: bool = True) -> Any:
+        """Run one action on the core and check everything about the step. observe: the
+        policy observes its effects (the scheduler's own transitions: it does, itself)."""
         act, guard, _, _ = self.core.ACTIONS[name]
         Stats.calls += 1
         pre = self.s
@@ -126,7 +127,8 @@ class MachineBase(RuleBasedStateMachine):
         if out.rejected is None:
             Stats.applied[name] += 1
             self.s = out.state
-            self.policy.observe(self.convert(e) for e in out.effects)
+            if observe:
+                self.policy.observe(self.convert(e) for e in out.effects)
             self.life.apply(name, args, out.effects, pre,
                             post=out.state if self.core is committed else None)
         else:

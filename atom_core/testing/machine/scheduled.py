@@ -2,9 +2,9 @@
 (`atom_core.scheduler`), never restated here; hypothesis chooses what the outside world
 answers (each block work's outcome, each call's tokens, row errors or failure).
 
-`MachineScheduler` is a `Scheduler` whose every transition goes through the machine's `apply`
-(over the core under test, a mutant one too: every check of every step, the lifecycle model,
-the mirror, progress), and whose in-place state is the machine's, rebuilt after each one. Its
+`MachineScheduler` is a `Scheduler` whose every transition (`Scheduler.transition`) goes through
+the machine's `apply` (over the core under test, a mutant one too: every check of every step,
+the lifecycle model, the mirror, progress), its state the machine's after each one. Its
 views of what the core holds (the waiting queue, the requests, the block tables) are rebuilt
 from the machine's state before each step (`sync`), so the machine's other rules, which take
 the core's actions directly (adversarial interleavings the scheduler never makes: a copy left
@@ -121,11 +121,11 @@ class MachineScheduler(Scheduler):
 
     def sync(self) -> None:
         """Rebuild the views over the core (its state, the waiting queue in the scheduler's
-        order, new requests last, the requests, the block tables) from the machine's."""
+        order, new requests last, the requests; the block tables, by `restore`) from the
+        machine's."""
         m = self.machine
-        self._m = inplace.thaw(m.s)
-        self.version += 1
-        s, life = self._m, m.life
+        self.restore(m.s)
+        s, life = self.view, m.life
         waiting = {r for r, x in life.status.items() if x == "waiting"}
         queue = [r for r in self.waiting if r in waiting]
         queue += sorted(waiting - set(queue))
@@ -141,37 +141,23 @@ class MachineScheduler(Scheduler):
                                        remote=self.remote.get(r, False),
                                        export=self.export.get(r, False), tokens=tokens,
                                        owner=self)
-        self._tables()
 
-    def _tables(self) -> None:
-        """Each busy lane's blocks in token order, from the core's state (as
-        `check_invariants` reads them), padded with its tail to T blocks."""
-        s, t = self._m, self.config.blocks_per_table
-        for ln in range(s.consts.B):
-            owned = sorted((s.start[b], b) for b in range(s.consts.K)
-                           if s.owner[b] == committed.OWNER_LANE and s.owner_lane[b] == ln)
-            table = [b for _start, b in owned] if s.busy[ln] else []
-            self.tables[ln] = table
-            self._rows[ln] = (*table, *(table[-1:] * (t - len(table)))) if table else (0,) * t
-
-    def _apply(self, action: str, **args: Any) -> committed.Step:
-        """The scheduler's transition, through the machine's `apply` (every check); a step the
-        core under test refuses is a choice the spec does not allow (refinement)."""
+    def transition(self, action: str, args: dict[str, Any]) -> committed.Step:
+        """The scheduler's transition, through the machine's `apply` (every check; the
+        policy observes it through the scheduler, as in serving); a step the core under test
+        refuses is a choice the spec does not allow (refinement)."""
         m = self.machine
         pre = m.s
         m.before_scheduled(action, args)
-        out = m.apply(action, *(args[k] for k in m.core.ACTIONS[action][2]))
+        out = m.apply(action, *(args[k] for k in m.core.ACTIONS[action][2]), observe=False)
         if out.rejected is not None:
             raise RefinementViolation(action, f"the scheduler chose {args}, refused by "
                                       f"{out.rejected}", m.core, pre)
-        self._m = inplace.thaw(m.s)
-        self.version += 1
-        self._tables()
         if action == "preempt":
             self.preempted_now.append(args["l"])
             self.remote[pre.lane_req[args["l"]]] = False  # (it resumes locally)
         effects = tuple(map(m.convert, out.effects))
-        return committed.Step(out.state, effects, None)  # type: ignore[arg-type]
+        return committed.Step(inplace.thaw(m.s), effects, None)  # type: ignore[arg-type]
 
 
 class SchedulerRules:
@@ -332,6 +318,8 @@ class SchedulerRules:
                 raise RefinementViolation("grow", str(exc), self.core, self.s) from exc
             Stats.events["scheduler waits for a block"] += 1
             return False
+        finally:
+            sched.abandon()  # (a check that failed mid-step: the step ends with it)
         if not called:
             self.refine_at_end()
         Stats.events["scheduler steps"] += 1
