@@ -142,6 +142,7 @@ bench: install
 	$(PY) -m bench.hf --mixed
 	$(PY) -m bench.hf --mixed --model small-llama
 	$(PY) -m bench.hf_call
+	$(PY) -m bench.vllm_client
 
 # `atom-core serve --runtime hf` against vLLM's CPU engine serving the same 26M-parameter random
 # Llama, end to end (never in CI: it needs the vLLM venv): output tokens/s, TTFT, ITL and server
