@@ -129,24 +129,6 @@ class Plan:
         return (self.ids, self.positions, self.tables, self.local)
 
 
-class _WantPromptLogits:
-    """The requests that want their prompt's logits (`Policy.uncached`): each takes no prefix
-    hit, since a hit's positions are copied, not computed, and have no logits. (vLLM serves a
-    request with prompt_logprobs without its prefix cache as well.) The policy skips their host
-    and growth hits; a device hit at admission cannot be skipped (the spec's admission misses
-    only when no entry hits: `no_cache_hit`), so the entries a waiting one would hit are
-    dropped before each step (`AtomBatcher._drop_hits`). Read from the requests themselves, so
-    an ended one leaves nothing behind."""
-
-    def __init__(self, requests: dict[int, Request]) -> None:
-        self._requests = requests
-        self.waiting: set[int] = set()  # submitted, not yet seen admitted
-
-    def __contains__(self, rid: object) -> bool:
-        req = self._requests.get(rid)  # type: ignore[call-overload]
-        return req is not None and req.prompt_logits is not None
-
-
 def check_runtime(cfg: Config, rt: Any) -> Capabilities:
     """The runtime's capabilities (`protocol.capabilities`: RuntimeProtocolError if it is no
     runtime), which must be those of the artifact the config describes."""
@@ -298,12 +280,10 @@ class AtomBatcher(PDEndpoint):
                                  "or export)")
         planned = self._plan is not None and self._version == self._planned
         rid = self.scheduler.submit(prompt_ids, max_new_tokens, eos_token_id, remote=remote,
-                                    export=export, sampler=sampler)
+                                    export=export, sampler=sampler,
+                                    uncached=prompt_logits is not None)
         if prompt_logits is not None:
             self.requests[rid].prompt_logits = prompt_logits
-            if not isinstance(self.policy.uncached, _WantPromptLogits):
-                self.policy.uncached = _WantPromptLogits(self.requests)
-            self.policy.uncached.waiting.add(rid)
         if planned:  # a new waiting request changes nothing a pending plan chose
             self._planned = self._version
         return rid
@@ -371,9 +351,6 @@ class AtomBatcher(PDEndpoint):
         `complete()`)."""
         if self._plan is not None:
             raise RuntimeError("plan() called while a plan is pending: call complete() first")
-        want = self.policy.uncached
-        if isinstance(want, _WantPromptLogits) and want.waiting:
-            self._drop_hits(want)
         out = self._run_work(self.scheduler.schedule())
         if out.call is None:
             plan = Plan(None, out.events)
@@ -385,19 +362,6 @@ class AtomBatcher(PDEndpoint):
             plan = self._decode_plan(out.call, out.events)
         self._plan, self._planned = plan, self._version
         return plan
-
-    def _drop_hits(self, want: _WantPromptLogits) -> None:
-        """Drop (`discard`) the cache entries a waiting request that wants its prompt's logits
-        would hit, so that its admission computes its whole prompt. (Between steps no copy is
-        in flight, so no entry is pinned.) A request preempted back to the queue after its
-        admission may still take a hit: of positions it computed before, whose logits it has."""
-        s = self.scheduler.view
-        for rid in list(want.waiting):
-            if self.phase(rid) != core.PHASE_WAITING:
-                want.waiting.discard(rid)
-                continue
-            while (hit := self.policy.best_hit(s, s.prompt[rid])) is not None:
-                self._apply("discard", b=hit[0])
 
     def complete(self, logits: Any = None, *, tokens: Sequence[int] | None = None,
                  error: BaseException | None = None) -> list[Event]:

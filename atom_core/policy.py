@@ -110,7 +110,7 @@ class Policy:
         self.admitted: dict[int, int] = {}  # lane -> time its request was admitted
         # requests that take no prefix hit from the host tier and, once admitted, none past
         # their first block (`grow`): every position of their prompt is computed (the
-        # executor's: those that want their prompt's logits)
+        # Scheduler's `Request.uncached`: those that want their prompt's logits)
         self.uncached: Container[int] = frozenset()
 
     # bookkeeping -------------------------------------------------------------------
@@ -335,7 +335,7 @@ class Policy:
             return None if dst is None else AdmitImport(l=lane, r=r, dst=dst)
         hit = self.best_hit(s, prompt) if s.consts.PREFIX else None
         # (a device hit is never skipped: a miss beside one is no move (`no_cache_hit`); the
-        # executor drops the entries an uncached request would hit before it is admitted)
+        # scheduler drops the entries an uncached request would hit before it is admitted)
         host = self.best_host_hit(s, prompt) if s.consts.HOST and r not in self.uncached \
             else None
         if prefer_host(hit, host):

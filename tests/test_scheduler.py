@@ -374,3 +374,40 @@ def test_mixed_calls_give_each_request_the_tokens_separate_calls_give() -> None:
     assert MixedCall in calls_together and MixedCall not in calls_apart
     assert ("prefills", 1) in calls_together and ("prefills", 2) not in calls_together
     assert ("prefills", 3) in calls_wide
+
+
+def _run(sched: Scheduler, lanes: int) -> list[Any]:
+    """Every step until the scheduler is idle, its work done and its calls answered; the calls."""
+    calls = []
+    while sched.busy():
+        out = sched.schedule()
+        while not out.done:
+            calls.append(out.call)
+            out = sched.update(_succeed(out, lanes))
+    return calls
+
+
+@pytest.mark.parametrize("uncached", [False, True])
+def test_an_uncached_request_computes_its_whole_prompt(uncached: bool) -> None:
+    """A request that takes no prefix hit (prompt logprobs: every position's logits) is
+    admitted with its whole prompt computed, though a cache entry matches it: the scheduler
+    discards the entries it would hit (the spec's admission takes any hit there is). Its
+    neighbour, asking nothing, takes the hit."""
+    cfg = Config(lanes=2, kv_blocks=min_kv_blocks(2, True, "reserved", 2) + 1, max_seq_len=256,
+                 block_size=128, prefill_chunk=64, prefix_cache=True)
+    sched = Scheduler(cfg, vocab_size=VOCAB)
+    shared = [1 + i % 9 for i in range(150)]
+    sched.submit(shared, 2)
+    _run(sched, cfg.lanes)
+    rid = sched.submit(shared + [3], 2, uncached=uncached)
+    calls = _run(sched, cfg.lanes)
+    starts = [c.start for c in calls if isinstance(c, PrefillCall) and c.request == rid]
+    assert starts[0] == (0 if uncached else 128), starts
+    assert sched.requests[rid].tokens and sched.requests[rid].error is None
+    again = sched.submit(shared + [4], 2)  # the uncached one filed its blocks: a hit again
+    calls = _run(sched, cfg.lanes)
+    assert [c.start for c in calls if isinstance(c, PrefillCall) and c.request == again][0] \
+        == 128
+    sched.check_invariants()
+    with pytest.raises(ValueError, match="remote"):
+        sched.submit(shared, 2, remote=True, uncached=True)

@@ -177,6 +177,35 @@ def test_sampling_n_seeds_and_logprobs_equal_vllms(engines: dict) -> None:
     assert last_atom().idle() == []
 
 
+def test_prompt_logprobs_with_the_prefix_cache_cover_every_prompt_token(engines: dict) -> None:
+    """A request asking for its prompt's logprobs takes no prefix hit (vLLM's
+    `skip_reading_prefix_cache`): its runner computes logprobs only for the positions it is
+    given, so a hit would leave the shared prefix's out. Its prompt logprobs equal vLLM's own
+    scheduler's, one per prompt token, while the requests beside it still take their hits."""
+    ps = prompts()[:8]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                             prompt_logprobs=1 if i in (3, 5) else None)
+              for i in range(len(ps))]
+    outs = {}
+    for name in (None, ATOM):
+        # (no reference to an engine kept: the next one is built after the fixture drops it)
+        engines[name, True, None].generate([{"prompt_token_ids": p} for p in ps[:2]],
+                                           greedy(2), use_tqdm=False)
+        gen = engines[name, True, None].generate([{"prompt_token_ids": p} for p in ps], params,
+                                                 use_tqdm=False)
+        outs[name] = [(o.outputs[0].token_ids, None if o.prompt_logprobs is None else
+                       [None if d is None else {t: round(lp.logprob, 4) for t, lp in d.items()}
+                        for d in o.prompt_logprobs]) for o in gen]
+    assert outs[ATOM] == outs[None]
+    for i in (3, 5):  # (prompts 1, 3, 5, 7 share a 130-token prefix, cached by prompt 1)
+        lps = outs[ATOM][i][1]
+        assert lps is not None and len(lps) == len(ps[i]) and lps[0] is None
+        assert all(d is not None and ps[i][j] in d for j, d in enumerate(lps) if j)
+    sched = last_atom()
+    assert sched.core.stats.prefix_hit_tokens >= 128  # the others took their hits
+    assert sched.idle() == []
+
+
 def test_aborts_mid_stream_free_everything_and_spare_the_rest(engines: dict) -> None:
     llm = engines[ATOM, True, None]
     eng = llm.llm_engine

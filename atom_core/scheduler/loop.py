@@ -39,6 +39,17 @@ from atom_core.seq import seq
 _Loop = Generator[StepOutput, StepResult, list[Event]]
 
 
+class _Uncached:
+    """The live requests that take no prefix-cache hit (`Request.uncached`)."""
+
+    def __init__(self, requests: dict[int, Request]) -> None:
+        self._requests = requests
+
+    def __contains__(self, rid: object) -> bool:
+        req = self._requests.get(rid)  # type: ignore[call-overload]
+        return req is not None and req.uncached
+
+
 class Scheduler:
     def __init__(self, config: Config, *, policy: Policy | None = None, ghost: bool = False,
                  trace: IO[str] | None = None, keep_ended: int | None = 10_000,
@@ -67,6 +78,9 @@ class Scheduler:
         self.version = 0
         self._frozen: tuple[int, core.State] | None = None
         self.requests: dict[int, Request] = {}
+        # the requests the policy gives no prefix hit: read from the requests themselves, so
+        # an ended one leaves nothing behind
+        self.policy.uncached = _Uncached(self.requests)
         self.waiting: deque[int] = deque()
         self.stats = Stats()
         self._next_id = 0
@@ -228,6 +242,8 @@ class Scheduler:
     def _admit(self, events: list[Event]) -> Generator[StepOutput, StepResult, None]:
         while self.waiting:
             rid = self.waiting[0]
+            if rid in self.policy.uncached and not self._dropped_hits(rid):
+                return  # a copy in flight reads an entry it would hit: the next step
             choice = self.policy.admission(self._m, rid, remote=self.requests[rid].remote)
             if choice is None:
                 return
@@ -238,6 +254,17 @@ class Scheduler:
             yield from self._dispatch(self._apply(choice.action, **choice.args), events)
             if isinstance(choice, choices.AdmitAdopt):  # a hit with nothing to copy
                 self.stats.prefix_hit_tokens += choice.n
+
+    def _dropped_hits(self, rid: int) -> bool:
+        """Discard the cache entries request `rid` would hit, so that its admission computes
+        its whole prompt (the spec's admission takes a hit whenever one exists:
+        `no_cache_hit`); the policy skips its host-tier and growth hits (`uncached`). False
+        when an entry cannot be discarded now (a copy in flight reads it)."""
+        while (hit := self.policy.best_hit(self._m, self._m.prompt[rid])) is not None:
+            if not inplace.enabled_discard(self._m, b=hit[0]):
+                return False
+            self._apply("discard", b=hit[0])
+        return True
 
     def _spilled(self, block: int | None) -> Generator[StepOutput, StepResult, bool]:
         """Spill before evict, the one place it is decided: a choice that would evict cache
@@ -477,8 +504,10 @@ class Scheduler:
     # --------------------------------------------------------------- client calls
     def submit(self, prompt_ids: Iterable[int], max_new_tokens: int,
                eos_token_id: int | None = None, *, remote: bool = False,
-               export: bool = False, sampler: Callable[[Any], int] | None = None) -> int:
-        """Queue a request; returns its id (see `AtomBatcher.submit`)."""
+               export: bool = False, sampler: Callable[[Any], int] | None = None,
+               uncached: bool = False) -> int:
+        """Queue a request; returns its id (see `AtomBatcher.submit`). `uncached`: it takes
+        no prefix-cache hit, at admission or after a preemption (`Request.uncached`)."""
         try:  # integers only: int() would truncate 1.7 and parse "5"
             prompt = [as_token(t) for t in prompt_ids]
         except TypeError:
@@ -513,11 +542,14 @@ class Scheduler:
                 f"{s - 1} prompt tokens plus the first generated one; shorten the prompt")
         if remote and export:
             raise ValueError("a request is either imported (remote) or exported, not both")
+        if uncached and remote:
+            raise ValueError("uncached: a remote request's prompt KV is imported, not computed "
+                             "here")
         rid = self._next_id
         self._apply("submit", r=rid, p=seq(prompt))
         self._next_id += 1
         self.requests[rid] = Request(rid, prompt, n_new, eos, remote=remote, export=export,
-                                     sampler=sampler, owner=self)
+                                     sampler=sampler, uncached=uncached, owner=self)
         self.waiting.append(rid)
         return rid
 

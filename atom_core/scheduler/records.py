@@ -69,9 +69,12 @@ class Request:
     error: str | None = None
     # picks the request's next token from its logits [V]; None: greedy (argmax)
     sampler: Callable[[Any], int] | None = None
+    # takes no prefix-cache hit: every position of its prompt is computed (prompt logprobs
+    # need each position's logits, which a hit's copied positions never had)
+    uncached: bool = False
     # takes (start, logits [n, V]) of each prompt chunk computed for the request, position
-    # start + i's in row i (a runtime with `prompt_logits`: prompt logprobs); None: only each
-    # chunk's last position is computed. Such a request takes no prefix hit (`Policy.uncached`)
+    # start + i's in row i (a runtime with `prompt_logits`: prompt logprobs; the request is
+    # `uncached`); None: only each chunk's last position is computed
     prompt_logits: Callable[[int, Any], None] | None = None
     # the scheduler whose core state holds the request's phase (read, never copied here)
     _owner: Scheduler | None = attrs.field(default=None, repr=False, eq=False)

@@ -127,7 +127,10 @@ class AtomScheduler(SchedulerInterface):
                 raise ValueError("prompt embeddings are not supported by atom-core's scheduler")
             # vLLM decides when a request stops (`check_stop`); the core's own limit is the
             # same max_tokens, so its length cap and vLLM's agree
-            rid = self.core.submit(request.prompt_token_ids, request.max_tokens)
+            # prompt logprobs (vLLM's `skip_reading_prefix_cache`): the runner computes them
+            # for the positions it is given, so the request takes no prefix hit
+            rid = self.core.submit(request.prompt_token_ids, request.max_tokens,
+                                   uncached=bool(request.skip_reading_prefix_cache))
         except ValueError as e:
             request.status = RequestStatus.FINISHED_ERROR
             log.warning("request %s refused: %s", vid, e)
@@ -356,21 +359,29 @@ class AtomScheduler(SchedulerInterface):
             if req is None or vid in self._deferred:  # (the client ended it: it knows)
                 continue
             toks = new_tokens.get(vid, [])
-            if not toks and not req.is_finished():
+            # the prompt's logprobs (`prompt_logprobs`), which the runner hands back with the
+            # prompt's last chunk, computed over every prompt position (the request took no
+            # prefix hit: `skip_reading_prefix_cache`)
+            prompt = None if mro is None else (mro.prompt_logprobs_dict.get(vid),
+                                               mro.prompt_token_id_logprobs_dict.get(vid))
+            if not toks and not req.is_finished() and (prompt is None or prompt == (None, None)):
                 continue
             logprobs = None
             if (mro is not None and mro.logprobs is not None and toks
                     and req.sampling_params is not None
                     and req.sampling_params.num_logprobs is not None):
                 logprobs = mro.logprobs.slice_request(mro.req_id_to_index[vid], len(toks))
-            self._emit(req, toks, logprobs, outputs)
+            self._emit(req, toks, logprobs, outputs, prompt)
 
     def _emit(self, req: Request, toks: list[int], logprobs: Any,
-              outputs: dict[int, list[EngineCoreOutput]]) -> None:
+              outputs: dict[int, list[EngineCoreOutput]],
+              prompt: tuple[Any, Any] | None = None) -> None:
         finished = req.is_finished()
         prefill_stats = req.take_prefill_stats() if toks or finished else None
+        prompt_lps, prompt_ids_lps = prompt or (None, None)
         outputs.setdefault(req.client_index, []).append(EngineCoreOutput(
             request_id=req.request_id, new_token_ids=toks, new_logprobs=logprobs,
+            new_prompt_logprobs_tensors=prompt_lps, prompt_token_id_logprobs=prompt_ids_lps,
             finish_reason=req.get_finished_reason() if finished else None,
             stop_reason=req.stop_reason, events=req.take_events(), prefill_stats=prefill_stats,
             trace_headers=req.trace_headers, num_nans_in_logits=req.num_nans_in_logits))
