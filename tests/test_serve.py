@@ -58,11 +58,16 @@ class SlowRuntime(TorchReferenceRuntime):
 class Server:
     """uvicorn serving the app in a thread on 127.0.0.1, port chosen by the OS."""
 
-    def __init__(self, cfg: Config, tokenizer=None, delay: float = 0.0, **settings) -> None:
+    def __init__(self, cfg: Config, tokenizer=None, delay: float = 0.0, runtime=None,
+                 **settings) -> None:
+        """`runtime`: the one to serve (default: the seeded reference model, each call
+        `delay` seconds late)."""
         self.tok = tokenizer or ByteTokenizer()
         self.cfg = cfg
-        self.runtime = SlowRuntime.tiny(cfg, seed=0, vocab_size=self.tok.vocab_size)
-        self.runtime.delay = delay
+        if runtime is None:
+            runtime = SlowRuntime.tiny(cfg, seed=0, vocab_size=self.tok.vocab_size)
+            runtime.delay = delay
+        self.runtime = runtime
         self.engine = Engine(AtomBatcher(cfg, self.runtime))
         self.app = create_app(self.engine, self.tok,
                               ServerSettings(model_name=MODEL, api_key=KEY, **settings))

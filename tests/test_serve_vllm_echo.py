@@ -10,8 +10,6 @@ batcher and through the real `openai` client, streamed and not."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 pytest.importorskip("fastapi")
@@ -164,14 +162,8 @@ class HF64Server(Server):
     """The server over the tiny Llama in float64 (HFRuntime: mixed calls), byte tokenizer."""
 
     def __init__(self) -> None:
-        self.tok, self.cfg = ByteTokenizer(), cfg_of()
-        self.runtime = hf_runtime(self.cfg)
-        self.engine = Engine(AtomBatcher(self.cfg, self.runtime))
-        self.app = create_app(self.engine, self.tok, ServerSettings(model_name=MODEL,
-                                                                    api_key=KEY))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        cfg = cfg_of()
+        super().__init__(cfg, runtime=hf_runtime(cfg))
 
 
 def expected(tok: ByteTokenizer, seq: list[int], n_prompt: int, lp: torch.Tensor,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections import Counter
 
@@ -21,12 +20,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from test_serve import KEY, MODEL, Server, tiny_config  # noqa: E402
 
-from atom_core.batcher import AtomBatcher  # noqa: E402
 from atom_core.demo import oracle_for  # noqa: E402
-from atom_core.serve.app import ServerSettings, create_app  # noqa: E402
-from atom_core.serve.engine import Engine  # noqa: E402
 from atom_core.serve.tokenizer import (  # noqa: E402
-    ByteTokenizer,
     HFTokenizer,
     IncrementalText,
     build_tiny_tokenizer,
@@ -298,15 +293,9 @@ class HFServer(Server):
     def __init__(self) -> None:
         from atom_core.runtime.hf import GenerateOracle, HFRuntime
 
-        self.tok, self.cfg = ByteTokenizer(), tiny_config(lanes=2)
-        self.runtime = HFRuntime.tiny_llama(self.cfg, seed=0, vocab_size=257)
+        cfg = tiny_config(lanes=2)
+        super().__init__(cfg, runtime=HFRuntime.tiny_llama(cfg, seed=0, vocab_size=257))
         self.generate_oracle = GenerateOracle(self.runtime)
-        self.engine = Engine(AtomBatcher(self.cfg, self.runtime))
-        self.app = create_app(self.engine, self.tok, ServerSettings(model_name=MODEL,
-                                                                    api_key=KEY))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
 
 
 def test_greedy_with_every_new_parameter_neutral_equals_generate() -> None:
