@@ -14,7 +14,8 @@ of `--calls` calls), with the range.
 by operator (self CPU time, the top rows).
 
 To measure another checkout's runtime with the same harness, put its atom_core first on the
-path: `PYTHONPATH=/path/to/other python -m bench.hf_call`.
+path: `PYTHONPATH=/path/to/other python -m bench.hf_call` (one whose runtime protocol has
+`capabilities`, which this harness reads the runtime's static shapes and vocabulary from).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(context: int, rounds: int, calls: int, profile: bool,
         threads: tuple[int, ...] = THREADS) -> dict[str, Any]:
     from atom_core.config import Config
     from atom_core.runtime.hf import HFRuntime
+    from atom_core.runtime.protocol import capabilities
 
     t0 = time.perf_counter()
     per_table = MAX_SEQ // BLOCK
@@ -57,13 +59,15 @@ def run(context: int, rounds: int, calls: int, profile: bool,
                  block_size=BLOCK, prefill_chunk=CHUNK)
     with tempfile.TemporaryDirectory(prefix="atom-bench-llama-") as tmp:
         rt = HFRuntime.from_pretrained(bench_model(tmp), cfg, num_threads=1)
-    static = getattr(rt, "static_batch", True) is not False
+    caps = capabilities(rt)  # what the runtime is, read once (as the batcher reads it)
+    static = caps.static_batch
+    assert caps.vocab_size is not None  # (a transformers model always has one)
     spare = cfg.kv_blocks - 1  # no lane's: the padding rows' target
     tables = torch.tensor([[lane * per_table + j for j in range(per_table)]
                            for lane in range(LANES)], dtype=torch.int16)
     gen = torch.Generator().manual_seed(1)
     for lane in range(LANES):
-        ids = torch.randint(0, BENCH_LLAMA["vocab_size"], (context,), generator=gen)
+        ids = torch.randint(0, caps.vocab_size, (context,), generator=gen)
         for s in range(0, context, CHUNK):
             part = ids[s:s + CHUNK]
             pad = torch.zeros(CHUNK, dtype=torch.int64)

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from atom_core.config import Config
 from atom_core.pd import payload as pd
 from atom_core.pd.transport import GlooTransport, InProcessTransport, TransportError
 from atom_core.pd.workers import PrefillWorker
+from atom_core.runtime.protocol import capabilities
 from atom_core.runtime.reference import TorchReferenceRuntime
 
 S, C = 128, 64
@@ -45,6 +47,20 @@ def test_frame_limits_follow_the_config() -> None:
     hh = hrt.new_host_buffer()
     assert pd.frame_limits(hcfg, hrt).tensor_bytes == \
         hh.numel() // hh.shape[3] * S * 4 + ring.numel() * 4
+
+
+def test_frame_limits_read_the_vocabulary_from_the_capabilities() -> None:
+    rt = TorchReferenceRuntime.tiny(CFG)
+    caps = capabilities(rt)
+    lim = pd.frame_limits(CFG, rt, caps)
+    assert lim == pd.frame_limits(CFG, rt)  # (read here when not given)
+    # the header bound is digits per token: a vocabulary of 10**6 takes 7 per token, not 4
+    wide = pd.frame_limits(CFG, rt, attrs.evolve(caps, vocab_size=10**6))
+    assert wide.header_bytes - lim.header_bytes == S * (7 - 4)
+    assert wide.tensor_bytes == lim.tensor_bytes
+    # a runtime that does not know its vocabulary (None) gets the widest token ids' bound
+    unknown = pd.frame_limits(CFG, rt, attrs.evolve(caps, vocab_size=None))
+    assert unknown.header_bytes - lim.header_bytes == S * (len(str((1 << 31) - 1)) - 3)
 
 
 def test_in_process_inbox_is_bounded() -> None:

@@ -33,6 +33,7 @@ from atom_core.pd.payload import (
     write_into,
 )
 from atom_core.runtime import RblnRuntime, TorchReferenceRuntime
+from atom_core.runtime.protocol import RuntimeProtocolError, capabilities
 
 C, S = 64, 256
 CONFIG = Config(lanes=1, kv_blocks=1, max_seq_len=S, prefill_chunk=C)
@@ -185,19 +186,26 @@ def test_fingerprint_of_other_runtimes() -> None:
         RblnRuntime(prefill=object(), decoders={1: object()}, num_blocks=2, block_size=S,
                     max_seq_len=S, prefill_chunk=C, vocab_size=128, fingerprint="")
 
-    class Bare:     # no fingerprint: layout facts only
-        block_size, max_seq_len = S, S
+    class Bare(TorchReferenceRuntime):  # no fingerprint: the layout facts only
+        fingerprint = None
 
-        def __init__(self, vocab_size: int, dtype: torch.dtype) -> None:
-            self.vocab_size, self.dtype = vocab_size, dtype
+    def bare(vocab_size: int = 128, dtype: torch.dtype = torch.float32, seed: int = 0) -> Bare:
+        return Bare.tiny(CONFIG, seed=seed, dtype=dtype, vocab_size=vocab_size)
 
-        def new_host_buffer(self) -> torch.Tensor:
-            return torch.zeros((2, 2, 2, S, 16), dtype=self.dtype)
+    base = model_fingerprint(bare())
+    # read from the capabilities (the batcher's record), never the runtime's attributes again
+    assert base == model_fingerprint(bare(), capabilities(bare()))
+    assert base == model_fingerprint(bare(seed=1))  # (weights are not layout facts)
+    assert base != model_fingerprint(bare(vocab_size=256))
+    assert base != model_fingerprint(bare(dtype=torch.float64))
+    # the class is a fact: another runtime class with the same layout is another model
+    assert base != model_fingerprint(bare(), attrs.evolve(capabilities(bare()), qualname="x.Y"))
 
-    base = model_fingerprint(Bare(128, torch.float32))
-    assert base == model_fingerprint(Bare(128, torch.float32))
-    assert base != model_fingerprint(Bare(256, torch.float32))
-    assert base != model_fingerprint(Bare(128, torch.bfloat16))
+    class Odd(Bare):
+        fingerprint = ""  # type: ignore[assignment]
+
+    with pytest.raises(RuntimeProtocolError, match=r"^Odd\.fingerprint must be a non-empty str"):
+        model_fingerprint(Odd.tiny(CONFIG))
 
 
 # --- one refusal per field ---------------------------------------------------------------------
@@ -243,6 +251,14 @@ def test_first_token_outside_the_vocabulary_is_refused(
         rt0: TorchReferenceRuntime, prompt: list[int], good: KVPayload, token: int) -> None:
     bad = resealed(good, KEY, first_token=token)
     refused(bad, "first_token", str(token), "0..127", **expect(rt0, prompt, key=KEY))
+
+
+def test_a_runtime_without_a_vocabulary_bounds_the_first_token_below_only(
+        rt0: TorchReferenceRuntime, prompt: list[int], good: KVPayload) -> None:
+    # (Capabilities.vocab_size None: the runtime does not know its vocabulary)
+    unknown = expect(rt0, prompt, key=KEY) | {"vocab_size": None}
+    validate(resealed(good, KEY, first_token=10**6), **unknown)
+    refused(resealed(good, KEY, first_token=-1), "first_token", "-1", **unknown)
 
 
 def test_wrong_kv_layout_is_refused(rt0: TorchReferenceRuntime, prompt: list[int]) -> None:

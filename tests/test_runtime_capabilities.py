@@ -47,7 +47,9 @@ def test_the_reference_runtime_reads_as_its_capabilities() -> None:
     rt = _runtime()
     caps = capabilities(rt)
     assert caps == Capabilities(
-        name="TorchReferenceRuntime", num_blocks=CFG.kv_blocks, block_size=128,
+        name="TorchReferenceRuntime",
+        qualname="atom_core.runtime.reference.TorchReferenceRuntime", num_blocks=CFG.kv_blocks,
+        block_size=128,
         max_seq_len=256, prefill_chunk=64, batch_size=2, decoder_batch_sizes=(2,),
         vocab_size=rt.vocab_size, hybrid=False, sliding_window=None,
         static_batch=rt.static_batch is not False, mixed_calls=False,

@@ -83,3 +83,25 @@ def test_serve_adds_its_steps_to_the_same_kinds(scratch_registry: None) -> None:
     registry.register(RuntimeKind("bare", "no serve factory"))
     with pytest.raises(ValueError, match="--runtime bare: unknown; give one of"):
         serve_runtimes.check(serve_runtimes.ServeOptions(model="tiny", runtime="bare"))
+
+
+def test_tiny_hf_runtimes_of_one_model_share_it_and_keep_their_own_kv() -> None:
+    pytest.importorskip("transformers")
+    kind = registry.get("hf")
+    assert kind.load is not None and kind.oracle is not None
+    req = RuntimeRequest(model="tiny-llama", seed=0, dtype="float64")
+    a, b = kind.load(CFG, req), kind.load(CFG, req)
+    # loaded once (a model holds no KV): a simulated PD pair or cluster loads it once
+    assert a.model is b.model and a is not b
+    other = kind.load(CFG, RuntimeRequest(model="tiny-llama", seed=1, dtype="float64"))
+    assert other.model is not a.model and other.fingerprint != a.fingerprint
+    assert kind.load(CFG, RuntimeRequest(model="tiny-llama", vocab_size=100)).vocab_size == 100
+    oracle = kind.oracle(a)
+    prompts = {a: [5, 6, 7, 8, 9] * 7, b: [11, 3, 2] * 9}
+    batchers = {rt: AtomBatcher(CFG, rt) for rt in prompts}
+    rids = {rt: batchers[rt].submit(p, 6) for rt, p in prompts.items()}
+    for _ in range(4):  # interleaved: each writes its own KV, the other's untouched
+        for batcher in batchers.values():
+            batcher.step()
+    for rt, p in prompts.items():
+        assert batchers[rt].run_until_done()[rids[rt]].tokens == oracle.generate(p, 6)

@@ -429,8 +429,6 @@ class LocalCluster:
         key, insecure = self.key, self.key is None
         fe_end, control = _pair(key)
         rt = self.runtime_for(self.pcfg if role == "prefill" else self.cfg)
-        if self.frontend.vocab_size is None:  # (every worker runs the same model)
-            self.frontend.vocab_size = getattr(rt, "vocab_size", None)
         if role == "prefill":
             links = DecodeLinks(secure=key is not None)
             worker = PrefillWorker(self.pcfg, rt, links, key=key, insecure=insecure,
@@ -456,6 +454,10 @@ class LocalCluster:
             self.decodes[rank] = DecodeNode(rank, dworker, links_p, control, self.clock,
                                             gen=self._gen)
             self.decodes[rank].ready = ready
+        node: PrefillNode | DecodeNode = \
+            self.prefills[rank] if role == "prefill" else self.decodes[rank]
+        if self.frontend.vocab_size is None:  # (every worker runs the same model, read once)
+            self.frontend.vocab_size = node.worker.batcher.capabilities.vocab_size
         self.frontend.add(role, rank, fe_end)
 
     def kill(self, role: str, rank: int) -> None:

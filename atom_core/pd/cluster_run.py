@@ -419,6 +419,7 @@ class FrontendProcess:
         wait for the workers (a loaded machine starts them slowly)."""
         from atom_core.pd.cluster import Frontend, prefix_unit
         from atom_core.pd.router import Router
+        from atom_core.runtime.protocol import capabilities
 
         self.layout, self.timeout = layout, timeout
         self.link_timeout = timeout if link_timeout is None else link_timeout
@@ -431,7 +432,7 @@ class FrontendProcess:
         # worker's control link: the frontend refuses it instead
         self.frontend = Frontend(Router(prefix_unit(cfg), policy),
                                  max_request_bytes=limits["max_header_bytes"],
-                                 vocab_size=getattr(rt, "vocab_size", None))
+                                 vocab_size=capabilities(rt).vocab_size)
 
     def pump(self) -> bool:
         """Take new links, then one frontend step; False when nothing happened."""

@@ -81,6 +81,7 @@ import attrs
 import torch
 
 from atom_core.batcher import all_finite
+from atom_core.runtime.protocol import Capabilities, capabilities, own_fingerprint
 
 __all__ = [
     "FrameLimits",
@@ -253,29 +254,26 @@ def compute_mac(payload: KVPayload, key: bytes) -> str:
 
 # --- model fingerprint -------------------------------------------------------------------------
 
-def model_fingerprint(runtime: Any) -> str:
+def model_fingerprint(runtime: Any, caps: Capabilities | None = None) -> str:
     """A stable id of the model and KV layout `runtime` computes: KV from runtimes with
-    different fingerprints must not be mixed.
+    different fingerprints must not be mixed. `caps`: the runtime's `Capabilities`, as its
+    batcher read them (None: read here).
 
-    The runtime's own `fingerprint` (a str) when it has one (`TorchReferenceRuntime` does; give
-    `RblnRuntime` one with `fingerprint=`). Otherwise a SHA-256 over the layout facts the
-    runtime exposes (class, vocab_size, block_size, max_seq_len, host buffer shape and dtype):
-    that catches a different architecture or cache dtype but not different weights of the same
-    architecture, so production workers should pass an explicit fingerprint (e.g. the hash of
-    the compiled artifact).
+    The runtime's own `fingerprint` (a str) when it has one (`protocol.own_fingerprint`;
+    `TorchReferenceRuntime` and `HFRuntime` have one; give `RblnRuntime` one with
+    `fingerprint=`). Otherwise a SHA-256 over the layout facts of its capabilities (class,
+    vocab_size, block_size, max_seq_len) and its host buffer's shape and dtype: that catches a
+    different architecture or cache dtype but not different weights of the same architecture,
+    so production workers should pass an explicit fingerprint (e.g. the hash of the compiled
+    artifact).
     """
-    own = getattr(runtime, "fingerprint", None)
+    own = own_fingerprint(runtime)
     if own is not None:
-        if not isinstance(own, str) or not own:
-            raise TypeError(f"{type(runtime).__name__}.fingerprint must be a non-empty str or "
-                            f"None, got {own!r}")
         return own
+    caps = capabilities(runtime) if caps is None else caps
     host = runtime.new_host_buffer()
-    cls = type(runtime)
-    facts = {"class": f"{cls.__module__}.{cls.__qualname__}",
-             "vocab_size": getattr(runtime, "vocab_size", None),
-             "block_size": getattr(runtime, "block_size", None),
-             "max_seq_len": getattr(runtime, "max_seq_len", None),
+    facts = {"class": caps.qualname, "vocab_size": caps.vocab_size,
+             "block_size": caps.block_size, "max_seq_len": caps.max_seq_len,
              "host_shape": [int(d) for d in host.shape], "host_dtype": dtype_name(host.dtype)}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
@@ -299,20 +297,22 @@ class FrameLimits:
     tensor_bytes: int
 
 
-def frame_limits(config: Any, runtime: Any) -> FrameLimits:
-    """`FrameLimits` of a worker running `runtime` under `config` (see there). Raises
-    ValueError when the runtime's host buffer is not the PD layout (e.g. RBLN's flat buffer)."""
+def frame_limits(config: Any, runtime: Any, caps: Capabilities | None = None) -> FrameLimits:
+    """`FrameLimits` of a worker running `runtime` under `config` (see there; `caps`: the
+    runtime's `Capabilities`, None: read here). Raises ValueError when the runtime's host buffer
+    is not the PD layout (e.g. RBLN's flat buffer)."""
+    caps = capabilities(runtime) if caps is None else caps
     host = runtime.new_host_buffer()
     if host.dim() != 5:
         raise ValueError(f"PD needs a host buffer [layers, 2, kv_heads, block_size, head_dim]; "
-                         f"{type(runtime).__name__} gives shape {list(host.shape)}")
+                         f"{caps.name} gives shape {list(host.shape)}")
     layers, kv, heads, _, dim = (int(d) for d in host.shape)
     item = host.element_size()
     tensor = layers * kv * heads * int(config.max_seq_len) * dim * item
     if getattr(config, "sliding_window", None) is not None:
         local = runtime.new_local_host_buffer()
         tensor += local.numel() * local.element_size()
-    vocab = int(getattr(runtime, "vocab_size", 1 << 31))
+    vocab = 1 << 31 if caps.vocab_size is None else int(caps.vocab_size)
     # a token is at most len(str(vocab - 1)) digits and a comma
     header = int(config.max_seq_len) * (len(str(max(0, vocab - 1))) + 1) + _HEADER_OVERHEAD
     return FrameLimits(header_bytes=header, tensor_bytes=tensor)
@@ -376,7 +376,7 @@ def _shipped_window(local_host: torch.Tensor, n: int, dtype: torch.dtype) -> tor
 # --- decode side -------------------------------------------------------------------------------
 
 def validate(payload: KVPayload, *, request_id: str, prompt: Sequence[int], fingerprint: str,
-             layout: tuple[int, int, int, int], dtype: str, vocab_size: int,
+             layout: tuple[int, int, int, int], dtype: str, vocab_size: int | None,
              key: bytes | None = None,
              local_layout: tuple[int, int, int, int, int] | None = None) -> None:
     """Check `payload` against what this decode worker expects; raise `PayloadError` naming the
@@ -419,7 +419,7 @@ def _digest_bytes(value: Any) -> bytes | None:
 
 
 def _validate(payload: KVPayload, rid: str, expected: tuple[int, ...], fingerprint: str,
-              layout: tuple[int, ...], dtype: str, vocab_size: int, key: bytes | None,
+              layout: tuple[int, ...], dtype: str, vocab_size: int | None, key: bytes | None,
               local_layout: tuple[int, ...] | None) -> None:
     if not isinstance(payload, KVPayload):
         raise PayloadError("header", f"expected a KVPayload for request {rid!r}, got "
@@ -473,10 +473,12 @@ def _validate(payload: KVPayload, rid: str, expected: tuple[int, ...], fingerpri
                                      f"the payload's is {payload.prompt[i]}: the KV belongs to "
                                      "a different prompt; re-run the prefill with this "
                                      "request's prompt")
-    if not 0 <= payload.first_token < vocab_size:
+    # (a runtime that does not know its vocabulary, `vocab_size` None, bounds ids below only)
+    if payload.first_token < 0 or vocab_size is not None and payload.first_token >= vocab_size:
+        vocab = "" if vocab_size is None else f" 0..{vocab_size - 1}"
         raise PayloadError("first_token", f"the first token of request {rid!r} is "
                                           f"{payload.first_token}, outside this model's "
-                                          f"vocabulary 0..{vocab_size - 1}: the prefill worker "
+                                          f"vocabulary{vocab}: the prefill worker "
                                           "runs a model with another vocabulary or sampled "
                                           "garbage; start both workers with the same model")
     shape = tuple(int(d) for d in payload.kv.shape)

@@ -59,6 +59,7 @@ from atom_core.config import Config
 from atom_core.pd import payload as pd
 from atom_core.pd.links import wellformed_nonce, wellformed_prefill
 from atom_core.pd.transport import Transport, TransportError
+from atom_core.runtime.protocol import Capabilities
 
 __all__ = ["DecodeWorker", "PrefillWorker"]
 
@@ -92,7 +93,7 @@ def _need_key(key: bytes | None, insecure: bool) -> None:
 
 
 def _secure(transport: Transport, key: bytes | None, role: str, config: Config, runtime: Any,
-            tensors: bool, **link: Any) -> tuple[Transport, bytes | None]:
+            caps: Capabilities, tensors: bool, **link: Any) -> tuple[Transport, bytes | None]:
     """(the transport to use, the payload MAC key): with a key, a transport that is not secure
     already is wrapped in a `secure_link.SecureLink` (handshake, AEAD, replay window; boxes above
     this side's frame limits dropped unopened: `tensors` False takes headers only), and
@@ -102,7 +103,7 @@ def _secure(transport: Transport, key: bytes | None, role: str, config: Config, 
     from atom_core.pd import secure_link  # needs `cryptography` (the pd extra)
 
     if not getattr(transport, "secure", False):
-        lim = pd.frame_limits(config, runtime)
+        lim = pd.frame_limits(config, runtime, caps)
         transport = secure_link.SecureLink(
             transport, key, role, **link,
             max_box_bytes=secure_link.box_limit(lim.header_bytes,
@@ -161,9 +162,10 @@ class PrefillWorker:
         self.max_queued = max_queued
         self.batcher = AtomBatcher(config, runtime, ghost=ghost, trace=trace)
         # it takes prefill requests and control messages, never a tensor
-        self.transport, self.key = _secure(transport, key, "prefill", config, runtime,
+        caps = self.batcher.capabilities  # the runtime, as the batcher read it
+        self.transport, self.key = _secure(transport, key, "prefill", config, runtime, caps,
                                            tensors=False)
-        self.fingerprint = pd.model_fingerprint(runtime)
+        self.fingerprint = pd.model_fingerprint(runtime, caps)
         self.stats = PrefillStats()
         self.done = False
         self.ended_by: str | None = None  # "shutdown", or why the link ended
@@ -362,14 +364,16 @@ class DecodeWorker:
         self.batcher = AtomBatcher(config, runtime, ghost=ghost, keep_ended=None, trace=trace)
         self.clock = clock
         self.runtime = runtime
-        self.transport, self.key = _secure(transport, key, "decode", config, runtime,
+        # what the runtime is, as its batcher read it once (never its attributes again)
+        self.capabilities = caps = self.batcher.capabilities
+        self.transport, self.key = _secure(transport, key, "decode", config, runtime, caps,
                                            tensors=True, clock=clock)
         self.fallback_local = fallback_local
         # a transport that asks again on its own numbers each request's attempts (a cluster's
         # PrefillLinks); a pair's asks once
         self._attempt: Callable[[str], int] | None = getattr(self.transport, "attempt", None)
         self.transfer_timeout, self.prefetch = transfer_timeout, prefetch
-        self.fingerprint = pd.model_fingerprint(runtime)
+        self.fingerprint = pd.model_fingerprint(runtime, caps)
         # One host tensor for every import, a whole table long: import_kv writes it into the
         # lane's blocks before returning.
         self._host = self.batcher.new_import_buffer()
@@ -584,7 +588,7 @@ class DecodeWorker:
             payload = pd.from_wire(header, tensor)
             pd.validate(payload, request_id=wire, prompt=req.prompt,
                         fingerprint=self.fingerprint, layout=self._layout, dtype=self._dtype,
-                        vocab_size=self.runtime.vocab_size, key=self.key,
+                        vocab_size=self.capabilities.vocab_size, key=self.key,
                         local_layout=self._local_layout)
         except pd.PayloadError as exc:
             self.payload_errors[exc.field] += 1

@@ -46,6 +46,7 @@ __all__ = [
     "as_int_tensor",
     "capabilities",
     "check_decode_inputs",
+    "own_fingerprint",
     "check_prefill_inputs",
     "sizes_error",
     "smallest_decode_batch",
@@ -87,6 +88,9 @@ class Runtime(Protocol):
     `fetch_local_cache(host, slot)` (device slot -> host) and `update_local_cache(host, slot)`
     (host -> device slot). A sequence's KV is its global blocks plus its local slot: moving it
     (PD import, swap, snapshot) moves both.
+
+    PD workers only (optional): `fingerprint`, a non-empty str naming the model and KV layout
+    (`own_fingerprint`, below; without it `pd.payload.model_fingerprint` hashes the layout).
 
     The batcher reads all of this once, when it is built (`capabilities`, below: a
     `Capabilities` record, or RuntimeProtocolError naming what a runtime lacks), never by
@@ -163,6 +167,7 @@ class Capabilities:
     static shapes when a runtime does not define them (see `Runtime`)."""
 
     name: str  # the runtime's class name, for messages
+    qualname: str  # its class's module and qualified name (the PD layout fingerprint's)
     num_blocks: int
     block_size: int
     max_seq_len: int
@@ -206,8 +211,10 @@ def capabilities(rt: Any) -> Capabilities:
                                    "prefills): implement it, or set mixed_calls = False")
     hybrid = bool(rt.uses_local_block_tables)
     sizes = tuple(rt.decoder_batch_sizes or (rt.batch_size,))
+    cls = type(rt)
     return Capabilities(
-        name=kind, num_blocks=rt.num_blocks, block_size=rt.block_size,
+        name=kind, qualname=f"{cls.__module__}.{cls.__qualname__}", num_blocks=rt.num_blocks,
+        block_size=rt.block_size,
         max_seq_len=rt.max_seq_len, prefill_chunk=rt.prefill_chunk, batch_size=rt.batch_size,
         decoder_batch_sizes=sizes, vocab_size=rt.vocab_size, hybrid=hybrid,
         sliding_window=getattr(rt, "sliding_window", None) if hybrid else None,
@@ -218,6 +225,17 @@ def capabilities(rt: Any) -> Capabilities:
         host_ops=all(callable(getattr(rt, op, None)) for op in HOST_OPS),
         host_kv_trusted=getattr(rt, "host_kv_transfers", True) is not False,
         local_ops=all(callable(getattr(rt, op, None)) for op in LOCAL_OPS))
+
+
+def own_fingerprint(rt: Any) -> str | None:
+    """`rt`'s own `fingerprint` (a non-empty str), None when it has none, else
+    RuntimeProtocolError. Not in `Capabilities`: a runtime may compute it (HFRuntime hashes
+    its weights) and only a PD worker needs it, which reads it once, when it is built."""
+    own = getattr(rt, "fingerprint", None)
+    if own is not None and (not isinstance(own, str) or not own):
+        raise RuntimeProtocolError(f"{type(rt).__name__}.fingerprint must be a non-empty str "
+                                   f"or None, got {own!r}")
+    return own
 
 
 def smallest_decode_batch(sizes: Sequence[int], busy_rows: Iterable[int]) -> int:

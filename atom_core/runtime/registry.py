@@ -1,5 +1,5 @@
 """The runtimes by name: the one place `--runtime NAME` becomes a runtime, for every command
-(serve, pd-prefill/pd-decode, demo).
+(serve, pd-prefill/pd-decode, demo) and for the simulation (its `runtime` dimension).
 
 A `RuntimeKind` says how to load the runtime for a Config (`load`, given a `RuntimeRequest`:
 what the command was told besides the Config), what its tokens are checked against (`oracle`,
@@ -13,6 +13,7 @@ kind imports its runtime's module when it loads one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,8 @@ class RuntimeRequest:
     # far below any logit gap); None: the runtime's own default
     dtype: str | None = None
     fingerprint: str | None = None  # rbln: the PD fingerprint the artifact is known by
-    vocab_size: int | None = None  # reference: the tokenizer's vocabulary (default: 128)
+    # reference and hf's tiny models: the tokenizer's vocabulary (default: 128)
+    vocab_size: int | None = None
 
 
 @attrs.frozen
@@ -119,8 +121,23 @@ def _load_hf(cfg: Config, req: RuntimeRequest) -> Any:
                          "checkpoint directory, or a seeded tiny model)")
     dtype = _dtype(req, torch.float32)
     if req.model in hf.TINY_MODELS:
-        return hf.tiny_runtime(req.model, cfg, seed=req.seed, dtype=dtype)
+        vocab = 128 if req.vocab_size is None else req.vocab_size
+        model = _tiny_hf_model(req.model, cfg.max_seq_len, cfg.sliding_window, req.seed, dtype,
+                               vocab)
+        return hf.HFRuntime.for_config(model, cfg)
     return hf.HFRuntime.from_pretrained(req.model, cfg, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _tiny_hf_model(name: str, max_seq_len: int, window: int | None, seed: int, dtype: Any,
+                   vocab_size: int) -> Any:
+    """A tiny model, loaded once per shape: the runtimes of one process (both sides of an
+    in-process PD pair, a simulated cluster's restarted workers) share it, as it holds no KV,
+    rather than each saving and loading its own."""
+    from atom_core.runtime import hf
+
+    return hf.tiny_model(name, max_seq_len, window=window, seed=seed, dtype=dtype,
+                         vocab_size=vocab_size)
 
 
 def _hf_oracle(rt: Any) -> Any:

@@ -349,9 +349,11 @@ def _hf(opts: ServeOptions) -> tuple[Config, Any, Tokenizer]:
             # (hf_factory loads the model's own: --tokenizer's or the template's instead,
             # checked against the model as the model's own tokenizer is)
             tok = opts_tokenizer(opts)
-            vocab = getattr(getattr(rt, "model", None), "config", None)
+            from atom_core.runtime.protocol import capabilities  # (torch is loaded by now)
+
+            vocab = capabilities(rt).vocab_size
             if vocab is not None:
-                check_end_tokens(end_ids(tok), int(vocab.vocab_size),
+                check_end_tokens(end_ids(tok), int(vocab),
                                     f"--tokenizer {opts.tokenizer}: its end tokens")
         return cfg, rt, tok
     except (ConfigError, ModelError, ImportError):

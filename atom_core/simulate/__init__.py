@@ -41,7 +41,7 @@ timeout fires at the same tick in every replay; the workers' batchers keep ghost
 The package, one part per module (each imports only the ones above it):
 
     dimensions      SimConfig, DIMENSIONS, draw_config, --set parsing, the batcher Configs
-    model           the model the servers compute with, and its oracle
+    model           the model the servers compute with and its oracle, from the runtime registry
     events          SimEvent (what a run records and replays) and Failure
     workload        the requests a seed submits
     faulty_runtime  FaultyRuntime: runtime calls that scribble, then raise

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from atom_core.config import Config
-from atom_core.demo import oracle_for
+from atom_core.simulate import model
 from atom_core.simulate.checks import LEAK_CHECKS
 from atom_core.simulate.checks import cluster as cluster_checks
 from atom_core.simulate.checks.at_rest import at_rest
@@ -26,7 +26,6 @@ from atom_core.simulate.dimensions import SimConfig, UsageError, batcher_configs
 from atom_core.simulate.events import Failure, SimEvent
 from atom_core.simulate.faults import FAULTS, applicable
 from atom_core.simulate.faulty_runtime import FaultyRuntime
-from atom_core.simulate.model import hf_runtime, reference_runtime
 from atom_core.simulate.report import Report, report_of
 from atom_core.simulate.servers import Clustered, Colocated, Disaggregated, Server, SimClock
 from atom_core.simulate.workload import make_workload
@@ -62,14 +61,10 @@ class Sim:
 
     # ------------------------------------------------------------------ plumbing
     def runtime(self, side: str, conf: Config) -> FaultyRuntime:
-        inner: Any
-        if self.cfg.runtime == "hf":
-            inner, oracle = hf_runtime(self.cfg.sliding_window, self.cfg.max_seq_len, conf)
-            self.oracle = self.oracle or oracle
-        else:
-            inner = reference_runtime(self.cfg, conf)
-        if self.oracle is None:
-            self.oracle = oracle_for(inner)  # the cache-free reference, never wrapped
+        """A runtime for the server `side` (`conf`), by the run's `runtime` name in the
+        registry (model.load)."""
+        inner, oracle = model.load(self.cfg, conf)
+        self.oracle = self.oracle or oracle
         rt = inner if self.wrap_runtime is None else self.wrap_runtime(inner, side)
         return FaultyRuntime(rt, self.junk, self.count)
 

@@ -1,53 +1,51 @@
-"""The model every server of a run computes with, and its oracle: the tiny reference model
-(hybrid when the configuration has a window) or, `runtime=hf`, a tiny transformers model."""
+"""The model every server of a run computes with, and its oracle, both from the runtime
+registry (`atom_core.runtime.registry`, the run's `runtime` dimension by name): the tiny
+reference model (hybrid when the configuration has a window) or, `runtime=hf`, a tiny
+transformers model (tiny-llama, or tiny-gemma3 with the window)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import torch
-
 from atom_core.config import Config
-from atom_core.runtime.reference import TorchReferenceRuntime
+from atom_core.runtime import registry
+from atom_core.runtime.registry import RuntimeKind, RuntimeRequest
 from atom_core.simulate.dimensions import SimConfig
 
 VOCAB = 128
 MODEL_SEED = 0  # one model for every seed: the oracle's memo is shared across seeds
+# (tiny-llama and tiny-gemma3: runtime/hf.py's names, not imported here, which needs
+# transformers)
+TINY_LLAMA, TINY_GEMMA3 = "tiny-llama", "tiny-gemma3"
+
+# the oracle of each model, memoised across seeds: (kind, window, max_seq_len) -> oracle
+_ORACLES: dict[tuple[RuntimeKind, int | None, int], Any] = {}
 
 
-def reference_runtime(cfg: SimConfig, conf: Config) -> TorchReferenceRuntime:
-    """The tiny reference model for `conf`; its oracle is `demo.oracle_for` of it."""
-    return TorchReferenceRuntime.tiny(conf, seed=MODEL_SEED, **_model(cfg))
+def kind(cfg: SimConfig) -> RuntimeKind:
+    """The registered runtime `cfg.runtime` names, among those the simulation can run (it loads
+    one and has an oracle); UnknownRuntimeError naming those otherwise."""
+    return registry.get(cfg.runtime, flag="runtime",
+                        has=lambda k: k.load is not None and k.oracle is not None)
 
 
-def _model(cfg: SimConfig) -> dict[str, Any]:
-    # hybrid: two sliding layers and one global one, as tests/test_hybrid.py
-    if cfg.sliding_window is None:
-        return {}
-    return {"sliding_window": cfg.sliding_window, "layers": 3, "global_every": 3}
+def request(cfg: SimConfig) -> RuntimeRequest:
+    """What the run asks of its runtime besides each server's Config: the seeded model, and for
+    hf float64, so transformers' generate and the paged attention differ far below any logit
+    gap."""
+    if cfg.runtime == "hf":
+        model = TINY_LLAMA if cfg.sliding_window is None else TINY_GEMMA3
+        return RuntimeRequest(model=model, seed=MODEL_SEED, dtype="float64", vocab_size=VOCAB)
+    return RuntimeRequest(seed=MODEL_SEED, vocab_size=VOCAB)
 
 
-_HF_ORACLES: dict[tuple[int | None, int], Any] = {}
-
-
-@functools.lru_cache(maxsize=4)
-def _hf_model(window: int | None, max_seq_len: int) -> Any:
-    """`runtime=hf`'s model, loaded once per shape (HFRuntimes share it: it holds no KV): float64,
-    so transformers' generate and the paged attention differ far below any logit gap."""
-    from atom_core.runtime import hf
-
-    return hf.tiny_model(hf.TINY_LLAMA if window is None else hf.TINY_GEMMA3, max_seq_len,
-                         window=window, seed=MODEL_SEED, dtype=torch.float64, vocab_size=VOCAB)
-
-
-def hf_runtime(window: int | None, max_seq_len: int, conf: Config) -> tuple[Any, Any]:
-    """An HFRuntime for `conf` and the model's oracle (transformers' generate, memoised across
-    seeds like the reference oracle)."""
-    from atom_core.runtime import hf
-
-    rt = hf.HFRuntime.for_config(_hf_model(window, max_seq_len), conf)
-    key = (window, max_seq_len)
-    if key not in _HF_ORACLES:
-        _HF_ORACLES[key] = hf.GenerateOracle(rt)
-    return rt, _HF_ORACLES[key]
+def load(cfg: SimConfig, conf: Config) -> tuple[Any, Any]:
+    """A runtime for `conf` (one server of the run) and the model's oracle (the cache-free
+    reference, never wrapped)."""
+    k = kind(cfg)
+    assert k.load is not None and k.oracle is not None  # (kind() chose such a one)
+    rt = k.load(conf, request(cfg))
+    key = (k, cfg.sliding_window, cfg.max_seq_len)
+    if key not in _ORACLES:
+        _ORACLES[key] = k.oracle(rt)
+    return rt, _ORACLES[key]
