@@ -531,6 +531,29 @@ def counting_tasks() -> list[Task]:
             + [Task("counting", counting.t_progress, (c,), 20.0) for c in counting.CASES])
 
 
+def _at_minimum(feats: list[capacity.Features], max_lanes: int, max_blocks: int
+                ) -> dict[tuple[int, int], tuple[capacity.Features, ...]]:
+    """The committed table's minimum of each row within the cutoff: (lanes, K_min) -> the
+    combinations with that minimum, as `verify`'s phase two would find them from proved rows
+    that match the table."""
+    from atom_core._generated import capacity as committed
+
+    out: dict[tuple[int, int], list[capacity.Features]] = {}
+    for f in feats:
+        for b in range(1, f.max_lanes(max_lanes) + 1):
+            k = committed.min_kv_blocks(b, f.tables, f.key, f.preempt)
+            if k <= max_blocks:
+                out.setdefault((b, k), []).append(f)
+    return {bk: tuple(fs) for bk, fs in out.items()}
+
+
+def _at_min_task(lanes: int, blocks: int, max_lanes: int,
+                 fs: tuple[capacity.Features, ...]) -> Task:
+    """Progress of the combinations `fs` at one size, at the artifact's chunk and block size."""
+    return Task("capacity", t_progress, (lanes, blocks, max_lanes, checks.SEQ_LEN, checks.CHUNK,
+                                         fs), lanes * blocks)
+
+
 def run_here(model: L.Model, task: Task) -> Any:
     """`task`'s result on `model`, computed in this process as a worker computes it (a fresh
     z3 context)."""
@@ -588,7 +611,12 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         # The capacity rules for every size (proofs/counting.py), at the default cutoff and
         # above (they do not depend on it: a smaller cutoff is a quick look, and skips them).
         cnt = counting_tasks() if "counting" in parts and max_lanes >= MAX_LANES else []
-        first = nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog + cnt
+        # Each row's minimum again at the typical eager artifact's sizes (checks.CHUNK), where
+        # the committed table puts it: planned now, not after the rows are assembled, so no
+        # worker waits for them (phase two asks only for what the proved rows want beyond it).
+        early_min = _at_minimum(feats, max_lanes, max_blocks) if cap else {}
+        early = [_at_min_task(b, k, max_lanes, fs) for (b, k), fs in early_min.items()]
+        first = nv + rel + bnd + prog + rep + sb + ua_bnd + ua_prog + cnt + early
         res = runner.run(first)
         it = iter(res)
         nv_r = [next(it) for _ in nv]
@@ -600,6 +628,7 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
         ua_bnd_r = [next(it) for _ in ua_bnd]
         ua_prog_r = dict(zip(ua_sizes, (next(it) for _ in ua_prog), strict=True))
         cnt_r = [next(it) for _ in cnt]
+        early_r = dict(zip(early_min, (next(it) for _ in early), strict=True))
 
         # Phase two: rows from the progress results; a search for every tight run whose
         # witness is missing or does not replay, and for every stuck single-block case alike.
@@ -642,23 +671,30 @@ def verify(model: L.Model, max_lanes: int = MAX_LANES, max_blocks: int = MAX_BLO
                   if c.stuck and (i in redo or c.name not in single_w)]
         stale += [f"single-block {n}: no longer needed" for n in single_w
                   if cap and n not in {c.name for c in cases if c.stuck}]
-        # Each row's minimum again at the typical eager artifact's sizes (checks.CHUNK).
+        # Each row's minimum again at the typical eager artifact's sizes (checks.CHUNK): from
+        # phase one where it was planned there, the rest (a table that is not the proved one)
+        # now.
         at_min: dict[tuple[int, int], list[capacity.Features]] = {}
         for row in rows:
             for b, k_min in row.minimum.items():
                 if k_min is not None:
                     at_min.setdefault((b, k_min), []).append(row.features)
+        late = {bk: tuple(f for f in fs if f not in early_r.get(bk, {}))
+                for bk, fs in at_min.items()}
+        late = {bk: fs for bk, fs in late.items() if fs}
         second = ([Task("capacity-tight-search", t_search_tight, (row.features, b, k), 2.0)
                    for row, b, k in want]
                   + [Task("capacity-single-block", t_single, (cases[i], None), 1.0)
                      for i in redo]
-                  + [Task("capacity", t_progress, (b, k, max_lanes, checks.SEQ_LEN, checks.CHUNK,
-                                                   tuple(fs)), b * k)
-                     for (b, k), fs in at_min.items()])
+                  + [_at_min_task(b, k, max_lanes, fs) for (b, k), fs in late.items()])
         searched = runner.run(second)
         incomplete = [p for t, r in zip(first + second, res + searched, strict=True)
                       for p in incomplete_result(model, t, r)]
-        at_min_r = searched[len(want) + len(redo):]
+        late_r = dict(zip(late, searched[len(want) + len(redo):], strict=True))
+        # (in the rows' order, as one task per size would give them; a size or combination
+        # planned from the committed table that the proved rows do not ask for is left out)
+        at_min_r = [{f: (late_r[bk] if f in late.get(bk, ()) else early_r[bk])[f] for f in fs}
+                    for bk, fs in at_min.items()]
         searched = searched[:len(want) + len(redo)]
         found_tight: dict[Any, Witness] = {}
         for (row, b, _k), (tr, w) in zip(want, searched[:len(want)], strict=True):

@@ -189,9 +189,9 @@ def test_the_cli_reports_a_failed_task_as_a_failed_run(monkeypatch: pytest.Monke
 # be the one that catches some planted bug. An invariant no mutant breaks may be proved only
 # because it says nothing (true of every state) or assumed by the rest without being tested.
 # Each mutant below (one dropped guard or update, enumerated as `make mutants` does) must be
-# refuted at the named invariants, over the small finite sorts `verify` falls back on (a real
-# counterexample); together they name every invariant of the model (chosen greedily from a run
-# of every single-drop mutant against every obligation: each invariant is broken by some).
+# refuted at the named invariants by the very tasks `verify` runs (a real counterexample);
+# together they name every invariant of the model (chosen greedily from a run of every
+# single-drop mutant against every obligation: each invariant is broken by some).
 RELATIONAL_MUTANTS: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("guard", "import_done", "request_importing"): (
         "cache_key_is_content", "cached_content_untouched", "copy_only_while_prefilling",
@@ -261,34 +261,49 @@ def test_every_invariant_is_broken_by_some_mutant() -> None:
                if i.name in {n for v in BOUNDED_MUTANTS.values() for n in v})
 
 
-@pytest.mark.parametrize("key", list(RELATIONAL_MUTANTS), ids=lambda k: ".".join(k))
-def test_relational_mutant_breaks_its_invariants(key: tuple[str, str, str]) -> None:
-    import z3
+# A refutable obligation spends its task's first try before the task searches small finite
+# sorts for a counterexample: a smaller first try finds the same counterexamples sooner (the
+# final try keeps `verify`'s budget, so no verdict changes: tests/test_proofs.py, MUTANT_FIRST_TRY).
+MUTANT_FIRST_TRY = 500_000
 
+
+@pytest.fixture
+def quick_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atom_core.proofs import limits
+
+    monkeypatch.setattr(limits, "SHORT", MUTANT_FIRST_TRY)
+
+
+def _broken(model: Any, tasks: list[run.Task]) -> set[str]:
+    """The invariants `verify`'s own `tasks`, run on `model` as `verify` runs them
+    (`run.run_here`), refute: a counterexample, not `unknown`."""
+    return {c.invariant for t in tasks for c in run.run_here(model, t)
+            if c.status == "counterexample"}
+
+
+@pytest.mark.parametrize("key", list(RELATIONAL_MUTANTS), ids=lambda k: ".".join(k))
+@pytest.mark.usefixtures("quick_solver")
+def test_relational_mutant_breaks_its_invariants(key: tuple[str, str, str]) -> None:
+    """Through `verify`'s step and transition tasks for the mutated action (their first try
+    over unbounded sorts, then the search over small finite sorts, then the other tries)."""
     kind, action, piece = key
-    m = _mutant(kind, action, piece)
-    goals = {i.name: i for i in m.invariants if i.kind == "relational"}
-    trans = {t.name: t for t in m.transition_invariants}
-    left = set(RELATIONAL_MUTANTS[key])
-    for _size, u, facts, pre, post in checks._small_steps(m, action):
-        for name in sorted(left):
-            goal = (u.tr(goals[name].expr, post, {}) if name in goals
-                    else u.tr(trans[name].expr, pre, {}, post))
-            query = facts + [z3.Not(goal)]
-            if checks.solve(query + u.law_instances(query), 10_000_000)[0] == "counterexample":
-                left.discard(name)
-        if not left:
-            break
+    tasks = [t for t in run.invariant_tasks(MODEL)
+             if t.kind == "relational" and t.args[1] == action]
+    left = set(RELATIONAL_MUTANTS[key]) - _broken(_mutant(kind, action, piece), tasks)
     assert left == set(), f"{key} no longer breaks {sorted(left)}"
 
 
 @pytest.mark.parametrize("key", list(BOUNDED_MUTANTS), ids=lambda k: ".".join(k))
+@pytest.mark.usefixtures("quick_solver")
 def test_bounded_mutant_breaks_its_invariants(key: tuple[str, str, str]) -> None:
-    broken = {c.invariant for c in checks.bounded(_mutant(*key), 2, 3, base=False,
-                                                  kinds=("bounded", "arithmetic"))
-              if c.status == "counterexample"}
+    """Through `verify`'s bounded tasks (up to B = 2, K = 3: the same tasks, fewer sizes, each
+    over every chunk and block size) and its arithmetic tasks (every chunk and block size it
+    proves them at)."""
+    tasks = [t for t in run.invariant_tasks(MODEL)
+             if t.kind == "arithmetic" or (t.kind == "bounded" and t.args[0] <= 2
+                                           and t.args[1] <= 3)]
+    broken = _broken(_mutant(*key), tasks)
     assert set(BOUNDED_MUTANTS[key]) <= broken, broken
-
 
 
 def test_host_witnesses_are_stuck_with_the_host_slots_progress_is_proved_with():
