@@ -117,7 +117,9 @@ class Policy:
     def observe(self, effects: Iterable[Any]) -> None:
         """Keep LRU order from the effects of applied transitions."""
         for e in effects:
-            if isinstance(e, (g.Admit, g.Inbound)):  # an import is an admission too
+            if isinstance(e, g.Decode):  # (first: a decode step's only effect)
+                self.decode_waits = 0
+            elif isinstance(e, (g.Admit, g.Inbound)):  # an import is an admission too
                 self.clock += 1
                 self.admitted[e.lane] = self.clock
             elif isinstance(e, g.Copy):
@@ -127,8 +129,11 @@ class Policy:
             elif isinstance(e, (g.Store, g.Load)):
                 self.clock += 1
                 self.slot_use[e.slot] = self.clock
-            elif isinstance(e, g.Decode):
-                self.decode_waits = 0
+
+    def _admitted_at(self, lane: int) -> int:
+        """When lane's request was admitted (0: never): the order of `growth` and
+        `prefill_lanes`."""
+        return self.admitted.get(lane, 0)
 
     def _touch(self, block: int) -> None:
         self.clock += 1
@@ -158,9 +163,14 @@ class Policy:
         `prefill_lane`'s order, and, for a runtime that takes several prompt chunks in one call
         (`MixedCall`), the order deciding whose chunk fits a token budget."""
         enabled = _core(s).enabled_prefill
+        # The guard is asked only of the busy lanes whose request prefills: it requires that
+        # (`lane_prefilling`; proved on the spec: tests/test_policy_lanes.py), and it runs as
+        # interpreted Python, half a microsecond a lane, where most lanes decode.
+        phase, lane_req, want = s.phase, s.lane_req, g.PHASE_PREFILL
         # (for some token: the guard reads none; sorted is stable, so ties keep lane order)
-        return sorted((ln for ln in busy_lanes(s) if enabled(s, l=ln)),
-                      key=lambda ln: self.admitted.get(ln, 0))
+        lanes = [ln for ln in busy_lanes(s)
+                 if phase.get(lane_req[ln]) == want and enabled(s, l=ln)]
+        return sorted(lanes, key=self._admitted_at) if len(lanes) > 1 else lanes
 
     def prefill_first(self, s: g.State, can_decode: Callable[[], bool]) -> bool:
         """A lane can prefill: run its chunk this step rather than a decode call? Prefill first
@@ -377,6 +387,8 @@ class Policy:
 
     def _room(self, s: g.State) -> int:
         pins = self.pinned(s)
+        if not pins:  # (the common case, counted at C speed)
+            return s.owner.count(g.OWNER_FREE) + s.owner.count(g.OWNER_CACHE)
         return sum(1 for b in range(s.consts.K) if b not in pins
                    and s.owner[b] in (g.OWNER_FREE, g.OWNER_CACHE))
 
@@ -386,9 +398,17 @@ class Policy:
         does not cover the prompt yet (`import_grow`). The core decides (`ready_grow`: every
         conjunct of the guard but the ones on the block, which is left open)."""
         c = _core(s)
+        # Each guard is asked only of the busy lanes that can pass it, found with plain reads:
+        # `grow` requires its lane's tail full (`tail_full`), `import_grow` its lane importing
+        # (`lane_importing`; both proved on the spec: tests/test_policy_lanes.py). A decoding
+        # lane's tail fills once per block_size tokens, so most steps ask no guard at all.
+        length, start, tail, full = s.length, s.start, s.tail, s.consts.S
+        phase, lane_req, importing = s.phase, s.lane_req, g.PHASE_IMPORTING
         lanes = [ln for ln in busy_lanes(s)
-                 if c.ready_grow(s, l=ln) or c.ready_import_grow(s, l=ln)]
-        return sorted(lanes, key=lambda ln: self.admitted.get(ln, 0))  # the oldest first
+                 if (length[ln] == start[tail[ln]] + full and c.ready_grow(s, l=ln))
+                 or (phase.get(lane_req[ln]) == importing and c.ready_import_grow(s, l=ln))]
+        # the oldest first (most steps: no lane, or one)
+        return sorted(lanes, key=self._admitted_at) if len(lanes) > 1 else lanes
 
     def grow(self, s: g.State, lane: int) -> Growth | None:
         """How lane (one of `growth`'s) gets its next block: an importing lane the reusable

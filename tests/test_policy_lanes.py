@@ -56,3 +56,54 @@ def test_a_guard_without_its_busy_conjunct_is_caught() -> None:
     bound = u.params(a, "p")
     lane = next(t for p, t in bound.items() if p.name == "l")
     assert _idle_and(u, pre, lane, u.guard(a, pre, bound)) == "sat"
+
+
+# The policy asks a guard only of the busy lanes that pass one of its conjuncts, read directly
+# from the state (`Policy.prefill_lanes`, `Policy.growth`): exact only because the conjuncts of
+# the guard that read only the lane imply that definition (`ready_*` asks exactly those).
+NARROWED = [("prefill", "prefilling"), ("grow", "tail_full"), ("import_grow", "importing")]
+
+
+def _lane_only_guard(u: encode.Universe, a: object, pre: encode.Env, lane: z3.ExprRef,
+                     lane_var: object) -> z3.ExprRef:
+    """The conjuncts of `a`'s guard that read no parameter but the lane (a conjunct that reads
+    another fails to translate without it)."""
+    parts = []
+    for _name, g in a.guards:  # type: ignore[attr-defined]
+        try:
+            parts.append(u.tr(g, pre, {lane_var: lane}))
+        except KeyError:
+            continue
+    return z3.And(parts)
+
+
+@pytest.mark.parametrize(("action", "name"), NARROWED)
+def test_the_lane_guard_implies_the_narrowing(action: str, name: str) -> None:
+    u = encode.Universe(MODEL)
+    pre = u.fresh_state("pre")
+    a = MODEL.get_action(action)
+    bound = u.params(a, "p")
+    lane_var, lane = next((p, t) for p, t in bound.items() if p.name == "l")
+    d = next(d for d in MODEL.definitions if d.name == name)
+    s = z3.Solver()
+    s.set("rlimit", STEP)
+    s.add(*u.axioms(), _lane_only_guard(u, a, pre, lane, lane_var),
+          z3.Not(u.tr(d.body, pre, {d.params[0]: lane})))
+    assert str(s.check()) == "unsat", f"{action}'s guard holds for a lane that is not {name}"
+
+
+def test_a_guard_without_its_narrowing_conjunct_is_caught() -> None:
+    """The check can fail: `grow` without its `tail_full` conjunct holds for a lane whose tail
+    is not full."""
+    model = MODEL.without_guard("grow", "tail_full")
+    u = encode.Universe(model, sizes={"Lane": 2, "Block": 3, "Req": 2, "Slot": 1})
+    pre = u.fresh_state("pre")
+    a = model.get_action("grow")
+    bound = u.params(a, "p")
+    lane_var, lane = next((p, t) for p, t in bound.items() if p.name == "l")
+    d = next(d for d in model.definitions if d.name == "tail_full")
+    s = z3.Solver()
+    s.set("rlimit", STEP)
+    s.add(*u.axioms(), _lane_only_guard(u, a, pre, lane, lane_var),
+          z3.Not(u.tr(d.body, pre, {d.params[0]: lane})))
+    assert str(s.check()) == "sat"

@@ -37,6 +37,8 @@ from atom_core.scheduler.records import (
 from atom_core.seq import seq
 
 _Loop = Generator[StepOutput, StepResult, list[Event]]
+# the effects that change a lane's block table (`_apply` keeps `tables` from them)
+_TABLE_EFFECTS = (core.Admit, core.Inbound, core.Grow, core.Release, core.Preempt)
 
 
 class _Uncached:
@@ -88,7 +90,9 @@ class Scheduler:
         # release): the spec has no table state yet; and the same padded with its tail to T
         # blocks (positions past a lane's length are never read, nothing is written there)
         self.tables: list[list[int]] = [[] for _ in range(config.lanes)]
-        self._rows: list[tuple[int, ...]] = [(0,) * config.blocks_per_table] * config.lanes
+        self._t = config.blocks_per_table  # (a Config property: read once, not per effect)
+        self._splits: dict[tuple[bool, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._rows: list[tuple[int, ...]] = [(0,) * self._t] * config.lanes
         # called with the effects of every applied transition (the executor's snapshot buffers)
         self.listeners: list[Callable[[Sequence[Any]], None]] = []
         self._trace = trace
@@ -155,9 +159,11 @@ class Scheduler:
         events: list[Event] = []
         # running lanes get their next blocks before an admission can take them, and an
         # admission whose hit fills its first block grows before the next call
-        yield from self._grow(events)
+        if self.policy.growth(self._m):  # (most steps grow no lane: no generator for it)
+            yield from self._grow(events)
         before = self.version
-        yield from self._admit(events)
+        if self.waiting:  # (nor for an admission with none waiting)
+            yield from self._admit(events)
         if self.version != before:  # (else the state is the one the first pass left: no lane
             yield from self._grow(events)  # needs a block, and asking again costs B checks)
         lane = self.policy.prefill_lane(self._m)
@@ -171,7 +177,8 @@ class Scheduler:
             result = yield StepOutput(call=pcall, events=tuple(events))
             yield from self._prefilled(pcall, result, events)
             return events
-        dcall = yield from self._decode_call(events)
+        dcall = ((yield from self._decode_call(events)) if self.config.host_cache_blocks
+                 else self._decode_now(events))
         if dcall is not None:
             result = yield StepOutput(call=dcall, events=tuple(events))
             self._decoded(dcall, result, events)
@@ -185,7 +192,8 @@ class Scheduler:
         if self._can_decode():
             # (a decode call is possible without a preemption, so none happens here; a spill
             # may, which leaves the lanes as they are: the prefill lanes are chosen after it)
-            dcall = yield from self._decode_call(events)
+            dcall = ((yield from self._decode_call(events)) if self.config.host_cache_blocks
+                     else self._decode_now(events))
         pcalls: list[PrefillCall] = []
         budget = self.prefill_tokens
         for ln in self.policy.prefill_lanes(self._m):
@@ -360,8 +368,10 @@ class Scheduler:
         (eff,) = inplace.prefill_plan(self._m, lane, None)
         rid = self._m.lane_req[lane]
         req = self.requests[rid]
-        total = len(req.prompt) + len(req.tokens)  # after a preemption: its tokens so far too
-        chunk = (req.prompt + req.tokens)[eff.start:eff.end]
+        prompt = req.prompt
+        total = len(prompt) + len(req.tokens)  # after a preemption: its tokens so far too
+        chunk = (prompt[eff.start:eff.end] if eff.end <= len(prompt)  # (no copy of the rest)
+                 else (prompt + req.tokens)[eff.start:eff.end])
         assert self.tables[lane][eff.start // self.config.block_size] == eff.block, eff
         # hybrid: the lane's own local slot (local_block_tables[lane] == lane)
         local = lane if self.config.sliding_window is not None else None
@@ -400,37 +410,61 @@ class Scheduler:
     # --------------------------------------------------------------- decode
     def _decode_call(self, events: list[Event]) -> Generator[StepOutput, StepResult,
                                                              DecodeCall | None]:
+        """The decode call over every row, or None (no lane decodes, or no padding target:
+        with preemption a victim is preempted then); `_decode_now` without a host tier."""
         while True:
-            s = self._m
-            pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
-            plan = inplace.decode_plan(s, pad, lpad, None)
-            if isinstance(plan, str):
-                # no lane decodes, or no padding target yet: a prefill comes first, or (with
-                # preemption, every block held by lanes) a lane makes room; or (hybrid) every
-                # lane is busy and one is not decoding, so no local slot may take padding:
-                # that lane prefills or its transfer ends first
-                if self.config.preemption:
-                    victim = self.policy.victim(s)
-                    if victim is not None:
-                        self._preempt_lane(victim, events)
+            plan = self._decode_plan(events)
+            if plan is None:
                 return None
-            (eff,) = plan
+            eff, pad, lpad = plan
             if all(eff.live) or not (yield from self._spilled(pad)):
-                break
+                return self._decode_of(eff, pad, lpad)
             # padding would evict that entry: it went to the host tier first; choose again
+
+    def _decode_now(self, events: list[Event]) -> DecodeCall | None:
+        """`_decode_call` without a host tier, where no spill can come first: a plain call
+        (a decode step then makes no generator for it)."""
+        assert not self.config.host_cache_blocks
+        plan = self._decode_plan(events)
+        return None if plan is None else self._decode_of(*plan)
+
+    def _decode_plan(self, events: list[Event]) -> tuple[Any, int, int] | None:
+        """The core's plan of a decode call with the policy's padding targets (its effect,
+        `pad`, `lpad`), or None."""
+        s = self._m
+        pad, lpad = self.policy.pad(s), self.policy.local_pad(s)
+        plan = inplace.decode_plan(s, pad, lpad, None)
+        if isinstance(plan, str):
+            # no lane decodes, or no padding target yet: a prefill comes first, or (with
+            # preemption, every block held by lanes) a lane makes room; or (hybrid) every
+            # lane is busy and one is not decoding, so no local slot may take padding:
+            # that lane prefills or its transfer ends first
+            if self.config.preemption:
+                victim = self.policy.victim(s)
+                if victim is not None:
+                    self._preempt_lane(victim, events)
+            return None
+        return plan[0], pad, lpad
+
+    def _decode_of(self, eff: Any, pad: int, lpad: int) -> DecodeCall | None:
+        """The call of decode plan `eff` (None if no row is live)."""
         live = eff.live
-        lanes = tuple(compress(range(len(live)), live))
+        lanes, padding = self._split(live)
         if not lanes:
             return None
-        s, size, t = self._m, self.config.block_size, self.config.blocks_per_table
+        s, size, t, b = self._m, self.config.block_size, self._t, len(live)
         # a padding row: the padding target at every position, so its write lands there
         # whatever position the row computes (one tuple per target, shared by its rows)
         rows = eff.rows
-        padding = tuple(compress(range(len(live)), map(not_, live)))
-        pads = {rows[ln]: (rows[ln],) * t for ln in padding}
-        tables: list[Any] = [pads.get(r) for r in rows]
-        ids = [0] * len(live)
-        requests: list[int | None] = [None] * len(live)
+        tables: list[Any] = [None] * b
+        if padding:
+            targets = set(map(rows.__getitem__, padding))
+            if len(targets) == 1:  # (the spec's one `pad`: every row starts as its table)
+                tables = [(*targets,) * t] * b
+            else:
+                tables = list(map({r: (r,) * t for r in targets}.get, rows))
+        ids = [0] * b
+        requests: list[int | None] = [None] * b
         for ln in lanes:
             # a decoding row: its lane's table (its write lands in the block the spec names)
             rid = s.lane_req[ln]
@@ -441,6 +475,19 @@ class Scheduler:
         local = tuple(eff.local) if self.config.sliding_window is not None else None
         return DecodeCall(tuple(ids), tuple(eff.positions), tuple(tables), local, lanes,
                           tuple(requests), padding, pad, lpad, effect=eff)
+
+    def _split(self, live: Sequence[bool]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The live rows of a decode and its padding rows. Remembered per pattern: it changes
+        only when a lane starts or stops decoding, not from one step to the next."""
+        live = live if type(live) is tuple else tuple(live)  # (a key: another core's list)
+        split = self._splits.get(live)
+        if split is None:
+            if len(self._splits) >= 1024:  # (B > 10 lanes have more patterns than steps)
+                self._splits.clear()
+            rows = range(len(live))
+            split = self._splits[live] = (tuple(compress(rows, live)),
+                                          tuple(compress(rows, map(not_, live))))
+        return split
 
     def _decoded(self, call: DecodeCall, result: StepResult, events: list[Event]) -> None:
         if result.error is not None:
@@ -723,8 +770,10 @@ class Scheduler:
         self._m = step.state
         self.version += 1
         self.policy.observe(step.effects)
-        t = self.config.blocks_per_table
+        t = self._t
         for eff in step.effects:
+            if not isinstance(eff, _TABLE_EFFECTS):  # (a decode's: the tables stay)
+                continue
             if isinstance(eff, (core.Admit, core.Inbound)):
                 self.tables[eff.lane] = [eff.block]
                 self._rows[eff.lane] = (eff.block,) * t

@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 _NULL = 1  # vLLM's block ids are the core's plus one: block 0 is vLLM's null block
 
 
+def _vllm_ids(table: list[int]) -> list[int]:
+    """A core block table in vLLM's block ids."""
+    return [b + _NULL for b in table]
+
+
 class AtomScheduler(SchedulerInterface):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, structured_output_manager: Any,
                  block_size: int, hash_block_size: int | None = None, mm_registry: Any = None,
@@ -90,6 +95,7 @@ class AtomScheduler(SchedulerInterface):
             prefill_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
             vocab_size=vllm_config.model_config.get_vocab_size())
         self.requests: dict[str, Request] = {}  # vLLM's live requests (structured output reads)
+        self._structured: set[str] = set()  # those with structured output (grammars)
         self._rid: dict[str, int] = {}  # vLLM's id -> the core's
         self._vid: dict[int, str] = {}  # and back
         self._grammar_wait: list[Request] = []  # structured output: its grammar compiles
@@ -113,6 +119,8 @@ class AtomScheduler(SchedulerInterface):
             raise ValueError(f"request id {request.request_id!r} is already in use: streaming "
                              "input sessions are not supported by atom-core's scheduler")
         self.requests[request.request_id] = request
+        if request.use_structured_output:
+            self._structured.add(request.request_id)
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
         if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
@@ -163,7 +171,8 @@ class AtomScheduler(SchedulerInterface):
             raise RuntimeError("schedule() before the last step's update_from_output(): "
                                "AtomScheduler runs one step at a time (async scheduling and "
                                "pipeline parallelism are off for it)")
-        self._promote_grammars()
+        if self._grammar_wait:
+            self._promote_grammars()
         copies: list[KVCacheBlockCopy] = []
         if self._pause == PauseState.PAUSED_ALL:
             return self._output(None, copies)
@@ -195,50 +204,58 @@ class AtomScheduler(SchedulerInterface):
         # (lane, first position, tokens, local slot)
         rows: list[tuple[int, int, int, int | None]] = []
         dec = call.decode if isinstance(call, MixedCall) else call
-        pres = call.prefills if isinstance(call, MixedCall) else (call,)
         if isinstance(dec, DecodeCall):
-            rows.extend((ln, dec.positions[ln], 1, dec.local[ln] if dec.local else None)
-                        for ln in dec.lanes)
-        rows.extend((p.lane, p.start, p.end - p.start, p.local) for p in pres
-                    if isinstance(p, PrefillCall))
-        now = time.monotonic()
+            positions, locals_ = dec.positions, dec.local
+            for ln in dec.lanes:
+                rows.append((ln, positions[ln], 1, locals_[ln] if locals_ else None))
+        for p in call.prefills if isinstance(call, MixedCall) else (call,):
+            if isinstance(p, PrefillCall):
+                rows.append((p.lane, p.start, p.end - p.start, p.local))
+        lane_req, held, vids, requests = (self.core.view.lane_req, self.core.tables, self._vid,
+                                          self.requests)
+        known, resumed_, sent_ = self._known, self._resumed, self._sent
+        now: float | None = None  # (read once, and only in a step that schedules a request anew)
         for lane, start, n, local in rows:
             if local is not None and local != lane:
                 # the ring a lane's sliding tables name is its own (tables sent never change)
                 raise RuntimeError(f"lane {lane}'s row runs in local slot {local}: under vLLM "
                                    "a lane's sliding KV is its own ring")
-            rid = self.core.view.lane_req[lane]
-            vid = self._vid[rid]
-            req = self.requests[vid]
+            vid = vids[lane_req[lane]]
+            req = requests[vid]
             req.num_computed_tokens = start
             req.is_prefill_chunk = start + n < req.num_tokens
-            table = [b + _NULL for b in self.core.tables[lane]]
+            table = held[lane]  # the core's ids (vLLM's are one more: `_vllm_ids`)
             if req.status != RequestStatus.RUNNING:  # admitted (again) this step
                 req.status = RequestStatus.RUNNING
                 if self.log_stats:
+                    if now is None:
+                        now = time.monotonic()
                     req.record_event(EngineCoreEventType.SCHEDULED, now)
                 if req.num_preemptions == 0 and req.prefill_stats is not None:
                     req.prefill_stats.set(req.num_prompt_tokens, start, 0)
                     req.num_cached_tokens = start
                 self._prefix_stats.record(num_tokens=req.num_tokens, num_hits=start,
                                           preempted=req.num_preemptions > 0)
-            if vid not in self._known:
-                new.append(NewRequestData.from_request(req, self.rings.block_ids(lane, table, 0)))
-                self._known.add(vid)
+            if vid not in known:
+                new.append(NewRequestData.from_request(
+                    req, self.rings.block_ids(lane, _vllm_ids(table), 0)))
+                known.add(vid)
+                resumed_.discard(vid)
             else:
-                resumed = vid in self._resumed
-                sent = 0 if resumed else self._sent.get(vid, 0)
+                resumed = vid in resumed_
+                sent = 0 if resumed else sent_.get(vid, 0)
                 cached.req_ids.append(vid)
                 if resumed:
                     cached.resumed_req_ids.add(vid)
+                    resumed_.discard(vid)
                 if vid not in self._last_scheduled:
                     cached.all_token_ids[vid] = list(req.all_token_ids)
-                cached.new_block_ids.append(self.rings.block_ids(lane, table, sent)
+                # (most steps send no block: a decode grows a table once per block_size tokens)
+                cached.new_block_ids.append(self.rings.block_ids(lane, _vllm_ids(table), sent)
                                             if len(table) > sent else None)
                 cached.num_computed_tokens.append(start)
                 cached.num_output_tokens.append(req.num_output_tokens)
-            self._resumed.discard(vid)
-            self._sent[vid] = len(table)
+            sent_[vid] = len(table)
             tokens[vid] = n
         self._last_scheduled = set(tokens)
         finished, self._finished = self._finished, set()
@@ -247,8 +264,8 @@ class AtomScheduler(SchedulerInterface):
             total_num_scheduled_tokens=sum(tokens.values()), scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={}, finished_req_ids=finished, free_encoder_mm_hashes=[],
             preempted_req_ids=None, kv_cache_block_copies=copies or None)
-        out.has_structured_output_requests = any(
-            self.requests[v].use_structured_output for v in tokens)
+        out.has_structured_output_requests = bool(self._structured) and any(
+            v in self._structured for v in tokens)
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -257,20 +274,24 @@ class AtomScheduler(SchedulerInterface):
         outputs: dict[int, list[EngineCoreOutput]] = {}
         if call is not None:
             result = self._result(call, model_runner_output)
+            requests = self.requests
             for vid, n in scheduler_output.num_scheduled_tokens.items():
-                if vid in self.requests:
-                    self.requests[vid].num_computed_tokens += n
+                req = requests.get(vid)
+                if req is not None:
+                    req.num_computed_tokens += n
             out = self.core.update(result)
             while not out.done:  # (block work after a call: none without hybrid models)
                 out = self.core.update(StepResult(work=tuple(
                     self._work(w, []) for w in out.work)))
             self._act(out, model_runner_output, outputs)
-        for vid, status in self._deferred.items():
-            self._finish_one(vid, status)
-        self._deferred.clear()
-        for o in self._ended_outputs:
-            outputs.setdefault(self._client(o.request_id), []).append(o)
-        self._ended_outputs.clear()
+        if self._deferred:
+            for vid, status in self._deferred.items():
+                self._finish_one(vid, status)
+            self._deferred.clear()
+        if self._ended_outputs:
+            for o in self._ended_outputs:
+                outputs.setdefault(self._client(o.request_id), []).append(o)
+            self._ended_outputs.clear()
         result_: dict[int, EngineCoreOutputs] = {
             c: EngineCoreOutputs(outputs=outs) for c, outs in outputs.items()}
         if self.include_finished_set and self._finished_by_client:
@@ -279,7 +300,10 @@ class AtomScheduler(SchedulerInterface):
             self._finished_by_client = {}
         stats = self.make_stats()
         if stats is not None:
-            result_.setdefault(next(iter(result_), 0), EngineCoreOutputs()).scheduler_stats = stats
+            client = next(iter(result_), 0)
+            if client not in result_:  # (an empty one made only when no output goes out)
+                result_[client] = EngineCoreOutputs()
+            result_[client].scheduler_stats = stats
         return result_
 
     def _client(self, vid: str) -> int:
@@ -302,27 +326,39 @@ class AtomScheduler(SchedulerInterface):
                 return StepResult(tokens=(0,), row_errors=(
                     "the model runner sampled no token for the prompt's last chunk",))
             return StepResult(tokens=(int(toks[0]) if len(toks) else 0,))
-        tokens = [0] * len(call.ids)
-        errors: list[str | None] = [None] * len(call.ids)
-        for ln, rid in zip(call.lanes, (call.requests[ln] for ln in call.lanes), strict=True):
-            vid = self._vid[rid]
+        rows = len(call.ids)
+        tokens = [0] * rows
+        errors: list[str | None] | None = None  # (none: the core reads () as no row's error)
+        vids, requests = self._vid, call.requests
+        for ln in call.lanes:
+            vid = vids[requests[ln]]  # type: ignore[index]
             toks = sampled[index[vid]] if vid in index and sampled else []
             if len(toks):
                 tokens[ln] = int(toks[0])
             else:
+                if errors is None:
+                    errors = [None] * rows
                 errors[ln] = "the model runner sampled no token for this request"
-        return StepResult(tokens=tuple(tokens), row_errors=tuple(errors))
+        return StepResult(tokens=tuple(tokens), row_errors=() if errors is None else tuple(errors))
 
     def _act(self, out: StepOutput, mro: Any = None,
              outputs: dict[int, list[EngineCoreOutput]] | None = None) -> None:
         """Act on the step's events not yet acted on: preemptions (the runner drops the
         request's table; vLLM counts it), tokens (vLLM's stop rules), ends."""
-        events = out.events[self._seen:]
+        events = out.events[self._seen:] if self._seen else out.events
         self._seen = len(out.events)
+        if not events:
+            return
         new_tokens: dict[str, list[int]] = {}
+        # the requests the events name, in their order (a dict: one output each, in that order)
+        touched: dict[str, None] = {}
+        vids, requests = self._vid, self.requests
         for ev in events:
-            vid = self._vid.get(ev.request_id)
-            req = self.requests.get(vid) if vid is not None else None
+            vid = vids.get(ev.request_id)
+            if vid is None:
+                continue
+            touched[vid] = None
+            req = requests.get(vid)
             if req is None:
                 continue
             if ev.kind == "preempted":
@@ -348,22 +384,23 @@ class AtomScheduler(SchedulerInterface):
                 log.error("request %s failed: %s", vid, ev.error)
                 req.status = RequestStatus.FINISHED_ERROR
         if outputs is None:
-            for vid in {self._vid[e.request_id] for e in events if e.request_id in self._vid}:
+            for vid in touched:
                 req = self.requests.get(vid)
                 if req is not None and req.is_finished():
                     self._ended(req, outputs)
             return
-        touched = {self._vid[e.request_id] for e in events if e.request_id in self._vid}
+        # the prompt's logprobs (`prompt_logprobs`), which the runner hands back with the
+        # prompt's last chunk, computed over every prompt position (the request took no
+        # prefix hit: `skip_reading_prefix_cache`); (most steps: none, no lookup)
+        lps = None if mro is None else mro.prompt_logprobs_dict
+        ids_lps = None if mro is None else mro.prompt_token_id_logprobs_dict
         for vid in touched:
-            req = self.requests.get(vid)
+            req = requests.get(vid)
             if req is None or vid in self._deferred:  # (the client ended it: it knows)
                 continue
             toks = new_tokens.get(vid, [])
-            # the prompt's logprobs (`prompt_logprobs`), which the runner hands back with the
-            # prompt's last chunk, computed over every prompt position (the request took no
-            # prefix hit: `skip_reading_prefix_cache`)
-            prompt = None if mro is None else (mro.prompt_logprobs_dict.get(vid),
-                                               mro.prompt_token_id_logprobs_dict.get(vid))
+            prompt = None if mro is None else (lps.get(vid) if lps else None,
+                                               ids_lps.get(vid) if ids_lps else None)
             if not toks and not req.is_finished() and (prompt is None or prompt == (None, None)):
                 continue
             logprobs = None
@@ -400,6 +437,7 @@ class AtomScheduler(SchedulerInterface):
     def _release(self, req: Request) -> None:
         vid = req.request_id
         self.requests.pop(vid, None)
+        self._structured.discard(vid)
         rid = self._rid.pop(vid, None)
         if rid is not None:
             self._vid.pop(rid, None)
@@ -460,22 +498,20 @@ class AtomScheduler(SchedulerInterface):
         return bool(self._finished) or bool(self._ended_outputs)
 
     def get_request_counts(self) -> tuple[int, int]:
-        running = self.core.view.busy.count(True)
-        return running, len(self.requests) - running
+        return _request_counts(self.core.view, len(self.requests))
 
     def get_kv_cache_usage(self) -> float:
         """Blocks held by requests (as vLLM counts: cache entries are reusable, not used)."""
-        owner = self.core.view.owner  # (counted at C speed: vLLM asks every step)
-        held = len(owner) - owner.count(core.OWNER_FREE) - owner.count(core.OWNER_CACHE)
-        return held / self.config.kv_blocks
+        return _usage(self.core.view, self.config.kv_blocks)
 
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         if not self.log_stats:
             return None
-        running, waiting = self.get_request_counts()
+        view = self.core.view  # (asked every step: the state read once)
+        running, waiting = _request_counts(view, len(self.requests))
         stats, self._prefix_stats = self._prefix_stats, PrefixCacheStats()
         return SchedulerStats(num_running_reqs=running, num_waiting_reqs=waiting,
-                              kv_cache_usage=self.get_kv_cache_usage(),
+                              kv_cache_usage=_usage(view, self.config.kv_blocks),
                               prefix_cache_stats=stats)
 
     def check_invariants(self) -> None:
@@ -523,6 +559,17 @@ class AtomScheduler(SchedulerInterface):
 
     def shutdown(self) -> None:
         pass
+
+
+def _request_counts(view: Any, requests: int) -> tuple[int, int]:
+    """(running, waiting) of vLLM's `requests` live ones: running those on a lane."""
+    running = view.busy.count(True)
+    return running, requests - running
+
+
+def _usage(view: Any, kv_blocks: int) -> float:
+    owner = view.owner  # (counted at C speed: vLLM asks every step)
+    return (len(owner) - owner.count(core.OWNER_FREE) - owner.count(core.OWNER_CACHE)) / kv_blocks
 
 
 def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any, block_size: int) -> Groups:
