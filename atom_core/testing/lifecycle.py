@@ -52,7 +52,7 @@ EXPORT_DRAINS = "exporting lane of several blocks cancelled: every block drains"
 DRAINS_END_TOGETHER = "one transfer_end freed several draining blocks"
 IMPORT_SHORT = "import_done refused: the table does not cover the prompt yet"
 # ... and PD with preemption: an import landed (with PREEMPT), an importing lane's table grew
-# by preempting a computing lane (`import_grow_by_policy`), and an imported request (decoding
+# by preempting a computing lane (the scheduler's growth), and an imported request (decoding
 # since its import landed) was preempted, and finished later (recomputed here: admitted again
 # as any preempted request).
 IMPORT_WITH_PREEMPTION = "import with preemption landed"
@@ -72,12 +72,11 @@ class Stats:
     calls = 0  # core action calls (a rule may make several, or none)
     applied = Counter()  # successful transitions per action
     rejected = Counter()  # rejections per (action, guard)
-    policy_idle = 0  # policy returned no admission (copy in flight or no idle lane)
     events = Counter()  # situations worth reaching (PD: drains, stale events, ...)
 
     @classmethod
     def reset(cls) -> None:
-        cls.steps, cls.calls, cls.policy_idle = 0, 0, 0
+        cls.steps, cls.calls = 0, 0
         cls.applied, cls.rejected, cls.events = Counter(), Counter(), Counter()
 
 

@@ -56,9 +56,10 @@ It also checks:
 Layout: `MachineBase` (base.py: setup, the checks of every step in `apply`, the natural
 workload), errors.py (what each check raises), and mixins: actions.py (single actions with
 drawn parameters, the calls that must be rejected), scheduled.py (steps of the real
-`Scheduler`, hypothesis answering its block work and calls: `schedule`; and the serving steps
-of `storm` and the teardown's runs to completion), policy_steps.py (the policy's choices
-taken one at a time, for the flows that interleave them with direct actions), teardown.py,
+`Scheduler`, hypothesis answering its block work and calls: every flow's growth, admission,
+spills, preemptions, prefill and decode, `schedule`, `advance`, the tiers' flows, storms and
+the teardown's drain, are its steps; the machine's own rules act between them),
+policy_steps.py (refinement and refused calls around the policy's choices), teardown.py,
 and one per feature tier (paged.py: paged tables and hits past the first block; hybrid.py;
 host.py; pd.py; preempt.py). A new feature tier's rules go in a new mixin module here, listed
 in `CoreMachine`'s bases; its rules that only some machines take go in a set like PD_RULES
@@ -143,8 +144,8 @@ def make_machine(core: Any = committed, config: st.SearchStrategy[Any] | None = 
         "capacity": staticmethod(capacity),
         "pd": pd,
         # (one registered policy draws nothing: sampled_from of one is just it)
-        "setup": initialize(c=config, policy=st.sampled_from(sorted(POLICIES)))(
-            MachineBase.setup),
+        "setup": initialize(c=config, policy=st.sampled_from(sorted(POLICIES)),
+                            scene=st.booleans())(MachineBase.setup),
     })
     rules = rule_names(machine)
     assert PD_RULES | PREEMPT_MACHINE_RULES <= rules, PD_RULES - rules

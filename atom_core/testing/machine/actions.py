@@ -138,11 +138,12 @@ class ActionRules:
 
     @rule(data=st.data())
     def decode(self, data: Any) -> None:
+        """decode with drawn tokens, and the policy's padding targets or a drawn one."""
         toks = self.decode_tokens(data)
-        if coin(data, "policy pad"):
-            self.decode_by_policy(toks)
-        else:
-            self.apply("decode", self.block(data, "pad"), self.policy.local_pad(self.s), toks)
+        s = self.s
+        pad = self.policy.pad(s) if coin(data, "policy pad") else None
+        self.apply("decode", self.block(data, "pad") if pad is None else pad,
+                   self.policy.local_pad(s), toks)
 
     @rule(data=st.data(), keep=st.booleans())
     def finish(self, data: Any, keep: bool) -> None:

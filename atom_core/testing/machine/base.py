@@ -2,8 +2,8 @@
 invariants, the lifecycle model, the ghost-off mirror, progress) and the natural workload
 (`submit`, `admit`, `advance`). The other rules and helpers are mixins beside it
 (`atom_core.testing.machine`): single actions and the calls that must be rejected
-(actions.py), the policy's choices taken one at a time (policy_steps.py), the real
-scheduler's steps (scheduled.py), teardown (teardown.py) and one per feature tier."""
+(actions.py), refinement and refused calls around the policy's choices (policy_steps.py),
+the real scheduler's steps (scheduled.py), teardown (teardown.py) and one per feature tier."""
 
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ from atom_core.testing.strategies import (
     pick,
     prompts,
     token_lists,
-    tokens,
 )
 
 # The rules that take PD actions (make_machine(pd=False) drops them).
@@ -68,9 +67,10 @@ class MachineBase(RuleBasedStateMachine):
     pd: bool
     capacity: Capacity
 
-    def setup(self, c: Any, policy: str = "lru") -> None:
+    def setup(self, c: Any, policy: str = "lru", scene: bool = False) -> None:
         """The machine over configuration c, with the registered policy `policy`
-        (`atom_core.policy.POLICIES`: every registered one is drawn)."""
+        (`atom_core.policy.POLICIES`: every registered one is drawn); scene: the example
+        starts with `adopt_scene` (paged.py), where the configuration allows it."""
         self.c = c
         self.s = self.core.init(c, True)
         self.s2 = (self.mcore.init(self.mcore.Consts(**attrs.asdict(c)), False)
@@ -81,8 +81,13 @@ class MachineBase(RuleBasedStateMachine):
         self.next_id = 0
         scratch = "reserved" if c.RESERVED else "dynamic"
         self.at_capacity = c.K >= self.capacity(c.B, c.PREFIX, scratch, c.T, c.PREEMPT)
+        # once an example: a drawn grow_adopt in a turn (paged.py), a busy load cancelled
+        # (host.py); per example, not per run, so that hypothesis replays an example exactly
+        self.adopted = self.load_cancelled = False
         assert self.core.check_axioms(c) == []
         assert self.core.check_invariants(self.s) == []
+        if scene:
+            self.adopt_scene()  # type: ignore[attr-defined]  # (PagedRules, in CoreMachine)
 
     # helpers ---------------------------------------------------------------
     def admission_room(self) -> bool:
@@ -238,6 +243,9 @@ class MachineBase(RuleBasedStateMachine):
     @precondition(lambda self: self.waiting())
     @rule(data=st.data())
     def admit(self, data: Any) -> None:
+        """The scheduler's admissions (`scheduler_step` up to its call, a copy or load often
+        left in flight); with paged tables and the prefix cache, often a hit on a later
+        block's entry refused first, or a miss beside one (`miss_beside_later_block`)."""
         r = pick(data, self.waiting(), "request")
         if self.c.T > 1 and self.c.PREFIX:
             how = num(data, 0, 2, "plain, a later block first, a miss beside one")
@@ -245,14 +253,15 @@ class MachineBase(RuleBasedStateMachine):
                 self.refuse_later_hit(data, r)
             elif how == 2 and self.miss_beside_later_block(data):
                 return
-        self.admit_by_policy(r)
+        self.scheduler_step(data, in_flight=True, call=False)
 
     def miss_beside_later_block(self, data: Any = None) -> bool:
         """A miss beside an entry that starts later in its sequence (a full block of a
         cached table, or a tail after one) and shares the prompt's first chunk: the
         entries that start a sequence with that chunk are discarded, a prompt with it is
-        submitted, a hit on the later entry is refused (src_first_block) and the policy
-        admits it: a miss, which the later entry must not block (no hit can use it).
+        submitted, a hit on the later entry is refused (src_first_block) and the scheduler
+        admits it (its queue's last): a miss, which the later entry must not block (no hit
+        can use it).
         Without data, the first such entry and a one-token tail. False if there is no such
         entry or no idle lane (or an entry to discard is pinned)."""
         s, c = self.s, self.c
@@ -273,7 +282,12 @@ class MachineBase(RuleBasedStateMachine):
         assert self.apply("submit", r, seq(head + tuple(tail))).rejected is None
         self.next_id += 1
         self.refuse_later_hit(data, r)
-        if self.admit_by_policy(r):  # (no block yet while a copy or a drain runs)
+        self.local(r, first=True)
+        for _ in range(2):  # (a spill's store may be left in flight first)
+            if r in self.life.lane or not self.scheduler_step(data, in_flight=True,
+                                                              call=False):
+                break
+        if r in self.life.lane:  # (no block yet while a copy or a drain runs)
             l = self.life.lane.index(r)
             # (no device hit; a host entry of a first block may still hit: a load)
             assert self.life.status[r] == "prefill" and self.life.copy_src[l] is None, r
@@ -281,31 +295,28 @@ class MachineBase(RuleBasedStateMachine):
 
     @rule(data=st.data(), k=st.integers(1, 16))
     def advance(self, data: Any, k: int) -> None:
-        """Up to k productive steps, as a scheduler would take them: admit (with the host
-        tier, often spilling the entry the admission evicts first), complete a copy or a
-        load, prefill (hybrid: then a snapshot at a boundary, as the policy takes them),
-        snapshot a lane at its next boundary, decode (policy pad) or finish, with paged
-        tables and the prefix cache a conversation's turn (`turn`), whichever the draw
-        picks, growing the lanes whose tail is full before each prefill or decode (as
-        the adapter does; a decode refused at a full table finishes that lane); with pd,
-        also a PD step (`pd_step`: import, export, end a transfer or a drain); with the
-        host tier, a host step (`host_step`)."""
+        """Up to k productive steps, whichever the draw picks: a step of the real scheduler
+        (`scheduler_step`: it grows the lanes whose tail is full, admits, prefills a chunk,
+        with the hybrid tier snapshotting at boundaries as the policy takes them, or
+        decodes; a copy, load or store often left in flight; with paged tables and the
+        prefix cache often a hit on a later block's entry refused first), complete a copy
+        or a load left in flight, snapshot a lane at its next boundary, finish a decoding
+        lane (the client's stop, keep drawn), with paged tables and the prefix cache a
+        conversation's turn (`turn`); with pd, also a PD step (`pd_step`: import, export,
+        end a transfer or a drain); with the host tier, a host step (`host_step`)."""
         for _ in range(k):
             life, c = self.life, self.c
             moves = []
-            if self.waiting() and None in life.lane:
-                moves.append("admit")
+            decoding = [l for l in range(c.B) if life.decoding(l)]
+            if (self.waiting() and None in life.lane or decoding
+                    or any(map(life.prefilling, range(c.B)))):
+                moves += ["step"] * 3
             if any(life.copying):
                 moves.append("copy_done")  # or a load's end
-            prefilling = [l for l in range(c.B) if life.lane[l] is not None
-                          and life.status[life.lane[l]] == "prefill" and not life.copying[l]]
-            if prefilling:
-                moves.append("prefill")
-            decoding = [l for l in range(c.B) if life.decoding(l)]
             if decoding:
-                moves += ["decode", "decode", "finish"]
-            if self.pd and (life.draining or life.in_phase(*MOVING) or moves and moves[0] == "admit"
-                       or any(map(life.prefilled, range(c.B)))):
+                moves.append("finish")
+            if self.pd and (life.draining or life.in_phase(*MOVING) or self.waiting()
+                            or any(map(life.prefilled, range(c.B)))):
                 moves.append("pd")
             if c.HOST and (life.entries or life.slots("STORING", "STORED", "LOADING")):
                 moves.append("host")
@@ -316,39 +327,20 @@ class MachineBase(RuleBasedStateMachine):
             if not moves:
                 return
             move = pick(data, moves, "move")
-            if move == "admit":
-                r = pick(data, self.waiting(), "request")
-                if c.T > 1 and c.PREFIX and num(data, 0, 2, "a later block first (0)") == 0:
-                    self.refuse_later_hit(data, r)
-                if not self.admit_by_policy(r, data):
+            if move == "step":
+                waiting = self.waiting()
+                if (waiting and c.T > 1 and c.PREFIX
+                        and num(data, 0, 2, "a later block first (0)") == 0):
+                    self.refuse_later_hit(data, pick(data, waiting, "request"))
+                if not self.scheduler_step(data, in_flight=True):
                     return
             elif move == "copy_done":
                 self.complete_copy(data, life.copying.index(True))
-            elif move == "prefill":
-                l = pick(data, prefilling, "lane")
-                if not self.grow_by_policy(data) and life.needs_block(l):
-                    return  # no block until a copy lands or a drain ends
-                if not life.prefilling(l) or life.copying[l]:
-                    continue  # preempted to make room for an older lane, or its hit's
-                    # copy is in flight
-                self.apply("prefill", l, data.draw(tokens, label="tok"))
-                # hybrid: a snapshot at each boundary of the prompt, as the policy takes
-                # them (a failed fetch skips one: that lane then has no later snapshot)
-                if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
-                    assert self.apply("snapshot", l).rejected is None
             elif move == "snapshot":
                 l = pick(data, [l for l in range(c.B) if life.snapshot_ok(l)], "lane")
                 assert self.apply("snapshot", l).rejected is None
             elif move == "host":
                 self.host_step(data, feed=False)
-            elif move == "decode":
-                self.grow_by_policy(data)
-                if not any(map(life.decoding, range(c.B))):
-                    continue  # every decoding lane was preempted to make room
-                if self.decode_by_policy(self.decode_tokens(data),
-                                         data).rejected is not None:
-                    if not self.finish_full(data, decoding):
-                        return  # no scratch target until a prefill or copy completes
             elif move == "pd":
                 if not self.pd_step(data, feed=False):
                     return

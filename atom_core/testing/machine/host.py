@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 from hypothesis.stateful import precondition, rule
 
 from atom_core.testing.lifecycle import Stats
-from atom_core.testing.strategies import coin, num, pick, tokens
+from atom_core.testing.strategies import coin, num, pick
 
 
 class HostRules:
@@ -56,7 +56,7 @@ class HostRules:
         move = pick(data, moves, "host move")
         if move == "spill":
             b = pick(data, unpinned, "entry")
-            if not (coin(data, "the policy's slot") and self.spill_by_policy(data, b)):
+            if not (coin(data, "the policy's slot") and self.spill_entry(data, b)):
                 h = self.slot(data, "slot", life.slots("EMPTY"))
                 if self.apply("spill", b, h).rejected is None:
                     self.busy_store(data, h)
@@ -82,53 +82,50 @@ class HostRules:
 
     def serve(self, data: Any) -> None:
         """Serve one request into the cache: a waiting one, or a new one (usually extending
-        a host entry's key, when there is one); admit it as the policy chooses (spilling
-        the entry it evicts), complete its copy or load (which may fail; meanwhile it is
-        busy), prefill its prompt, decode a few tokens (sometimes to the block end) and
-        finish it, keeping its KV (paged tables: its next blocks are grown as the batcher
-        grows them, `grow_by_policy`, from the host tier when it holds more)."""
+        a host entry's key, when there is one), by the real scheduler (`prefill_request`:
+        admitted as the policy chooses, spilling the entry it evicts; its copy or load, and
+        the stores of the spills, sometimes left in flight: meanwhile they are busy,
+        `busy_copy`, and the copy or load ends here, a load may fail; paged tables: its next
+        blocks grown, from the host tier when it holds more); then it decodes a few steps
+        (sometimes to the block end) and the client finishes it, keeping its KV
+        (`decode_request`)."""
         life, c = self.life, self.c
         if not self.waiting() or (life.slots("STORED") and num(data, 0, 3, "waiting (0)")):
             self.new_request(data, host=True)
             r = self.next_id - 1
         else:
             r = pick(data, self.waiting(), "request")
-        if not self.admit_by_policy(r, data):
-            return
-        l = life.lane.index(r)
-        self.busy_copy(data, l)
-        if life.lane[l] != r:
-            return  # cancelled
-        while life.copying[l]:
-            self.complete_copy(data, l)
-        while life.prefilling(l) and life.lane[l] == r:
-            if not self.grow_by_policy() and life.needs_block(l):
-                return  # no block until a store lands (paged tables): it stays busy
-            if life.lane[l] == r:  # (with PREEMPT, the growth may have preempted it)
-                self.apply("prefill", l, data.draw(tokens))
-        for _ in range(pick(data, (0, 1, 2, c.T * c.S), "tokens")):
-            if life.lane[l] != r or not life.decoding(l):
-                break
-            self.grow_by_policy()
-            if self.decode_by_policy(self.decode_tokens(data)).rejected is not None:
-                break  # the table is full, or no padding target until a copy lands
-        if life.lane[l] != r or not life.decoding(l):
-            return  # preempted to make room (it waits again)
-        assert self.apply("finish", l, True).rejected is None
+        self.local(r, first=True)
+        busy: set[int] = set()
+
+        def once_busy(l: int) -> None:
+            """Right after its admission (its copy or load left in flight): `busy_copy`."""
+            if l not in busy and life.copying[l]:
+                busy.add(l)
+                self.busy_copy(data, l)
+
+        l = self.prefill_request(data, r, once_busy)
+        if l is not None:
+            self.decode_request(data, r, l, pick(data, (0, 1, 2, c.T * c.S), "tokens"))
 
     def host_hit(self, data: Any, r: int, idle: list[int]) -> None:
-        """Admit waiting r from the host tier: the policy's choice when it is a host hit
-        (accepted), else drawn parameters near the longest host hit (another n, lane or
-        dst, a slot without an entry; refused unless legal). The load it starts is busy
-        (`busy_copy`). Paged tables: often a hit on a later block's host entry first
+        """Admit waiting r from the host tier: when the policy's choice is a host hit, the
+        scheduler's admissions up to it (`scheduler_step` up to its call, the load left in
+        flight: busy, `busy_copy`), else drawn parameters near the longest host hit (another
+        n, lane or dst, a slot without an entry; refused unless legal). The load it starts is
+        busy (`busy_copy`). Paged tables: often a hit on a later block's host entry first
         (`refuse_later_host_hit`)."""
-        s, c = self.s, self.c
+        s, c, life = self.s, self.c, self.life
         if c.T > 1 and num(data, 0, 3, "a later block's entry first (0)") == 0:
             self.refuse_later_host_hit(data, r)
         choice = self.policy.admission(s, r)
         if choice is not None and choice.action == "admit_host_hit" and coin(data, "policy"):
-            assert self.admit_by_policy(r)
-            self.busy_copy(data, choice.args["l"])
+            self.local(r, first=True)
+            for _ in range(2):  # (a spill's store may be left in flight first)
+                if r in life.lane or not self.scheduler_step(None, in_flight=True, call=False):
+                    break
+            if r in life.lane:
+                self.busy_copy(data, life.lane.index(r))
             return
         best = self.policy.best_host_hit(s, s.prompt.get(r))
         h, n = best if best is not None else (self.slot(data, "slot"), c.C)
@@ -189,8 +186,11 @@ class HostRules:
             return
         assert life.slot_state[h] == "LOADING"
         self.busy_slot(data, h)
-        what = pick(data, ("copy_done", "cancel", "later"), "then")
+        # (the first load an example finds in flight is cancelled: few are left in flight)
+        what = pick(data, ("copy_done", "cancel", "later"), "then") if self.load_cancelled \
+            else "cancel"
         if what == "cancel":
+            self.load_cancelled = True
             how = pick(data, ("abort_running", "fail"), "how")
             assert self.apply(how, l).rejected is None
             assert self.s.slot_state[h] == self.core.SLOTSTATE_STORED, h  # intact, evictable

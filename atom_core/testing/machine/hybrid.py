@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 from hypothesis.stateful import precondition, rule
 
 from atom_core.seq import seq
-from atom_core.testing.strategies import coin, num, pick, token_lists, tokens
+from atom_core.testing.strategies import coin, pick, token_lists
 
 
 class HybridRules:
@@ -32,10 +32,10 @@ class HybridRules:
         conversation (it matches further than the entry's snapshots reach); a hit past
         the snapshots (refused) or as deep as they go, at an admission or (paged tables)
         past the first block (`grow_hit`, from the entry at a lane's boundary); or to get
-        there: submit, admit as the policy chooses, complete a copy, prefill (growing the
-        lanes first, as the adapter does; snapshot as the policy does), decode (generated
-        tokens have no snapshots) or finish into the cache. False if no step is
-        possible."""
+        there: submit, complete a copy, a step of the real scheduler (`scheduler_step`: it
+        grows the lanes, admits as the policy chooses, prefills, snapshotting as the policy
+        does, or decodes: generated tokens have no snapshots; a copy often left in flight)
+        or finish into the cache. False if no step is possible."""
         life, c = self.life, self.c
         ready = [l for l in range(c.B) if life.snapshot_ok(l)]
         past = self.hits_past_snapshot()
@@ -50,10 +50,10 @@ class HybridRules:
         moves += ["later_past"] * 3 if later_past else []
         moves += ["next_turn"] * 2 if beyond else []
         moves += ["submit"] if not waiting else []
-        moves += ["admit"] * 2 if waiting and idle else []
+        moves += ["step"] * 2 if waiting and idle else []
         moves += ["copy_done"] if any(x is not None for x in life.copy_src) else []
-        moves += ["prefill"] * 2 if prefilling else []
-        moves += ["decode", "finish", "finish"] if decoding else []
+        moves += ["step"] * 2 if prefilling else []
+        moves += ["step", "finish", "finish"] if decoding else []
         move = pick(data, moves, "hybrid move")
         if move == "snapshot":
             assert self.apply("snapshot", pick(data, ready, "lane")).rejected is None
@@ -89,23 +89,11 @@ class HybridRules:
             self.next_id += 1
         elif move == "submit":
             self.new_request(data)
-        elif move == "admit":
-            self.admit_by_policy(pick(data, waiting, "request"), data)
         elif move == "copy_done":
             self.apply("copy_done", next(l for l in range(c.B)
                                          if life.copy_src[l] is not None))
-        elif move == "prefill":
-            l = pick(data, prefilling, "lane")
-            if not self.grow_by_policy(data) and life.needs_block(l):
-                return False  # no block until a copy lands
-            if not life.prefilling(l) or life.copying[l]:
-                return True  # its hit past the first block is being copied
-            self.apply("prefill", l, data.draw(tokens))
-            if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
-                assert self.apply("snapshot", l).rejected is None
-        elif move == "decode":
-            self.grow_by_policy(data)
-            self.decode_by_policy(self.decode_tokens(data))
+        elif move == "step":
+            return self.scheduler_step(data, in_flight=True)
         else:
             self.apply("finish", pick(data, decoding, "lane"), True)
         return True

@@ -12,7 +12,10 @@ from hypothesis.stateful import precondition, rule
 from atom_core.policy import common_chunks
 from atom_core.seq import seq
 from atom_core.testing.lifecycle import ALPHABET, Stats
-from atom_core.testing.strategies import coin, num, pick, token_lists, tokens
+from atom_core.testing.strategies import coin, num, pick, token_lists
+
+# The scene (at an example's start) in which the policy takes a hit's source over (`adopt_scene`)
+ADOPT_SCENE = "scene: a hit's source, the only reusable block, grown into"
 
 
 class PagedRules:
@@ -148,22 +151,23 @@ class PagedRules:
         first block. The prompt goes on from a conversation cached past its first block
         (the whole key of a later block's entry: its prefix up to its end; or a cut past
         its first block, where the new tail goes another way), else it is a fresh one of
-        several blocks. It is admitted as the policy chooses (a hit copies the first
-        block's part), then driven as the adapter drives it: its copies land, its next
-        block is grown before each prefill (`grow_by_policy`: a hit past the first block
-        when the entry at that position goes on as the prompt does; hybrid: as far as
-        the entry's snapshots reach), its chunks are prefilled (hybrid: a snapshot at each
-        boundary, as the policy takes them); then it decodes a few tokens and finishes
-        into the cache, so the next turn has a longer conversation to go on from. On the
-        way, drawn grow_hit calls (`drawn_grow_hit`, refused by the guard the lifecycle
-        model names, or a legal hit): while its copy is in flight, mid-block, and at each
-        boundary (often one call for each guard that refuses some call there).
+        several blocks. It is served by the real scheduler (`prefill_request`: admitted as
+        the policy chooses, a hit copying the first block's part; its next block grown
+        before each prefill, a hit past the first block when the entry at that position
+        goes on as the prompt does, hybrid: as far as the entry's snapshots reach; its
+        chunks prefilled, hybrid: a snapshot at each boundary as the policy takes them;
+        copies and loads sometimes left in flight, then ended here); then it decodes a few
+        steps and the client finishes it into the cache (`decode_request`), so the next
+        turn has a longer conversation to go on from. On the way, drawn grow_hit calls
+        (`drawn_grow_hit`, refused by the guard the lifecycle model names, or a legal hit):
+        while its copy is in flight, mid-block, and at each boundary (often one call for
+        each guard that refuses some call there).
         Often the other entries are dropped first (`discard`, unpinned ones, until a
         table's worth of blocks is free): the policy evicts the entries past a first block
         first (the conversation's own, its middle blocks before its end: they have no use
         time), so with few blocks the hit would often find its next block gone. False if
-        no turn could start (no idle lane, or the policy declines), or the lane got no
-        block or was preempted."""
+        no turn could start (no idle lane), or it did not reach its decode (the scheduler
+        admitted it no lane, a step found no block, it was preempted or ended)."""
         life, c, s = self.life, self.c, self.s
         if None not in life.lane:
             return False
@@ -187,7 +191,7 @@ class PagedRules:
                 # the turn's next blocks are then loaded from the host (`grow_host_hit`)
                 for b in ours:
                     if life.start[b] > 0 and not life.pinned(b):
-                        self.spill_by_policy(None, b)
+                        self.spill_entry(None, b)
             tail = data.draw(token_lists(1, c.S), label="next turn")
             if coin(data, "a cut past the first block"):  # then it goes another way
                 whole, key = key, key[:num(data, min(c.S + 1, len(key)), len(key), "keep")]
@@ -199,51 +203,148 @@ class PagedRules:
         r = self.next_id
         self.next_id += 1
         assert self.apply("submit", r, p).rejected is None
+        self.local(r, first=True)
         if c.HOST and num(data, 0, 2, "a later block's host entry first (0)") == 0:
             self.refuse_later_host_hit(data, r)
-        if not self.admit_by_policy(r, data):
-            return False
-        l = life.lane.index(r)
-        for _ in range(4 * c.T * c.S):  # (each pass lands a copy, grows or prefills)
-            if life.lane[l] != r or not life.prefilling(l):
-                break
+
+        def drawn_calls(l: int) -> None:
+            """Drawn hits past the first block at lane l's state, before each step."""
+            if not life.prefilling(l):
+                return
             if life.copying[l]:
                 if num(data, 0, 3, "a drawn grow_hit first (0)") == 0:
                     self.drawn_hit_past_first_block(data, l)  # no_copy_in_flight, ...
-                self.complete_copy(data, l)
-                continue
-            if life.needs_block(l):
-                # (a boundary with entries about is the rare state a refusal needs: often
-                # one call for each guard that refuses some call here)
+            elif life.needs_block(l):
+                # (a boundary with entries about is the rare state a refusal needs: each
+                # guard that refuses some call here, and has refused none yet this run, its
+                # first such call, without draws: a refused call changes nothing, so the
+                # examples replay alike; and often one call for each such guard, drawn)
+                for action, calls in self.hit_calls(l):
+                    for guard in sorted(g for g in calls
+                                        if g is not None and not Stats.rejected[action, g]):
+                        assert self.apply(action, *calls[guard][0]).rejected == guard
                 if coin(data, "each refusal first"):
                     for action, calls in self.hit_calls(l):
                         for guard in sorted(g for g in calls if g is not None):
                             args = pick(data, calls[guard], "src, dst, n")
                             assert self.apply(action, *args).rejected == guard, args
+                # (once an example, the lane takes the entry over itself, as the policy does
+                # only when the entry is the last reusable block: a state the flows seldom
+                # reach; more often would leave later turns fewer entries to hit)
+                adopt = [] if self.adopted else self.grow_adopt_calls(l).get(None)
+                if adopt and num(data, 0, 3, "take the entry over (0)") == 0:
+                    self.adopted = True
+                    assert self.apply("grow_adopt", *pick(data, adopt, "src, n")).rejected is None
                 for _ in range(num(data, 0, 2, "drawn grow_hit calls first")):
                     if life.needs_block(l):  # (until one is accepted)
                         self.drawn_hit_past_first_block(data, l)
-                if life.needs_block(l) and not self.grow_by_policy(data):
-                    return False  # no block until a copy lands or a drain ends
-                continue
-            if num(data, 0, 3, "a drawn grow_hit mid-block (0)") == 0:
+            elif num(data, 0, 3, "a drawn grow_hit mid-block (0)") == 0:
                 self.drawn_hit_past_first_block(data, l)  # tail_full
-            self.apply("prefill", l, data.draw(tokens, label="tok"))
-            # hybrid: a snapshot at each boundary of the prompt, as the policy takes them
-            # (a skipped one leaves the entries the turn is cached into without snapshots
-            # past it: the next turn's hit stops there)
-            if self.policy.snapshot(self.s, l) and num(data, 0, 7, "skip (0)"):
-                assert self.apply("snapshot", l).rejected is None
-        for _ in range(pick(data, (0, 1, c.S, c.T * c.S), "tokens")):
-            if not life.decoding(l) or life.lane[l] != r:
-                break
-            self.grow_by_policy(data)
-            if self.decode_by_policy(self.decode_tokens(data), data).rejected is not None:
-                break  # the table is full, or no padding target until a copy lands
-        if life.lane[l] != r or not life.decoding(l):
-            return False  # preempted to make room (or still prefilling: no block)
-        assert self.apply("finish", l, True).rejected is None
-        return True
+
+        l = self.prefill_request(data, r, drawn_calls)
+        if l is None:
+            return False
+        return self.decode_request(data, r, l, pick(data, (0, 1, c.S, c.T * c.S), "tokens"))
+
+    # a fixed scene at an example's start --------------------------------------------
+    def adopt_scene_depth(self) -> int | None:
+        """The boundary (in blocks, j) at which `adopt_scene` can leave a lane's hit source
+        the only reusable block, or None where it cannot: the lane holds j blocks, the
+        other lanes at most T each, so j >= K' - 1 - (B - 1) * T (K' the blocks but the
+        reserved scratch); j < T; and the lane's prompt (j * S + C + 1 tokens) fits."""
+        c = self.c
+        if not c.PREFIX or c.HYBRID or c.T < 2:
+            return None
+        j = max(1, c.K - c.RESERVED - 1 - (c.B - 1) * c.T)
+        return j if j < c.T and j * c.S + c.C + 1 < c.T * c.S else None
+
+    def adopt_scene(self) -> None:
+        """From the initial state, where the configuration allows it (`adopt_scene_depth`,
+        else `admit_adopt_scene`; `setup` draws whether to): the policy takes a hit's
+        source over (`grow_adopt`), a
+        situation the flows seldom reach (the scheduler's steps run every lane, so lanes
+        finish and free blocks, and the conversations' later entries are evicted, before a
+        turn's lane needs its source). A conversation of j blocks and a chunk is served
+        into the cache; the same prompt and a token more is computed up to its j-th
+        boundary, in the conversation's own first blocks (the entry there dropped, the
+        next ones grown into, so that only the entry at the boundary is left); the other
+        lanes take every other block (decoding, room left in their tails); then one step
+        of the real scheduler, whose only choice is to take that entry over. The example
+        goes on from there."""
+        life, c = self.life, self.c
+        j = self.adopt_scene_depth()
+        if j is None:
+            self.admit_adopt_scene()
+            return
+        assert self.next_id == 0, "from the initial state only"
+        Stats.events[ADOPT_SCENE] += 1
+        p = tuple(ALPHABET[i % len(ALPHABET)] for i in range(j * c.S + c.C))
+        conversation = self.scene_request(0, p, len(p))
+        assert self.apply("finish", 0, True).rejected is None
+        assert self.apply("discard", conversation[0]).rejected is None
+        self.scene_request(0, (*p, ALPHABET[0]), j * c.S, conversation[:j])
+        self.scene_fillers()
+        src = conversation[j]
+        assert [b for b in range(c.K) if life.reusable(b)] == [src], life.owner
+        before = Stats.applied["grow_adopt"]
+        self.scheduler_step()
+        assert Stats.applied["grow_adopt"] == before + 1 and src in life.tables[0], (
+            life.tables)
+
+    def admit_adopt_scene(self) -> None:
+        """`adopt_scene` at admission, where the lanes but one can hold every block but
+        one (K' - 1 <= (B - 1) * T; with T = 1 at the capacity rule): the conversation is
+        one chunk, cached; the other lanes take every other block; a request
+        with its first chunk waits; one step of the real scheduler, whose only choice is to
+        admit it by taking the entry over (`admit_adopt`)."""
+        life, c = self.life, self.c
+        # (not with preemption: there the step may preempt a lane for a decode call's
+        # padding target, none being reusable, before it admits)
+        if (not c.PREFIX or c.HYBRID or c.PREEMPT or c.K - c.RESERVED - 1 > (c.B - 1) * c.T
+                or c.C + 1 >= c.T * c.S):
+            return
+        assert self.next_id == 0, "from the initial state only"
+        Stats.events[ADOPT_SCENE] += 1
+        p = tuple(ALPHABET[i % len(ALPHABET)] for i in range(c.C))
+        (src,) = self.scene_request(0, p, len(p))
+        assert self.apply("finish", 0, True).rejected is None
+        self.scene_fillers()
+        assert self.apply("submit", self.next_id, seq((*p[:c.C], ALPHABET[2]))).rejected is None
+        self.next_id += 1
+        assert [b for b in range(c.K) if life.reusable(b)] == [src], life.owner
+        before = Stats.applied["admit_adopt"]
+        self.scheduler_step()
+        assert Stats.applied["admit_adopt"] == before + 1 and life.tables[0][:1] == [src], (
+            life.tables)
+
+    def scene_fillers(self) -> None:
+        """Lanes 1.. take every free block, T at most each, decoding with room left in
+        their tails (none needs a block; a prompt no entry's first chunk matches)."""
+        life, c = self.life, self.c
+        free = [b for b in range(c.K) if life.owner[b] == "FREE"]
+        for l in range(1, c.B):
+            m = min(c.T, len(free))
+            if m:
+                self.scene_request(l, (ALPHABET[1],) * ((m - 1) * c.S + 1), (m - 1) * c.S + 1,
+                                   free[:m])
+                free = free[m:]
+
+    def scene_request(self, l: int, p: tuple[int, ...], upto: int,
+                      blocks: list[int] | None = None) -> list[int]:
+        """A new request with prompt p admitted (a miss) into idle lane l and computed up
+        to `upto` tokens, into `blocks` (else free ones) in order: lane l's table."""
+        life, c = self.life, self.c
+        r = self.next_id
+        self.next_id += 1
+        todo = list(blocks) if blocks is not None else [
+            b for b in range(c.K) if life.owner[b] == "FREE"]
+        assert self.apply("submit", r, seq(p)).rejected is None
+        assert self.apply("admit_miss", l, r, todo.pop(0)).rejected is None
+        while life.length[l] < upto:
+            if life.tail_full(l):
+                assert self.apply("grow", l, todo.pop(0)).rejected is None
+            assert self.apply("prefill", l, ALPHABET[0]).rejected is None
+        return list(life.tables[l])
 
     def drawn_hit_past_first_block(self, data: Any, lane: int | None = None) -> None:
         """A drawn grow_hit (`drawn_grow_hit`), with the host tier often a drawn

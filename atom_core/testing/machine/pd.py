@@ -48,14 +48,14 @@ class PDRules:
     def pd_step(self, data: Any, feed: bool) -> bool:
         """One PD step, whichever the draw picks among the possible ones: import a waiting
         request (the policy's lane and block; with PREEMPT, refused while another importing
-        table grows), grow an importing lane's table toward its prompt's end (`import_grow`,
-        as the adapter does before it asks for the KV; with PREEMPT, preempting computing
-        lanes for its blocks), export a prefilled lane (every block of its table), deliver
-        an import (the whole prompt, or a payload `covers_prompt` rejects; refused while
-        the table is short), end an export, fail a transfer, cancel one (abort or failure
-        of its lane: every block drains) or end a drain (every block draining for the
-        request). feed: also submit, complete a copy or prefill (growing first, as the
-        adapter does). False if none is possible."""
+        table grows), grow an importing lane's table toward its prompt's end (a scheduler
+        step: its growth takes `import_grow` before it asks for the KV; with PREEMPT,
+        preempting computing lanes for its blocks), export a prefilled lane (every block of
+        its table), deliver an import (the whole prompt, or a payload `covers_prompt`
+        rejects; refused while the table is short), end an export, fail a transfer, cancel
+        one (abort or failure of its lane: every block drains) or end a drain (every block
+        draining for the request). feed: also submit, complete a copy or take a scheduler
+        step (it grows, admits, prefills or decodes). False if none is possible."""
         life, c, s = self.life, self.c, self.s
         prefilled = [l for l in range(c.B) if life.prefilled(l)]
         prefilling = [l for l, r in enumerate(life.lane)
@@ -75,7 +75,7 @@ class PDRules:
         moves += ["transfer_end", "late"] if life.draining else []
         if feed:
             moves += ["submit"] if not self.waiting() else []
-            moves += ["prefill"] if prefilling else []
+            moves += ["step"] if prefilling or self.waiting() and None in life.lane else []
         if not moves:
             return False
         move = pick(data, moves, "pd move")
@@ -99,14 +99,15 @@ class PDRules:
                 assert self.apply("admit_import", l, r, b).rejected == "dst_reusable"
             assert self.apply("admit_import", l, r, dst).rejected is None
             if life.needs_import_block(l) and coin(data, "grow now"):  # (else a later step)
-                return self.import_grow_by_policy(data, l)
+                return self.scheduler_step(data)
         elif move == "import_grow":  # often a refused call first, and one more after
             l = pick(data, short, "lane")
             if coin(data, "refused first"):
                 self.refuse_short_import(data, l)
-            if not self.import_grow_by_policy(data, l):
-                return False
-            if num(data, 0, 2, "once more (0)") == 0:  # its table covers the prompt now
+            if not self.scheduler_step(data) or life.needs_import_block(l):
+                return False  # (no block for it yet: a copy or a drain runs)
+            if num(data, 0, 2, "once more (0)") == 0 and life.importing(l):
+                # its table covers the prompt now
                 dst = self.policy.reusable(self.s)
                 assert self.apply("import_grow", l, 0 if dst is None else dst).rejected \
                     == "table_short_of_prompt"
@@ -149,11 +150,8 @@ class PDRules:
             self.new_request(data, short=num(data, 0, 3, "any length (0)") == 0)
         elif any(self.s.copying[l] for l in prefilling):
             self.complete_copy(data, next(l for l in prefilling if self.s.copying[l]))
-        else:
-            l = pick(data, prefilling, "lane")
-            if not self.grow_by_policy() and life.needs_block(l):
-                return False
-            self.apply("prefill", l, data.draw(tokens))
+        elif not self.scheduler_step(data):
+            return False
         return True
 
     def misdirected_transfer_end(self, b: int) -> None:

@@ -249,7 +249,7 @@ class PreemptRules:
         """For each size j: a local request of j blocks' worth of tokens (one token short
         of their end; `boundary`: up to it, so it needs its next block) is admitted into
         an idle lane (a miss: no entry) and prefilled, its table grown by `grow` into the
-        policy's blocks (not `grow_by_policy`: an older importing lane would take them)."""
+        policy's blocks (not a scheduler step: an older importing lane would take them)."""
         life, c = self.life, self.c
         for j in sizes:
             r, l = self.next_id, self.policy.idle_lane(self.s)

@@ -20,6 +20,7 @@ call while lanes decode had no padding target the spec accepts."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -30,13 +31,17 @@ from atom_core._generated import core as committed
 from atom_core._generated import inplace
 from atom_core.policy import prefer_host
 from atom_core.scheduler import (
+    CopyWork,
     CoreRejected,
+    LoadWork,
     PrefillCall,
     Request,
     Scheduler,
+    SnapshotWork,
     StepResult,
+    StoreWork,
 )
-from atom_core.testing.lifecycle import ALPHABET, RUNNING, SNAPSHOT_CAP, Stats
+from atom_core.testing.lifecycle import ALPHABET, LATER_LOAD_FAILED, RUNNING, SNAPSHOT_CAP, Stats
 from atom_core.testing.machine.errors import RefinementViolation
 from atom_core.testing.strategies import num, pick
 
@@ -47,6 +52,8 @@ if TYPE_CHECKING:
 EOS = 0
 # max_new_tokens of the scheduler's requests: they end on EOS or at the table's end
 UNBOUNDED = 10**6
+# A block work's outcome that never comes in the step (`scheduler_step`'s in_flight)
+LEFT_IN_FLIGHT = "left in flight"
 
 
 @attrs.frozen
@@ -113,6 +120,7 @@ class MachineScheduler(Scheduler):
         super().__init__(config, policy=machine.policy, keep_ended=None)
         self.machine = machine
         self.preempted_now: list[int] = []  # lanes preempted in the step in progress
+        self.freed_late = False  # a lane freed in the step in progress since its last admission
         self.remote: dict[int, bool] = {}  # request -> imported (PD, decided at first sight)
         self.export: dict[int, bool] = {}  # request -> exported after its prefill
         self.limit: dict[int, int] = {}  # request -> its max_new_tokens
@@ -156,6 +164,10 @@ class MachineScheduler(Scheduler):
         if action == "preempt":
             self.preempted_now.append(args["l"])
             self.remote[pre.lane_req[args["l"]]] = False  # (it resumes locally)
+        if action.startswith("admit_"):
+            self.freed_late = False
+        elif action in ("fail", "finish", "preempt", "export"):
+            self.freed_late = True  # (a lane freed since the step's last admission)
         effects = tuple(map(m.convert, out.effects))
         return committed.Step(inplace.thaw(m.s), effects, None)  # type: ignore[arg-type]
 
@@ -183,6 +195,8 @@ class SchedulerRules:
         only when no hit may fill it; a victim is the policy's, never the oldest lane while
         another may go. Counts what the machine's coverage asks for."""
         data = self._sched.data
+        if action in ("grow", "grow_hit", "grow_adopt", "grow_host_hit", "import_grow"):
+            self.refine_growth(args["l"])
         if action in ("grow", "grow_hit", "grow_adopt", "grow_host_hit"):
             self.refine_scheduled_grow(action, args)
             if data is None:
@@ -208,6 +222,20 @@ class SchedulerRules:
             Stats.events["policy adopts a hit's source"] += 1
         elif action == "finish" and self.life.table_end(args["l"]):
             self.at_table_end(args["l"])  # (refused calls only: the step goes on as it was)
+
+    def refine_growth(self, l: int) -> None:
+        """The scheduler grows lane l: the policy's lanes (`Policy.growth`) are exactly those
+        the lifecycle model says need a block (importing lanes short of their prompt too; with
+        preemption in admission order), and l is the first of them."""
+        life, c = self.life, self.c
+        lanes = self.policy.growth(self.s)
+        need = sorted((x for x in range(c.B)
+                       if life.needs_block(x) or life.needs_import_block(x)),
+                      key=life.admitted.__getitem__)
+        if (sorted(lanes) != sorted(need) or (c.PREEMPT and lanes != need)
+                or not lanes or lanes[0] != l):
+            raise RefinementViolation("grow", f"grows lane {l} of {lanes}, the lifecycle "
+                                      f"model says {need} (oldest first)", self.core, self.s)
 
     def refuse_full_tail_undrawn(self, l: int) -> None:
         """`refuse_full_tail` without draws: lane l's tail is full, so its next prefill
@@ -274,11 +302,16 @@ class SchedulerRules:
         if life.needs_block(victim):
             Stats.events["victim is a lane that waits"] += 1
 
-    def scheduler_step(self, data: Any = None) -> bool:
+    def scheduler_step(self, data: Any = None, in_flight: bool = False,
+                       call: bool = True) -> bool:
         """One step of the real scheduler: its block work and call answered by the draw
         (without data: every work item done, the token `ALPHABET[0]`), checked at the call
-        (`refine_at_call`) and at its end (`refine_at_end`). False if the step changed
-        nothing (nothing to do, or a block to wait for)."""
+        (`refine_at_call`) and at its end (`refine_at_end`). in_flight: a copy, load or store
+        may be left in flight (often with data, always without): the step is abandoned
+        there, the core keeps it in flight, and the machine's other rules end it (or cancel
+        its request) between steps, as the outside world may. call: False abandons the step
+        at its call (its growth and admission only: the call's outcome never comes). False
+        if the step changed nothing (nothing to do, or a block to wait for)."""
         sched = self.scheduler()
         sched.sync()
         for r in sched.waiting:  # new requests: their length, imported or exported (PD)
@@ -295,29 +328,37 @@ class SchedulerRules:
             req.max_new_tokens, req.remote, req.export = (
                 sched.limit[r], sched.remote[r], sched.export[r])
         before = sched.version
-        sched.preempted_now, sched.data = [], data
+        sched.preempted_now, sched.data, sched.freed_late = [], data, False
         called = False
         try:
             out = sched.schedule()
             while not out.done:
                 if out.work:
-                    out = sched.update(StepResult(work=tuple(
-                        self.work_outcome(data, w) for w in out.work)))
+                    outcomes = tuple(self.work_outcome(data, w, in_flight) for w in out.work)
+                    if LEFT_IN_FLIGHT in outcomes:
+                        sched.abandon()
+                        Stats.events["scheduler's work left in flight"] += 1
+                        self.refuse_hit_in_flight()
+                        return True
+                    out = sched.update(StepResult(work=outcomes))
                     continue
                 assert out.call is not None
                 self.refine_at_call()
                 self.refuse_idle_preempt(data)
                 self.refuse_early_grow()
+                if not call:
+                    sched.abandon()
+                    return sched.version != before
                 called = True
-                out = sched.update(self.call_outcome(data, out.call))
+                out = sched.update(self.call_outcome(data, out.call, in_flight))
         except RuntimeError as exc:  # (CoreRejected is one, raised by no transition here)
+            sched.abandon()
             assert not isinstance(exc, CoreRejected), exc
             if "no block for lane" not in str(exc):
                 raise
-            if self.quiescent() and self.at_capacity:
-                raise RefinementViolation("grow", str(exc), self.core, self.s) from exc
+            self.refine_no_block(str(exc))
             Stats.events["scheduler waits for a block"] += 1
-            return False
+            return sched.version != before
         finally:
             sched.abandon()  # (a check that failed mid-step: the step ends with it)
         if not called:
@@ -325,23 +366,130 @@ class SchedulerRules:
         Stats.events["scheduler steps"] += 1
         return sched.version != before
 
-    def work_outcome(self, data: Any, work: Any) -> str | None:
-        """A block work's outcome: done (None), or its failure."""
-        if data is None or num(data, 0, 4, "work fails (0)"):
+    def refuse_hit_in_flight(self) -> None:
+        """Once a run, with paged tables and the prefix cache: a prefilling lane whose copy
+        or load the step left in flight is refused a hit past the first block
+        (`no_copy_in_flight`). A refused call: nothing changes."""
+        c, life = self.c, self.life
+        if c.T < 2 or not c.PREFIX or Stats.rejected["grow_hit", "no_copy_in_flight"]:
+            return
+        for ln in range(c.B):
+            if life.prefilling(ln) and life.copying[ln]:
+                out = self.apply("grow_hit", ln, 0, 1 % c.K, c.C)
+                assert out.rejected == "no_copy_in_flight", out.rejected
+                return
+
+    def refine_no_block(self, why: str) -> None:
+        """The scheduler found no block for a lane that needs one, with nothing in flight:
+        the spec accepts none either, and (quiescent, at capacity) the lane may wait only
+        where the spec lets it (an import, for another lane's transfer or a lane at its
+        table's end: `import_may_wait`)."""
+        life, c, s = self.life, self.c, self.s
+        for ln in range(c.B):
+            if life.needs_block(ln):
+                ok = [b for b in range(c.K) if self.core.grow_guard(s, ln, b) is None]
+            elif life.needs_import_block(ln):
+                ok = [b for b in range(c.K) if self.core.import_grow_guard(s, ln, b) is None]
+            else:
+                continue
+            if ok:
+                raise RefinementViolation("grow", f"{why} (the spec accepts {ok} for lane "
+                                          f"{ln})", self.core, s)
+        waits = [ln for ln in range(c.B) if life.needs_import_block(ln)
+                 and self.import_may_wait(ln)]
+        if self.quiescent() and self.at_capacity and not waits:
+            raise RefinementViolation("grow", why, self.core, s)
+
+    def work_outcome(self, data: Any, work: Any, in_flight: bool = False) -> str | None:
+        """A block work's outcome: done (None), its failure, or (in_flight) left in flight
+        (`LEFT_IN_FLIGHT`: often with data, a copy's, load's or store's always without).
+        in_flight (the flows' steps, whose situations need requests that live): a copy
+        rarely fails (a load, a store or a snapshot's fetch as often as the flows' own
+        draws end them). Without data the first load into a later block of a run fails (so
+        that coverage does not hang on the draws)."""
+        if in_flight and isinstance(work, (CopyWork, LoadWork, StoreWork)) and (
+                data is None or num(data, 0, 2, "left in flight (0)") == 0):
+            return LEFT_IN_FLIGHT
+        if data is None:
+            later = (isinstance(work, LoadWork) and len(self.life.tables[work.lane]) > 1
+                     and not Stats.events[LATER_LOAD_FAILED])
+            return "LoadWork failed" if later else None
+        odds = (19 if isinstance(work, CopyWork) else 7 if isinstance(work, SnapshotWork)
+                else 2) if in_flight else 4
+        if num(data, 0, odds, "work fails (0)"):
             return None
         Stats.events[f"{type(work).__name__} failed"] += 1
         return f"{type(work).__name__} failed"
 
-    def call_outcome(self, data: Any, call: Any) -> StepResult:
-        """A call's outcome: its tokens (EOS ends a request), a row's error, or the call's."""
+    def local(self, r: int, limit: int = UNBOUNDED, first: bool = False) -> None:
+        """Waiting request r is served here (not imported, not exported), up to `limit`
+        tokens, whatever the scheduler's steps would draw for it. first: it heads the
+        scheduler's waiting queue (it arrived before the others waiting)."""
+        sched = self.scheduler()
+        sched.limit[r], sched.remote[r], sched.export[r] = limit, False, False
+        if first:
+            sched.sync()
+            sched.waiting.remove(r)
+            sched.waiting.appendleft(r)
+
+    def prefill_request(self, data: Any, r: int,
+                        between: Callable[[int], None] | None = None) -> int | None:
+        """Scheduler steps (`scheduler_step`, work sometimes left in flight) until request r
+        decodes; before each, `between(lane)` once r has a lane (drawn calls at its state), and
+        a copy or load left in flight into it ends (`complete_copy`). r's lane, or None if r
+        did not get there (it ended, or a step changed nothing, or the bound was reached)."""
+        life, c = self.life, self.c
+        for _ in range(4 * c.T * c.S + 2 * c.B):  # (each step admits, grows or prefills)
+            l = life.lane.index(r) if r in life.lane else None
+            if l is None and life.status[r] != "waiting":
+                return None  # ended
+            if l is not None and life.decoding(l):
+                return l
+            if l is not None and between is not None:
+                between(l)
+                if life.lane[l] != r:
+                    continue  # cancelled
+            if l is not None and life.copying[l]:
+                self.complete_copy(data, l)
+                continue
+            if not self.scheduler_step(data, in_flight=True):
+                return None
+        return None
+
+    def decode_request(self, data: Any, r: int, l: int, steps: int) -> bool:
+        """Up to `steps` scheduler steps while r decodes in lane l, then the client finishes
+        it (`Scheduler.finish`: into the cache). False if r no longer decodes there
+        (preempted, or ended by the scheduler)."""
+        life = self.life
+        for _ in range(steps):
+            if life.lane[l] != r or not life.decoding(l):
+                break
+            if not self.scheduler_step(data, in_flight=True):
+                break
+        if life.lane[l] != r or not life.decoding(l):
+            return False
+        self.client_finish(r)
+        return True
+
+    def client_finish(self, r: int) -> None:
+        """The client stops decoding request r (`Scheduler.finish`: into the cache)."""
+        sched = self.scheduler()
+        sched.sync()
+        sched.finish(r)
+
+    def call_outcome(self, data: Any, call: Any, rare: bool = False) -> StepResult:
+        """A call's outcome: its tokens (EOS ends a request), a row's error, or the call's
+        (rare: the flows' steps, whose situations need requests that live)."""
         rows = 1 if isinstance(call, PrefillCall) else len(call.ids)
         if data is None:
             return StepResult(tokens=(ALPHABET[0],) * rows)
-        how = num(data, 0, 9, "call: fails (0), a row fails (1), tokens")
+        how = num(data, 0, 39 if rare else 9, "call: fails (0), a row fails (1), tokens")
         if how == 0:
             Stats.events[f"{type(call).__name__} failed"] += 1
             return StepResult(error="the call failed")
-        toks = tuple(pick(data, (*ALPHABET, EOS), "token") for _ in range(rows))
+        # (rare: EOS one token in ten, so that the flows' requests run on past a block)
+        ends = (*ALPHABET * 3, EOS) if rare else (*ALPHABET, EOS)
+        toks = tuple(pick(data, ends, "token") for _ in range(rows))
         errors: tuple[str | None, ...] = ()
         if how == 1:
             bad = num(data, 0, rows - 1, "row")
@@ -367,7 +515,8 @@ class SchedulerRules:
                                           f"(the spec accepts {ok})", self.core, s)
         sched = self._sched
         head = sched.waiting[0] if sched.waiting else None
-        if (head is not None and not sched.requests[head].remote and None in life.lane
+        if (head is not None and not sched.requests[head].remote and not sched.freed_late
+                and None in life.lane
                 and self.quiescent() and self.at_capacity and self.admission_room()):
             raise RefinementViolation("admission", f"declines a quiescent admission of "
                                       f"{head}", self.core, s)

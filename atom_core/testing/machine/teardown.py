@@ -146,7 +146,9 @@ class TeardownRules:
             r = self.next_id
             self.next_id += 1
             assert self.apply("submit", r, seq(p)).rejected is None
-            assert self.admit_by_policy(r) and life.status[r] == "prefill", r
+            self.local(r)  # the scheduler admits it (a hit's copy left in flight), no call
+            self.scheduler_step(None, in_flight=True, call=False)
+            assert life.status[r] == "prefill", r
         assert self.apply("submit", self.next_id, seq(keys[0] + (ALPHABET[2],))
                           ).rejected is None
         self.next_id += 1
@@ -189,7 +191,7 @@ class TeardownRules:
             self.refuse_short_import(None, l)
             assert self.apply("export", l).rejected == "lane_prefilled"
             assert self.apply("import_grow", l, dst).rejected == "dst_reusable"
-            assert self.import_grow_by_policy(None, l)
+            assert self.scheduler_step() and not life.needs_import_block(l)  # (it grows)
             assert self.apply("import_grow", l, dst).rejected == "table_short_of_prompt"
             if lands:
                 assert self.apply("import_done", r, p, ALPHABET[0]).rejected is None
@@ -208,10 +210,19 @@ class TeardownRules:
             assert self.apply(call, *args).rejected == expect, (call, expect)
 
     def drain(self) -> None:
-        """teardown's scheduler loop, until every request has ended. It never preempts
-        (with preemption, `run_to_completion` ran first; below capacity a preempted lane
-        could be admitted and preempted forever): a lane with no block is cancelled."""
-        life = self.life
+        """teardown's serving loop, until every request has ended, without draws: what ends
+        outside a step first (a drain, a store, a copy or a load: some fail; an import, a
+        quarter cancelled instead, after payloads `covers_prompt` refuses; an export); the
+        clients' own ends (every third waiting request abandoned, a quarter of the running
+        ones aborted or failed, with pd some prefilled ones exported by their prefill
+        worker, decoding ones finished, a third decoded on to their table's end, where the
+        scheduler ends them); else a step of the real scheduler (`scheduler_step`: growth,
+        admission, a prefill chunk or a decode call). Below capacity a lane may get no block:
+        it is cancelled, and so is every lane once the steps pass a bound (with preemption
+        below capacity a preempted lane could be admitted and preempted forever)."""
+        life, c = self.life, self.c
+        bound = 4 * (len(life.status) + 1) * (c.T * c.S + 2) * c.B
+        steps = 0
         while True:
             if life.draining:
                 b = min(life.draining)
@@ -232,12 +243,16 @@ class TeardownRules:
                 l = life.lane.index(r)
                 if not life.covers_prompt(l):
                     # its KV is not asked for before the table covers the prompt (an
-                    # import_done now is refused): it grows, as the adapter does (below
-                    # capacity there may be no block for it: the request is cancelled)
+                    # import_done now is refused): the scheduler grows it (below capacity,
+                    # or with a transfer in flight, there may be no block for it: the request
+                    # is cancelled)
                     if not Stats.events[IMPORT_SHORT]:  # (once a run)
                         self.refuse_short_import(None, l)
-                    if not self.grow_by_policy(preempt=False) and life.needs_import_block(l):
-                        self.apply(("abort_running", "fail")[r % 2], l)
+                    steps += 1
+                    if (steps > bound or not self.scheduler_step()
+                            or life.lane[l] == r and life.needs_import_block(l)):
+                        if life.lane[l] == r:
+                            self.apply(("abort_running", "fail")[r % 2], l)
                     continue
                 if r % 4 == 3:  # a quarter are cancelled mid-import: every block drains
                     self.apply(("abort_running", "fail")[r // 4 % 2], l)
@@ -257,9 +272,8 @@ class TeardownRules:
             elif any(r is not None for r in life.lane):
                 l = next(l for l in range(self.c.B) if life.lane[l] is not None)
                 r = life.lane[l]
-                # the adapter's growth before each call (below capacity there may be no
-                # block for it: the request is cancelled); before it, a prefill and a grow
-                # into a lane's block are refused
+                # before the scheduler's growth, a prefill and a grow into a lane's block
+                # are refused
                 if life.needs_block(l):
                     if life.prefilling(l):
                         assert self.apply("prefill", l, 1).rejected == "chunk_within_block"
@@ -271,34 +285,28 @@ class TeardownRules:
                     dst = self.policy.reusable(self.s)
                     assert self.apply("grow", l, 0 if dst is None else dst
                                       ).rejected == "tail_full"
-                grown = self.grow_by_policy(preempt=False) or not life.needs_block(l)
-                if r % 4 == 3 or not grown:  # a quarter are cancelled: aborted or failed
+                long = r % 3 == 1 or c.T > 1 and not Stats.events[
+                    "decode refused at a full table"]  # (with paged tables once a run)
+                steps += 1
+                if r % 4 == 3 or steps > bound:  # a quarter are cancelled: aborted or failed
                     self.apply(("abort_running", "fail")[r // 4 % 2], l)
                 elif self.pd and life.prefilled(l) and r % 2:
                     self.apply("export", l)  # a prefill worker's: sent (every block)
-                elif life.decoding(l) and (r % 3 == 1 or self.c.T > 1 and not Stats.events[
-                        "decode refused at a full table"]) and self.decode_by_policy(
-                        tuple(ALPHABET[:1]) * self.c.B, preempt=False).rejected is None:
-                    # a long answer: decoded to the table end (then refused); with paged
-                    # tables at least once per run, so a full table is always reached
-                    pass
-                elif life.table_end(l) and (r % 3 == 1 or not Stats.rejected[
-                        "grow", "table_not_full"]):  # no next block there (once a run)
-                    dst = self.policy.reusable(self.s)
-                    assert self.apply("grow", l, 0 if dst is None else dst
-                                      ).rejected == "table_not_full"
-                    self.apply("finish", l, self.c.PREFIX)
-                elif life.decoding(l):
-                    self.apply("finish", l, self.c.PREFIX)
-                else:  # the next chunk (a snapshot at a boundary, as the policy takes them)
-                    self.apply("prefill", l, ALPHABET[r % len(ALPHABET)])
-                    if self.policy.snapshot(self.s, l):
-                        self.apply("snapshot", l)
+                elif life.table_end(l):  # (a drawn decode's: the scheduler ends one there)
+                    self.at_table_end(l)
+                    self.apply("finish", l, c.PREFIX)
+                elif life.decoding(l) and not long:
+                    self.client_finish(r)
+                elif not self.scheduler_step():  # a long answer decodes to its table's end
+                    need = [x for x in range(c.B) if life.needs_block(x)] or [l]
+                    x = need[0]  # no block for it (below capacity): cancelled
+                    self.apply(("abort_running", "fail")[life.lane[x] // 4 % 2], x)
             elif self.waiting():
                 r = self.waiting()[0]
-                # every third is abandoned; the others are admitted, unless the policy
-                # declines (only below capacity)
-                if r % 3 == 2 or not self.admit_by_policy(r):
+                # every third is abandoned; the others are admitted by the scheduler, unless
+                # it declines (only below capacity)
+                steps += 1
+                if r % 3 == 2 or steps > bound or not self.scheduler_step():
                     self.apply("abort_waiting", r)
             else:
                 break
