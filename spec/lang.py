@@ -729,28 +729,6 @@ def _constant_condition(cond: Any, what: str) -> Expr:
     return e
 
 
-def _children(x: Any) -> list[Any]:
-    if isinstance(x, App):
-        return list(x.args)
-    if isinstance(x, Ite):
-        return [x.cond, x.then, x.other]
-    if isinstance(x, Not):
-        return [x.arg]
-    if isinstance(x, (And, Or)):
-        return list(x.args)
-    if isinstance(x, Implies):
-        return [x.hyp, x.concl]
-    if isinstance(x, (Eq, Arith, Cmp)):
-        return [x.lhs, x.rhs]
-    if isinstance(x, Quant):
-        return [x.body]
-    if isinstance(x, Count):
-        return [x.cond]
-    if isinstance(x, Enabled):
-        return list(x.bindings.values())
-    return []
-
-
 def show(e: Expr) -> str:
     """A condition over constants as the spec writes it (`PREFIX & (T > 1)`), for messages."""
     if isinstance(e, Const):
@@ -781,7 +759,7 @@ def reads_only_constants(e: Expr) -> bool:
         if isinstance(x, (Var, Enabled, Quant, Count)) or (
                 isinstance(x, App) and not isinstance(x.fn, Op)):
             return False
-        stack.extend(_children(x))
+        stack.extend(children(x))
     return True
 
 

@@ -39,8 +39,12 @@ For speed (the core is on the serving hot path) the generator
 
 The package: `printer` (the pretty printer of the generated code), `analysis` (expression
 walking, `Analysis`, the sharing key of subterms), `body` (`Body`: one generated function's
-statements and expressions), `pure` (`Generator`, core.py), `inplace` (`InplaceGenerator`,
-inplace.py) and `choices` (`ChoicesGenerator`, choices.py); this module holds the entry points.
+statements and expressions), `base` (`GeneratorBase`: validation, layouts, shared helpers),
+`guards` (the read-only functions and guard compilation), `actions` (the pure actions),
+`checkers` (the checkers and `describe_state`), `pure` (`Generator`, core.py, built on those),
+`indexes` and `writes` (the in-place core's maintained indexes and actions), `inplace`
+(`InplaceGenerator`, inplace.py) and `choices` (`ChoicesGenerator`, choices.py); this module
+holds the entry points.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ from pathlib import Path
 from types import ModuleType
 
 from atom_core.spec.codegen.analysis import GenerationError, modifies, reads_param
+from atom_core.spec.codegen.base import HEADER
 from atom_core.spec.codegen.choices import ChoicesGenerator
 from atom_core.spec.codegen.inplace import InplaceGenerator
-from atom_core.spec.codegen.pure import HEADER, Generator
+from atom_core.spec.codegen.pure import Generator
 from atom_core.spec.lang import TRUE, Model, show
 
 __all__ = ["ChoicesGenerator", "GenerationError", "Generator", "InplaceGenerator", "check",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 
 from atom_core.spec.codegen.analysis import GenerationError
+from atom_core.spec.codegen.base import HEADER, py_type
 from atom_core.spec.codegen.printer import SPACE, bracket, dict_doc, join, render, tuple_doc
-from atom_core.spec.codegen.pure import HEADER, py_type
 from atom_core.spec.lang import Action, Model
 
 # names the module defines or imports besides the records
