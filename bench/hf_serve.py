@@ -18,6 +18,14 @@ ITL p50 (over every round's requests), and the server's CPU per output token (us
 of the server's process tree, /proc): the median over `--rounds` rounds with the range, and the
 ratios atom-core / vLLM of the medians. The two servers' tokens are compared request by request
 (float32: rounding may part them at a near-tie; reported, not asserted).
+
+Where atom-core's time goes (its /metrics, per level, medians): `engine_cpu_share`, the engine
+thread's CPU inside the batcher's steps over the server's whole CPU (the rest is HTTP, SSE,
+detokenization: what a frontend process of its own could take off the engine's core);
+`engine_busy`, the steps' wall time over the level's (near 1: the engine stepped without a
+pause, so the steps' speed is the throughput); `step_wait`, the steps' wall beyond their CPU
+over their wall (the GIL, or a core another process holds). (The counters take in the
+warm-up request's two steps, the wall does not.)
 """
 
 from __future__ import annotations
@@ -108,6 +116,21 @@ def wait_ready(proc: subprocess.Popen[bytes], port: int, kind: str, limit: float
     raise SystemExit(f"the {kind} server was not ready after {limit:.0f} s")
 
 
+def engine_counters(port: int) -> tuple[float, float]:
+    """atom-core's (CPU seconds, wall seconds) inside the batcher's steps so far (/metrics)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics",
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    got = [re.search(rf"^{name} (\S+)$", text, re.M) for name in
+           ("atom_engine_step_cpu_seconds_total", "atom_engine_step_seconds_total")]
+    if got[0] is None or got[1] is None:
+        raise SystemExit("the atom-core server reports no atom_engine_step_* counters")
+    return float(got[0].group(1)), float(got[1].group(1))
+
+
 def tree_cpu(pid: int) -> float:
     """User + system CPU seconds of a process and its live descendants (Linux /proc)."""
     total, todo = 0.0, [pid]
@@ -174,6 +197,16 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
+def engine_share(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """atom-core's engine against its whole server (module docstring), medians over rounds."""
+    def med(xs: list[float]) -> float:
+        return round(statistics.median(xs), 3)
+
+    return {"engine_cpu_share": med([r["step_cpu"] / r["cpu"] for r in runs]),
+            "engine_busy": med([r["step_wall"] / r["wall"] for r in runs]),
+            "step_wait": med([1 - r["step_cpu"] / r["step_wall"] for r in runs])}
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     tps = [r["n_tokens"] / r["wall"] for r in runs]
     cpu = [r["cpu"] / r["n_tokens"] * 1e3 for r in runs]
@@ -211,9 +244,13 @@ def run(rounds: int, levels: dict[int, int], vllm_py: Path = VLLM_PY) -> dict[st
                     toks = {}
                     for k in order:
                         proc, port = servers[k]
+                        e0 = engine_counters(port) if k == "atom" else (0.0, 0.0)
                         c0 = tree_cpu(proc.pid)
                         r = asyncio.run(run_level(port, prompts, c))
                         r["cpu"] = tree_cpu(proc.pid) - c0
+                        if k == "atom":
+                            e1 = engine_counters(port)
+                            r["step_cpu"], r["step_wall"] = e1[0] - e0[0], e1[1] - e0[1]
                         toks[k] = r.pop("tokens")
                         r["n_tokens"] = sum(len(v) for v in toks[k].values())
                         runs.setdefault((c, k), []).append(r)
@@ -234,6 +271,7 @@ def run(rounds: int, levels: dict[int, int], vllm_py: Path = VLLM_PY) -> dict[st
         table.append({
             "concurrency": c, "requests": n, "atom": a, "vllm": v,
             "requests_with_equal_tokens": same[c],
+            "atom_engine": engine_share(runs[c, "atom"]),
             "ratio_atom_over_vllm": {
                 "tokens_per_s": round(a["tokens_per_s"] / v["tokens_per_s"], 2),
                 "cpu_per_token": round(a["cpu_ms_per_token"] / v["cpu_ms_per_token"], 2),
@@ -262,6 +300,10 @@ def print_report(r: dict[str, Any]) -> None:
         print(f"    atom/vLLM: tokens/s {q['tokens_per_s']}x, CPU/token {q['cpu_per_token']}x, "
               f"TTFT p99 {q['ttft_p99']}x, ITL p50 {q['itl_p50']}x; requests with equal "
               f"tokens per round {row['requests_with_equal_tokens']}/{row['requests']}")
+        e = row["atom_engine"]
+        print(f"    atom's engine: {e['engine_cpu_share']:.0%} of its server's CPU, busy "
+              f"{e['engine_busy']:.0%} of the wall, its steps waiting {e['step_wait']:.0%} "
+              "of theirs")
     print(f"  ({r['seconds']} s)")
 
 

@@ -386,6 +386,8 @@ def test_metrics_parse_and_match_what_was_served():
         # the engine's steps and its CPU inside them (what bench.serve sets the rest against)
         assert value["atom_engine_steps_total"] == s.engine.steps > 0
         assert 0 < value["atom_engine_step_cpu_seconds_total"] == s.engine.step_cpu
+        # (their wall time holds their CPU time; the rest is waiting: the GIL, a core)
+        assert value["atom_engine_step_seconds_total"] == s.engine.step_wall >= s.engine.step_cpu
         blocks = {smp.labels["owner"]: smp.value for smp in fams["atom_kv_blocks"].samples}
         assert sum(blocks.values()) == s.cfg.kv_blocks and blocks["lane"] == 0
 

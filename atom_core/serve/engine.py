@@ -77,6 +77,9 @@ class Engine:
         # CPU seconds of the engine thread inside `batcher.step` (the batcher's and the model's
         # own work): the rest of the process's CPU is what serving costs on top of it
         self.step_cpu = 0.0
+        # wall seconds inside `batcher.step`: beyond step_cpu, the step waited (for the GIL,
+        # which the server's event loop holds between the runtime's kernels, or for a core)
+        self.step_wall = 0.0
 
     # ------------------------------------------------------------------ client side
     def start(self) -> None:
@@ -136,9 +139,12 @@ class Engine:
                 # for the step's, they waited a whole step (a prefill chunk, a slow decode)
                 self._flush()
                 if self.batcher.busy():
+                    # (the wall span holds the CPU span: step_wall >= step_cpu)
+                    w0 = time.perf_counter()
                     c0 = time.thread_time()
                     events = self.batcher.step()
                     self.step_cpu += time.thread_time() - c0
+                    self.step_wall += time.perf_counter() - w0
                     self.steps += 1
                     for ev in events:
                         self._deliver(ev)

@@ -109,6 +109,10 @@ class _BatcherCollector(Collector):
         yield CounterMetricFamily("atom_engine_step_cpu_seconds",
                                   "CPU time of the engine thread inside the batcher's steps",
                                   value=self.engine.step_cpu)
+        yield CounterMetricFamily("atom_engine_step_seconds",
+                                  "wall time of the batcher's steps (beyond their CPU time: "
+                                  "waits for the GIL or a core)",
+                                  value=self.engine.step_wall)
 
 
 class LoopHistogram(Collector):
