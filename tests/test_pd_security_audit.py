@@ -255,7 +255,7 @@ def test_a_secure_link_set_takes_no_plain_link(links_type: type) -> None:
         links.add(0, plain)
     assert links.links == {}
     # why it matters: the worker trusts the set's `secure` and wraps nothing around it
-    assert workers._secure(links, KEY, "prefill", None, None, True)[0] is links  # type: ignore
+    assert workers._secure(links, KEY, "prefill", None, None, None, True)[0] is links  # type: ignore
     d, p, _, _ = pair()
     establish_pair(d, p)
     links.add(0, d if links_type is PrefillLinks else p)  # a SecureLink is taken
