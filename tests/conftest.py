@@ -1,4 +1,5 @@
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
@@ -44,3 +45,14 @@ def fresh_z3():
     z3.z3._main_ctx = None
     encode.reset_names()
     yield
+
+
+@pytest.fixture
+def scratch_registry() -> Iterator[None]:
+    """The runtime registry's registrations made by a test are undone after it."""
+    from atom_core.runtime import registry
+
+    before = dict(registry.KINDS)
+    yield
+    registry.KINDS.clear()
+    registry.KINDS.update(before)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,15 +15,6 @@ from atom_core.runtime.registry import RuntimeKind, RuntimeRequest, UnknownRunti
 from atom_core.serve import runtimes as serve_runtimes
 
 CFG = Config(lanes=2, kv_blocks=4, max_seq_len=128, block_size=128, prefill_chunk=64)
-
-
-@pytest.fixture
-def scratch_registry() -> Iterator[None]:
-    """Registrations made by the test are undone after it."""
-    before = dict(registry.KINDS)
-    yield
-    registry.KINDS.clear()
-    registry.KINDS.update(before)
 
 
 def test_the_registry_imports_no_torch() -> None:

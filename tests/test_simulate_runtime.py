@@ -6,7 +6,6 @@ ones there are."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -20,15 +19,6 @@ from atom_core.simulate import driver
 from atom_core.simulate.dimensions import batcher_configs
 
 STEPS = 30
-
-
-@pytest.fixture
-def scratch_registry() -> Iterator[None]:
-    """Registrations made by the test are undone after it."""
-    before = dict(registry.KINDS)
-    yield
-    registry.KINDS.clear()
-    registry.KINDS.update(before)
 
 
 class Loads:

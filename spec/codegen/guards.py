@@ -220,6 +220,17 @@ class GuardEmitter(GeneratorBase):
         b.comment(name)
         self._emit_nodes(b, nodes, fail)
 
+    def _loop_nodes(self, b: Body, q: Quant, name: str, dom: str, pos: bool,
+                    env: dict[int, str]) -> list[Any]:
+        """A loop of `name` over `dom` whose body is `q`'s body as guard nodes (none if the
+        body needs no check)."""
+        inner = dict(env)
+        inner[id(q.var)] = name
+        b.loop_depth += 1
+        body = self._guard_nodes(b, q.body, pos, inner)
+        b.loop_depth -= 1
+        return [("for", name, dom, body)] if body else []
+
     def _guard_nodes(self, b: Body, g: Expr, pos: bool, env: dict[int, str]) -> list[Any]:
         """Statements that fail unless `g` evaluates to `pos`."""
         t = type(g)
@@ -255,13 +266,7 @@ class GuardEmitter(GeneratorBase):
                 name = b.fresh(base_name(g.var), env)
                 if not any(x is g.var for x in self.an.free(g.body)):
                     name = "_" + name
-                dom = b.domain(g.var.sort)
-                inner = dict(env)
-                inner[id(g.var)] = name
-                b.loop_depth += 1
-                body = self._guard_nodes(b, g.body, pos, inner)
-                b.loop_depth -= 1
-                return [("for", name, dom, body)] if body else []
+                return self._loop_nodes(b, g, name, b.domain(g.var.sort), pos, env)
         cond = b.neg(g, env) if pos else b.expr(g, env)
         return [("if", cond, [("fail",)], [])]
 

@@ -184,12 +184,7 @@ class IndexEmitter(Generator):
                 e = render(b.expr(hit[1], env)[0])
                 dom = f"{b.states[False]}.{self._ix_slot(hit[0])}.get(" \
                     f"{self._ix_key(hit[0], e)}, ())"
-                inner = dict(env)
-                inner[id(g.var)] = name
-                b.loop_depth += 1
-                body = self._guard_nodes(b, g.body, pos, inner)
-                b.loop_depth -= 1
-                return [("for", name, dom, body)] if body else []
+                return self._loop_nodes(b, g, name, dom, pos, env)
         return super()._guard_nodes(b, g, pos, env)
 
 

@@ -379,11 +379,10 @@ class SchedulerRules:
                 assert out.rejected == "no_copy_in_flight", out.rejected
                 return
 
-    def refine_no_block(self, why: str) -> None:
-        """The scheduler found no block for a lane that needs one, with nothing in flight:
-        the spec accepts none either, and (quiescent, at capacity) the lane may wait only
-        where the spec lets it (an import, for another lane's transfer or a lane at its
-        table's end: `import_may_wait`)."""
+    def ungrown_lane(self) -> tuple[int, list[int]] | None:
+        """The first lane that needs its next block (a grow, or an importing lane's
+        import_grow) while the spec accepts some block for it, with those blocks; None if
+        there is none."""
         life, c, s = self.life, self.c, self.s
         for ln in range(c.B):
             if life.needs_block(ln):
@@ -393,8 +392,20 @@ class SchedulerRules:
             else:
                 continue
             if ok:
-                raise RefinementViolation("grow", f"{why} (the spec accepts {ok} for lane "
-                                          f"{ln})", self.core, s)
+                return ln, ok
+        return None
+
+    def refine_no_block(self, why: str) -> None:
+        """The scheduler found no block for a lane that needs one, with nothing in flight:
+        the spec accepts none either, and (quiescent, at capacity) the lane may wait only
+        where the spec lets it (an import, for another lane's transfer or a lane at its
+        table's end: `import_may_wait`)."""
+        life, c, s = self.life, self.c, self.s
+        ungrown = self.ungrown_lane()
+        if ungrown is not None:
+            ln, ok = ungrown
+            raise RefinementViolation("grow", f"{why} (the spec accepts {ok} for lane {ln})",
+                                      self.core, s)
         waits = [ln for ln in range(c.B) if life.needs_import_block(ln)
                  and self.import_may_wait(ln)]
         if self.quiescent() and self.at_capacity and not waits:
@@ -502,17 +513,12 @@ class SchedulerRules:
         that needs its next block could have had one the spec accepts; no admission the
         progress rules promise (an idle lane, a waiting local request at the queue's head, at
         capacity, quiescent) was declined."""
-        life, c, s = self.life, self.c, self.s
-        for ln in range(c.B):
-            if life.needs_block(ln):
-                ok = [b for b in range(c.K) if self.core.grow_guard(s, ln, b) is None]
-            elif life.needs_import_block(ln):
-                ok = [b for b in range(c.K) if self.core.import_grow_guard(s, ln, b) is None]
-            else:
-                continue
-            if ok:
-                raise RefinementViolation("grow", f"lane {ln} calls without its next block "
-                                          f"(the spec accepts {ok})", self.core, s)
+        life, s = self.life, self.s
+        ungrown = self.ungrown_lane()
+        if ungrown is not None:
+            ln, ok = ungrown
+            raise RefinementViolation("grow", f"lane {ln} calls without its next block "
+                                      f"(the spec accepts {ok})", self.core, s)
         sched = self._sched
         head = sched.waiting[0] if sched.waiting else None
         if (head is not None and not sched.requests[head].remote and not sched.freed_late
